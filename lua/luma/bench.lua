@@ -1,0 +1,116 @@
+-- luma bench: prefill and decode speed of one model on one backend.
+--   prefill: one forward over a prompt of N tokens (time to first token);
+--   decode: greedy tokens one at a time with C argmax, and optionally with a
+--           Lua sampling chain (penalties, top-k 40, top-p 0.95, temp 0.8);
+--   bandwidth: weight bytes read per decoded token x tokens/s.
+local luma = require "luma"
+
+local M = {}
+
+local TEXT = [[The old lighthouse keeper climbed the spiral stairs every evening, counting the
+steps as his father had taught him. Two hundred and twelve, never more, never less. From
+the lamp room he could see the whole bay: the fishing boats returning, the gulls wheeling
+over the harbour, the slow procession of clouds moving in from the west. ]]
+
+local function peak_rss_mib()
+  local f = io.open("/proc/self/status")
+  if not f then return nil end
+  for line in f:lines() do
+    local kb = line:match("^VmHWM:%s+(%d+)")
+    if kb then f:close(); return tonumber(kb) / 1024 end
+  end
+  f:close()
+end
+
+-- A prompt of exactly n tokens of real text.
+local function prompt_ids(model, n)
+  local ids = model:tokenize(TEXT, { bos = true })
+  local more = model:tokenize(TEXT, { bos = false })
+  while #ids < n do
+    for _, id in ipairs(more) do ids[#ids + 1] = id end
+  end
+  for i = #ids, n + 1, -1 do ids[i] = nil end
+  return ids
+end
+
+local function decode(model, ids, n, policy, rng)
+  local seq = model:sequence()
+  local logits = seq:eval(ids)
+  local state = { model = model, seq = seq, rng = rng, step = 0, prompt_len = #ids }
+  local policy_time = 0
+  local t0 = luma.now()
+  for i = 1, n do
+    local id
+    if policy then
+      state.tokens = seq:tokens()
+      state.step = i - 1
+      local p0 = luma.now()
+      id = policy(logits, state)
+      policy_time = policy_time + (luma.now() - p0)
+    else
+      id = logits:argmax()
+    end
+    logits = seq:eval(id)
+  end
+  local dt = luma.now() - t0
+  seq:close()
+  return dt, policy_time
+end
+
+function M.run(o, load_model)
+  local t0 = luma.now()
+  local model, path = load_model(o)
+  local load_s = luma.now() - t0
+  local info = model.info
+  local reps = math.max(1, o.reps)
+  local rows = {}
+  local function row(name, value, unit) rows[#rows + 1] = { name, value, unit } end
+
+  -- Prefill: the best of reps.
+  local ids = prompt_ids(model, o.prompt)
+  local best = math.huge
+  for _ = 1, reps do
+    local seq = model:sequence()
+    local s0 = luma.now()
+    seq:eval(ids)
+    best = math.min(best, luma.now() - s0)
+    seq:close()
+  end
+  -- Decode after a short prompt.
+  local short = prompt_ids(model, 16)
+  local dec = math.huge
+  for _ = 1, reps do dec = math.min(dec, (decode(model, short, o.gen))) end
+  local tps = o.gen / dec
+
+  row("model", (info.name or info.arch) .. " (" .. path:match("[^/]*$") .. ")", "")
+  row("backend", info.backend .. (info.backend == "cpu" and (", " .. luma.simd() .. ", " ..
+      (o.threads > 0 and o.threads or "all") .. " threads") or ""), "")
+  row("load", string.format("%.2f", load_s), "s")
+  row("prefill " .. o.prompt .. " tokens", string.format("%.1f", o.prompt / best), "tokens/s")
+  row("time to first token (" .. o.prompt .. ")", string.format("%.1f", best * 1000), "ms")
+  row("decode " .. o.gen .. " tokens (argmax)", string.format("%.2f", tps), "tokens/s")
+  row("decode time per token", string.format("%.2f", dec / o.gen * 1000), "ms")
+  row("weights read per token", string.format("%.1f", info.weight_bytes / 1048576), "MiB")
+  row("achieved weight bandwidth", string.format("%.2f", info.weight_bytes * tps / 1e9), "GB/s")
+  if o.policy then
+    local P = require "luma.policy"
+    local chain = P.chain{ P.penalties{ repeat_ = 1.1, last_n = 64 }, P.top_k(40), P.top_p(0.95), P.temperature(0.8) }
+    local pdec, ptime = math.huge, 0
+    for _ = 1, reps do
+      local d, p = decode(model, short, o.gen, chain, luma.rng(1))
+      if d < pdec then pdec, ptime = d, p end
+    end
+    row("decode with Lua policy chain", string.format("%.2f", o.gen / pdec), "tokens/s")
+    row("Lua policy cost per token", string.format("%.1f", ptime / o.gen * 1e6), "us")
+    row("Lua policy share of decode", string.format("%.1f", ptime / pdec * 100), "%")
+  end
+  local rss = peak_rss_mib()
+  if rss then row("peak memory (RSS)", string.format("%.0f", rss), "MiB") end
+
+  print(string.format("%-36s %-28s %s", "measure", "value", "unit"))
+  for _, r in ipairs(rows) do print(string.format("%-36s %-28s %s", r[1], r[2], r[3])) end
+  model:close()
+  return 0
+end
+
+return M

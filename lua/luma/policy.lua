@@ -1,0 +1,119 @@
+-- Policies choose the next token. A policy is a function (logits, state) -> id;
+-- a transform is a function (logits, state) that edits logits in place and
+-- returns nothing. The library's own are built exactly like a user's.
+--
+-- state: { model, seq, tokens (prompt and generated ids), step (0-based),
+--          rng, prompt_len }
+local P = {}
+
+local function check_number(name, v, lo, hi)
+  if type(v) ~= "number" or v ~= v or v < lo or v > hi then
+    error(string.format("%s: expected a number in [%g, %g], got %s", name, lo, hi, tostring(v)), 3)
+  end
+end
+
+function P.greedy()
+  return function(logits) return logits:argmax() end
+end
+
+function P.sample()
+  return function(logits, state) return logits:sample(state.rng) end
+end
+
+function P.temperature(t)
+  check_number("temperature", t, 0, math.huge)
+  return function(logits) logits:temperature(t) end
+end
+
+function P.top_k(k)
+  if math.type(k) ~= "integer" or k < 1 then error("top_k: expected a positive integer", 2) end
+  return function(logits) logits:top_k(k) end
+end
+
+function P.top_p(p, min_keep)
+  check_number("top_p", p, 0, 1)
+  return function(logits) logits:top_p(p, min_keep or 1) end
+end
+
+function P.min_p(p, min_keep)
+  check_number("min_p", p, 0, 1)
+  return function(logits) logits:min_p(p, min_keep or 1) end
+end
+
+function P.typical(p, min_keep)
+  check_number("typical", p, 0, 1)
+  return function(logits) logits:typical(p, min_keep or 1) end
+end
+
+-- P.penalties{ repeat_ = 1.1, frequency = 0, presence = 0, last_n = 64 }
+function P.penalties(o)
+  o = o or {}
+  local opts = { repeat_ = o.repeat_ or 1.0, frequency = o.frequency or 0.0,
+                 presence = o.presence or 0.0, last_n = o.last_n or 64 }
+  return function(logits, state) logits:penalize(state.tokens, opts) end
+end
+
+-- P.bias{ [id] = value, ... }: -math.huge bans a token
+function P.bias(tbl)
+  if type(tbl) ~= "table" then error("bias: expected a table {[id] = value}", 2) end
+  return function(logits) logits:bias(tbl) end
+end
+
+-- P.chain{ t1, t2, ..., [chooser] }: runs each function in order; the first
+-- that returns a token id ends the chain. Without one, it samples.
+function P.chain(list)
+  if type(list) ~= "table" then error("chain: expected a list of functions", 2) end
+  for i, f in ipairs(list) do
+    if type(f) ~= "function" then error("chain: element " .. i .. " is not a function", 2) end
+  end
+  local n = #list
+  return function(logits, state)
+    for i = 1, n do
+      local id = list[i](logits, state)
+      if id ~= nil then return id end
+    end
+    return logits:sample(state.rng)
+  end
+end
+
+-- Mirostat 2.0 (Basu et al. 2021): keeps the surprise of sampled tokens
+-- near tau by truncating tokens more surprising than mu, then moving mu.
+-- P.mirostat{ tau = 5.0, eta = 0.1 }
+function P.mirostat(o)
+  o = o or {}
+  local tau, eta = o.tau or 5.0, o.eta or 0.1
+  check_number("mirostat tau", tau, 0, math.huge)
+  check_number("mirostat eta", eta, 0, math.huge)
+  local mu = 2 * tau
+  local ln2 = math.log(2)
+  return function(logits, state)
+    if state.step == 0 then mu = 2 * tau end
+    logits:log_softmax()
+    local best = logits:argmax()
+    -- Keep tokens whose surprise -log2 p is at most mu: p >= 2^-mu.
+    local rel = 2 ^ -mu / math.exp(logits[best])
+    if rel < 1 then logits:min_p(rel) else logits:top_k(1) end
+    logits:log_softmax()
+    local id = logits:sample(state.rng)
+    local surprise = -logits[id] / ln2
+    mu = mu - eta * (surprise - tau)
+    return id
+  end
+end
+
+-- The usual sampling chain from plain options (used by luma generate):
+-- { temp = 0.8, top_k = 40, top_p = 0.95, min_p = 0.05, repeat_ = 1.1 }.
+-- temp = 0 is greedy.
+function P.from_options(o)
+  o = o or {}
+  if o.temp == 0 then return P.greedy() end
+  local list = {}
+  if o.repeat_ and o.repeat_ ~= 1 then list[#list + 1] = P.penalties{ repeat_ = o.repeat_, last_n = o.last_n } end
+  if o.top_k and o.top_k > 0 then list[#list + 1] = P.top_k(o.top_k) end
+  if o.top_p and o.top_p < 1 then list[#list + 1] = P.top_p(o.top_p) end
+  if o.min_p and o.min_p > 0 then list[#list + 1] = P.min_p(o.min_p) end
+  list[#list + 1] = P.temperature(o.temp or 0.8)
+  return P.chain(list)
+end
+
+return P

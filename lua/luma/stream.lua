@@ -1,0 +1,147 @@
+-- luma.stream(model, prompt, opts): an iterator over (piece, id) of a
+-- generation. Nothing runs between iterations: each call evaluates one token,
+-- so the loop can pause, run in a coroutine, or stop early (breaking out of a
+-- generic for closes the sequence it made).
+--
+-- opts: policy (default: sampling with temp 0.8, top-k 40, top-p 0.95),
+--       stop (list of conditions; default { S.eog() }), max_tokens (256),
+--       seed, special (parse special tokens in the prompt, default true),
+--       seq (continue this sequence instead of making a new one),
+--       on_token(piece, id, state), stats (a table filled in place).
+local luma = require "luma"
+local P = require "luma.policy"
+local S = require "luma.stop"
+
+-- Bytes at the end of s that do not yet form a complete UTF-8 character.
+local function incomplete_tail(s)
+  local n = #s
+  for back = 0, math.min(3, n - 1) do
+    local b = s:byte(n - back)
+    if b < 0x80 then return 0 end
+    if b >= 0xC0 then
+      local need = b >= 0xF0 and 4 or b >= 0xE0 and 3 or 2
+      return back + 1 < need and back + 1 or 0
+    end
+  end
+  return 0
+end
+
+local function stream(model, prompt, opts)
+  opts = opts or {}
+  if type(opts) ~= "table" then error("stream: opts must be a table", 2) end
+  local policy = opts.policy or P.from_options{ temp = 0.8, top_k = 40, top_p = 0.95 }
+  if type(policy) ~= "function" then error("stream: policy must be a function (logits, state) -> id", 2) end
+  local stops = opts.stop or { S.eog() }
+  if type(stops) == "function" or (type(stops) == "table" and stops.check) then stops = { stops } end
+  for i, c in ipairs(stops) do
+    if type(c) ~= "function" and not (type(c) == "table" and type(c.check) == "function") then
+      error("stream: stop condition " .. i .. " is not a function", 2)
+    end
+  end
+  local max_tokens = opts.max_tokens or 256
+  if math.type(max_tokens) ~= "integer" or max_tokens < 0 then
+    error("stream: max_tokens must be a non-negative integer", 2)
+  end
+  local seq = opts.seq
+  local own_seq = seq == nil
+  local ids
+  if type(prompt) == "string" then
+    local fresh = seq == nil or seq:len() == 0
+    ids = model:tokenize(prompt, { bos = fresh, special = opts.special ~= false })
+  elseif type(prompt) == "table" then
+    ids = prompt
+  else
+    error("stream: prompt must be a string or a list of token ids", 2)
+  end
+  if #ids == 0 then error("stream: the prompt has no tokens", 2) end
+
+  local stats = opts.stats or {}
+  stats.prompt_tokens, stats.tokens = #ids, 0
+  local state = { model = model, rng = luma.rng(opts.seed or os.time()), step = 0,
+                  prompt_len = #ids, text = "" }
+  local text, emitted = "", 0
+  local done, last_id = false, nil
+  local t0 = luma.now()
+
+  local function finish(reason)
+    done = true
+    stats.stop = stats.stop or reason
+    stats.time = luma.now() - t0
+    local decode = stats.time - (stats.ttft or 0)
+    stats.tokens_per_s = stats.tokens > 1 and decode > 0 and (stats.tokens - 1) / decode or nil
+    if own_seq and seq then seq:close() end
+  end
+
+  local function step()
+    if done then return nil end
+    if max_tokens == 0 then finish("max_tokens"); return nil end
+    local logits
+    if not seq then
+      seq = model:sequence()
+      state.seq = seq
+    end
+    state.seq = seq
+    if last_id == nil then
+      logits = seq:eval(ids)
+      stats.ttft = luma.now() - t0
+    else
+      logits = seq:eval(last_id)
+    end
+    state.tokens = seq:tokens()
+    local id = policy(logits, state)
+    if math.type(id) ~= "integer" or id < 0 or id >= #logits then
+      finish("error")
+      error("policy returned " .. tostring(id) .. ", not a token id", 0)
+    end
+    last_id = id
+    state.id = id
+    stats.tokens = stats.tokens + 1
+    local before = text
+    text = text .. model:piece(id)
+    state.text = text
+    local stop, keep, hold = nil, nil, 0
+    for _, c in ipairs(stops) do
+      local r, cut
+      if type(c) == "function" then r, cut = c(state) else r, cut = c.check(state) end
+      if r then
+        stop = stop or r
+        if r == "drop" then keep = math.min(keep or #before, #before) end
+        if cut then keep = math.min(keep or cut, cut) end
+      elseif type(c) == "table" and c.hold then
+        hold = math.max(hold, c.hold(text))
+      end
+    end
+    if state.step + 1 >= max_tokens and not stop then stop = "max_tokens" end
+    state.step = state.step + 1
+    if stop then
+      local out = text:sub(emitted + 1, keep or #text)
+      finish(stop == true and "stop" or stop)
+      if out ~= "" or stop ~= "drop" then
+        if opts.on_token then opts.on_token(out, id, state) end
+        return out, id
+      end
+      return nil
+    end
+    hold = math.max(hold, incomplete_tail(text))
+    local upto = #text - hold
+    local out = ""
+    if upto > emitted then
+      out = text:sub(emitted + 1, upto)
+      emitted = upto
+    end
+    if opts.on_token then opts.on_token(out, id, state) end
+    return out, id
+  end
+
+  local closer = setmetatable({}, { __close = function() if not done then finish("cancelled") end end })
+  return function()
+    local ok, a, b = pcall(step)
+    if not ok then
+      if not done then finish("error") end
+      error(a, 0)
+    end
+    return a, b
+  end, nil, nil, closer
+end
+
+return stream

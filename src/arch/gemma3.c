@@ -1,0 +1,109 @@
+/* Gemma 3.
+ *
+ *   x = embed(tokens) * sqrt(n_embd)
+ *   per layer:
+ *     h = rmsnorm(x) ; q, k, v = Wq h, Wk h, Wv h     q: [n_head][dk], k, v: [n_kv_head][dk]
+ *     q, k = rmsnorm per head, then RoPE (NeoX) with the layer's base
+ *     x += rmsnorm(Wo attention(q, k, v))             sliding-window layers see 512 keys
+ *     h = rmsnorm(x)
+ *     x += rmsnorm(Wdown (gelu_tanh(Wgate h) * Wup h))
+ *   logits = token_embd . rmsnorm(x)                  output tied to the embedding
+ *
+ * Norm gains in GGUF files already include Gemma's "+1". Five of every six
+ * layers use a sliding window with RoPE base 10000; every sixth attends over
+ * the whole context with the file's base. */
+#include <math.h>
+
+#include "model.h"
+
+#define SWA_PATTERN 6
+#define SWA_ROPE_BASE 10000.0f
+
+static int gemma3_load(luma_model *m, luma_err *err)
+{
+    luma_hparams *hp = &m->hp;
+    if (luma_model_read_hparams(m, 1000000.0f, err)) return -1;
+    uint32_t window, pattern;
+    if (luma_model_u32(m, "attention.sliding_window", 0, &window, err) ||
+        luma_model_u32(m, "attention.sliding_window_pattern", SWA_PATTERN, &pattern, err))
+        return -1;
+    if (pattern == 0) return luma_errf(err, "gemma3: attention.sliding_window_pattern must be positive");
+    hp->swa_window = (int32_t)(window > INT32_MAX ? INT32_MAX : window);
+    for (int il = 0; il < hp->n_layer; il++) hp->layer_swa[il] = window > 0 && (il + 1) % (int)pattern != 0;
+    hp->rope_kind = LUMA_ROPE_NEOX;
+    hp->rope_base_swa = SWA_ROPE_BASE;
+    hp->embd_scale = sqrtf((float)hp->n_embd);
+    /* The 27B model scales queries by its model width per head instead. */
+    if (hp->n_layer == 62) hp->attn_scale = 1.0f / sqrtf((float)(hp->n_embd / hp->n_head));
+
+    int64_t E = hp->n_embd, Q = (int64_t)hp->n_head * hp->head_dim_k;
+    int64_t K = (int64_t)hp->n_kv_head * hp->head_dim_k, V = (int64_t)hp->n_kv_head * hp->head_dim_v;
+    int64_t O = (int64_t)hp->n_head * hp->head_dim_v, F = hp->n_ff;
+    if (luma_model_weight(m, &m->tok_embd, "token_embd.weight", hp->n_vocab, E, false, err) ||
+        luma_model_weight(m, &m->output_norm, "output_norm.weight", 1, E, false, err) ||
+        luma_model_weight(m, &m->output, "output.weight", hp->n_vocab, E, true, err))
+        return -1;
+    for (int il = 0; il < hp->n_layer; il++) {
+        luma_layer *l = &m->layers[il];
+        if (luma_model_layer_weight(m, &l->attn_norm, il, "attn_norm", 1, E, false, err) ||
+            luma_model_layer_weight(m, &l->wq, il, "attn_q", Q, E, false, err) ||
+            luma_model_layer_weight(m, &l->wk, il, "attn_k", K, E, false, err) ||
+            luma_model_layer_weight(m, &l->wv, il, "attn_v", V, E, false, err) ||
+            luma_model_layer_weight(m, &l->q_norm, il, "attn_q_norm", 1, hp->head_dim_k, false, err) ||
+            luma_model_layer_weight(m, &l->k_norm, il, "attn_k_norm", 1, hp->head_dim_k, false, err) ||
+            luma_model_layer_weight(m, &l->wo, il, "attn_output", E, O, false, err) ||
+            luma_model_layer_weight(m, &l->post_attn_norm, il, "post_attention_norm", 1, E, false, err) ||
+            luma_model_layer_weight(m, &l->ffn_norm, il, "ffn_norm", 1, E, false, err) ||
+            luma_model_layer_weight(m, &l->gate, il, "ffn_gate", F, E, false, err) ||
+            luma_model_layer_weight(m, &l->up, il, "ffn_up", F, E, false, err) ||
+            luma_model_layer_weight(m, &l->down, il, "ffn_down", E, F, false, err) ||
+            luma_model_layer_weight(m, &l->post_ffn_norm, il, "post_ffw_norm", 1, E, false, err))
+            return -1;
+    }
+    return 0;
+}
+
+static int gemma3_forward(luma_model *m, const luma_step *step, luma_err *err)
+{
+    const luma_hparams *hp = &m->hp;
+    const luma_backend_ops *be = m->be->ops;
+    luma_backend *b = m->be;
+    luma_acts *a = &m->acts;
+    int32_t dk = hp->head_dim_k;
+
+    be->embed(b, &m->tok_embd, step->tokens, step->n_rows, hp->embd_scale, &a->x);
+    for (int il = 0; il < hp->n_layer; il++) {
+        const luma_layer *l = &m->layers[il];
+        luma_attn at;
+        luma_model_attn(m, il, &at);
+        luma_rope rope = { hp->rope_kind, hp->rope_dims,
+                           hp->layer_swa[il] ? hp->rope_base_swa : hp->rope_base,
+                           hp->layer_swa[il] ? 1.0f : hp->rope_pos_scale, NULL };
+
+        be->rmsnorm(b, &a->x, &l->attn_norm, hp->n_embd, hp->eps, &a->h);
+        be->matmul(b, &l->wq, &a->h, &a->q);
+        be->matmul(b, &l->wk, &a->h, &a->k);
+        be->matmul(b, &l->wv, &a->h, &a->v);
+        be->rmsnorm(b, &a->q, &l->q_norm, dk, hp->eps, &a->q);
+        be->rmsnorm(b, &a->k, &l->k_norm, dk, hp->eps, &a->k);
+        be->rope(b, &a->q, dk, step->pos, &rope);
+        be->rope(b, &a->k, dk, step->pos, &rope);
+        be->attention(b, &a->q, &a->k, &a->v, step, &at, &a->attn);
+        be->matmul(b, &l->wo, &a->attn, &a->o);
+        be->rmsnorm(b, &a->o, &l->post_attn_norm, hp->n_embd, hp->eps, &a->o);
+        be->add(b, &a->x, &a->o);
+
+        be->rmsnorm(b, &a->x, &l->ffn_norm, hp->n_embd, hp->eps, &a->h);
+        be->matmul(b, &l->gate, &a->h, &a->gate);
+        be->matmul(b, &l->up, &a->h, &a->up);
+        be->gelu_mul(b, &a->gate, &a->up);
+        be->matmul(b, &l->down, &a->gate, &a->o);
+        be->rmsnorm(b, &a->o, &l->post_ffn_norm, hp->n_embd, hp->eps, &a->o);
+        be->add(b, &a->x, &a->o);
+    }
+    be->gather(b, &a->x, step->out_rows, step->n_out, &a->h);
+    be->rmsnorm(b, &a->h, &m->output_norm, hp->n_embd, hp->eps, &a->out_rows);
+    return be->sync(b, err);
+}
+
+const luma_arch luma_arch_gemma3 = { "gemma3", gemma3_load, gemma3_forward };

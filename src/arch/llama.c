@@ -1,0 +1,104 @@
+/* Llama (Llama 2 and 3, Mistral, SmolLM, TinyLlama) and Qwen2, which is
+ * Llama with biases on Q, K and V and NeoX-style RoPE.
+ *
+ *   x = embed(tokens)
+ *   per layer:
+ *     h = rmsnorm(x) ; q, k, v = Wq h (+bq), Wk h (+bk), Wv h (+bv)
+ *     q, k = RoPE(q, k)                               grouped-query: n_kv_head <= n_head
+ *     x += Wo attention(q, k, v)
+ *     x += Wdown (silu(Wgate h') * Wup h')            h' = rmsnorm(x)
+ *   logits = output . rmsnorm(x)                      output or, when absent, token_embd
+ *
+ * Llama 3.1's long-context RoPE comes as per-frequency divisors in the
+ * tensor rope_freqs.weight. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "model.h"
+
+static int load_common(luma_model *m, bool qkv_bias, enum luma_rope_kind rope, luma_err *err)
+{
+    luma_hparams *hp = &m->hp;
+    if (luma_model_read_hparams(m, 10000.0f, err)) return -1;
+    hp->rope_kind = rope;
+
+    int64_t E = hp->n_embd, Q = (int64_t)hp->n_head * hp->head_dim_k;
+    int64_t K = (int64_t)hp->n_kv_head * hp->head_dim_k, V = (int64_t)hp->n_kv_head * hp->head_dim_v;
+    int64_t O = (int64_t)hp->n_head * hp->head_dim_v, F = hp->n_ff;
+    if (luma_model_weight(m, &m->tok_embd, "token_embd.weight", hp->n_vocab, E, false, err) ||
+        luma_model_weight(m, &m->output_norm, "output_norm.weight", 1, E, false, err) ||
+        luma_model_weight(m, &m->output, "output.weight", hp->n_vocab, E, true, err))
+        return -1;
+    luma_weight freqs;
+    if (luma_model_weight(m, &freqs, "rope_freqs.weight", 1, hp->rope_dims / 2, true, err)) return -1;
+    if (freqs.host) {
+        size_t bytes = (size_t)(hp->rope_dims / 2) * sizeof(float);
+        m->rope_freqs = malloc(bytes);
+        if (!m->rope_freqs) return luma_errf(err, "out of memory");
+        memcpy(m->rope_freqs, freqs.host, bytes);
+    }
+    for (int il = 0; il < hp->n_layer; il++) {
+        luma_layer *l = &m->layers[il];
+        if (luma_model_layer_weight(m, &l->attn_norm, il, "attn_norm", 1, E, false, err) ||
+            luma_model_layer_weight(m, &l->wq, il, "attn_q", Q, E, false, err) ||
+            luma_model_layer_weight(m, &l->wk, il, "attn_k", K, E, false, err) ||
+            luma_model_layer_weight(m, &l->wv, il, "attn_v", V, E, false, err) ||
+            luma_model_layer_weight(m, &l->wo, il, "attn_output", E, O, false, err) ||
+            luma_model_layer_weight(m, &l->ffn_norm, il, "ffn_norm", 1, E, false, err) ||
+            luma_model_layer_weight(m, &l->gate, il, "ffn_gate", F, E, false, err) ||
+            luma_model_layer_weight(m, &l->up, il, "ffn_up", F, E, false, err) ||
+            luma_model_layer_weight(m, &l->down, il, "ffn_down", E, F, false, err))
+            return -1;
+        if (luma_model_layer_weight(m, &l->bq, il, "attn_q.bias", 1, Q, !qkv_bias, err) ||
+            luma_model_layer_weight(m, &l->bk, il, "attn_k.bias", 1, K, !qkv_bias, err) ||
+            luma_model_layer_weight(m, &l->bv, il, "attn_v.bias", 1, V, !qkv_bias, err))
+            return -1;
+    }
+    return 0;
+}
+
+static int llama_load(luma_model *m, luma_err *err) { return load_common(m, false, LUMA_ROPE_NORM, err); }
+static int qwen2_load(luma_model *m, luma_err *err) { return load_common(m, true, LUMA_ROPE_NEOX, err); }
+
+static int llama_forward(luma_model *m, const luma_step *step, luma_err *err)
+{
+    const luma_hparams *hp = &m->hp;
+    const luma_backend_ops *be = m->be->ops;
+    luma_backend *b = m->be;
+    luma_acts *a = &m->acts;
+    int32_t dk = hp->head_dim_k;
+    luma_rope rope = { hp->rope_kind, hp->rope_dims, hp->rope_base, hp->rope_pos_scale, m->rope_freqs };
+
+    be->embed(b, &m->tok_embd, step->tokens, step->n_rows, hp->embd_scale, &a->x);
+    for (int il = 0; il < hp->n_layer; il++) {
+        const luma_layer *l = &m->layers[il];
+        luma_attn at;
+        luma_model_attn(m, il, &at);
+
+        be->rmsnorm(b, &a->x, &l->attn_norm, hp->n_embd, hp->eps, &a->h);
+        be->matmul(b, &l->wq, &a->h, &a->q);
+        be->matmul(b, &l->wk, &a->h, &a->k);
+        be->matmul(b, &l->wv, &a->h, &a->v);
+        if (l->bq.host) be->add_bias(b, &a->q, &l->bq);
+        if (l->bk.host) be->add_bias(b, &a->k, &l->bk);
+        if (l->bv.host) be->add_bias(b, &a->v, &l->bv);
+        be->rope(b, &a->q, dk, step->pos, &rope);
+        be->rope(b, &a->k, dk, step->pos, &rope);
+        be->attention(b, &a->q, &a->k, &a->v, step, &at, &a->attn);
+        be->matmul(b, &l->wo, &a->attn, &a->o);
+        be->add(b, &a->x, &a->o);
+
+        be->rmsnorm(b, &a->x, &l->ffn_norm, hp->n_embd, hp->eps, &a->h);
+        be->matmul(b, &l->gate, &a->h, &a->gate);
+        be->matmul(b, &l->up, &a->h, &a->up);
+        be->silu_mul(b, &a->gate, &a->up);
+        be->matmul(b, &l->down, &a->gate, &a->o);
+        be->add(b, &a->x, &a->o);
+    }
+    be->gather(b, &a->x, step->out_rows, step->n_out, &a->h);
+    be->rmsnorm(b, &a->h, &m->output_norm, hp->n_embd, hp->eps, &a->out_rows);
+    return be->sync(b, err);
+}
+
+const luma_arch luma_arch_llama = { "llama", llama_load, llama_forward };
+const luma_arch luma_arch_qwen2 = { "qwen2", qwen2_load, llama_forward };

@@ -1,0 +1,150 @@
+/* The backend interface: the small set of operations a forward pass needs,
+ * implemented once per device (src/cpu/, cuda/). Architectures call these and
+ * never touch activation memory themselves; backends never know which
+ * architecture calls them.
+ *
+ * Activations are luma_buf: a row-major float32 matrix of rows x cols living
+ * where the backend keeps it (host memory on the CPU, device memory on a GPU).
+ * A "row" is one token of the step. Weights are luma_weight: a matrix of
+ * rows x cols in a GGUF block format, rows contiguous (cols = GGUF ne[0]). */
+#ifndef LUMA_BACKEND_H
+#define LUMA_BACKEND_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "err.h"
+#include "kv.h"
+#include "quant.h"
+
+typedef struct luma_weight {
+    enum luma_type type;
+    int64_t rows, cols;        /* a vector has rows == 1 */
+    const void *host;          /* in the mapped file */
+    void *dev;                 /* the backend's copy, when it keeps one */
+} luma_weight;
+
+typedef struct luma_buf {
+    float *data;               /* host or device pointer, owned by the backend */
+    int64_t rows, cols;
+    int64_t cap;               /* allocated floats */
+} luma_buf;
+
+/* Rows [r0, r0 + n) of b, sharing its memory (never freed). */
+static inline luma_buf luma_buf_rows(const luma_buf *b, int64_t r0, int64_t n)
+{
+    luma_buf v = { b->data + r0 * b->cols, n, b->cols, n * b->cols };
+    return v;
+}
+
+/* One sequence's share of a step: rows [row0, row0 + n_rows) of every
+ * activation are its tokens, at positions pos0, pos0 + 1, ... Its KV block
+ * tables cover every position up to pos0 + n_rows - 1. */
+typedef struct luma_step_seq {
+    int32_t row0, n_rows;
+    int32_t pos0;
+    const int32_t *blocks[LUMA_KV_MAX_POOLS];
+    int32_t n_blocks[LUMA_KV_MAX_POOLS];
+} luma_step_seq;
+
+typedef struct luma_step {
+    int32_t n_rows;
+    const int32_t *tokens;     /* [n_rows] */
+    const int32_t *pos;        /* [n_rows] position of each row */
+    int32_t n_seqs;
+    const luma_step_seq *seqs;
+    int32_t n_out;             /* rows whose logits are wanted, ascending */
+    const int32_t *out_rows;
+} luma_step;
+
+/* Shape of the KV storage: per pool, the layers stored in it and the size of
+ * one cached key and value row. Each block of a pool holds, for each of its
+ * layers, K then V: [n_kv_head][block_tokens][head_dim]. */
+typedef struct luma_kv_layout {
+    int n_pools;
+    int32_t block_tokens;
+    int32_t n_blocks[LUMA_KV_MAX_POOLS];
+    int32_t n_layers[LUMA_KV_MAX_POOLS];
+    int32_t n_kv_head, head_dim_k, head_dim_v;
+    enum luma_type type;       /* LUMA_F16 or LUMA_F32 */
+} luma_kv_layout;
+
+enum luma_rope_kind { LUMA_ROPE_NORM = 0, LUMA_ROPE_NEOX = 2 };
+
+typedef struct luma_rope {
+    enum luma_rope_kind kind;
+    int32_t n_dims;            /* rotated dimensions of each head (<= head_dim) */
+    float base;                /* theta_i = pos * scale * base^(-2i/n_dims) / factor_i */
+    float pos_scale;           /* linear scaling: 1 / factor */
+    const float *freq_factors; /* [n_dims/2] or NULL (Llama 3 long-context) */
+} luma_rope;
+
+typedef struct luma_attn {
+    int pool;                  /* KV pool of this layer */
+    int32_t layer;             /* index of the layer inside its pool */
+    int32_t n_head, n_kv_head, head_dim_k, head_dim_v;
+    int32_t window;            /* 0: full causal; w: keys with pos > p - w */
+    float scale;               /* applied to q.k */
+    float softcap;             /* 0: none; c: c * tanh(s / c) */
+} luma_attn;
+
+typedef struct luma_backend luma_backend;
+
+typedef struct luma_backend_ops {
+    const char *name;
+    void (*free)(luma_backend *be);
+
+    /* Weights: make w usable by this backend (a GPU uploads it). */
+    int (*weight_load)(luma_backend *be, luma_weight *w, luma_err *err);
+
+    int (*buf_alloc)(luma_backend *be, luma_buf *b, int64_t rows, int64_t cols, luma_err *err);
+    void (*buf_free)(luma_backend *be, luma_buf *b);
+    /* Copies rows x cols floats of b to host memory. */
+    int (*buf_read)(luma_backend *be, const luma_buf *b, float *dst, luma_err *err);
+
+    int (*kv_alloc)(luma_backend *be, const luma_kv_layout *layout, luma_err *err);
+    /* The luma_kv copy-on-write callback target. */
+    void (*kv_copy_block)(luma_backend *be, int pool, int32_t src, int32_t dst);
+
+    /* out[i] = dequantized row ids[i] of w, times scale. */
+    void (*embed)(luma_backend *be, const luma_weight *w, const int32_t *ids, int32_t n,
+                  float scale, luma_buf *out);
+    /* y[i] = W x[i] for every row i of x (y->cols = w->rows). */
+    void (*matmul)(luma_backend *be, const luma_weight *w, const luma_buf *x, luma_buf *y);
+    /* out[j] = x[rows[j]] for the n listed rows. */
+    void (*gather)(luma_backend *be, const luma_buf *x, const int32_t *rows, int32_t n,
+                   luma_buf *out);
+    /* x[i] += b (b: a vector of x->cols). */
+    void (*add_bias)(luma_backend *be, luma_buf *x, const luma_weight *b);
+    /* Each row of x cut into groups of `group` columns; each group scaled to
+     * unit RMS and multiplied by g (a vector of `group`), into out (may be x). */
+    void (*rmsnorm)(luma_backend *be, const luma_buf *x, const luma_weight *g, int64_t group,
+                    float eps, luma_buf *out);
+    /* Rotates each head (head_dim columns) of every row at pos[row]. */
+    void (*rope)(luma_backend *be, luma_buf *x, int32_t head_dim, const int32_t *pos,
+                 const luma_rope *r);
+    /* Stores k and v rows in the KV cache at their positions, then writes
+     * attention of each q row over its sequence's cached keys into out. */
+    void (*attention)(luma_backend *be, const luma_buf *q, const luma_buf *k, const luma_buf *v,
+                      const luma_step *step, const luma_attn *a, luma_buf *out);
+    /* gate = act(gate) * up, act GELU (tanh approximation) or SiLU. */
+    void (*gelu_mul)(luma_backend *be, luma_buf *gate, const luma_buf *up);
+    void (*silu_mul)(luma_backend *be, luma_buf *gate, const luma_buf *up);
+    /* x += y */
+    void (*add)(luma_backend *be, luma_buf *x, const luma_buf *y);
+    /* Waits for the step's work and reports any failure it met. */
+    int (*sync)(luma_backend *be, luma_err *err);
+} luma_backend_ops;
+
+struct luma_backend {
+    const luma_backend_ops *ops;
+};
+
+/* The CPU backend: a pool of n_threads persistent workers (0: one per core). */
+luma_backend *luma_backend_cpu_new(int n_threads, luma_err *err);
+/* The CUDA backend, or NULL with err set when there is no usable GPU or the
+ * build has none. */
+luma_backend *luma_backend_cuda_new(int device, luma_err *err);
+bool luma_backend_cuda_available(void);
+
+#endif

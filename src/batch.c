@@ -1,0 +1,157 @@
+/* The batch step: chunks of tokens from many sequences packed into forward
+ * passes of at most max_rows rows. Each weight matrix is read once per pass
+ * for all its rows; attention runs per sequence over its own blocks.
+ *
+ * Rows of a pass are the chunks' tokens in order. A chunk longer than the
+ * room left in a pass continues in the next one. Logits are computed only for
+ * each chunk's last token (or all its tokens when asked), LUMA_LOGIT_ROWS at a time. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "model.h"
+
+
+int64_t luma_model_out_rows(const luma_chunk *chunks, int32_t n_chunks)
+{
+    int64_t n = 0;
+    for (int32_t i = 0; i < n_chunks; i++) n += chunks[i].all_logits ? chunks[i].n : 1;
+    return n;
+}
+
+static int check_chunks(const luma_model *m, const luma_chunk *c, int32_t n, luma_err *err)
+{
+    if (m->vocab_only)
+        return luma_errf(err, "model was loaded with vocab_only: it cannot run a forward pass");
+    if (n < 1) return luma_errf(err, "a batch needs at least one chunk");
+    for (int32_t i = 0; i < n; i++) {
+        if (!c[i].seq || c[i].seq->model != m)
+            return luma_errf(err, "chunk %d: sequence belongs to another model", i + 1);
+        if (c[i].n < 1) return luma_errf(err, "chunk %d: no tokens", i + 1);
+        for (int32_t j = 0; j < i; j++)
+            if (c[j].seq == c[i].seq)
+                return luma_errf(err, "chunk %d: the same sequence appears twice in one batch", i + 1);
+        if ((int64_t)c[i].seq->n_tokens + c[i].n > m->n_ctx)
+            return luma_errf(err, "context overflow: the sequence holds %d tokens, %d more exceed the context of %d",
+                             c[i].seq->n_tokens, c[i].n, m->n_ctx);
+        for (int32_t j = 0; j < c[i].n; j++)
+            if (c[i].ids[j] < 0 || c[i].ids[j] >= m->hp.n_vocab)
+                return luma_errf(err, "chunk %d: token id %d out of range [0, %d)", i + 1, c[i].ids[j],
+                                 m->hp.n_vocab);
+    }
+    return 0;
+}
+
+static int append_tokens(luma_seq *s, const int32_t *ids, int32_t n, luma_err *err)
+{
+    if (s->n_tokens + n > s->cap) {
+        int32_t cap = s->cap ? s->cap : 64;
+        while (cap < s->n_tokens + n) cap *= 2;
+        int32_t *t = realloc(s->tokens, (size_t)cap * sizeof(int32_t));
+        if (!t) return luma_errf(err, "out of memory for the token history");
+        s->tokens = t;
+        s->cap = cap;
+    }
+    memcpy(s->tokens + s->n_tokens, ids, (size_t)n * sizeof(int32_t));
+    s->n_tokens += n;
+    return 0;
+}
+
+/* Projects the pass's out rows to logits, appended at *dst. */
+static int project_logits(luma_model *m, int32_t n_out, float **dst, luma_err *err)
+{
+    luma_backend *be = m->be;
+    const luma_weight *w = m->output.host ? &m->output : &m->tok_embd;
+    for (int32_t r0 = 0; r0 < n_out; r0 += LUMA_LOGIT_ROWS) {
+        int32_t n = n_out - r0 < LUMA_LOGIT_ROWS ? n_out - r0 : LUMA_LOGIT_ROWS;
+        luma_buf rows = luma_buf_rows(&m->acts.out_rows, r0, n);
+        be->ops->matmul(be, w, &rows, &m->acts.logits);
+        if (be->ops->buf_read(be, &m->acts.logits, *dst, err)) return -1;
+        *dst += (size_t)n * (size_t)m->hp.n_vocab;
+    }
+    return 0;
+}
+
+typedef struct pass {
+    luma_step_seq *seqs;
+    luma_seq **owners;
+    int32_t *tokens, *pos, *out_rows;
+} pass;
+
+int luma_model_run(luma_model *m, const luma_chunk *chunks, int32_t n_chunks, float *logits,
+                   luma_err *err)
+{
+    if (check_chunks(m, chunks, n_chunks, err)) return -1;
+    int32_t R = m->max_rows;
+    pass p = { 0 };
+    int32_t *start_len = malloc((size_t)n_chunks * sizeof(int32_t));
+    p.seqs = malloc((size_t)R * sizeof *p.seqs);
+    p.owners = malloc((size_t)R * sizeof *p.owners);
+    p.tokens = malloc((size_t)R * sizeof(int32_t));
+    p.pos = malloc((size_t)R * sizeof(int32_t));
+    p.out_rows = malloc((size_t)R * sizeof(int32_t));
+    int rc = -1;
+    if (!start_len || !p.seqs || !p.owners || !p.tokens || !p.pos || !p.out_rows) {
+        luma_errf(err, "out of memory for a batch");
+        goto done;
+    }
+    for (int32_t i = 0; i < n_chunks; i++) start_len[i] = chunks[i].seq->n_tokens;
+
+    float *dst = logits;
+    int32_t ci = 0, off = 0;   /* next token: chunks[ci].ids[off] */
+    while (ci < n_chunks) {
+        luma_step step = { .tokens = p.tokens, .pos = p.pos, .seqs = p.seqs, .out_rows = p.out_rows };
+        while (ci < n_chunks && step.n_rows < R) {
+            const luma_chunk *c = &chunks[ci];
+            luma_seq *s = c->seq;
+            int32_t n = c->n - off < R - step.n_rows ? c->n - off : R - step.n_rows;
+            if (luma_kv_reserve(m->kv, s->kv, n, err)) goto rollback;
+            luma_step_seq *ss = &p.seqs[step.n_seqs];
+            p.owners[step.n_seqs] = s;
+            ss->row0 = step.n_rows;
+            ss->n_rows = n;
+            ss->pos0 = s->n_tokens;
+            for (int pool = 0; pool < m->kv_layout.n_pools; pool++)
+                ss->blocks[pool] = luma_kv_seq_blocks(s->kv, pool, &ss->n_blocks[pool]);
+            for (int32_t j = 0; j < n; j++) {
+                int32_t row = step.n_rows + j;
+                p.tokens[row] = c->ids[off + j];
+                p.pos[row] = s->n_tokens + j;
+                if (c->all_logits || off + j == c->n - 1) p.out_rows[step.n_out++] = row;
+            }
+            step.n_rows += n;
+            step.n_seqs++;
+            off += n;
+            if (off == c->n) {
+                ci++;
+                off = 0;
+            }
+        }
+        if (m->arch->forward(m, &step, err) || project_logits(m, step.n_out, &dst, err) ||
+            m->be->ops->sync(m->be, err))
+            goto rollback;
+        for (int32_t i = 0; i < step.n_seqs; i++) {
+            luma_seq *s = p.owners[i];
+            luma_kv_commit(m->kv, s->kv, p.seqs[i].n_rows);
+            if (append_tokens(s, p.tokens + p.seqs[i].row0, p.seqs[i].n_rows, err)) goto rollback;
+        }
+    }
+    rc = 0;
+    goto done;
+rollback:
+    /* Every sequence back to where it started; the message of the first
+     * failure is kept. */
+    for (int32_t i = 0; i < n_chunks; i++) {
+        luma_seq *s = chunks[i].seq;
+        luma_err ignored;
+        luma_kv_rewind(m->kv, s->kv, start_len[i], &ignored);
+        if (s->n_tokens > start_len[i]) s->n_tokens = start_len[i];
+    }
+done:
+    free(start_len);
+    free(p.seqs);
+    free(p.owners);
+    free(p.tokens);
+    free(p.pos);
+    free(p.out_rows);
+    return rc;
+}

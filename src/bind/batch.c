@@ -1,0 +1,155 @@
+/* Batch userdata: chunks from many sequences run as one forward.
+ *   local b = model:batch()
+ *   b:add(seq_a, {id}); b:add(seq_b, prompt_ids)
+ *   local out = b:run()     -- out[seq_a], out[seq_b]: Logits
+ * A batch is emptied by run and can be filled again. The pending chunks live
+ * in the user value: an array of {seq, ids, all}. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "bind/bind.h"
+
+typedef struct lbatch {
+    int n;                  /* chunks added since the last run */
+} lbatch;
+
+static lbatch *checkbatch(lua_State *L, int i)
+{
+    return luaL_checkudata(L, i, LUMA_BATCH_MT);
+}
+
+static int model_batch(lua_State *L)
+{
+    luma_bind_model(L, 1);
+    lbatch *b = lua_newuserdatauv(L, sizeof *b, 2);
+    b->n = 0;
+    luaL_setmetatable(L, LUMA_BATCH_MT);
+    lua_pushvalue(L, 1);
+    lua_setiuservalue(L, -2, 1);
+    lua_newtable(L);
+    lua_setiuservalue(L, -2, 2);
+    return 1;
+}
+
+/* batch:add(seq, ids | id [, {all = true}]) -> batch */
+static int batch_add(lua_State *L)
+{
+    lbatch *b = checkbatch(L, 1);
+    luma_seq *s = luma_bind_seq(L, 2);
+    lua_getiuservalue(L, 1, 1);
+    luma_model *m = luma_bind_model(L, -1);
+    lua_pop(L, 1);
+    if (s->model != m) return luaL_argerror(L, 2, "sequence belongs to another model");
+    bool all = luma_bind_optbool(L, 4, "all", false);
+    lua_createtable(L, 3, 0);
+    lua_pushvalue(L, 2);
+    lua_rawseti(L, -2, 1);
+    if (lua_isinteger(L, 3)) {
+        lua_createtable(L, 1, 0);
+        lua_pushvalue(L, 3);
+        lua_rawseti(L, -2, 1);
+    } else {
+        int32_t n;
+        luma_bind_checkids(L, 3, m->hp.n_vocab, &n);
+        lua_pop(L, 1);
+        if (n == 0) return luaL_argerror(L, 3, "no token ids");
+        lua_pushvalue(L, 3);
+    }
+    lua_rawseti(L, -2, 2);
+    lua_pushboolean(L, all);
+    lua_rawseti(L, -2, 3);
+    lua_getiuservalue(L, 1, 2);
+    lua_pushvalue(L, -2);
+    lua_rawseti(L, -2, ++b->n);
+    lua_settop(L, 1);
+    return 1;
+}
+
+/* batch:run() -> {[seq] = Logits (or array of Logits with all = true)} */
+static int batch_run(lua_State *L)
+{
+    lbatch *b = checkbatch(L, 1);
+    lua_getiuservalue(L, 1, 1);
+    luma_model *m = luma_bind_model(L, -1);
+    if (b->n == 0) return luaL_error(L, "batch is empty");
+    lua_getiuservalue(L, 1, 2);
+    int pending = lua_gettop(L);
+    int n = b->n;
+    luma_chunk *chunks = lua_newuserdatauv(L, (size_t)n * sizeof *chunks, 0);
+    for (int i = 0; i < n; i++) {
+        lua_rawgeti(L, pending, i + 1);
+        lua_rawgeti(L, -1, 1);
+        chunks[i].seq = luma_bind_seq(L, -1);
+        lua_rawgeti(L, -2, 2);
+        chunks[i].ids = luma_bind_checkids(L, lua_gettop(L), m->hp.n_vocab, &chunks[i].n);
+        /* The id buffer stays referenced from the pending table's slot. */
+        lua_rawseti(L, -4, 4);
+        lua_pop(L, 1);
+        lua_rawgeti(L, -2, 3);
+        chunks[i].all_logits = lua_toboolean(L, -1);
+        lua_pop(L, 3);
+    }
+    int64_t rows = luma_model_out_rows(chunks, n);
+    float *out = malloc((size_t)rows * (size_t)m->hp.n_vocab * sizeof(float));
+    if (!out) return luaL_error(L, "out of memory for logits");
+    luma_err err;
+    int rc = luma_model_run(m, chunks, n, out, &err);
+    /* Emptied whether or not the step ran: the chunks were either all run
+     * or none (every sequence is as it was). */
+    b->n = 0;
+    lua_newtable(L);
+    lua_setiuservalue(L, 1, 2);
+    if (rc) {
+        free(out);
+        return luma_bind_error(L, &err);
+    }
+    lua_newtable(L);
+    int res = lua_gettop(L);
+    const float *src = out;
+    for (int i = 0; i < n; i++) {
+        lua_rawgeti(L, pending, i + 1);
+        lua_rawgeti(L, -1, 1);
+        int32_t r = chunks[i].all_logits ? chunks[i].n : 1;
+        if (chunks[i].all_logits) lua_createtable(L, r, 0);
+        for (int32_t j = 0; j < r; j++) {
+            llogits *lg = luma_bind_newlogits(L, m->hp.n_vocab);
+            memcpy(lg->x, src, (size_t)m->hp.n_vocab * sizeof(float));
+            src += m->hp.n_vocab;
+            if (chunks[i].all_logits) lua_rawseti(L, -2, j + 1);
+        }
+        lua_rawset(L, res);
+        lua_pop(L, 1);
+    }
+    free(out);
+    lua_settop(L, res);
+    return 1;
+}
+
+static int batch_len(lua_State *L)
+{
+    lua_pushinteger(L, checkbatch(L, 1)->n);
+    return 1;
+}
+
+static const luaL_Reg meta[] = {
+    { "__len", batch_len },
+    { NULL, NULL },
+};
+
+static const luaL_Reg methods[] = {
+    { "add", batch_add },
+    { "run", batch_run },
+    { NULL, NULL },
+};
+
+void luma_bind_open_batch(lua_State *L)
+{
+    luma_bind_newclass(L, LUMA_BATCH_MT, meta, methods, NULL);
+    /* model:batch() */
+    luaL_getmetatable(L, LUMA_MODEL_MT);
+    lua_getfield(L, -1, "__index");
+    lua_getupvalue(L, -1, 1);
+    lua_pushcfunction(L, model_batch);
+    lua_setfield(L, -2, "batch");
+    lua_pop(L, 3);
+}

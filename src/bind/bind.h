@@ -1,0 +1,83 @@
+/* The Lua binding: one file per userdata type, each with its metatable name,
+ * a check function, and the luaL_Reg table of its methods. */
+#ifndef LUMA_BIND_H
+#define LUMA_BIND_H
+
+#include <lauxlib.h>
+#include <lua.h>
+#include <stdbool.h>
+
+#include "err.h"
+#include "model.h"
+#include "rng.h"
+
+#define LUMA_MODEL_MT "luma.Model"
+#define LUMA_SEQ_MT "luma.Sequence"
+#define LUMA_LOGITS_MT "luma.Logits"
+#define LUMA_RNG_MT "luma.Rng"
+#define LUMA_BATCH_MT "luma.Batch"
+
+typedef struct lseq lseq;
+
+/* A Model userdata. Sequences keep it alive (as their user value) and are
+ * listed here so that closing the model closes them first. */
+typedef struct lmodel {
+    luma_model *m;
+    lseq *seqs;
+} lmodel;
+
+struct lseq {
+    luma_seq *s;
+    lmodel *owner;
+    lseq *prev, *next;
+};
+
+/* Logits of one position: n floats stored inline. */
+typedef struct llogits {
+    int32_t n;
+    float x[];
+} llogits;
+
+/* Raises the message of err as a Lua error. */
+int luma_bind_error(lua_State *L, const luma_err *err);
+
+lmodel *luma_bind_checkmodel(lua_State *L, int i);
+luma_model *luma_bind_model(lua_State *L, int i);   /* open, or an error */
+lseq *luma_bind_checkseq(lua_State *L, int i);
+luma_seq *luma_bind_seq(lua_State *L, int i);       /* open, or an error */
+llogits *luma_bind_checklogits(lua_State *L, int i);
+luma_rng *luma_bind_checkrng(lua_State *L, int i);
+
+/* A new Logits userdata of n entries, left on the stack. */
+llogits *luma_bind_newlogits(lua_State *L, int32_t n);
+/* Reads a Lua array of token ids at index i (ids checked against n_vocab
+ * when n_vocab > 0) into a buffer that lives as a userdata on the stack top. */
+int32_t *luma_bind_checkids(lua_State *L, int i, int32_t n_vocab, int32_t *count);
+/* Frees a sequence's native state and unlinks it from its model. */
+void luma_bind_seq_release(lseq *q);
+
+/* Registers each type's metatable; called by luaopen_luma. */
+void luma_bind_open_model(lua_State *L);
+void luma_bind_open_seq(lua_State *L);
+void luma_bind_open_logits(lua_State *L);
+void luma_bind_open_rng(lua_State *L);
+void luma_bind_open_batch(lua_State *L);
+/* Lua files of lua/luma/ compiled into the binary: registers them in
+ * package.preload (generated at build time). */
+void luma_bind_preload_lua(lua_State *L);
+
+/* Shared option readers: opts table at index i (may be nil). */
+bool luma_bind_optbool(lua_State *L, int i, const char *key, bool def);
+lua_Integer luma_bind_optint(lua_State *L, int i, const char *key, lua_Integer def);
+lua_Number luma_bind_optnum(lua_State *L, int i, const char *key, lua_Number def);
+const char *luma_bind_optstr(lua_State *L, int i, const char *key, const char *def);
+
+/* Creates the metatable `name` with the meta functions; __index is the
+ * methods table, or, when index is given, index as a closure whose upvalue
+ * is the methods table (for types that also answer other keys). */
+void luma_bind_newclass(lua_State *L, const char *name, const luaL_Reg *meta, const luaL_Reg *methods,
+                        lua_CFunction index);
+/* model:sequence(): a new Sequence userdata on the stack. */
+int luma_bind_newseq(lua_State *L);
+
+#endif

@@ -1,0 +1,175 @@
+/* Sequence userdata: a KV-cache sequence of a model. It keeps its model
+ * alive (user value 1) and is linked into the model's list so that closing
+ * the model closes it too. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "bind/bind.h"
+
+lseq *luma_bind_checkseq(lua_State *L, int i)
+{
+    return luaL_checkudata(L, i, LUMA_SEQ_MT);
+}
+
+luma_seq *luma_bind_seq(lua_State *L, int i)
+{
+    lseq *q = luma_bind_checkseq(L, i);
+    if (!q->s) luaL_error(L, q->owner ? "sequence is closed" : "sequence is closed (its model was closed)");
+    return q->s;
+}
+
+void luma_bind_seq_release(lseq *q)
+{
+    if (!q->s) return;
+    luma_seq_free(q->s);
+    q->s = NULL;
+    lmodel *lm = q->owner;
+    if (q->prev) q->prev->next = q->next;
+    else lm->seqs = q->next;
+    if (q->next) q->next->prev = q->prev;
+    q->prev = q->next = NULL;
+}
+
+/* Wraps s in a userdata owned by the model userdata at index mi. */
+static void push_seq(lua_State *L, int mi, luma_seq *s)
+{
+    lmodel *lm = luma_bind_checkmodel(L, mi);
+    lseq *q = lua_newuserdatauv(L, sizeof *q, 1);
+    q->s = s;
+    q->owner = lm;
+    q->prev = NULL;
+    q->next = lm->seqs;
+    if (lm->seqs) lm->seqs->prev = q;
+    lm->seqs = q;
+    luaL_setmetatable(L, LUMA_SEQ_MT);
+    lua_pushvalue(L, mi);
+    lua_setiuservalue(L, -2, 1);
+}
+
+int luma_bind_newseq(lua_State *L)
+{
+    luma_model *m = luma_bind_model(L, 1);
+    luma_err err;
+    luma_seq *s = luma_seq_new(m, &err);
+    if (!s) return luma_bind_error(L, &err);
+    push_seq(L, 1, s);
+    return 1;
+}
+
+/* seq:eval(ids | id [, {all = true}]) -> Logits of the last token, or an
+ * array of Logits, one per token, with all = true. */
+static int seq_eval(lua_State *L)
+{
+    luma_seq *s = luma_bind_seq(L, 1);
+    luma_model *m = s->model;
+    bool all = luma_bind_optbool(L, 3, "all", false);
+    int32_t n, one;
+    int32_t *ids;
+    if (lua_isinteger(L, 2)) {
+        lua_Integer id = lua_tointeger(L, 2);
+        if (id < 0 || id >= m->hp.n_vocab)
+            return luaL_error(L, "bad argument #1 to 'eval': token id %d out of range [0, %d)", (int)id,
+                              m->hp.n_vocab);
+        one = (int32_t)id;
+        ids = &one;
+        n = 1;
+    } else {
+        ids = luma_bind_checkids(L, 2, m->hp.n_vocab, &n);
+        if (n == 0) return luaL_argerror(L, 2, "no token ids");
+    }
+    luma_chunk c = { s, ids, n, all };
+    int32_t rows = all ? n : 1;
+    float *out = malloc((size_t)rows * (size_t)m->hp.n_vocab * sizeof(float));
+    if (!out) return luaL_error(L, "out of memory for logits");
+    luma_err err;
+    if (luma_model_run(m, &c, 1, out, &err)) {
+        free(out);
+        return luma_bind_error(L, &err);
+    }
+    if (all) lua_createtable(L, rows, 0);
+    for (int32_t r = 0; r < rows; r++) {
+        llogits *lg = luma_bind_newlogits(L, m->hp.n_vocab);
+        memcpy(lg->x, out + (size_t)r * (size_t)m->hp.n_vocab, (size_t)m->hp.n_vocab * sizeof(float));
+        if (all) lua_rawseti(L, -2, r + 1);
+    }
+    free(out);
+    return 1;
+}
+
+static int seq_len(lua_State *L)
+{
+    lua_pushinteger(L, luma_bind_seq(L, 1)->n_tokens);
+    return 1;
+}
+
+static int seq_tokens(lua_State *L)
+{
+    luma_seq *s = luma_bind_seq(L, 1);
+    lua_createtable(L, s->n_tokens, 0);
+    for (int32_t i = 0; i < s->n_tokens; i++) {
+        lua_pushinteger(L, s->tokens[i]);
+        lua_rawseti(L, -2, i + 1);
+    }
+    return 1;
+}
+
+static int seq_fork(lua_State *L)
+{
+    luma_seq *s = luma_bind_seq(L, 1);
+    luma_err err;
+    luma_seq *c = luma_seq_fork(s, &err);
+    if (!c) return luma_bind_error(L, &err);
+    lua_getiuservalue(L, 1, 1);
+    push_seq(L, lua_gettop(L), c);
+    return 1;
+}
+
+/* seq:rewind(n): keep the first n tokens */
+static int seq_rewind(lua_State *L)
+{
+    luma_seq *s = luma_bind_seq(L, 1);
+    lua_Integer n = luaL_checkinteger(L, 2);
+    if (n < 0 || n > s->n_tokens)
+        return luaL_error(L, "bad argument #1 to 'rewind': %d is outside [0, %d]", (int)n, s->n_tokens);
+    luma_err err;
+    if (luma_seq_rewind(s, (int32_t)n, &err)) return luma_bind_error(L, &err);
+    lua_settop(L, 1);
+    return 1;
+}
+
+static int seq_close(lua_State *L)
+{
+    luma_bind_seq_release(luma_bind_checkseq(L, 1));
+    return 0;
+}
+
+static int seq_tostring(lua_State *L)
+{
+    lseq *q = luma_bind_checkseq(L, 1);
+    if (!q->s) lua_pushliteral(L, "luma.Sequence (closed)");
+    else lua_pushfstring(L, "luma.Sequence (%d tokens)", q->s->n_tokens);
+    return 1;
+}
+
+static const luaL_Reg meta[] = {
+    { "__gc", seq_close },
+    { "__close", seq_close },
+    { "__tostring", seq_tostring },
+    { "__len", seq_len },
+    { NULL, NULL },
+};
+
+static const luaL_Reg methods[] = {
+    { "eval", seq_eval },
+    { "len", seq_len },
+    { "tokens", seq_tokens },
+    { "fork", seq_fork },
+    { "rewind", seq_rewind },
+    { "close", seq_close },
+    { NULL, NULL },
+};
+
+void luma_bind_open_seq(lua_State *L)
+{
+    luma_bind_newclass(L, LUMA_SEQ_MT, meta, methods, NULL);
+}

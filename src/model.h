@@ -1,0 +1,155 @@
+/* A loaded model: hyper-parameters from the file's metadata, weights bound by
+ * tensor name, the vocabulary, a backend and its KV cache; and sequences, the
+ * unit of generation (a KV-cache sequence plus the tokens it holds).
+ *
+ * One step runs chunks of tokens from one or more sequences as a single
+ * forward pass and yields logits for the rows asked for. */
+#ifndef LUMA_MODEL_H
+#define LUMA_MODEL_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "backend.h"
+#include "err.h"
+#include "gguf.h"
+#include "kv.h"
+#include "tokenizer.h"
+
+#define LUMA_MAX_LAYERS 256
+/* Logits are produced this many rows at a time, so a request for every
+ * position of a long prompt never needs rows x n_vocab floats at once. */
+#define LUMA_LOGIT_ROWS 32
+
+typedef struct luma_hparams {
+    char arch[32];
+    int32_t n_vocab;
+    int32_t n_ctx_train;
+    int32_t n_embd;
+    int32_t n_layer;
+    int32_t n_head, n_kv_head;
+    int32_t head_dim_k, head_dim_v;
+    int32_t n_ff;
+    float eps;
+    enum luma_rope_kind rope_kind;
+    int32_t rope_dims;
+    float rope_base, rope_base_swa;
+    float rope_pos_scale;
+    int32_t swa_window;                 /* 0: no sliding-window layers */
+    bool layer_swa[LUMA_MAX_LAYERS];    /* uses the window */
+    float attn_scale;
+    float attn_softcap, final_softcap;  /* 0: none */
+    float embd_scale;                   /* embeddings are multiplied by it */
+} luma_hparams;
+
+typedef struct luma_layer {
+    luma_weight attn_norm, wq, wk, wv, wo, bq, bk, bv;
+    luma_weight q_norm, k_norm, post_attn_norm;
+    luma_weight ffn_norm, gate, up, down, post_ffn_norm;
+} luma_layer;
+
+typedef struct luma_model luma_model;
+
+/* One architecture: how to read its hyper-parameters and tensors, and its
+ * forward pass written against the backend interface. */
+typedef struct luma_arch {
+    const char *name;
+    int (*load)(luma_model *m, luma_err *err);
+    /* Runs the step; leaves in m->acts.out_rows the final normalized hidden
+     * state of each of the step's out rows, in order (the caller projects
+     * them to logits with m->output). */
+    int (*forward)(luma_model *m, const luma_step *step, luma_err *err);
+} luma_arch;
+
+/* Activation buffers sized for the largest step. */
+typedef struct luma_acts {
+    luma_buf x, h, q, k, v, attn, o, gate, up, out_rows, logits;
+} luma_acts;
+
+typedef struct luma_model_params {
+    const char *backend;       /* "cpu", "cuda" or "auto" (NULL: auto) */
+    int n_threads;             /* 0: one per core */
+    int32_t n_ctx;             /* longest sequence; 0: the training context, capped at 8192 */
+    int64_t kv_bytes;          /* KV memory budget; 0: enough for one sequence of n_ctx */
+    int32_t max_rows;          /* rows per step (prompt chunk); 0: 512 */
+    bool kv_f32;               /* store keys and values as F32 instead of F16 */
+    bool vocab_only;
+    /* Called with the fraction loaded; returning non-zero cancels the load. */
+    int (*progress)(void *ctx, float frac);
+    void *progress_ctx;
+} luma_model_params;
+
+struct luma_model {
+    luma_gguf *file;
+    luma_vocab *vocab;
+    luma_hparams hp;
+    const luma_arch *arch;
+    luma_weight tok_embd, output, output_norm;
+    float *rope_freqs;                 /* Llama 3 frequency factors, or NULL */
+    luma_layer *layers;
+    luma_backend *be;
+    luma_kv *kv;
+    luma_kv_layout kv_layout;
+    int32_t n_ctx;
+    int32_t max_rows;
+    luma_acts acts;
+    int64_t weight_bytes;              /* bytes of weights read per token */
+    bool vocab_only;
+};
+
+void luma_model_params_default(luma_model_params *p);
+int luma_model_load(const char *path, const luma_model_params *p, luma_model **out, luma_err *err);
+void luma_model_free(luma_model *m);
+
+/* Binds a weight by tensor name: expected rows x cols (rows 1 for a vector).
+ * A missing tensor is an error unless optional, which leaves w->host NULL. */
+int luma_model_weight(luma_model *m, luma_weight *w, const char *name, int64_t rows, int64_t cols,
+                      bool optional, luma_err *err);
+/* Binds "blk.<il>.<name>.weight" (or ".bias" when name ends in ".bias"). */
+int luma_model_layer_weight(luma_model *m, luma_weight *w, int il, const char *name, int64_t rows,
+                            int64_t cols, bool optional, luma_err *err);
+/* Reads the hyper-parameters every architecture shares (sizes, heads, norm
+ * epsilon, RoPE base and linear scaling, training context) into m->hp and
+ * allocates m->layers. Architectures then adjust what differs. */
+int luma_model_read_hparams(luma_model *m, float rope_base_default, luma_err *err);
+/* The attention parameters of layer il: its KV pool, window and scale. */
+void luma_model_attn(const luma_model *m, int il, luma_attn *a);
+/* Reads "<arch>.<suffix>" (e.g. "block_count"), with a default when absent. */
+int luma_model_u32(const luma_model *m, const char *suffix, uint32_t def, uint32_t *out, luma_err *err);
+int luma_model_f32(const luma_model *m, const char *suffix, float def, float *out, luma_err *err);
+
+/* The architectures luma knows; NULL when name is not one. */
+const luma_arch *luma_arch_find(const char *name);
+
+/* ---- sequences ---------------------------------------------------------- */
+
+typedef struct luma_seq {
+    luma_model *model;
+    luma_kv_seq *kv;
+    int32_t *tokens;
+    int32_t n_tokens, cap;
+} luma_seq;
+
+luma_seq *luma_seq_new(luma_model *m, luma_err *err);
+luma_seq *luma_seq_fork(luma_seq *s, luma_err *err);
+void luma_seq_free(luma_seq *s);
+int luma_seq_rewind(luma_seq *s, int32_t n, luma_err *err);
+
+/* One chunk of a step: tokens appended to a sequence. */
+typedef struct luma_chunk {
+    luma_seq *seq;
+    const int32_t *ids;
+    int32_t n;
+    bool all_logits;           /* logits for every token, not just the last */
+} luma_chunk;
+
+/* Runs the chunks as one forward (splitting at max_rows when needed) and
+ * writes the logits of each chunk's last token (or every token) to logits,
+ * n_vocab floats per row, chunk by chunk. A failure (context or KV memory
+ * exhausted, an id out of range) leaves every sequence as it was. */
+int luma_model_run(luma_model *m, const luma_chunk *chunks, int32_t n_chunks, float *logits,
+                   luma_err *err);
+/* Rows of logits luma_model_run writes for these chunks. */
+int64_t luma_model_out_rows(const luma_chunk *chunks, int32_t n_chunks);
+
+#endif

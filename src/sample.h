@@ -1,0 +1,80 @@
+/* Whole-vocabulary arithmetic on a logits vector x[0..n), n = the vocabulary
+ * size, done in place on the host. The Lua policies compose these: a chain of
+ * transforms (temperature, top_k, top_p, ...) that mask entries or move
+ * them, ended by a chooser (sample, argmax).
+ *
+ * An entry takes part when it is finite. -INFINITY marks a masked entry; NaN
+ * and +INFINITY, which no function here produces, count as masked too. A
+ * transform leaves masked entries masked and kept entries either unchanged
+ * (the filters) or moved (temperature, penalize, bias); a filter applied to a
+ * vector with nothing left to drop does nothing.
+ *
+ * Ties: whenever entries are ranked, equal values rank by lower id first.
+ *
+ * Functions that can fail return -1 (a count or an id otherwise) after
+ * writing a message naming the argument into err; on failure x is left as it
+ * was. n must be at least 1. */
+#ifndef LUMA_SAMPLE_H
+#define LUMA_SAMPLE_H
+
+#include <stdint.h>
+
+#include "err.h"
+#include "rng.h"
+
+/* The id of the largest entry; -1 when every entry is masked. */
+int32_t luma_logits_argmax(const float *x, int32_t n, luma_err *err);
+/* The k (>= 1) largest unmasked entries, largest first, into ids[0..k) and
+ * vals[0..k); returns how many were written: k, or fewer when fewer entries
+ * are unmasked. */
+int32_t luma_logits_topk(const float *x, int32_t n, int32_t k, int32_t *ids, float *vals,
+                         luma_err *err);
+
+/* t > 0 divides every entry by t (a result too large for a float becomes
+ * FLT_MAX); t == 0 is greedy: only the argmax stays unmasked. */
+int luma_logits_temperature(float *x, int32_t n, float t, luma_err *err);
+/* Masks all but the k (>= 1) largest entries. */
+int luma_logits_top_k(float *x, int32_t n, int32_t k, luma_err *err);
+/* Nucleus: keeps the smallest set of largest entries whose probability sums
+ * to at least p, and at least min_keep (>= 0) entries; p in (0, 1]. */
+int luma_logits_top_p(float *x, int32_t n, float p, int32_t min_keep, luma_err *err);
+/* Masks entries whose probability is below p times the largest probability,
+ * keeping at least min_keep entries (the largest); p in (0, 1]. */
+int luma_logits_min_p(float *x, int32_t n, float p, int32_t min_keep, luma_err *err);
+/* Locally typical sampling (Meister et al. 2022, as llama.cpp does it): ranks
+ * entries by |-log p_i - H|, H the entropy, and keeps the smallest prefix of
+ * that ranking whose probability exceeds p, and at least min_keep entries;
+ * p in (0, 1]. */
+int luma_logits_typical(float *x, int32_t n, float p, int32_t min_keep, luma_err *err);
+/* Penalties over the last last_n ids of hist[0..n_hist) (the whole history
+ * when last_n <= 0), as llama.cpp applies them: for each distinct id seen c
+ * times, its entry is divided by repeat when positive and multiplied by
+ * repeat otherwise, then lowered by c * frequency + presence. repeat > 0;
+ * 1, 0, 0 change nothing. Every id of hist must be in [0, n). */
+int luma_logits_penalize(float *x, int32_t n, const int32_t *hist, int32_t n_hist,
+                         int32_t last_n, float repeat, float frequency, float presence,
+                         luma_err *err);
+/* x[ids[i]] += values[i] for i in [0, count). A value may be -INFINITY (which
+ * masks) but not NaN or +INFINITY. */
+int luma_logits_bias(float *x, int32_t n, const int32_t *ids, const float *values,
+                     int32_t count, luma_err *err);
+/* Masks the count entries named by ids. */
+int luma_logits_mask(float *x, int32_t n, const int32_t *ids, int32_t count, luma_err *err);
+/* Masks every entry except the count named by ids. */
+int luma_logits_allow(float *x, int32_t n, const int32_t *ids, int32_t count, luma_err *err);
+
+/* Probabilities in place (masked entries become 0). Fails when every entry
+ * is masked. */
+int luma_logits_softmax(float *x, int32_t n, luma_err *err);
+/* Log-probabilities in place (masked entries stay -INFINITY). Fails when
+ * every entry is masked. */
+int luma_logits_log_softmax(float *x, int32_t n, luma_err *err);
+/* *h = the entropy of softmax(x) in nats; x is not changed. Fails when every
+ * entry is masked. */
+int luma_logits_entropy(const float *x, int32_t n, double *h, luma_err *err);
+/* Draws an id from the categorical distribution softmax(x). Every call takes
+ * exactly one luma_rng_uniform from rng, also a call that fails, so that a
+ * seed fixes the whole sequence of draws. -1 when every entry is masked. */
+int32_t luma_logits_sample(const float *x, int32_t n, luma_rng *rng, luma_err *err);
+
+#endif

@@ -45,6 +45,11 @@ const char *luma_gguf_type_name(enum luma_gguf_type t)
     return (unsigned)t < LUMA_GGUF_TYPE_COUNT ? type_names[t] : "unknown";
 }
 
+size_t luma_gguf_type_size(enum luma_gguf_type t)
+{
+    return (unsigned)t < LUMA_GGUF_TYPE_COUNT ? scalar_size[t] : 0;
+}
+
 bool luma_str_eq(luma_str s, const char *cstr)
 {
     size_t n = strlen(cstr);

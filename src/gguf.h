@@ -112,6 +112,8 @@ int luma_gguf_get_arr(const luma_gguf *g, const char *key, enum luma_gguf_type e
                       const luma_gguf_value **out, luma_err *err);
 
 const char *luma_gguf_type_name(enum luma_gguf_type t);
+/* Bytes of one element of a scalar type; 0 for STRING, ARRAY and unknown types. */
+size_t luma_gguf_type_size(enum luma_gguf_type t);
 bool luma_str_eq(luma_str s, const char *cstr);
 
 /* Writing GGUF v3 files (tests, the synthetic model tool). Keys and tensors

@@ -66,11 +66,12 @@ size_t luma_row_size(enum luma_type t, int64_t n)
     return (size_t)blocks * tr->type_size;
 }
 
+/* The AVX2 kernels also use F16C, which every AVX2 CPU has (Intel since Ivy
+ * Bridge, AMD since Piledriver, both before AVX2). */
 static bool have_avx2(void)
 {
 #if defined(__x86_64__) && defined(__GNUC__)
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-           __builtin_cpu_supports("f16c");
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 #else
     return false;
 #endif
@@ -219,11 +220,15 @@ static uint32_t load_u32le(const uint8_t *p)
     return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
 }
 
-/* The 5-bit value of element j of a Q5_0/Q5_1 block. */
-static int q5_value(const uint8_t *qs, uint32_t qh, int j)
+/* The 5-bit values of elements j and j + 16 (j < 16) of a Q5_0/Q5_1 block. */
+static int q5_lo(const uint8_t *qs, uint32_t qh, int j)
 {
-    int lo = j < LUMA_QK / 2 ? qs[j] & 0xF : qs[j - LUMA_QK / 2] >> 4;
-    return lo | (int)((qh >> j) & 1) << 4;
+    return (qs[j] & 0xF) | (int)((qh >> j) & 1) << 4;
+}
+
+static int q5_hi(const uint8_t *qs, uint32_t qh, int j)
+{
+    return (qs[j] >> 4) | (int)((qh >> (j + LUMA_QK / 2)) & 1) << 4;
 }
 
 static void dequant_q5_0(const luma_block_q5_0 *x, float *y, int64_t nb)
@@ -231,7 +236,10 @@ static void dequant_q5_0(const luma_block_q5_0 *x, float *y, int64_t nb)
     for (int64_t b = 0; b < nb; b++, x++, y += LUMA_QK) {
         float d = luma_f16_to_f32(x->d);
         uint32_t qh = load_u32le(x->qh);
-        for (int j = 0; j < LUMA_QK; j++) y[j] = d * (float)(q5_value(x->qs, qh, j) - 16);
+        for (int j = 0; j < LUMA_QK / 2; j++) {
+            y[j] = d * (float)(q5_lo(x->qs, qh, j) - 16);
+            y[j + LUMA_QK / 2] = d * (float)(q5_hi(x->qs, qh, j) - 16);
+        }
     }
 }
 
@@ -240,7 +248,10 @@ static void dequant_q5_1(const luma_block_q5_1 *x, float *y, int64_t nb)
     for (int64_t b = 0; b < nb; b++, x++, y += LUMA_QK) {
         float d = luma_f16_to_f32(x->d), m = luma_f16_to_f32(x->m);
         uint32_t qh = load_u32le(x->qh);
-        for (int j = 0; j < LUMA_QK; j++) y[j] = d * (float)q5_value(x->qs, qh, j) + m;
+        for (int j = 0; j < LUMA_QK / 2; j++) {
+            y[j] = d * (float)q5_lo(x->qs, qh, j) + m;
+            y[j + LUMA_QK / 2] = d * (float)q5_hi(x->qs, qh, j) + m;
+        }
     }
 }
 
@@ -527,7 +538,8 @@ static float dot_q5_0(int64_t n, const void *w, const void *a)
     for (int64_t b = 0; b < n / LUMA_QK; b++, x++, y++) {
         uint32_t qh = load_u32le(x->qh);
         int s = 0;
-        for (int j = 0; j < LUMA_QK; j++) s += (q5_value(x->qs, qh, j) - 16) * y->qs[j];
+        for (int j = 0; j < LUMA_QK / 2; j++)
+            s += (q5_lo(x->qs, qh, j) - 16) * y->qs[j] + (q5_hi(x->qs, qh, j) - 16) * y->qs[j + LUMA_QK / 2];
         sum += (float)s * (luma_f16_to_f32(x->d) * luma_f16_to_f32(y->d));
     }
     return sum;
@@ -541,9 +553,9 @@ static float dot_q5_1(int64_t n, const void *w, const void *a)
     for (int64_t b = 0; b < n / LUMA_QK; b++, x++, y++) {
         uint32_t qh = load_u32le(x->qh);
         int s = 0, sy = 0;
-        for (int j = 0; j < LUMA_QK; j++) {
-            s += q5_value(x->qs, qh, j) * y->qs[j];
-            sy += y->qs[j];
+        for (int j = 0; j < LUMA_QK / 2; j++) {
+            s += q5_lo(x->qs, qh, j) * y->qs[j] + q5_hi(x->qs, qh, j) * y->qs[j + LUMA_QK / 2];
+            sy += y->qs[j] + y->qs[j + LUMA_QK / 2];
         }
         float dy = luma_f16_to_f32(y->d);
         sum += (float)s * (luma_f16_to_f32(x->d) * dy) + (float)sy * (luma_f16_to_f32(x->m) * dy);

@@ -82,8 +82,8 @@ void luma_f16_to_f32_row(const uint16_t *src, float *dst, int64_t n);
 /* Scalar reference dequantization of n elements (n a multiple of the block
  * size; a partial last block is not read). Also decodes Q8_K. */
 void luma_dequantize_row(enum luma_type t, const void *src, float *dst, int64_t n);
-/* Quantizes n floats to an activation format (F32, Q8_0 or Q8_K), rounding
- * like GGML's reference quantize_row_q8_0 (half away from zero) and
+/* Quantizes n floats to an activation format (F32, Q8_0 or Q8_K; n a
+ * multiple of its block size), rounding like GGML's reference quantize_row_q8_0 (half away from zero) and
  * quantize_row_q8_K (half to even, the largest magnitude maps to -127);
  * dispatches to the SIMD version when the CPU has it, which gives the same
  * bytes. Other types leave dst untouched. */
@@ -92,8 +92,9 @@ void luma_quantize_act(enum luma_type t, const float *src, void *dst, int64_t n)
 void luma_quantize_act_ref(enum luma_type t, const float *src, void *dst, int64_t n);
 
 /* The dot product for weights of type t against activations of
- * luma_type_get(t)->act_type: AVX2/FMA when the CPU supports it, else scalar.
- * NULL for a type without one. */
+ * luma_type_get(t)->act_type: AVX2/FMA when the CPU supports it, else scalar
+ * (Q8_K weights, which no file holds, always take the scalar one). NULL for
+ * a type without one. */
 luma_vec_dot_fn luma_vec_dot_get(enum luma_type t);
 /* Always the scalar reference (tests compare the two). */
 luma_vec_dot_fn luma_vec_dot_ref(enum luma_type t);

@@ -73,11 +73,12 @@ static const char *const eog_texts[] = {
 };
 
 /* Special tokens of one text length: those recognized in text are found by
- * hashing the substring at each position whose first byte can start one. */
+ * hashing the substring at each position whose first and last bytes can
+ * start and end one. Bit b of a set: some token has byte b there. */
 typedef struct special_group {
     size_t len;
-    uint64_t first_any[4];      /* first bytes of control, unknown and user-defined tokens */
-    uint64_t first_user[4];     /* first bytes of user-defined tokens */
+    uint64_t first_any[4], last_any[4];     /* control, unknown and user-defined tokens */
+    uint64_t first_user[4], last_user[4];   /* user-defined tokens */
 } special_group;
 
 typedef struct merge {
@@ -266,9 +267,11 @@ static void scratch_free(scratch *s)
  * or -1. Invalid bytes count as U+FFFD (a symbol). */
 static int64_t decode_text(scratch *s, const char *text, size_t len, luma_err *err)
 {
-    if (grow((void **)&s->cp, &s->cp_cap, len + 1, sizeof *s->cp, err) ||
-        grow((void **)&s->cf, &s->cpf_cap, len + 1, sizeof *s->cf, err) ||
-        grow((void **)&s->cp_off, &s->off_cap, len + 1, sizeof *s->cp_off, err))
+    size_t need;
+    if (luma_add_size(len, 1, &need)) return luma_errf(err, "tokenizer: text too long");
+    if (grow((void **)&s->cp, &s->cp_cap, need, sizeof *s->cp, err) ||
+        grow((void **)&s->cf, &s->cpf_cap, need, sizeof *s->cf, err) ||
+        grow((void **)&s->cp_off, &s->off_cap, need, sizeof *s->cp_off, err))
         return -1;
     size_t n = 0;
     for (size_t at = 0; at < len; n++) {
@@ -710,6 +713,7 @@ static int partition(const luma_vocab *v, const char *text, size_t len, bool par
     for (size_t g = 0; g < v->n_groups; g++) {
         const special_group *grp = &v->groups[g];
         const uint64_t *first = parse_special ? grp->first_any : grp->first_user;
+        const uint64_t *last = parse_special ? grp->last_any : grp->last_user;
         if (!(first[0] | first[1] | first[2] | first[3])) continue;
         next.n = 0;
         for (size_t i = 0; i < f->n; i++) {
@@ -721,7 +725,8 @@ static int partition(const luma_vocab *v, const char *text, size_t len, bool par
             size_t start = x.off, end = x.off + x.len;
             for (size_t p = x.off; p + grp->len <= end;) {
                 int32_t id = -1;
-                if (bit_set(first, (unsigned char)text[p])) {
+                if (bit_set(first, (unsigned char)text[p]) &&
+                    bit_set(last, (unsigned char)text[p + grp->len - 1])) {
                     id = luma_vocab_find(v, text + p, grp->len);
                     if (id >= 0 && !recognized(v, id, parse_special)) id = -1;
                 }
@@ -1289,9 +1294,13 @@ static int load_groups(luma_vocab *v, luma_err *err)
         luma_str s = token_str(v, i);
         special_group *grp = v->groups;
         while (grp->len != s.len) grp++;
-        unsigned char b = (unsigned char)s.ptr[0];
+        unsigned char b = (unsigned char)s.ptr[0], e = (unsigned char)s.ptr[s.len - 1];
         grp->first_any[b >> 6] |= 1ull << (b & 63);
-        if (t == LUMA_TOKEN_USER_DEFINED) grp->first_user[b >> 6] |= 1ull << (b & 63);
+        grp->last_any[e >> 6] |= 1ull << (e & 63);
+        if (t == LUMA_TOKEN_USER_DEFINED) {
+            grp->first_user[b >> 6] |= 1ull << (b & 63);
+            grp->last_user[e >> 6] |= 1ull << (e & 63);
+        }
     }
     free(seen);
     return 0;

@@ -4,7 +4,10 @@
  *   BPE  (tokenizer.ggml.model = "gpt2"): byte-level BPE with ranked merges,
  *        after the pre-tokenizer named by tokenizer.ggml.pre.
  * Token types (tokenizer.ggml.token_type) follow GGUF: 1 normal, 2 unknown,
- * 3 control, 4 user-defined, 5 unused, 6 byte. */
+ * 3 control, 4 user-defined, 5 unused, 6 byte (normal when the key is
+ * absent). As in llama.cpp, tokens found by their text as end of turn or
+ * generation (see luma_vocab_special) become control tokens, and other
+ * values behave as unused. */
 #ifndef LUMA_TOKENIZER_H
 #define LUMA_TOKENIZER_H
 
@@ -27,7 +30,8 @@ enum luma_token_type {
  * unk 0 as SentencePiece does). eot, when the metadata does not name it, is
  * the first of <|eot_id|>, <|im_end|>, <|end|>, <end_of_turn>, <|endoftext|>,
  * <|end_of_text|>, <EOT>, _<EOT>, <end_of_utterance> in the vocabulary, and
- * eom likewise <|eom_id|>. nl is the token of "\n". */
+ * eom likewise <|eom_id|>. nl is llama.cpp's newline token: SPM's byte token
+ * <0x0A>, BPE's first token of "\n". */
 typedef struct luma_vocab_special {
     int32_t bos, eos, eot, eom, unk, pad, sep, nl;
     bool add_bos, add_eos;

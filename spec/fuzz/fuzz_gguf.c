@@ -10,8 +10,6 @@
 
 #include "gguf.h"
 
-static const uint8_t elem_size[LUMA_GGUF_TYPE_COUNT] = {1, 1, 2, 2, 4, 4, 4, 1, 0, 0, 8, 8, 8};
-
 static volatile uint64_t sink;
 
 static void require(int ok)
@@ -42,7 +40,7 @@ static uint64_t touch_value(const luma_gguf *g, const luma_gguf_value *v, uint64
             h = touch_value(g, &v->items[i], h, depth + 1);
         }
     } else {
-        h = touch(g, v->data, v->n * elem_size[v->elem_type], h);
+        h = touch(g, v->data, v->n * luma_gguf_type_size(v->elem_type), h);
     }
     return h;
 }

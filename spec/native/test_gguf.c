@@ -140,8 +140,6 @@ static int open_copy(const uint8_t *src, size_t len, luma_gguf **g, uint8_t **ke
 
 /* ---- walking an open file --------------------------------------------------- */
 
-static const uint8_t elem_size[LUMA_GGUF_TYPE_COUNT] = {1, 1, 2, 2, 4, 4, 4, 1, 0, 0, 8, 8, 8};
-
 static int in_file(const luma_gguf *g, const void *p, uint64_t n)
 {
     const uint8_t *b = p;
@@ -167,8 +165,8 @@ static uint64_t walk_value(const luma_gguf *g, const luma_gguf_value *v, uint64_
         }
     }
     if (v->elem_type != LUMA_GGUF_STRING && v->elem_type != LUMA_GGUF_ARRAY) {
-        CHECK(in_file(g, v->data, v->n * elem_size[v->elem_type]));
-        h = fnv(h, v->data, v->n * elem_size[v->elem_type]);
+        CHECK(in_file(g, v->data, v->n * luma_gguf_type_size(v->elem_type)));
+        h = fnv(h, v->data, v->n * luma_gguf_type_size(v->elem_type));
     }
     return h;
 }
@@ -340,7 +338,7 @@ static void check_sample(const luma_gguf *g, uint64_t alignment)
         CHECK(luma_gguf_get_arr(g, arr_key[t], t, &a, &err) == 0 && a != NULL);
         if (!a) continue;
         CHECK(a->type == LUMA_GGUF_ARRAY && a->elem_type == (enum luma_gguf_type)t && a->n == 3);
-        CHECK(memcmp(a->data, pat, 3 * elem_size[t]) == 0);
+        CHECK(memcmp(a->data, pat, 3 * luma_gguf_type_size(t)) == 0);
         CHECK(a->strs == NULL && a->items == NULL);
     }
 
@@ -436,6 +434,8 @@ static void check_getters(const luma_gguf *g)
     CHECK(luma_gguf_get_arr(g, "t.u8", LUMA_GGUF_U8, &a, &err) == -1 && strstr(err.msg, "u8"));
     CHECK(strcmp(luma_gguf_type_name(LUMA_GGUF_F64), "f64") == 0);
     CHECK(strcmp(luma_gguf_type_name(LUMA_GGUF_TYPE_COUNT), "unknown") == 0);
+    CHECK(luma_gguf_type_size(LUMA_GGUF_I16) == 2 && luma_gguf_type_size(LUMA_GGUF_F64) == 8);
+    CHECK(luma_gguf_type_size(LUMA_GGUF_STRING) == 0 && luma_gguf_type_size(LUMA_GGUF_TYPE_COUNT) == 0);
 }
 
 /* Every kv and tensor copied into a new writer gives the same bytes. */

@@ -536,16 +536,27 @@ static double now_ns(void)
 
 static volatile float sink;
 
+/* The best of 5 windows of at least 0.4 ms: other processes share the CPU. */
+#define TIMED(ns_per_call, body)                                  \
+    do {                                                          \
+        ns_per_call = 1e30;                                       \
+        for (int win = 0; win < 5; win++) {                       \
+            int calls_ = 0;                                       \
+            double t0_ = now_ns(), el_;                           \
+            do {                                                  \
+                body;                                             \
+                calls_++;                                         \
+                el_ = now_ns() - t0_;                             \
+            } while (el_ < 4e5);                                  \
+            if (el_ / calls_ < ns_per_call) ns_per_call = el_ / calls_; \
+        }                                                         \
+    } while (0)
+
 static double time_dot(luma_vec_dot_fn f, int64_t n, const void *w, const void *a)
 {
-    int iters = 0;
-    double t0 = now_ns(), t;
-    do {
-        for (int k = 0; k < 16; k++) sink += f(n, w, a);
-        iters += 16;
-        t = now_ns() - t0;
-    } while (t < 2e6);
-    return t / iters / ((double)n / 256);
+    double ns;
+    TIMED(ns, sink += f(n, w, a));
+    return ns / ((double)n / 256);
 }
 
 static void test_timing(void)
@@ -563,15 +574,9 @@ static void test_timing(void)
         for (int i = 0; i < nr; i++) random_weights(t, n, w + (size_t)i * ws);
         for (int j = 0; j < na; j++) luma_quantize_act(at, x, a + (size_t)j * as, n);
         double scalar = time_dot(luma_vec_dot_ref(t), n, w, a), simd = time_dot(luma_vec_dot_get(t), n, w, a);
-        int iters = 0;
-        double t0 = now_ns(), el;
-        do {
-            luma_vec_dot_rows(t, n, w, ws, nr, a, as, na, out, (size_t)nr);
-            sink += out[0];
-            iters++;
-            el = now_ns() - t0;
-        } while (el < 2e6);
-        double tile = el / iters / (nr * na) / ((double)n / 256);
+        double tile;
+        TIMED(tile, (luma_vec_dot_rows(t, n, w, ws, nr, a, as, na, out, (size_t)nr), sink += out[0]));
+        tile /= nr * na * ((double)n / 256);
         printf("  %-5s scalar %8.1f  simd %7.1f  tile %7.1f\n", luma_type_name(t), scalar, simd, tile);
         free(w);
         free(a);

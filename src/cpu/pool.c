@@ -2,6 +2,7 @@
 #include "cpu/pool.h"
 
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdbool.h>
 #include <stdlib.h>
@@ -31,6 +32,14 @@ struct luma_pool {
     void *ctx;
 };
 
+/* Pauses inside a spin; every 64 rounds gives the core away, so a waiter
+ * does not starve the thread it waits for when cores are oversubscribed. */
+static void relax(int round)
+{
+    if (round % 64 == 0) sched_yield();
+    else cpu_relax();
+}
+
 typedef struct {
     luma_pool *pool;
     int ith;
@@ -49,7 +58,7 @@ static void *worker_main(void *argp)
         while ((g = atomic_load_explicit(&p->generation, memory_order_acquire)) == seen &&
                !atomic_load(&p->stop)) {
             if (++spins < SPIN_ROUNDS) {
-                cpu_relax();
+                relax(spins);
                 continue;
             }
             pthread_mutex_lock(&p->mu);
@@ -128,5 +137,5 @@ void luma_pool_run(luma_pool *p, luma_pool_fn fn, void *ctx)
         pthread_mutex_unlock(&p->mu);
     }
     fn(ctx, 0, p->n);
-    while (atomic_load_explicit(&p->pending, memory_order_acquire) > 0) cpu_relax();
+    for (int round = 1; atomic_load_explicit(&p->pending, memory_order_acquire) > 0; round++) relax(round);
 }

@@ -1,5 +1,6 @@
 /* AVX2/FMA/F16C kernels of the number formats (built with -mavx2 -mfma
- * -mf16c; quant.c calls them only on a CPU that has all three).
+ * -mf16c; quant.c calls them only on a CPU with AVX2 and FMA, and every such
+ * CPU has F16C).
  *
  * Integer dots multiply unsigned bytes by signed bytes with maddubs (adjacent
  * pairs summed to int16), then madd the int16 pairs to int32, by ones or by
@@ -157,21 +158,34 @@ INLINE __m256 legacy_dot(enum luma_type t, const legacy_w *w, const luma_block_q
     return _mm256_fmadd_ps(_mm256_set1_ps(w->d * dy), _mm256_cvtepi32_ps(p), acc);
 }
 
-/* nr weight rows against ta (a constant once inlined) activation rows. */
+/* nr weight rows against ta (a constant once inlined) activation rows. Two
+ * blocks a step, into two sets of accumulators: one chain of fused
+ * multiply-adds would wait on its own latency at every block. */
 INLINE void legacy_tile(enum luma_type t, int ta, int64_t n, const uint8_t *w, size_t ws, int nr,
                         const uint8_t *a, size_t as, float *out, size_t os)
 {
     const size_t bs = legacy_block_size(t);
+    const int64_t nb = n / LUMA_QK;
     for (int i = 0; i < nr; i++) {
         const uint8_t *wr = w + (size_t)i * ws;
-        __m256 acc[TILE_A];
-        for (int r = 0; r < ta; r++) acc[r] = _mm256_setzero_ps();
-        for (int64_t b = 0; b < n / LUMA_QK; b++) {
-            legacy_w x = legacy_decode(t, wr + (size_t)b * bs);
-            for (int r = 0; r < ta; r++)
-                acc[r] = legacy_dot(t, &x, (const luma_block_q8_0 *)(a + (size_t)r * as) + b, acc[r]);
+        __m256 acc0[TILE_A], acc1[TILE_A];
+        for (int r = 0; r < ta; r++) acc0[r] = acc1[r] = _mm256_setzero_ps();
+        int64_t b = 0;
+        for (; b + 2 <= nb; b += 2) {
+            legacy_w x0 = legacy_decode(t, wr + (size_t)b * bs);
+            legacy_w x1 = legacy_decode(t, wr + (size_t)(b + 1) * bs);
+            for (int r = 0; r < ta; r++) {
+                const luma_block_q8_0 *y = (const luma_block_q8_0 *)(a + (size_t)r * as) + b;
+                acc0[r] = legacy_dot(t, &x0, y, acc0[r]);
+                acc1[r] = legacy_dot(t, &x1, y + 1, acc1[r]);
+            }
         }
-        for (int r = 0; r < ta; r++) out[(size_t)r * os + (size_t)i] = hsum_ps(acc[r]);
+        if (b < nb) {
+            legacy_w x0 = legacy_decode(t, wr + (size_t)b * bs);
+            for (int r = 0; r < ta; r++)
+                acc0[r] = legacy_dot(t, &x0, (const luma_block_q8_0 *)(a + (size_t)r * as) + b, acc0[r]);
+        }
+        for (int r = 0; r < ta; r++) out[(size_t)r * os + (size_t)i] = hsum_ps(_mm256_add_ps(acc0[r], acc1[r]));
     }
 }
 

@@ -685,12 +685,16 @@ typedef struct wkv {
     buf value;          /* u32 type and the encoded value */
 } wkv;
 
+/* A tensor holds either a copy of its data or a fill callback that makes
+ * the data at save time. */
 typedef struct wtensor {
     char *name;
     uint32_t type, n_dims;
     int64_t ne[LUMA_GGUF_MAX_DIMS];
     void *data;
     size_t size;
+    luma_gguf_fill_fn fill;
+    void *fill_ctx;
 } wtensor;
 
 struct luma_gguf_writer {
@@ -912,8 +916,10 @@ void luma_gguf_set_arr_str(luma_gguf_writer *w, const char *key, const luma_str 
     luma_gguf_set_value(w, key, &val);
 }
 
-int luma_gguf_add_tensor(luma_gguf_writer *w, const char *name, uint32_t type, uint32_t n_dims,
-                         const int64_t *ne, const void *data, size_t size, luma_err *err)
+/* Checks a new tensor's name, shape and type and fills in t (name not yet
+ * copied); size is the bytes its data will have. */
+static int check_tensor(const luma_gguf_writer *w, const char *name, uint32_t type, uint32_t n_dims,
+                        const int64_t *ne, wtensor *t, luma_err *err)
 {
     if (!w) return luma_errf(err, "gguf writer: out of memory");
     size_t len = name ? strlen(name) : 0;
@@ -928,36 +934,63 @@ int luma_gguf_add_tensor(luma_gguf_writer *w, const char *name, uint32_t type, u
     const luma_type_traits *tr = luma_type_get(type);
     if (!tr || !tr->name)
         return luma_errf(err, "gguf writer: tensor '%s': unknown type %" PRIu32, name, type);
-    wtensor t = {.type = type, .n_dims = n_dims, .ne = {1, 1, 1, 1}, .size = size};
+    *t = (wtensor){.type = type, .n_dims = n_dims, .ne = {1, 1, 1, 1}};
     int64_t nelem = 1;
     for (uint32_t d = 0; d < n_dims; d++) {
         if (ne[d] <= 0 || ne[d] > INT64_MAX / nelem)
             return luma_errf(err, "gguf writer: tensor '%s': bad dimension %" PRIu32 " (%" PRId64 ")",
                              name, d, ne[d]);
-        t.ne[d] = ne[d];
+        t->ne[d] = ne[d];
         nelem *= ne[d];
     }
-    size_t want = 0;
-    if (t.ne[0] % tr->block_size != 0)
+    if (t->ne[0] % tr->block_size != 0)
         return luma_errf(err, "gguf writer: tensor '%s': row of %" PRId64 " is not a multiple "
-                         "of the %s block size", name, t.ne[0], tr->name);
-    if (tensor_bytes(tr, type, t.ne, &want) != 0 || want != size)
-        return luma_errf(err, "gguf writer: tensor '%s': data is %zu bytes, %s [%" PRId64 ", %"
-                         PRId64 ", %" PRId64 ", %" PRId64 "] needs %zu", name, size, tr->name,
-                         t.ne[0], t.ne[1], t.ne[2], t.ne[3], want);
-    if (!data) return luma_errf(err, "gguf writer: tensor '%s': no data", name);
+                         "of the %s block size", name, t->ne[0], tr->name);
+    if (tensor_bytes(tr, type, t->ne, &t->size) != 0)
+        return luma_errf(err, "gguf writer: tensor '%s': too large", name);
+    return 0;
+}
+
+/* Appends t, taking ownership of data (which may be NULL). */
+static int push_tensor(luma_gguf_writer *w, const char *name, wtensor t, luma_err *err)
+{
+    size_t len = strlen(name);
     t.name = malloc(len + 1);
-    t.data = malloc(size);
-    if (!t.name || !t.data ||
-        !grow((void **)&w->tensors, &w->cap_tensors, w->n_tensors, sizeof *w->tensors)) {
+    if (!t.name || !grow((void **)&w->tensors, &w->cap_tensors, w->n_tensors, sizeof *w->tensors)) {
         free(t.name);
         free(t.data);
         return luma_errf(err, "gguf writer: tensor '%s': out of memory", name);
     }
     memcpy(t.name, name, len + 1);
-    memcpy(t.data, data, size);
     w->tensors[w->n_tensors++] = t;
     return 0;
+}
+
+int luma_gguf_add_tensor(luma_gguf_writer *w, const char *name, uint32_t type, uint32_t n_dims,
+                         const int64_t *ne, const void *data, size_t size, luma_err *err)
+{
+    wtensor t;
+    if (check_tensor(w, name, type, n_dims, ne, &t, err)) return -1;
+    if (t.size != size)
+        return luma_errf(err, "gguf writer: tensor '%s': data is %zu bytes, %s [%" PRId64 ", %"
+                         PRId64 ", %" PRId64 ", %" PRId64 "] needs %zu", name, size,
+                         luma_type_name(type), t.ne[0], t.ne[1], t.ne[2], t.ne[3], t.size);
+    if (!data) return luma_errf(err, "gguf writer: tensor '%s': no data", name);
+    t.data = malloc(size);
+    if (!t.data) return luma_errf(err, "gguf writer: tensor '%s': out of memory", name);
+    memcpy(t.data, data, size);
+    return push_tensor(w, name, t, err);
+}
+
+int luma_gguf_add_tensor_fill(luma_gguf_writer *w, const char *name, uint32_t type, uint32_t n_dims,
+                              const int64_t *ne, luma_gguf_fill_fn fill, void *ctx, luma_err *err)
+{
+    wtensor t;
+    if (check_tensor(w, name, type, n_dims, ne, &t, err)) return -1;
+    if (!fill) return luma_errf(err, "gguf writer: tensor '%s': no fill function", name);
+    t.fill = fill;
+    t.fill_ctx = ctx;
+    return push_tensor(w, name, t, err);
 }
 
 static size_t padding(uint64_t pos, uint64_t alignment)
@@ -979,6 +1012,36 @@ static bool write_zeros(FILE *fp, size_t n)
         if (!write_all(fp, zeros, k)) return false;
     }
     return true;
+}
+
+/* A filled tensor is made this many bytes at a time (or one row, when a
+ * row is larger). */
+#define FILL_CHUNK ((size_t)4 << 20)
+
+enum { WRITTEN, WRITE_FAILED, FILL_FAILED };
+
+/* Writes a tensor whose data its fill callback makes, a chunk of whole rows
+ * at a time. FILL_FAILED leaves the callback's message in err. */
+static int write_filled(FILE *fp, const wtensor *t, luma_err *err)
+{
+    int64_t n_rows = t->ne[1] * t->ne[2] * t->ne[3];
+    size_t row = t->size / (size_t)n_rows;
+    int64_t per = (int64_t)(FILL_CHUNK / row);
+    if (per < 1) per = 1;
+    if (per > n_rows) per = n_rows;
+    uint8_t *rows = malloc((size_t)per * row);
+    if (!rows) {
+        luma_errf(err, "gguf writer: tensor '%s': out of memory", t->name);
+        return FILL_FAILED;
+    }
+    int rc = WRITTEN;
+    for (int64_t r = 0; r < n_rows && rc == WRITTEN; r += per) {
+        int64_t n = n_rows - r < per ? n_rows - r : per;
+        if (t->fill(t->fill_ctx, r, n, rows, err) != 0) rc = FILL_FAILED;
+        else if (!write_all(fp, rows, (size_t)n * row)) rc = WRITE_FAILED;
+    }
+    free(rows);
+    return rc;
 }
 
 /* Everything before the data section: the header, the metadata, the tensor
@@ -1022,9 +1085,17 @@ int luma_gguf_writer_save(luma_gguf_writer *w, const char *path, luma_err *err)
         return luma_errf(err, "%s: %s", path, strerror(errno));
     }
     bool ok = write_all(fp, head.p, head.len) && write_zeros(fp, padding(head.len, w->alignment));
-    for (size_t i = 0; ok && i < w->n_tensors; i++) {
+    bool filled = true;
+    for (size_t i = 0; ok && filled && i < w->n_tensors; i++) {
         const wtensor *t = &w->tensors[i];
-        ok = write_all(fp, t->data, t->size) && write_zeros(fp, padding(t->size, w->alignment));
+        if (t->fill) {
+            int rc = write_filled(fp, t, err);
+            ok = rc != WRITE_FAILED;
+            filled = rc != FILL_FAILED;
+        } else {
+            ok = write_all(fp, t->data, t->size);
+        }
+        ok = ok && filled && write_zeros(fp, padding(t->size, w->alignment));
     }
     int e = errno;
     free(head.p);
@@ -1034,6 +1105,7 @@ int luma_gguf_writer_save(luma_gguf_writer *w, const char *path, luma_err *err)
     }
     if (!ok) {
         remove(path);
+        if (!filled) return -1;
         return luma_errf(err, "%s: write failed: %s", path, strerror(e));
     }
     return 0;

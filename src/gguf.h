@@ -118,7 +118,8 @@ bool luma_str_eq(luma_str s, const char *cstr);
 
 /* Writing GGUF v3 files (tests, the synthetic model tool). Keys and tensors
  * are written in the order they were first added; setting a key again
- * replaces its value in place. The data of each tensor is copied at add time.
+ * replaces its value in place. luma_gguf_add_tensor copies a tensor's data at
+ * add time; luma_gguf_add_tensor_fill has it made at save time instead.
  * Setters cannot fail: a bad value or an allocation failure is remembered and
  * reported by luma_gguf_writer_save. A u32 `general.alignment` (a power of
  * two) sets the alignment of the data section; tensor names are 1..63 bytes
@@ -142,6 +143,16 @@ void luma_gguf_set_value(luma_gguf_writer *w, const char *key, const luma_gguf_v
 void luma_gguf_copy_kv(luma_gguf_writer *w, const luma_gguf_kv *kv);
 int luma_gguf_add_tensor(luma_gguf_writer *w, const char *name, uint32_t type, uint32_t n_dims,
                          const int64_t *ne, const void *data, size_t size, luma_err *err);
+/* Makes rows [row0, row0 + n_rows) of a tensor into dst, packed (a row is
+ * ne[0] elements; a tensor has ne[1] * ne[2] * ne[3] rows). Returns 0, or -1
+ * after writing a message into err, which ends the save. */
+typedef int (*luma_gguf_fill_fn)(void *ctx, int64_t row0, int64_t n_rows, void *dst, luma_err *err);
+/* A tensor whose data fill makes while the file is saved, at most a few MiB
+ * at a time, so that a file larger than memory can be written. ctx must stay
+ * valid until luma_gguf_writer_save returns. */
+int luma_gguf_add_tensor_fill(luma_gguf_writer *w, const char *name, uint32_t type, uint32_t n_dims,
+                              const int64_t *ne, luma_gguf_fill_fn fill, void *ctx, luma_err *err);
+/* Writes the file; on any failure (a fill's included) removes it. */
 int luma_gguf_writer_save(luma_gguf_writer *w, const char *path, luma_err *err);
 
 #endif

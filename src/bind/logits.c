@@ -25,7 +25,7 @@ static int32_t check_index(lua_State *L, const llogits *lg, int i)
 {
     lua_Integer id = luaL_checkinteger(L, i);
     if (id < 0 || id >= lg->n)
-        luaL_error(L, "token id %d out of range [0, %d)", (int)id, (int)lg->n);
+        luaL_error(L, "token id %I out of range [0, %d)", id, (int)lg->n);
     return (int32_t)id;
 }
 
@@ -172,8 +172,9 @@ static int logits_bias(lua_State *L)
         int isint, isnum;
         lua_Integer id = lua_tointegerx(L, -2, &isint);
         lua_Number v = lua_tonumberx(L, -1, &isnum);
-        if (!isint || !isnum) return luaL_error(L, "bad argument #1 to 'bias': expected {[token id] = number}");
-        if (id < 0 || id >= lg->n) return luaL_error(L, "bias: token id %d out of range [0, %d)", (int)id, (int)lg->n);
+        if (!isint || !isnum) return luaL_argerror(L, 2, "expected {[token id] = number}");
+        if (id < 0 || id >= lg->n)
+            return luaL_argerror(L, 2, lua_pushfstring(L, "token id %I out of range [0, %d)", id, (int)lg->n));
         int32_t i32 = (int32_t)id;
         float f = (float)v;
         if (luma_logits_bias(lg->x, lg->n, &i32, &f, 1, &err) < 0) return luma_bind_error(L, &err);
@@ -201,7 +202,7 @@ static int32_t *check_idset(lua_State *L, int i, int32_t n_vocab, int32_t *count
         int isint;
         lua_Integer id = lua_tointegerx(L, -2, &isint);
         if (!isint || id < 0 || id >= n_vocab)
-            luaL_error(L, "bad argument #%d: expected token ids in [0, %d)", i - 1, (int)n_vocab);
+            luaL_argerror(L, i, lua_pushfstring(L, "expected token ids in [0, %d)", (int)n_vocab));
         if (lua_toboolean(L, -1)) ids[k++] = (int32_t)id;
         lua_pop(L, 1);
     }

@@ -88,10 +88,10 @@ int32_t *luma_bind_checkids(lua_State *L, int i, int32_t n_vocab, int32_t *count
         lua_Integer v = (lua_rawgeti(L, i, k), lua_tointegerx(L, -1, &isint));
         lua_pop(L, 1);
         if (!isint)
-            return luaL_error(L, "bad argument #%d: element %d is not an integer token id", i, (int)k), NULL;
+            return luaL_argerror(L, i, lua_pushfstring(L, "element %I is not an integer token id", k)), NULL;
         if (v < 0 || (n_vocab > 0 && v >= n_vocab))
-            return luaL_error(L, "bad argument #%d: token id %d at position %d is out of range [0, %d)", i,
-                              (int)v, (int)k, (int)n_vocab), NULL;
+            return luaL_argerror(L, i, lua_pushfstring(L, "token id %I at position %I is out of range [0, %d)", v, k,
+                                                       (int)n_vocab)), NULL;
         ids[k - 1] = (int32_t)v;
     }
     *count = (int32_t)n;

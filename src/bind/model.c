@@ -64,7 +64,7 @@ int luma_bind_load(lua_State *L)
     if (!lua_isnoneornil(L, 2)) {
         lua_getfield(L, 2, "progress");
         if (!lua_isnil(L, -1)) {
-            luaL_checktype(L, -1, LUA_TFUNCTION);
+            if (!lua_isfunction(L, -1)) return luaL_error(L, "option 'progress' must be a function");
             pc.fn = lua_gettop(L);
             p.progress = call_progress;
             p.progress_ctx = &pc;
@@ -76,11 +76,8 @@ int luma_bind_load(lua_State *L)
     luaL_setmetatable(L, LUMA_MODEL_MT);
     luma_err err;
     if (luma_model_load(path, &p, &lm->m, &err)) {
-        if (pc.failed) {
-            /* The callback's own error, as it raised it. */
-            lua_pushvalue(L, -2);
-            return lua_error(L);
-        }
+        /* The callback's own error, as it raised it, is on the stack top. */
+        if (pc.failed) return lua_error(L);
         return luma_bind_error(L, &err);
     }
     return 1;
@@ -88,7 +85,12 @@ int luma_bind_load(lua_State *L)
 
 static void model_release(lmodel *lm)
 {
-    while (lm->seqs) luma_bind_seq_release(lm->seqs);
+    while (lm->seqs) {
+        lseq *q = lm->seqs;
+        luma_bind_seq_release(q);
+        /* Tells a later use of q why it is closed. */
+        q->owner = NULL;
+    }
     luma_model_free(lm->m);
     lm->m = NULL;
 }
@@ -158,7 +160,7 @@ static int32_t check_id(lua_State *L, int i, const luma_model *m)
 {
     lua_Integer id = luaL_checkinteger(L, i);
     if (id < 0 || id >= m->hp.n_vocab)
-        luaL_error(L, "bad argument #%d: token id %d out of range [0, %d)", i - 1, (int)id, m->hp.n_vocab);
+        luaL_argerror(L, i, lua_pushfstring(L, "token id %I out of range [0, %d)", id, (int)m->hp.n_vocab));
     return (int32_t)id;
 }
 
@@ -253,24 +255,19 @@ static void push_info(lua_State *L, const luma_model *m)
 
 static int model_index(lua_State *L)
 {
-    lmodel *lm = luma_bind_checkmodel(L, 1);
-    const char *k = lua_tostring(L, 2);
-    if (k && lm->m) {
-        const luma_vocab_special *sp = luma_vocab_specials(lm->m->vocab);
-        int32_t v = -2;
-        if (strcmp(k, "eos") == 0) v = sp->eos;
-        else if (strcmp(k, "bos") == 0) v = sp->bos;
-        else if (strcmp(k, "eot") == 0) v = sp->eot;
-        else if (strcmp(k, "n_vocab") == 0) v = lm->m->hp.n_vocab;
-        if (v != -2) {
-            if (v < 0) lua_pushnil(L);
-            else lua_pushinteger(L, v);
-            return 1;
-        }
-        if (strcmp(k, "info") == 0) {
-            push_info(L, lm->m);
-            return 1;
-        }
+    static const char *const fields[] = { "eos", "bos", "eot", "n_vocab", "info", NULL };
+    luma_bind_checkmodel(L, 1);
+    const char *k = lua_type(L, 2) == LUA_TSTRING ? lua_tostring(L, 2) : NULL;
+    int f = 0;
+    while (k && fields[f] && strcmp(k, fields[f]) != 0) f++;
+    if (k && fields[f]) {
+        luma_model *m = luma_bind_model(L, 1);
+        const luma_vocab_special *sp = luma_vocab_specials(m->vocab);
+        const int32_t v[] = { sp->eos, sp->bos, sp->eot, m->hp.n_vocab };
+        if (f == 4) push_info(L, m);
+        else if (v[f] < 0) lua_pushnil(L);
+        else lua_pushinteger(L, v[f]);
+        return 1;
     }
     lua_pushvalue(L, 2);
     lua_gettable(L, lua_upvalueindex(1));

@@ -65,11 +65,12 @@ static int seq_eval(lua_State *L)
     bool all = luma_bind_optbool(L, 3, "all", false);
     int32_t n, one;
     int32_t *ids;
-    if (lua_isinteger(L, 2)) {
-        lua_Integer id = lua_tointeger(L, 2);
+    if (lua_type(L, 2) == LUA_TNUMBER) {
+        int isint;
+        lua_Integer id = lua_tointegerx(L, 2, &isint);
+        if (!isint) return luaL_argerror(L, 2, "token id must be an integer");
         if (id < 0 || id >= m->hp.n_vocab)
-            return luaL_error(L, "bad argument #1 to 'eval': token id %d out of range [0, %d)", (int)id,
-                              m->hp.n_vocab);
+            return luaL_argerror(L, 2, lua_pushfstring(L, "token id %I out of range [0, %d)", id, (int)m->hp.n_vocab));
         one = (int32_t)id;
         ids = &one;
         n = 1;
@@ -130,7 +131,7 @@ static int seq_rewind(lua_State *L)
     luma_seq *s = luma_bind_seq(L, 1);
     lua_Integer n = luaL_checkinteger(L, 2);
     if (n < 0 || n > s->n_tokens)
-        return luaL_error(L, "bad argument #1 to 'rewind': %d is outside [0, %d]", (int)n, s->n_tokens);
+        return luaL_argerror(L, 2, lua_pushfstring(L, "%I is outside [0, %d]", n, (int)s->n_tokens));
     luma_err err;
     if (luma_seq_rewind(s, (int32_t)n, &err)) return luma_bind_error(L, &err);
     lua_settop(L, 1);

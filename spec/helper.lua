@@ -1,0 +1,96 @@
+-- Shared by the specs: the model under test, the build directory, and small
+-- numeric and file helpers. Specs `require "helper"` (busted is run with
+-- --lpath='./spec/?.lua' from the repository root).
+local luma = require "luma"
+
+local H = {}
+
+-- The build whose `luma` binary and luma.so the CLI specs run.
+H.build_dir = os.getenv("LUMA_BUILD_DIR") or "build"
+
+-- The default model: $LUMA_MODEL, else the fetched file. Raises a clear error
+-- when neither is there: specs that need the model fail, never skip.
+function H.model_path()
+  local ok, path = pcall(require("luma.fetch").default_model)
+  if not ok then error("spec needs the default model: " .. tostring(path), 0) end
+  local f = io.open(path, "rb")
+  if not f then error("spec needs the default model, but " .. path .. " cannot be opened", 0) end
+  f:close()
+  return path
+end
+
+-- Loads the default model with two threads (the CI machine's cores).
+function H.load(opts)
+  local o = { threads = 2 }
+  for k, v in pairs(opts or {}) do o[k] = v end
+  return luma.load(H.model_path(), o)
+end
+
+-- Largest |a[i] - b[i]| over every token id of two Logits.
+function H.max_abs_diff(a, b)
+  assert(#a == #b, "logits of different sizes")
+  local d = 0
+  for i = 0, #a - 1 do
+    local x = math.abs(a[i] - b[i])
+    if x > d then d = x end
+  end
+  return d
+end
+
+-- Splits s at every occurrence of the plain string sep.
+function H.split(s, sep)
+  local out, pos = {}, 1
+  while true do
+    local at = s:find(sep, pos, true)
+    if not at then
+      out[#out + 1] = s:sub(pos)
+      return out
+    end
+    out[#out + 1] = s:sub(pos, at - 1)
+    pos = at + #sep
+  end
+end
+
+function H.read(path)
+  local f = assert(io.open(path, "rb"))
+  local s = f:read("a")
+  f:close()
+  return s
+end
+
+function H.write(path, data)
+  local f = assert(io.open(path, "wb"))
+  f:write(data)
+  f:close()
+end
+
+-- Runs a shell command; returns its stdout, stderr and exit status.
+function H.run(cmd)
+  local err = os.tmpname()
+  local p = assert(io.popen(cmd .. " 2>" .. err, "r"))
+  local out = p:read("a")
+  local _, _, code = p:close()
+  local e = H.read(err)
+  os.remove(err)
+  return out, e, code
+end
+
+-- Single-quotes s for the shell.
+function H.quote(s)
+  return "'" .. s:gsub("'", "'\\''") .. "'"
+end
+
+-- Greedy continuation of ids on a fresh sequence: n token ids.
+function H.greedy(model, ids, n)
+  local seq = model:sequence()
+  local logits = seq:eval(ids)
+  local out = {}
+  for i = 1, n do
+    out[i] = logits:argmax()
+    if i < n then logits = seq:eval(out[i]) end
+  end
+  seq:close()
+  return out
+end
+
+return H

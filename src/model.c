@@ -324,8 +324,9 @@ int luma_model_load(const char *path, const luma_model_params *p, luma_model **o
         goto fail;
     }
     for (uint64_t i = 0; i < m->file->n_tensors; i++) m->weight_bytes += (int64_t)m->file->tensors[i].size;
-    /* The embedding table is read one row per token, not whole. */
-    if (m->output.host != m->tok_embd.host)
+    /* The embedding table is read one row per token, not whole, unless it
+     * is also the output projection. */
+    if (m->output.host)
         m->weight_bytes -= (int64_t)luma_row_size(m->tok_embd.type, m->tok_embd.cols) * (m->tok_embd.rows - 1);
     if (p->n_ctx < 0 || p->max_rows < 0) {
         luma_errf(err, "ctx and max_rows must not be negative");

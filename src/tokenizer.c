@@ -805,7 +805,7 @@ int64_t luma_tokenize(const luma_vocab *v, const char *text, size_t len, bool ad
         return -1;
     }
     size_t n = ids.n;
-    if (cap > 0) memcpy(out, ids.v, ((size_t)cap < n ? (size_t)cap : n) * sizeof *out);
+    if (cap > 0 && n > 0) memcpy(out, ids.v, ((size_t)cap < n ? (size_t)cap : n) * sizeof *out);
     free(ids.v);
     return (int64_t)n;
 }

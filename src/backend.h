@@ -103,6 +103,11 @@ typedef struct luma_backend_ops {
     int (*buf_read)(luma_backend *be, const luma_buf *b, float *dst, luma_err *err);
 
     int (*kv_alloc)(luma_backend *be, const luma_kv_layout *layout, luma_err *err);
+    /* Called once before the operations of a step: a GPU uploads the step's
+     * tokens, positions, out rows and block tables here, and the operations
+     * below that take step data (embed's ids, rope's pos, attention's step)
+     * are given the same pointers. NULL when a backend needs nothing. */
+    int (*step_begin)(luma_backend *be, const luma_step *step, luma_err *err);
     /* The luma_kv copy-on-write callback target. */
     void (*kv_copy_block)(luma_backend *be, int pool, int32_t src, int32_t dst);
 

@@ -126,7 +126,9 @@ int luma_model_run(luma_model *m, const luma_chunk *chunks, int32_t n_chunks, fl
                 off = 0;
             }
         }
-        if (m->arch->forward(m, &step, err) || project_logits(m, step.n_out, &dst, err) ||
+        if ((m->be->ops->step_begin && m->be->ops->step_begin(m->be, &step, err)) ||
+            m->arch->forward(m, &step, err) ||
+            project_logits(m, step.n_out, &dst, err) ||
             m->be->ops->sync(m->be, err))
             goto rollback;
         for (int32_t i = 0; i < step.n_seqs; i++) {

@@ -37,6 +37,13 @@ function H.max_abs_diff(a, b)
   return d
 end
 
+-- Asserts that two Logits agree: the same argmax, and every entry within tol.
+function H.assert_close(a, b, tol)
+  local d = H.max_abs_diff(a, b)
+  assert(a:argmax() == b:argmax(), string.format("argmax %d ~= %d (max |diff| %.3g)", a:argmax(), b:argmax(), d))
+  assert(d < tol, string.format("max |diff| %.3g is not below %g", d, tol))
+end
+
 -- Splits s at every occurrence of the plain string sep.
 function H.split(s, sep)
   local out, pos = {}, 1

@@ -12,7 +12,7 @@
 
 int luaopen_luma(lua_State *L);
 
-static const char *const commands[] = { "generate", "chat", "info", "bench", "fetch", NULL };
+static const char *const commands[] = { "generate", "chat", "info", "bench", "fetch", "synth", NULL };
 
 static void usage(FILE *f)
 {
@@ -23,6 +23,7 @@ static void usage(FILE *f)
           "       luma info [FILE]            metadata and tensors of a GGUF file\n"
           "       luma bench [options]        prefill and decode speed\n"
           "       luma fetch                  download the default model\n"
+          "       luma synth [options]        write a synthetic model of a real shape\n"
           "       luma --version\n",
           f);
 }

@@ -29,7 +29,7 @@ typedef struct luma_synth_params {
     int32_t n_layer, n_embd, n_head, n_kv_head;
     int32_t head_dim;           /* 0: n_embd / n_head */
     int32_t n_ff;
-    int32_t n_ctx;              /* context_length written to the file */
+    int32_t n_ctx;              /* context_length written to the file; 0: 4096 */
     int32_t swa_window;         /* gemma3's sliding window; 0: 512 */
     float rope_base;            /* 0: the architecture's default */
     float eps;                  /* RMSNorm epsilon; 0: the architecture's default */

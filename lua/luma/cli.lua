@@ -5,6 +5,11 @@ local fetch = require "luma.fetch"
 
 local M = {}
 
+-- A mistake on the command line: an error object that the luma command
+-- prints as its message alone, without a traceback.
+local usage_mt = { __tostring = function(e) return e.msg end }
+local function usage_error(msg) error(setmetatable({ msg = msg }, usage_mt), 0) end
+
 -- Options: spec = { name = { kind = "string"|"number"|"integer"|"flag", short = "p", help = "..." } }
 local function parse(cmd, spec, args)
   local o, rest = {}, {}
@@ -26,19 +31,19 @@ local function parse(cmd, spec, args)
       else
         i = i + 1
         local v = args[i]
-        if v == nil then error(cmd .. ": option " .. a .. " needs a value", 0) end
+        if v == nil then usage_error(cmd .. ": option " .. a .. " needs a value") end
         if s.kind == "number" or s.kind == "integer" then
           local n = tonumber(v)
           if not n or (s.kind == "integer" and math.type(n) ~= "integer") then
-            error(cmd .. ": option " .. a .. " expects " .. (s.kind == "integer" and "an integer" or "a number") ..
-                  ", got '" .. v .. "'", 0)
+            usage_error(cmd .. ": option " .. a .. " expects " .. (s.kind == "integer" and "an integer" or "a number") ..
+                        ", got '" .. v .. "'")
           end
           v = n
         end
         o[name] = v
       end
     elseif a:sub(1, 1) == "-" and a ~= "-" then
-      error(cmd .. ": unknown option " .. a .. " (see luma " .. cmd .. " --help)", 0)
+      usage_error(cmd .. ": unknown option " .. a .. " (see luma " .. cmd .. " --help)")
     else
       rest[#rest + 1] = a
     end
@@ -124,7 +129,7 @@ function M.generate(args)
   local o, rest = parse("generate", generate_spec, args)
   if o.help then return help("generate", "[options] [-p PROMPT]", generate_spec) end
   local prompt = o.prompt or rest[1]
-  if not prompt then error("generate: no prompt (use -p PROMPT)", 0) end
+  if not prompt then usage_error("generate: no prompt (use -p PROMPT)") end
   local model = load_model(o)
   local P = require "luma.policy"
   local policy = o.policy and load_policy_file(o.policy) or P.from_options{
@@ -269,6 +274,32 @@ M.bench = function(args)
   local o = parse("bench", bench_spec, args)
   if o.help then return help("bench", "[options]", bench_spec) end
   return require("luma.bench").run(o, load_model)
+end
+
+-- ---- synth ---------------------------------------------------------------
+
+local synth_spec = {
+  preset = { kind = "string", short = "p", help = "shape: " .. table.concat(luma.synth_presets(), ", "), default = "tiny-llama" },
+  vocab = { kind = "string", help = "GGUF file whose vocabulary is copied (default: the default model)" },
+  out = { kind = "string", short = "o", help = "file to write" },
+  mix = { kind = "string", help = "q4_k_m, q4_0, q8_0, f16 or f32", default = "q4_k_m" },
+  seed = { kind = "integer", short = "s", help = "random seed", default = 1 },
+  layers = { kind = "integer", help = "override the preset's layer count" },
+  ctx = { kind = "integer", help = "override the preset's context length" },
+}
+
+function M.synth(args)
+  local o = parse("synth", synth_spec, args)
+  if o.help then return help("synth", "-p PRESET -o OUT.gguf [options]", synth_spec) end
+  if not o.out then error("synth: no output file (use -o OUT.gguf)", 0) end
+  local t0 = luma.now()
+  luma.synth{ preset = o.preset, vocab = o.vocab or fetch.default_model(), out = o.out, mix = o.mix,
+              seed = o.seed, layers = o.layers, ctx = o.ctx }
+  local f = assert(io.open(o.out, "rb"))
+  local size = f:seek("end")
+  f:close()
+  print(string.format("%s: %s, %s, %.1f MiB in %.1f s", o.out, o.preset, o.mix, size / 1048576, luma.now() - t0))
+  return 0
 end
 
 function M.main(cmd, ...)

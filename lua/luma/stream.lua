@@ -57,6 +57,7 @@ local function stream(model, prompt, opts)
 
   local stats = opts.stats or {}
   stats.prompt_tokens, stats.tokens = #ids, 0
+  stats.stop, stats.ttft, stats.time, stats.tokens_per_s = nil, nil, nil, nil
   local state = { model = model, rng = luma.rng(opts.seed or os.time()), step = 0,
                   prompt_len = #ids, text = "" }
   local text, emitted = "", 0

@@ -3,7 +3,8 @@
  *   b:add(seq_a, {id}); b:add(seq_b, prompt_ids)
  *   local out = b:run()     -- out[seq_a], out[seq_b]: Logits
  * A batch is emptied by run and can be filled again. The pending chunks live
- * in the user value: an array of {seq, ids, all}. */
+ * in the user value: an array of {seq, ids, n, all}, ids a userdata holding
+ * a checked copy of the n token ids. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -41,23 +42,25 @@ static int batch_add(lua_State *L)
     lua_pop(L, 1);
     if (s->model != m) return luaL_argerror(L, 2, "sequence belongs to another model");
     bool all = luma_bind_optbool(L, 4, "all", false);
-    lua_createtable(L, 3, 0);
-    lua_pushvalue(L, 2);
-    lua_rawseti(L, -2, 1);
-    if (lua_isinteger(L, 3)) {
+    /* One id is kept as a list of one. */
+    if (lua_type(L, 3) == LUA_TNUMBER) {
         lua_createtable(L, 1, 0);
         lua_pushvalue(L, 3);
         lua_rawseti(L, -2, 1);
-    } else {
-        int32_t n;
-        luma_bind_checkids(L, 3, m->hp.n_vocab, &n);
-        lua_pop(L, 1);
-        if (n == 0) return luaL_argerror(L, 3, "no token ids");
-        lua_pushvalue(L, 3);
+        lua_replace(L, 3);
     }
+    int32_t n;
+    luma_bind_checkids(L, 3, m->hp.n_vocab, &n);
+    if (n == 0) return luaL_argerror(L, 3, "no token ids");
+    lua_createtable(L, 4, 0);
+    lua_pushvalue(L, 2);
+    lua_rawseti(L, -2, 1);
+    lua_pushvalue(L, -2);
     lua_rawseti(L, -2, 2);
-    lua_pushboolean(L, all);
+    lua_pushinteger(L, n);
     lua_rawseti(L, -2, 3);
+    lua_pushboolean(L, all);
+    lua_rawseti(L, -2, 4);
     lua_getiuservalue(L, 1, 2);
     lua_pushvalue(L, -2);
     lua_rawseti(L, -2, ++b->n);
@@ -75,30 +78,30 @@ static int batch_run(lua_State *L)
     lua_getiuservalue(L, 1, 2);
     int pending = lua_gettop(L);
     int n = b->n;
+    /* Emptied whether or not the step runs: the chunks are either all run
+     * or none (every sequence is as it was). */
+    b->n = 0;
+    lua_newtable(L);
+    lua_setiuservalue(L, 1, 2);
     luma_chunk *chunks = lua_newuserdatauv(L, (size_t)n * sizeof *chunks, 0);
     for (int i = 0; i < n; i++) {
         lua_rawgeti(L, pending, i + 1);
         lua_rawgeti(L, -1, 1);
         chunks[i].seq = luma_bind_seq(L, -1);
+        /* The id buffer stays referenced from the pending table. */
         lua_rawgeti(L, -2, 2);
-        chunks[i].ids = luma_bind_checkids(L, lua_gettop(L), m->hp.n_vocab, &chunks[i].n);
-        /* The id buffer stays referenced from the pending table's slot. */
-        lua_rawseti(L, -4, 4);
-        lua_pop(L, 1);
-        lua_rawgeti(L, -2, 3);
+        chunks[i].ids = lua_touserdata(L, -1);
+        lua_rawgeti(L, -3, 3);
+        chunks[i].n = (int32_t)lua_tointeger(L, -1);
+        lua_rawgeti(L, -4, 4);
         chunks[i].all_logits = lua_toboolean(L, -1);
-        lua_pop(L, 3);
+        lua_pop(L, 5);
     }
     int64_t rows = luma_model_out_rows(chunks, n);
     float *out = malloc((size_t)rows * (size_t)m->hp.n_vocab * sizeof(float));
     if (!out) return luaL_error(L, "out of memory for logits");
     luma_err err;
     int rc = luma_model_run(m, chunks, n, out, &err);
-    /* Emptied whether or not the step ran: the chunks were either all run
-     * or none (every sequence is as it was). */
-    b->n = 0;
-    lua_newtable(L);
-    lua_setiuservalue(L, 1, 2);
     if (rc) {
         free(out);
         return luma_bind_error(L, &err);

@@ -77,6 +77,12 @@ const char *luma_bind_optstr(lua_State *L, int i, const char *key, const char *d
  * is the methods table (for types that also answer other keys). */
 void luma_bind_newclass(lua_State *L, const char *name, const luaL_Reg *meta, const luaL_Reg *methods,
                         lua_CFunction index);
+/* Functions of the module table: luma.load, luma.rng, luma.synth,
+ * luma.synth_presets. */
+int luma_bind_load(lua_State *L);
+int luma_bind_rng(lua_State *L);
+int luma_bind_synth(lua_State *L);
+int luma_bind_synth_presets(lua_State *L);
 /* model:sequence(): a new Sequence userdata on the stack. */
 int luma_bind_newseq(lua_State *L);
 

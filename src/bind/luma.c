@@ -135,12 +135,12 @@ static int l_simd(lua_State *L)
     return 1;
 }
 
-extern int luma_bind_load(lua_State *L);
-extern int luma_bind_rng(lua_State *L);
 
 static const luaL_Reg funcs[] = {
     { "load", luma_bind_load },
     { "rng", luma_bind_rng },
+    { "synth", luma_bind_synth },
+    { "synth_presets", luma_bind_synth_presets },
     { "sha256", l_sha256 },
     { "backends", l_backends },
     { "simd", l_simd },

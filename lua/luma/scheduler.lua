@@ -1,0 +1,469 @@
+-- Continuous batching: many generations share every forward pass.
+--
+--   local Scheduler = require "luma.scheduler"
+--   local sch = Scheduler.new(model, { token_budget = 256 })
+--   local h = sch:submit{ prompt = "Once upon a time", max_tokens = 64,
+--                         on_token = function(piece, id, req) io.write(piece) end,
+--                         on_done = function(req, text, stats) end }
+--   sch:run()                      -- or sch:step() until it returns false
+--   h.status                       -- "waiting", "running" or "done"
+--   h.text, h.stats                -- the text streamed so far; stats once done
+--   h.ids, h.prompt_len            -- prompt and generated token ids
+--   h:cancel()
+--
+-- A request: prompt (string or ids), policy, stop, max_tokens, seed, special
+-- (as in luma.stream), priority (higher first, default 0), on_token(piece,
+-- id, req), on_done(req, text, stats). stats: prompt_tokens, tokens, stop,
+-- ttft and time (seconds since submit), tokens_per_s, cached_tokens (taken
+-- from the prefix cache), preemptions, error.
+--
+-- One step: retire cancelled requests, admit waiting ones, then pack one row
+-- for every running request that decodes and fill the rest of the token
+-- budget with prompt chunks, run it as one batch, and let each request whose
+-- tokens are all in its sequence choose its next token. A request's `ids` are
+-- its prompt and the tokens it generated; `n_done` of them are in its
+-- sequence. Prefill, decode and recomputation after preemption are therefore
+-- the same thing: feeding ids[n_done + 1 ..] to the sequence.
+--
+-- When the KV cache is full the step is retried after the prefix cache
+-- evicts an entry or, once it is empty, after a running request is preempted:
+-- its sequence is closed and it waits again with all its ids, to be
+-- recomputed later. Its stream goes on where it was; no token is lost.
+--
+-- Every decision is a replaceable function of opts:
+--   order(a, b)       waiting requests in admission order (default: priority, then arrival)
+--   admit(sch, req)   whether the head of the queue may start now; asked only while
+--                     something runs, so the queue always moves
+--   budget(sch)       rows of this step (default token_budget)
+--   victim(sch, running) the request to preempt (default: lowest priority, latest arrival)
+-- Other opts: token_budget (default model.info.max_rows), max_seqs (default
+-- token_budget), prefix (a luma.prefix cache, or false for none; default a
+-- new one), kv_tokens (a first guess at how many tokens the KV cache holds;
+-- default unbounded, learned from the first "KV cache full").
+--
+-- An error inside a request's policy, stop condition or on_token ends that
+-- request (stop "error", the message in stats.error); the others go on. An
+-- error inside on_done is raised by step() once every request is settled.
+local luma = require "luma"
+local P = require "luma.policy"
+local S = require "luma.stop"
+local Prefix = require "luma.prefix"
+
+local BLOCK = Prefix.BLOCK
+
+local Scheduler = {}
+Scheduler.__index = Scheduler
+
+local Request = {}
+Request.__index = Request
+
+-- Tokens rounded up to whole KV blocks: what a sequence of n tokens holds.
+local function blocks(n)
+  return (n + BLOCK - 1) // BLOCK * BLOCK
+end
+
+-- Bytes at the end of s that do not yet form a complete UTF-8 character
+-- (the rule of luma.stream).
+local function incomplete_tail(s)
+  local n = #s
+  for back = 0, math.min(3, n - 1) do
+    local b = s:byte(n - back)
+    if b < 0x80 then return 0 end
+    if b >= 0xC0 then
+      local need = b >= 0xF0 and 4 or b >= 0xE0 and 3 or 2
+      return back + 1 < need and back + 1 or 0
+    end
+  end
+  return 0
+end
+
+local function by_priority(a, b)
+  if a.priority ~= b.priority then return a.priority > b.priority end
+  return a.id < b.id
+end
+
+-- Admits while the running requests' ids plus the newcomer's fit in the
+-- tokens the cache is believed to hold.
+local function admit_by_memory(sch, req)
+  return #sch.running < sch.max_seqs and sch:kv_need() + blocks(#req.ids + 1) <= sch.kv_tokens
+end
+
+local function fixed_budget(sch)
+  return sch.token_budget
+end
+
+-- The request whose loss costs least: lowest priority, then the latest.
+local function latest_lowest(_, running)
+  local v = running[1]
+  for _, r in ipairs(running) do
+    if r.priority < v.priority or (r.priority == v.priority and r.id > v.id) then v = r end
+  end
+  return v
+end
+
+local function positive_integer(name, v)
+  if math.type(v) ~= "integer" or v < 1 then
+    error("scheduler: " .. name .. " must be a positive integer, got " .. tostring(v), 3)
+  end
+end
+
+function Scheduler.new(model, opts)
+  opts = opts or {}
+  if type(opts) ~= "table" then error("scheduler: opts must be a table", 2) end
+  local token_budget = opts.token_budget or model.info.max_rows
+  positive_integer("token_budget", token_budget)
+  local max_seqs = opts.max_seqs or token_budget
+  positive_integer("max_seqs", max_seqs)
+  for _, k in ipairs{ "order", "admit", "budget", "victim" } do
+    if opts[k] ~= nil and type(opts[k]) ~= "function" then error("scheduler: " .. k .. " must be a function", 2) end
+  end
+  local prefix = opts.prefix
+  if prefix == nil or prefix == true then prefix = Prefix.new(model) end
+  return setmetatable({
+    model = model,
+    ctx = model.info.ctx,
+    batch = model:batch(),
+    token_budget = token_budget,
+    max_seqs = max_seqs,
+    kv_tokens = opts.kv_tokens or math.huge,
+    prefix = prefix or nil,
+    order = opts.order or by_priority,
+    admit = opts.admit or admit_by_memory,
+    budget = opts.budget or fixed_budget,
+    victim = opts.victim or latest_lowest,
+    waiting = {},
+    running = {},
+    finished = {},       -- retired in this step, waiting for on_done
+    count = 0,
+    -- lua_time: all of step() but batch:run (run_time); policy_time is part of it.
+    stats = { steps = 0, rows = 0, tokens = 0, lua_time = 0, run_time = 0, policy_time = 0,
+              kv_full = 0, evictions = 0, preemptions = 0 },
+  }, Scheduler)
+end
+
+local function check_stops(stops)
+  if type(stops) == "function" or (type(stops) == "table" and stops.check) then stops = { stops } end
+  if type(stops) ~= "table" then error("submit: stop must be a list of conditions", 3) end
+  for i, c in ipairs(stops) do
+    if type(c) ~= "function" and not (type(c) == "table" and type(c.check) == "function") then
+      error("submit: stop condition " .. i .. " is not a function", 3)
+    end
+  end
+  return stops
+end
+
+-- sch:submit(request) -> handle (the request, with status, text, ids, stats).
+function Scheduler:submit(r)
+  if type(r) ~= "table" then error("submit: expected a request table", 2) end
+  local ids
+  if type(r.prompt) == "string" then
+    ids = self.model:tokenize(r.prompt, { bos = true, special = r.special ~= false })
+  elseif type(r.prompt) == "table" then
+    ids = table.move(r.prompt, 1, #r.prompt, 1, {})
+  else
+    error("submit: prompt must be a string or a list of token ids", 2)
+  end
+  if #ids == 0 then error("submit: the prompt has no tokens", 2) end
+  if #ids > self.ctx then
+    error(string.format("submit: the prompt has %d tokens, more than the context of %d", #ids, self.ctx), 2)
+  end
+  local policy = r.policy or P.from_options{ temp = 0.8, top_k = 40, top_p = 0.95 }
+  if type(policy) ~= "function" then error("submit: policy must be a function (logits, state) -> id", 2) end
+  local max_tokens = r.max_tokens or 256
+  if math.type(max_tokens) ~= "integer" or max_tokens < 0 then
+    error("submit: max_tokens must be a non-negative integer", 2)
+  end
+  local priority = r.priority or 0
+  if type(priority) ~= "number" then error("submit: priority must be a number", 2) end
+  self.count = self.count + 1
+  local req = setmetatable({
+    sch = self, id = self.count, priority = priority, status = "waiting",
+    ids = ids, prompt_len = #ids, n_done = 0, seq = nil,
+    policy = policy, stops = check_stops(r.stop or { S.eog() }), max_tokens = max_tokens,
+    on_token = r.on_token, on_done = r.on_done,
+    gen = "", emitted = 0, text = "",
+    cached_tokens = 0, preemptions = 0,
+    t_submit = luma.now(),
+  }, Request)
+  req.state = { model = self.model, rng = luma.rng(r.seed or os.time() + self.count), step = 0,
+                prompt_len = #ids, tokens = ids, text = "" }
+  self.waiting[#self.waiting + 1] = req
+  return req
+end
+
+-- Takes effect at the next step boundary; on_done sees stop "cancelled".
+function Request:cancel()
+  if self.status ~= "done" then self.cancelled = true end
+  return self
+end
+
+-- Tokens the running requests will hold once their ids are all in.
+function Scheduler:kv_need()
+  local n = 0
+  for _, r in ipairs(self.running) do n = n + blocks(#r.ids + 1) end
+  return n
+end
+
+-- Tokens the running requests hold now.
+function Scheduler:kv_held()
+  local n = 0
+  for _, r in ipairs(self.running) do n = n + blocks(r.n_done) end
+  return n
+end
+
+local function remove(list, x)
+  for i, y in ipairs(list) do
+    if y == x then
+      table.remove(list, i)
+      return
+    end
+  end
+end
+
+function Scheduler:retire(req, reason, err)
+  if req.status == "running" then remove(self.running, req) else remove(self.waiting, req) end
+  if req.seq then req.seq:close() end
+  req.seq = nil
+  req.status = "done"
+  req.text = req.gen:sub(1, req.emitted)
+  local now, tokens = luma.now(), #req.ids - req.prompt_len
+  local stats = { prompt_tokens = req.prompt_len, tokens = tokens, stop = reason, error = err,
+                  time = now - req.t_submit, cached_tokens = req.cached_tokens, preemptions = req.preemptions }
+  if req.t_first then
+    stats.ttft = req.t_first - req.t_submit
+    local decode = now - req.t_first
+    stats.tokens_per_s = tokens > 1 and decode > 0 and (tokens - 1) / decode or nil
+  end
+  req.stats = stats
+  self.finished[#self.finished + 1] = req
+end
+
+-- Closes the request's sequence and queues it again with all its ids.
+function Scheduler:preempt(req)
+  remove(self.running, req)
+  req.seq:close()
+  req.seq = nil
+  req.n_done = 0
+  req.status = "waiting"
+  req.preemptions = req.preemptions + 1
+  self.stats.preemptions = self.stats.preemptions + 1
+  self.waiting[#self.waiting + 1] = req
+end
+
+function Scheduler:start(req)
+  local seq, n
+  if self.prefix then seq, n = self.prefix:lookup(req.ids) end
+  req.seq = seq or self.model:sequence()
+  req.n_done = n or 0
+  if req.preemptions == 0 then req.cached_tokens = req.n_done end
+  req.status = "running"
+  self.running[#self.running + 1] = req
+end
+
+function Scheduler:sweep()
+  for _, list in ipairs{ self.running, self.waiting } do
+    for i = #list, 1, -1 do
+      if list[i].cancelled then self:retire(list[i], "cancelled") end
+    end
+  end
+end
+
+function Scheduler:admit_waiting()
+  table.sort(self.waiting, self.order)
+  while #self.waiting > 0 do
+    local req = self.waiting[1]
+    if req.max_tokens == 0 then
+      self:retire(req, "max_tokens")
+    elseif #self.running == 0 or self.admit(self, req) then
+      table.remove(self.waiting, 1)
+      self:start(req)
+    else
+      return
+    end
+  end
+end
+
+-- The chunks of this step: { req, n } in the order they go into the batch.
+function Scheduler:plan()
+  local budget = self.budget(self)
+  positive_integer("budget", budget)
+  local plan = {}
+  -- Decoding requests first: one row each keeps every generation moving.
+  for _, req in ipairs(self.running) do
+    if budget > 0 and #req.ids - req.n_done == 1 then
+      plan[#plan + 1] = { req = req, n = 1 }
+      budget = budget - 1
+    end
+  end
+  for _, req in ipairs(self.running) do
+    local left = #req.ids - req.n_done
+    if budget > 0 and left > 1 then
+      local n = math.min(left, budget)
+      plan[#plan + 1] = { req = req, n = n }
+      budget = budget - n
+    end
+  end
+  return plan
+end
+
+-- After "KV cache full: pool P needs N blocks, F free" for plan: make room
+-- for the next try. The cache holds about what the running requests hold,
+-- plus the plan's tokens, less the blocks that were missing.
+function Scheduler:relieve(msg, plan)
+  self.stats.kv_full = self.stats.kv_full + 1
+  local planned = 0
+  for _, c in ipairs(plan) do planned = planned + c.n end
+  local need, free = msg:match("needs (%d+) blocks, (%d+) free")
+  local short = need and (tonumber(need) - tonumber(free)) * BLOCK or planned
+  self.kv_tokens = math.max(BLOCK, self:kv_held() + planned - short)
+  if self.prefix and self.prefix:evict() then
+    self.stats.evictions = self.stats.evictions + 1
+  elseif #self.running == 1 then
+    -- Alone with an empty cache: it can never fit.
+    self:retire(self.running[1], "error", msg)
+  else
+    local v = self.victim(self, self.running)
+    if type(v) ~= "table" or v.status ~= "running" or v.sch ~= self then
+      error("scheduler: victim must return one of the running requests", 0)
+    end
+    self:preempt(v)
+  end
+end
+
+-- Runs the plan, relieving memory until it fits; the logits by sequence,
+-- and the plan that ran (nil when nothing could).
+function Scheduler:run_batch()
+  local plan = self:plan()
+  while true do
+    for _, c in ipairs(plan) do
+      self.batch:add(c.req.seq, table.move(c.req.ids, c.req.n_done + 1, c.req.n_done + c.n, 1, {}))
+    end
+    local t = luma.now()
+    local ok, out = pcall(self.batch.run, self.batch)
+    self.stats.run_time = self.stats.run_time + (luma.now() - t)
+    if ok then return out, plan end
+    out = tostring(out)
+    if not out:find("KV cache full", 1, true) then error(out, 0) end
+    self:relieve(out, plan)
+    if #self.running == 0 then return nil end
+    plan = self:plan()
+  end
+end
+
+-- Chooses req's next token from logits and streams its text as luma.stream
+-- does. Returns the stop reason, or nil to go on.
+function Scheduler:next_token(req, logits)
+  local state, model = req.state, self.model
+  state.seq = req.seq
+  local t = luma.now()
+  local id = req.policy(logits, state)
+  self.stats.policy_time = self.stats.policy_time + (luma.now() - t)
+  if math.type(id) ~= "integer" or id < 0 or id >= #logits then
+    error("policy returned " .. tostring(id) .. ", not a token id", 0)
+  end
+  req.t_first = req.t_first or luma.now()
+  state.id = id
+  local before = req.gen
+  req.gen = before .. model:piece(id)
+  state.text = req.gen
+  local stop, keep, hold = nil, nil, 0
+  for _, c in ipairs(req.stops) do
+    local r, cut
+    if type(c) == "function" then r, cut = c(state) else r, cut = c.check(state) end
+    if r then
+      stop = stop or r
+      if r == "drop" then keep = math.min(keep or #before, #before) end
+      if cut then keep = math.min(keep or cut, cut) end
+    elseif type(c) == "table" and c.hold then
+      hold = math.max(hold, c.hold(req.gen))
+    end
+  end
+  if not stop and state.step + 1 >= req.max_tokens then stop = "max_tokens" end
+  -- The token is evaluated next step only if the context has room for it.
+  if not stop and #req.ids + 1 > self.ctx then stop = "ctx" end
+  state.step = state.step + 1
+  req.ids[#req.ids + 1] = id
+  self.stats.tokens = self.stats.tokens + 1
+  local piece
+  if stop then
+    piece = req.gen:sub(req.emitted + 1, keep or #req.gen)
+    req.emitted = req.emitted + #piece
+    if piece == "" and stop == "drop" then piece = nil end
+  else
+    local upto = #req.gen - math.max(hold, incomplete_tail(req.gen))
+    piece = ""
+    if upto > req.emitted then
+      piece = req.gen:sub(req.emitted + 1, upto)
+      req.emitted = upto
+    end
+  end
+  req.text = req.gen:sub(1, req.emitted)
+  if piece and req.on_token then req.on_token(piece, id, req) end
+  if stop then return stop == true and "stop" or stop end
+end
+
+-- Calls on_done of the requests retired in this step; the first error is
+-- raised after all were called.
+function Scheduler:notify()
+  local list = self.finished
+  self.finished = {}
+  local first
+  for _, req in ipairs(list) do
+    if req.on_done then
+      local ok, err = pcall(req.on_done, req, req.text, req.stats)
+      if not ok and not first then first = err end
+    end
+  end
+  if first then error(first, 0) end
+end
+
+-- One batch:run. Returns true while requests are waiting or running.
+function Scheduler:step()
+  local t0 = luma.now()
+  local run0 = self.stats.run_time
+  self:sweep()
+  self:admit_waiting()
+  if #self.running > 0 then
+    local out, plan = self:run_batch()
+    for _, c in ipairs(plan or {}) do
+      local req = c.req
+      req.n_done = req.n_done + c.n
+      self.stats.rows = self.stats.rows + c.n
+      if self.prefix and not req.prefix_done and req.n_done >= req.prompt_len then
+        req.prefix_done = true
+        self.prefix:insert(req.seq, req.prompt_len)
+      end
+      if req.n_done == #req.ids then
+        local ok, stop = pcall(self.next_token, self, req, out[req.seq])
+        if not ok then self:retire(req, "error", stop)
+        elseif stop then self:retire(req, stop) end
+      end
+    end
+    if plan then self.kv_tokens = math.max(self.kv_tokens, self:kv_held()) end
+    self:sweep()
+    self.stats.steps = self.stats.steps + 1
+    self.stats.lua_time = self.stats.lua_time + (luma.now() - t0) - (self.stats.run_time - run0)
+  end
+  self:notify()
+  return #self.running > 0 or #self.waiting > 0
+end
+
+-- Steps until every request is done.
+function Scheduler:run()
+  while self:step() do end
+end
+
+-- Drops every request (no on_done) and the prefix cache's sequences.
+function Scheduler:close()
+  for _, list in ipairs{ self.running, self.waiting } do
+    for _, req in ipairs(list) do
+      if req.seq then req.seq:close() end
+      req.seq = nil
+      req.status = "done"
+    end
+  end
+  self.running, self.waiting, self.finished = {}, {}, {}
+  if self.prefix then self.prefix:clear() end
+end
+
+return Scheduler

@@ -1,0 +1,133 @@
+-- The luma command and the C module, run as separate processes: the build
+-- directory is $LUMA_BUILD_DIR (default "build").
+local H = require "helper"
+local luma = require "luma"
+
+local dir = H.build_dir
+local bin = dir .. "/luma"
+
+-- An ASan-instrumented luma.so loads into a stock interpreter only with the
+-- sanitizer runtimes preloaded.
+local function stock_lua_env()
+  local cache = io.open(dir .. "/CMakeCache.txt")
+  local sanitized = cache and cache:read("a"):find("LUMA_SANITIZE:BOOL=ON", 1, true)
+  if cache then cache:close() end
+  if not sanitized then return "" end
+  local libs = {}
+  for _, lib in ipairs{ "libasan.so", "libubsan.so" } do
+    libs[#libs + 1] = (H.run("gcc -print-file-name=" .. lib)):gsub("%s+$", "")
+  end
+  return "LD_PRELOAD=" .. H.quote(table.concat(libs, " ")) .. " ASAN_OPTIONS=detect_leaks=0 "
+end
+
+describe("the luma command", function()
+  local model_path
+  setup(function()
+    model_path = H.model_path()
+    local f = io.open(bin)
+    assert(f, bin .. " does not exist: build first, or set LUMA_BUILD_DIR")
+    f:close()
+  end)
+
+  it("prints its usage with --help (status 0) and without arguments (status 2)", function()
+    local out, _, code = H.run(bin .. " --help")
+    assert.are.equal(0, code)
+    for _, cmd in ipairs{ "generate", "chat", "info", "bench", "fetch", "-e" } do
+      assert.matches("luma " .. cmd, out, 1, true)
+    end
+    local _, err
+    _, err, code = H.run(bin)
+    assert.are.equal(2, code)
+    assert.matches("usage: luma", err, 1, true)
+    out = H.run(bin .. " --version")
+    assert.matches("^luma %d+%.%d+%.%d+ %(Lua 5%.4", out)
+  end)
+
+  it("prints --help for every subcommand", function()
+    for cmd, option in pairs{ generate = "--temp", chat = "--system", info = "--all", bench = "--prompt" } do
+      local out, err, code = H.run(bin .. " " .. cmd .. " --help")
+      assert.are.equal(0, code, cmd .. ": " .. err)
+      assert.matches("usage: luma " .. cmd, out, 1, true)
+      assert.matches(option, out, 1, true)
+    end
+    local out, _, code = H.run(bin .. " fetch --help")
+    assert.are.equal(0, code)
+    assert.matches("usage: luma fetch", out, 1, true)
+  end)
+
+  it("info prints the metadata and the tensor table of a file", function()
+    local out, err, code = H.run(bin .. " info " .. H.quote(model_path))
+    assert.are.equal(0, code, err)
+    assert.matches("metadata %(33 keys%)", out)
+    assert.matches('general.architecture%s+"gemma3"', out)
+    assert.matches("tensors %(236%):", out)
+    assert.matches("token_embd.weight%s+Q8_0%s+%[640, 262144%]%s+178257920 bytes", out)
+    assert.matches("output_norm.weight%s+F32%s+%[640%]%s+2560 bytes", out)
+    assert.matches("total: %d+ bytes", out)
+  end)
+
+  it("generate with --temp 0 prints the greedy continuation, the same every run", function()
+    local prompt = "The capital of France is"
+    local cmd = bin .. " generate -m " .. H.quote(model_path) .. " -t 2 -p " .. H.quote(prompt) .. " -n 8 --temp 0"
+    local out, err, code = H.run(cmd)
+    assert.are.equal(0, code, err)
+    local model = H.load{ ctx = 64 }
+    local want = prompt .. model:detokenize(H.greedy(model, model:tokenize(prompt), 8)) .. "\n"
+    model:close()
+    assert.are.equal(want, out)
+    assert.are.equal(out, (H.run(cmd)))
+  end)
+
+  it("runs a chunk with -e, passing the remaining arguments as ...", function()
+    local out, err, code = H.run(bin .. " -e 'local luma = require \"luma\"; print(luma.version, ...)' a 'b c'")
+    assert.are.equal(0, code, err)
+    assert.are.equal(luma.version .. "\ta\tb c\n", out)
+    -- The chunk stands where a script's name would: arg[0].
+    out = H.run(bin .. " -e 'print(arg[0], arg[1], arg[-1], arg[-2])' x")
+    assert.are.equal("print(arg[0], arg[1], arg[-1], arg[-2])\tx\t-e\t" .. bin .. "\n", out)
+  end)
+
+  it("runs a script with arg and ... set as the lua command sets them", function()
+    local script = os.tmpname()
+    H.write(script, "print(arg[0], #arg, arg[1], arg[2], arg[-1])\nprint(select('#', ...), ...)\n" ..
+                    "print(type(require('luma').load), type(require('luma').policy.greedy))\n")
+    local out, err, code = H.run(bin .. " " .. script .. " one 'two words'")
+    os.remove(script)
+    assert.are.equal(0, code, err)
+    assert.are.equal(script .. "\t2\tone\ttwo words\t" .. bin .. "\n2\tone\ttwo words\nfunction\tfunction\n", out)
+  end)
+
+  it("exits with a non-zero status and a message for bad options and failing scripts", function()
+    local _, err, code = H.run(bin .. " generate --no-such-option")
+    assert.are.equal(1, code)
+    assert.matches("luma: generate: unknown option --no-such-option", err, 1, true)
+    assert.is_nil(err:find("traceback"))
+    _, err, code = H.run(bin .. " generate -m " .. H.quote(model_path) .. " -n many -p hi")
+    assert.are.equal(1, code)
+    assert.matches("option -n expects an integer, got 'many'", err, 1, true)
+    _, err, code = H.run(bin .. " generate -m /no/such.gguf -p hi")
+    assert.are.equal(1, code)
+    assert.matches("/no/such.gguf", err, 1, true)
+    _, err, code = H.run(bin .. " -e 'error(\"script failed\")'")
+    assert.are.equal(1, code)
+    assert.matches("script failed", err, 1, true)
+    assert.matches("traceback", err, 1, true)
+    _, err, code = H.run(bin .. " /no/such/script.lua")
+    assert.are.equal(1, code)
+    assert.matches("cannot open /no/such/script.lua", err, 1, true)
+  end)
+
+  it("builds luma.so, which a stock lua5.4 can require, Lua half included", function()
+    local code_text = "package.cpath = " .. string.format("%q", dir .. "/?.so;") .. " .. package.cpath; " ..
+      "local luma = require 'luma'; " ..
+      "local m = luma.load(" .. string.format("%q", model_path) .. ", { threads = 2, ctx = 64 }); " ..
+      "io.write((luma.generate(m, 'The capital of France is', { policy = luma.policy.greedy(), max_tokens = 6 }))); " ..
+      "m:close()"
+    local out, err, code = H.run(stock_lua_env() .. "lua5.4 -e " .. H.quote(code_text))
+    assert.are.equal(0, code, err)
+    local model = H.load{ ctx = 64 }
+    local want = model:detokenize(H.greedy(model, model:tokenize("The capital of France is"), 6))
+    model:close()
+    assert.are.equal(want, out)
+  end)
+end)

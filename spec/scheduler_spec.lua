@@ -1,0 +1,246 @@
+-- The continuous-batching scheduler: batched greedy generation equals each
+-- request run alone, token for token, through chunked prompts, preemption
+-- when the KV cache is full, cancellation and user-supplied decisions.
+local H = require "helper"
+local luma = require "luma"
+local Scheduler = require "luma.scheduler"
+local P, S = luma.policy, luma.stop
+
+local PROMPTS = {
+  "Hi",
+  "The capital of France is",
+  "Once upon a time",
+  "1, 2, 3, 4,",
+  "A list of fruits: apple, banana,",
+  "def fibonacci(n):",
+  "Water boils at",
+  -- longer than the 16-token budget: prefilled over several steps
+  "The quick brown fox jumps over the lazy dog while the cat watches from the warm windowsill, unimpressed.",
+  "Roses are red, violets are blue, sugar is sweet, and so are you. The end of the poem is near, and the "
+    .. "reader, who has waited patiently through every line, finally learns that",
+}
+local N = 12   -- new tokens per request
+
+describe("the scheduler", function()
+  -- big: room for everything; small: 3 MiB hold 8 blocks of 16 tokens (two
+  -- 64-token contexts), far less than the requests need together.
+  local big, small, prompts, alone
+  setup(function()
+    big = H.load{ ctx = 128, max_rows = 16, kv_mb = 64 }
+    small = H.load{ ctx = 64, max_rows = 16, kv_mb = 3 }
+    prompts, alone = {}, {}
+    for i, p in ipairs(PROMPTS) do
+      prompts[i] = big:tokenize(p)
+      alone[i] = H.greedy(big, prompts[i], N)
+    end
+    assert.is_true(#prompts[8] > 16 and #prompts[9] > 32)
+  end)
+  teardown(function()
+    if big then big:close() end
+    if small then small:close() end
+  end)
+
+  local function generated(h)
+    return { table.unpack(h.ids, h.prompt_len + 1) }
+  end
+
+  -- Submits every prompt (greedy, exactly N tokens) and runs to the end.
+  local function run_all(sch, extra)
+    local handles = {}
+    for i = 1, #prompts do
+      local r = { prompt = prompts[i], policy = P.greedy(), max_tokens = N, stop = {} }
+      for k, v in pairs(extra or {}) do r[k] = v end
+      handles[i] = sch:submit(r)
+    end
+    sch:run()
+    return handles
+  end
+
+  it("generates, token for token, what each request generates alone, prompts split into chunks", function()
+    local most = 0
+    local sch = Scheduler.new(big, { token_budget = 16, prefix = false,
+                                     budget = function(s)
+                                       most = math.max(most, #s.running)
+                                       return s.token_budget
+                                     end })
+    local pieces, done = {}, {}
+    local handles = run_all(sch, {
+      on_token = function(piece, _, req) pieces[req] = (pieces[req] or "") .. piece end,
+      on_done = function(req, text, stats) done[#done + 1] = { req = req, text = text, stats = stats } end,
+    })
+    for i, h in ipairs(handles) do
+      assert.are.same(alone[i], generated(h), "request " .. i .. ": " .. PROMPTS[i])
+      assert.are.equal("done", h.status)
+      assert.are.equal("max_tokens", h.stats.stop)
+      assert.are.equal(N, h.stats.tokens)
+      assert.are.equal(big:detokenize(alone[i]), h.text)
+      assert.are.equal(h.text, pieces[h])
+    end
+    assert.are.equal(#prompts, #done)
+    for _, d in ipairs(done) do assert.are.equal(d.req.text, d.text) end
+    -- Every prompt token and every generated token but the last went through
+    -- a forward pass exactly once, 16 rows at most per step.
+    local rows = 0
+    for i = 1, #prompts do rows = rows + #prompts[i] + N - 1 end
+    assert.are.equal(rows, sch.stats.rows)
+    assert.is_true(sch.stats.steps * 16 >= rows)
+    assert.are.equal(#prompts, most)
+    print(string.format("scheduler_spec: %d requests, %d rows in %d steps (%d sequential evals)",
+                        #prompts, rows, sch.stats.steps, rows))
+  end)
+
+  it("loses no request and no token when the KV cache runs out: preemption and recomputation", function()
+    local sch = Scheduler.new(small, { token_budget = 16, prefix = false })
+    local handles = run_all(sch)
+    for i, h in ipairs(handles) do
+      assert.are.same(alone[i], generated(h), "request " .. i .. ": " .. PROMPTS[i])
+      assert.are.equal("max_tokens", h.stats.stop)
+    end
+    assert.is_true(sch.stats.kv_full > 0)
+    assert.is_true(sch.stats.preemptions > 0)
+    local preempted = 0
+    for _, h in ipairs(handles) do preempted = preempted + h.stats.preemptions end
+    assert.are.equal(sch.stats.preemptions, preempted)
+    print(string.format("scheduler_spec: small KV cache: %d full, %d preemptions, a limit of %d tokens learned",
+                        sch.stats.kv_full, sch.stats.preemptions, sch.kv_tokens))
+  end)
+
+  it("takes prompts from its prefix cache, empties it before preempting, and generates the same tokens", function()
+    local sch = Scheduler.new(small, { token_budget = 16 })
+    -- The two long prompts first, alone: their whole blocks stay cached.
+    for i = 8, 9 do sch:submit{ prompt = prompts[i], policy = P.greedy(), max_tokens = 1 } end
+    sch:run()
+    assert.are.equal(2, #sch.prefix)
+    local handles = run_all(sch)
+    for i, h in ipairs(handles) do assert.are.same(alone[i], generated(h), "request " .. i) end
+    assert.are.equal(16, handles[8].stats.cached_tokens)
+    assert.are.equal(32, handles[9].stats.cached_tokens)
+    assert.is_true(sch.stats.evictions > 0)
+    assert.is_true(sch.stats.preemptions > 0)
+    sch:close()
+    assert.are.equal(0, #sch.prefix)
+  end)
+
+  it("cancels waiting and running requests; the others finish unchanged", function()
+    local sch = Scheduler.new(big, { token_budget = 16, max_seqs = 2, prefix = false })
+    local handles, done = {}, {}
+    for i = 1, 4 do
+      handles[i] = sch:submit{
+        prompt = prompts[i], policy = P.greedy(), max_tokens = N, stop = {},
+        on_token = function(_, _, req) if req.id == 2 and req.stats == nil and #generated(req) == 3 then req:cancel() end end,
+        on_done = function(req) done[req.id] = (done[req.id] or 0) + 1 end,
+      }
+    end
+    handles[4]:cancel()
+    assert.are.equal("waiting", handles[4].status)
+    sch:run()
+    for i = 1, 4 do assert.are.equal(1, done[i], "on_done of request " .. i) end
+    assert.are.same(alone[1], generated(handles[1]))
+    assert.are.same(alone[3], generated(handles[3]))
+    assert.are.equal("cancelled", handles[2].stats.stop)
+    assert.are.same({ table.unpack(alone[2], 1, 3) }, generated(handles[2]))
+    assert.are.equal("cancelled", handles[4].stats.stop)
+    assert.are.equal(0, handles[4].stats.tokens)
+    assert.are.equal(0, #sch.running + #sch.waiting)
+    -- Cancelling a finished request changes nothing.
+    handles[1]:cancel()
+    assert.are.equal("max_tokens", handles[1].stats.stop)
+  end)
+
+  it("honours user functions for admission order, admission and the preemption victim", function()
+    local LIMIT = 6
+    local started, seen, most, victims = {}, {}, 0, {}
+    local sch = Scheduler.new(small, {
+      token_budget = 16, prefix = false,
+      order = function(a, b) return a.id > b.id end,   -- the latest first
+      admit = function(s) return #s.running < LIMIT end,
+      budget = function(s)
+        most = math.max(most, #s.running)
+        for _, r in ipairs(s.running) do
+          if not seen[r] then started[#started + 1], seen[r] = r.id, true end
+        end
+        return 16
+      end,
+      -- the earliest request, the opposite of the default
+      victim = function(_, running)
+        local v = running[1]
+        for _, r in ipairs(running) do if r.id < v.id then v = r end end
+        victims[#victims + 1] = v.id
+        return v
+      end,
+    })
+    local handles = run_all(sch)
+    for i, h in ipairs(handles) do assert.are.same(alone[i], generated(h), "request " .. i) end
+    assert.are.equal(LIMIT, most)
+    assert.are.same({ 9, 8, 7, 6, 5, 4 }, { table.unpack(started, 1, LIMIT) })
+    assert.is_true(#victims > 0)
+    for _, id in ipairs(victims) do assert.is_true(handles[id].stats.preemptions > 0) end
+  end)
+
+  it("streams text as luma.stream does: stop strings held back, end of generation dropped", function()
+    local sch = Scheduler.new(big, { prefix = false })
+    local cases = {
+      { prompt = PROMPTS[2], stop = { S.eog(), S.strings{ " of" } }, max_tokens = 16 },
+      { prompt = PROMPTS[6], stop = { S.strings{ "return" } }, max_tokens = 16 },
+      { prompt = "<start_of_turn>user\nSay hi.<end_of_turn>\n<start_of_turn>model\n", max_tokens = 40 },
+    }
+    for _, c in ipairs(cases) do
+      local pieces, streamed = {}, {}
+      local want = luma.generate(big, c.prompt, { policy = P.greedy(), stop = c.stop, max_tokens = c.max_tokens })
+      for piece in luma.stream(big, c.prompt, { policy = P.greedy(), stop = c.stop, max_tokens = c.max_tokens }) do
+        streamed[#streamed + 1] = piece
+      end
+      local h = sch:submit{ prompt = c.prompt, policy = P.greedy(), stop = c.stop, max_tokens = c.max_tokens,
+                            on_token = function(piece) pieces[#pieces + 1] = piece end }
+      sch:run()
+      assert.are.equal(want, h.text)
+      assert.are.same(streamed, pieces)
+    end
+  end)
+
+  it("ends a request whose policy fails, and only that one", function()
+    local sch = Scheduler.new(big, { prefix = false })
+    local bad = sch:submit{ prompt = prompts[2], max_tokens = N, policy = function() error("no luck") end }
+    local odd = sch:submit{ prompt = prompts[3], max_tokens = N, policy = function() return -1 end }
+    local good = sch:submit{ prompt = prompts[1], max_tokens = N, policy = P.greedy(), stop = {} }
+    sch:run()
+    assert.are.equal("error", bad.stats.stop)
+    assert.matches("no luck", bad.stats.error)
+    assert.matches("policy returned %-1", odd.stats.error)
+    assert.are.same(alone[1], generated(good))
+  end)
+
+  it("checks requests when they are submitted", function()
+    local sch = Scheduler.new(big)
+    assert.matches("prompt must be", select(2, pcall(sch.submit, sch, { prompt = 5 })))
+    assert.matches("no tokens", select(2, pcall(sch.submit, sch, { prompt = {} })))
+    local long = {}
+    for i = 1, 129 do long[i] = 100 end
+    assert.matches("more than the context of 128", select(2, pcall(sch.submit, sch, { prompt = long })))
+    assert.matches("policy must be", select(2, pcall(sch.submit, sch, { prompt = "x", policy = 1 })))
+    assert.matches("max_tokens", select(2, pcall(sch.submit, sch, { prompt = "x", max_tokens = -1 })))
+    assert.matches("stop condition 1", select(2, pcall(sch.submit, sch, { prompt = "x", stop = { 1 } })))
+    assert.matches("token_budget", select(2, pcall(Scheduler.new, big, { token_budget = 0 })))
+    assert.matches("victim must be a function", select(2, pcall(Scheduler.new, big, { victim = 1 })))
+    local zero = sch:submit{ prompt = "x", max_tokens = 0 }
+    sch:run()
+    assert.are.equal("max_tokens", zero.stats.stop)
+    assert.are.equal("", zero.text)
+  end)
+
+  it("runs scripts/batch.lua and scripts/load.lua", function()
+    local luma_bin = H.build_dir .. "/luma"
+    local list = os.tmpname()
+    H.write(list, "The capital of France is\n\nWater boils at\n")
+    local out, err, code = H.run(luma_bin .. " scripts/batch.lua -f " .. H.quote(list) .. " -n 6")
+    os.remove(list)
+    assert.are.equal(0, code, err)
+    assert.matches("%[1%] The capital of France is", out)
+    assert.matches("%[2%] Water boils at", out)
+    assert.matches("2 requests, %d+ tokens generated", out)
+    out, err, code = H.run(luma_bin .. " scripts/load.lua --requests 3 --concurrency 1,3 --prompt 4-8 --output 3-5")
+    assert.are.equal(0, code, err)
+    assert.matches("sequential", out)
+    assert.matches("batch 3 .*x", out)
+  end)
+end)

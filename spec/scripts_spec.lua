@@ -1,0 +1,83 @@
+-- The example scripts of scripts/ run, with few tokens, and print what
+-- their comments promise. They run under the luma binary of $LUMA_BUILD_DIR.
+local H = require "helper"
+
+local bin = H.build_dir .. "/luma"
+
+local function script(name, ...)
+  local cmd = { bin, "scripts/" .. name }
+  for _, a in ipairs{ ... } do cmd[#cmd + 1] = H.quote(a) end
+  local out, err, code = H.run(table.concat(cmd, " "))
+  assert.are.equal(0, code, name .. " failed: " .. err)
+  return out, err
+end
+
+describe("example scripts", function()
+  local model
+  setup(function() model = H.load{ ctx = 128 } end)
+  teardown(function() if model then model:close() end end)
+
+  local function greedy_text(prompt, n)
+    return model:detokenize(H.greedy(model, model:tokenize(prompt), n))
+  end
+
+  it("generate.lua streams a sampled completion after the prompt, the same for the same seed", function()
+    local out, err = script("generate.lua", "Once upon a time", "8", "7")
+    assert.matches("^Once upon a time", out)
+    local tokens = tonumber(err:match("(%d+) generated"))
+    assert.is_true(tokens >= 1 and tokens <= 8)
+    assert.matches("%[5 prompt tokens", err)
+    assert.are.equal(out, (script("generate.lua", "Once upon a time", "8", "7")))
+  end)
+
+  it("chat.lua answers each turn on one sequence", function()
+    local out, err, code = H.run("LUMA_MAX_TOKENS=4 " .. bin .. " scripts/chat.lua 'Hello!' 'And again?'")
+    assert.are.equal(0, code, err)
+    local first, second = out:find("> Hello!\n", 1, true), out:find("> And again?\n", 1, true)
+    assert.is_truthy(first)
+    assert.is_truthy(second)
+    assert.is_true(second > first)
+    -- Turns can also come from standard input, one per line.
+    out, err, code = H.run("printf 'Hi\\n' | LUMA_MAX_TOKENS=3 " .. bin .. " scripts/chat.lua")
+    assert.are.equal(0, code, err)
+    assert.matches("^> Hi\n", out)
+  end)
+
+  it("sampling-lab.lua runs every policy on one prompt; its greedy line is the greedy text", function()
+    local prompt = "The best way to learn a language is"
+    local out = script("sampling-lab.lua", prompt, "6")
+    local sections = 0
+    for _ in out:gmatch("\n%[[^\n]+%] %(%d+ tokens%)\n") do sections = sections + 1 end
+    assert.are.equal(8, sections)
+    local greedy = out:match("%[greedy%] %(%d+ tokens%)\n%.%.%.([^\n]*)")
+    local want = greedy_text(prompt, 6):match("^[^\n]*")
+    assert.are.equal(want, greedy)
+  end)
+
+  it("beam.lua with width 1 finds the greedy continuation; wider beams rank by mean log-probability", function()
+    local prompt = "The three primary colors are"
+    local out = script("beam.lua", prompt, "4", "1")
+    local text = out:match("\n1%. %[mean log p %-?[%d.]+%] ([^\n]*)")
+    assert.are.equal(prompt .. greedy_text(prompt, 4):gsub("\n", "\\n"), text)
+    out = script("beam.lua", prompt, "3", "3")
+    local scores = {}
+    for s in out:gmatch("\n%d+%. %[mean log p (%-?[%d.]+)%]") do scores[#scores + 1] = tonumber(s) end
+    assert.is_true(#scores >= 3)
+    for i = 2, #scores do assert.is_true(scores[i] <= scores[i - 1]) end
+  end)
+
+  it("best-of-n.lua samples n completions from one prefix and prints the best first", function()
+    local prompt = "A good name for a cat is"
+    local out = script("best-of-n.lua", prompt, "3", "5")
+    local scores, texts = {}, {}
+    for s, t in out:gmatch("%d+%. %[mean log p (%-?[%d.]+)%] ([^\n]*)") do
+      scores[#scores + 1] = tonumber(s)
+      texts[#texts + 1] = t
+    end
+    assert.are.equal(3, #scores)
+    for i = 2, 3 do assert.is_true(scores[i] <= scores[i - 1]) end
+    for _, t in ipairs(texts) do assert.are.equal(prompt, t:sub(1, #prompt)) end
+    assert.are.equal("best: " .. texts[1], out:match("\n(best: [^\n]*)"))
+    assert.is_true(scores[1] < 0)
+  end)
+end)

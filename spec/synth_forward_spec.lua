@@ -1,0 +1,71 @@
+-- The llama, qwen2 and gemma3 forward passes on small synthetic models
+-- against an exact float64 reference (scripts/ref-forward.py, built on the
+-- gguf package's dequantizer). luma re-creates each model from the recipe in
+-- its golden file (preset, seed, mix, the default model's vocabulary) and
+-- checks the file's SHA-256 first, so the reference saw the same weights.
+--
+-- Random models give flat logits (spread about 1), so near ties are common:
+-- disagreement on the top token is allowed only where the exact model's
+-- margin between the two is below NEAR_TIE. A wrong sliding window moves
+-- these logits by 0.7 or more and a wrong RoPE variant by 4 or more, so the
+-- bound on |diff| catches real mistakes.
+local luma = require "luma"
+local fetch = require "luma.fetch"
+
+local MAX_DIFF = 0.3
+local NEAR_TIE = 0.3
+
+local function build(golden)
+  local r = golden.model
+  local out = os.tmpname()
+  luma.synth{ preset = r.preset, seed = r.seed, mix = r.mix, vocab = fetch.default_model(), out = out }
+  return out
+end
+
+for _, arch in ipairs{ "llama", "qwen2", "gemma3" } do
+  describe("tiny " .. arch .. " forward (CPU) against the exact reference", function()
+    local golden = dofile("spec/data/tiny-" .. arch .. "-golden.lua")
+    local path, model
+
+    setup(function()
+      path = build(golden)
+      model = luma.load(path, { backend = "cpu" })
+    end)
+
+    teardown(function()
+      if model then model:close() end
+      if path then os.remove(path) end
+    end)
+
+    it("re-creates the reference's model byte for byte", function()
+      assert.are.equal(golden.model.sha256, luma.sha256(path))
+    end)
+
+    it("stays within " .. MAX_DIFF .. " of the exact logits, disagreeing on the top token only at near ties", function()
+      local total, agree, cpp_agree, maxdiff = 0, 0, 0, 0
+      for _, p in ipairs(golden.prompts) do
+        local seq = model:sequence()
+        local all = seq:eval(p.ids, { all = true })
+        for i, lg in ipairs(all) do
+          local ref = p.top[i]
+          total = total + 1
+          for k = 1, #ref.ids do maxdiff = math.max(maxdiff, math.abs(lg[ref.ids[k]] - ref.vals[k])) end
+          local mine = lg:argmax()
+          if mine == ref.ids[1] then
+            agree = agree + 1
+          else
+            local exact_mine
+            for k = 1, #ref.ids do if ref.ids[k] == mine then exact_mine = ref.vals[k] end end
+            assert.is_not_nil(exact_mine, "luma's top token is not among the exact top-16")
+            assert.is_true(ref.vals[1] - exact_mine <= NEAR_TIE)
+          end
+          if ref.cpp_top == ref.ids[1] then cpp_agree = cpp_agree + 1 end
+        end
+        seq:close()
+      end
+      print(string.format("\n  tiny-%s: top-1 agreement with the exact model %d/%d (llama.cpp %d/%d), max |diff| %.3f",
+                          arch, agree, total, cpp_agree, total, maxdiff))
+      assert.is_true(maxdiff < MAX_DIFF)
+    end)
+  end)
+end

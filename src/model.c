@@ -50,10 +50,6 @@ int luma_model_f32(const luma_model *m, const char *suffix, float def, float *ou
     return luma_gguf_get_f32(m->file, key, def, out, err);
 }
 
-typedef struct load_progress {
-    int64_t done, total;
-} load_progress;
-
 int luma_model_weight(luma_model *m, luma_weight *w, const char *name, int64_t rows, int64_t cols,
                       bool optional, luma_err *err)
 {
@@ -81,6 +77,11 @@ int luma_model_weight(luma_model *m, luma_weight *w, const char *name, int64_t r
     w->cols = cols;
     w->host = t->data;
     if (m->be->ops->weight_load(m->be, w, err)) return -1;
+    const luma_model_params *p = m->loading;
+    m->load_done += (int64_t)t->size;
+    if (p && p->progress && m->load_total > 0 &&
+        p->progress(p->progress_ctx, 0.99f * (float)m->load_done / (float)m->load_total))
+        return luma_errf(err, "loading cancelled");
     return 0;
 }
 
@@ -317,13 +318,16 @@ int luma_model_load(const char *path, const luma_model_params *p, luma_model **o
         luma_errf(err, "loading cancelled");
         goto fail;
     }
+    m->loading = p;
+    for (uint64_t i = 0; i < m->file->n_tensors; i++) m->load_total += (int64_t)m->file->tensors[i].size;
     if (m->arch->load(m, err)) goto fail;
+    m->loading = NULL;
     if (m->hp.n_vocab != m->tok_embd.rows) {
         luma_errf(err, "vocabulary has %d tokens but token_embd has %lld rows", m->hp.n_vocab,
                   (long long)m->tok_embd.rows);
         goto fail;
     }
-    for (uint64_t i = 0; i < m->file->n_tensors; i++) m->weight_bytes += (int64_t)m->file->tensors[i].size;
+    m->weight_bytes = m->load_total;
     /* The embedding table is read one row per token, not whole, unless it
      * is also the output projection. */
     if (m->output.host)

@@ -95,6 +95,9 @@ struct luma_model {
     luma_acts acts;
     int64_t weight_bytes;              /* bytes of weights read per token */
     bool vocab_only;
+    /* Loading progress: bytes of tensors bound so far, of all in the file. */
+    const luma_model_params *loading;
+    int64_t load_done, load_total;
 };
 
 void luma_model_params_default(luma_model_params *p);

@@ -26,6 +26,14 @@ typedef struct cuda_step {
      * blocks + block_off[p * n_seqs + s] and has block_n[...] entries. */
     int32_t *blocks, *block_off, *block_n;
     int32_t max_pos;           /* the largest position of the step, plus one */
+    /* Attention work lists: rows of sequences with fewer than
+     * LUMA_CUDA_PREFILL_MIN_ROWS rows are decoded one query row at a time;
+     * the other sequences are cut into tiles of LUMA_CUDA_ATTN_TILE rows,
+     * each tile a pair (sequence, first row inside the sequence). */
+    int32_t n_dec, n_tiles;
+    int32_t *dec_rows;         /* [n_dec] */
+    int32_t *tiles;            /* [n_tiles][2] */
+    int32_t dec_max_pos;       /* the largest position of a decoded row, plus one */
 } cuda_step;
 
 typedef struct cuda_backend {
@@ -39,6 +47,9 @@ typedef struct cuda_backend {
     size_t step_cap;
     void *host_stage;          /* pinned host staging for the step upload */
     size_t stage_cap;
+    cudaEvent_t staged;        /* the last upload out of host_stage has completed */
+    void **weights;            /* device copies made by weight_load, freed with the backend */
+    int32_t n_weights, weights_cap;
     luma_kv_layout kvl;
     uint8_t *kv_mem[LUMA_KV_MAX_POOLS];
     size_t kv_block_bytes[LUMA_KV_MAX_POOLS];
@@ -52,7 +63,19 @@ typedef struct cuda_backend {
 /* Records the first failure; every later operation of the step is skipped
  * until sync reports it. Returns true when e is an error. */
 bool luma_cuda_fail(cuda_backend *c, cudaError_t e, const char *what);
+/* Records a failure that is not a CUDA error (a bad argument). */
+void luma_cuda_failf(cuda_backend *c, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 2, 3)))
+#endif
+    ;
 #define LUMA_CUDA_OK(c) ((c)->failure[0] == 0)
+
+/* The device copy of n entries of the current step's tokens, pos or
+ * out_rows, given the host pointer the operation was called with (a pointer
+ * into one of the step's arrays); NULL after recording a failure when it
+ * points elsewhere. */
+const int32_t *luma_cuda_step_array(cuda_backend *c, const int32_t *host, int32_t n, const char *op);
 
 /* A scratch buffer of at least n bytes (grows; NULL after recording a failure). */
 void *luma_cuda_scratch(cuda_backend *c, size_t n);
@@ -66,8 +89,31 @@ bool luma_cuda_matmul_supports(enum luma_type t);
  * large m takes the tensor-core path. */
 void luma_cuda_matmul(cuda_backend *c, const luma_weight *w, const float *x, int64_t m, float *y);
 
+/* ---- ops.cu -------------------------------------------------------------- */
+
+/* Embedding rows, norms, RoPE and the elementwise operations, with the
+ * signatures and semantics of luma_backend_ops. */
+void luma_cuda_embed(luma_backend *be, const luma_weight *w, const int32_t *ids, int32_t n,
+                     float scale, luma_buf *out);
+void luma_cuda_gather(luma_backend *be, const luma_buf *x, const int32_t *rows, int32_t n,
+                      luma_buf *out);
+void luma_cuda_add_bias(luma_backend *be, luma_buf *x, const luma_weight *b);
+void luma_cuda_rmsnorm(luma_backend *be, const luma_buf *x, const luma_weight *g, int64_t group,
+                       float eps, luma_buf *out);
+void luma_cuda_rope(luma_backend *be, luma_buf *x, int32_t head_dim, const int32_t *pos,
+                    const luma_rope *r);
+void luma_cuda_gelu_mul(luma_backend *be, luma_buf *gate, const luma_buf *up);
+void luma_cuda_silu_mul(luma_backend *be, luma_buf *gate, const luma_buf *up);
+void luma_cuda_add(luma_backend *be, luma_buf *x, const luma_buf *y);
+
 /* ---- attention.cu -------------------------------------------------------- */
 
+#define LUMA_CUDA_ATTN_TILE 16        /* query rows per prefill CTA */
+#define LUMA_CUDA_PREFILL_MIN_ROWS 8  /* fewer rows of a sequence: decoded row by row */
+
+/* Whether the attention kernels handle this KV layout (head sizes); called
+ * by kv_alloc. Also raises the kernels' shared-memory limits. */
+int luma_cuda_attention_setup(const luma_kv_layout *l, luma_err *err);
 void luma_cuda_attention(cuda_backend *c, const luma_buf *q, const luma_buf *k, const luma_buf *v,
                          const luma_step *step, const luma_attn *a, luma_buf *out);
 

@@ -57,24 +57,58 @@ local function decode(model, ids, n, policy, rng)
   return dt, policy_time
 end
 
+-- Aggregate decode: n sequences, each prefilled with a prompt of plen
+-- tokens, then gen greedy steps where every step is one batch:run over all
+-- of them. Returns generated tokens per second over the decode steps.
+local function batched_decode(model, n, plen, gen)
+  local seqs, last = {}, {}
+  local ids = prompt_ids(model, plen)
+  local batch = model:batch()
+  for i = 1, n do
+    seqs[i] = model:sequence()
+    batch:add(seqs[i], ids)
+  end
+  local out = batch:run()
+  for i = 1, n do last[i] = out[seqs[i]]:argmax() end
+  local t0 = luma.now()
+  for _ = 1, gen do
+    for i = 1, n do batch:add(seqs[i], last[i]) end
+    out = batch:run()
+    for i = 1, n do last[i] = out[seqs[i]]:argmax() end
+  end
+  local dt = luma.now() - t0
+  for i = 1, n do seqs[i]:close() end
+  return n * gen / dt
+end
+
+local function list(s)
+  local t = {}
+  for v in tostring(s):gmatch("[^,]+") do t[#t + 1] = assert(math.tointeger(tonumber(v)), "expected integers: " .. s) end
+  return t
+end
+
 function M.run(o, load_model)
   local t0 = luma.now()
-  local model, path = load_model(o)
+  local model, path = load_model(o, { max_rows = o["max-rows"], kv_mb = o["kv-mb"] })
   local load_s = luma.now() - t0
   local info = model.info
   local reps = math.max(1, o.reps)
   local rows = {}
   local function row(name, value, unit) rows[#rows + 1] = { name, value, unit } end
 
-  -- Prefill: the best of reps.
-  local ids = prompt_ids(model, o.prompt)
-  local best = math.huge
-  for _ = 1, reps do
-    local seq = model:sequence()
-    local s0 = luma.now()
-    seq:eval(ids)
-    best = math.min(best, luma.now() - s0)
-    seq:close()
+  -- Prefill: the best of reps, for each prompt length.
+  local prefill = {}
+  for _, plen in ipairs(list(o.prompt)) do
+    local ids = prompt_ids(model, plen)
+    local best = math.huge
+    for _ = 1, reps do
+      local seq = model:sequence()
+      local s0 = luma.now()
+      seq:eval(ids)
+      best = math.min(best, luma.now() - s0)
+      seq:close()
+    end
+    prefill[#prefill + 1] = { plen, best }
   end
   -- Decode after a short prompt.
   local short = prompt_ids(model, 16)
@@ -86,12 +120,24 @@ function M.run(o, load_model)
   row("backend", info.backend .. (info.backend == "cpu" and (", " .. luma.simd() .. ", " ..
       (o.threads > 0 and o.threads or "all") .. " threads") or ""), "")
   row("load", string.format("%.2f", load_s), "s")
-  row("prefill " .. o.prompt .. " tokens", string.format("%.1f", o.prompt / best), "tokens/s")
-  row("time to first token (" .. o.prompt .. ")", string.format("%.1f", best * 1000), "ms")
+  for _, pf in ipairs(prefill) do
+    row("prefill " .. pf[1] .. " tokens", string.format("%.1f", pf[1] / pf[2]), "tokens/s")
+    row("time to first token (" .. pf[1] .. ")", string.format("%.1f", pf[2] * 1000), "ms")
+  end
   row("decode " .. o.gen .. " tokens (argmax)", string.format("%.2f", tps), "tokens/s")
   row("decode time per token", string.format("%.2f", dec / o.gen * 1000), "ms")
   row("weights read per token", string.format("%.1f", info.weight_bytes / 1048576), "MiB")
   row("achieved weight bandwidth", string.format("%.2f", info.weight_bytes * tps / 1e9), "GB/s")
+  if o["peak-gbs"] then
+    row("fraction of the bandwidth roofline", string.format("%.1f", info.weight_bytes * tps / 1e9 / o["peak-gbs"] * 100),
+        "% of " .. o["peak-gbs"] .. " GB/s")
+  end
+  if o.batch then
+    for _, n in ipairs(list(o.batch)) do
+      row(string.format("aggregate decode, %d seqs (%d+%d)", n, o["batch-prompt"], o.gen),
+          string.format("%.1f", batched_decode(model, n, o["batch-prompt"], o.gen)), "tokens/s")
+    end
+  end
   if o.policy then
     local P = require "luma.policy"
     local chain = P.chain{ P.penalties{ repeat_ = 1.1, last_n = 64 }, P.top_k(40), P.top_p(0.95), P.temperature(0.8) }

@@ -264,7 +264,12 @@ end
 -- ---- bench ---------------------------------------------------------------
 
 local bench_spec = with{
-  prompt = { kind = "integer", short = "p", help = "prompt tokens for the prefill test", default = 512 },
+  prompt = { kind = "string", short = "p", help = "prompt tokens for the prefill test (a list: 512,4096)", default = "512" },
+  batch = { kind = "string", short = "b", help = "aggregate decode at these numbers of sequences (a list: 1,8,32)" },
+  ["batch-prompt"] = { kind = "integer", help = "prompt tokens of each sequence in the aggregate test", default = 128 },
+  ["max-rows"] = { kind = "integer", help = "rows per forward pass (0: the default)", default = 0 },
+  ["kv-mb"] = { kind = "integer", help = "KV cache budget in MiB (0: one full context)", default = 0 },
+  ["peak-gbs"] = { kind = "number", help = "memory bandwidth to report decode against, GB/s" },
   gen = { kind = "integer", short = "n", help = "tokens to decode", default = 128 },
   reps = { kind = "integer", short = "r", help = "repetitions (the best is reported)", default = 1 },
   policy = { kind = "flag", help = "also time decode with a Lua sampling chain instead of C argmax" },

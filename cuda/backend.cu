@@ -1,0 +1,523 @@
+/* The CUDA backend: device memory, the step upload, and the table of
+ * operations (kernels in ops.cu, attention.cu and matmul.cu).
+ *
+ * Everything lives on one device and is queued on one stream. Weights are
+ * copied once, byte for byte, from the mapped file. A step's metadata
+ * (tokens, positions, out rows, the row -> sequence map, per-sequence ranges,
+ * block tables and the attention work lists) is packed on the host into a
+ * pinned buffer and sent in one copy, so a decode step pays for a single
+ * small transfer. Operations never return errors: the first failure is kept
+ * in c->failure, later operations are skipped, and sync (or buf_read)
+ * reports it. */
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cuda_internal.h"
+
+static cuda_backend *cu(luma_backend *be) { return (cuda_backend *)be; }
+
+bool luma_cuda_fail(cuda_backend *c, cudaError_t e, const char *what)
+{
+    if (e == cudaSuccess) return false;
+    if (c->failure[0] == 0)
+        snprintf(c->failure, sizeof c->failure, "CUDA error in %s: %s", what, cudaGetErrorString(e));
+    return true;
+}
+
+void luma_cuda_failf(cuda_backend *c, const char *fmt, ...)
+{
+    if (c->failure[0] != 0) return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(c->failure, sizeof c->failure, fmt, ap);
+    va_end(ap);
+}
+
+/* Hands the recorded failure to the caller and clears it. */
+static int report(cuda_backend *c, luma_err *err)
+{
+    luma_errf(err, "%s", c->failure);
+    c->failure[0] = 0;
+    return -1;
+}
+
+/* Frees device memory that queued work may still be using. */
+static void free_after_stream(cuda_backend *c, void *p)
+{
+    if (!p) return;
+    cudaStreamSynchronize(c->stream);
+    cudaFree(p);
+}
+
+void *luma_cuda_scratch(cuda_backend *c, size_t n)
+{
+    if (!LUMA_CUDA_OK(c)) return NULL;
+    if (n <= c->scratch_cap) return c->scratch;
+    free_after_stream(c, c->scratch);
+    c->scratch = NULL;
+    c->scratch_cap = 0;
+    if (luma_cuda_fail(c, cudaMalloc(&c->scratch, n), "allocating matmul scratch")) {
+        c->scratch = NULL;
+        return NULL;
+    }
+    c->scratch_cap = n;
+    return c->scratch;
+}
+
+/* ---- memory ------------------------------------------------------------- */
+
+static int cuda_weight_load(luma_backend *be, luma_weight *w, luma_err *err)
+{
+    cuda_backend *c = cu(be);
+    if (w->rows > 1 && !luma_cuda_matmul_supports(w->type))
+        return luma_errf(err, "tensor type %s is not supported by the CUDA backend",
+                         luma_type_name(w->type));
+    size_t row = luma_row_size(w->type, w->cols), bytes;
+    if (row == 0 || w->rows < 1 || luma_mul_size(row, (size_t)w->rows, &bytes))
+        return luma_errf(err, "a %s weight of %lld x %lld has no valid size", luma_type_name(w->type),
+                         (long long)w->rows, (long long)w->cols);
+    if (c->n_weights == c->weights_cap) {
+        int32_t cap = c->weights_cap ? 2 * c->weights_cap : 256;
+        void **list = (void **)realloc(c->weights, (size_t)cap * sizeof *list);
+        if (!list) return luma_errf(err, "out of memory");
+        c->weights = list;
+        c->weights_cap = cap;
+    }
+    cudaError_t e = cudaSetDevice(c->device);
+    void *d = NULL;
+    if (e == cudaSuccess) e = cudaMalloc(&d, bytes);
+    if (e != cudaSuccess)
+        return luma_errf(err, "no GPU memory for a %s weight of %zu MiB: %s", luma_type_name(w->type),
+                         bytes >> 20, cudaGetErrorString(e));
+    e = cudaMemcpyAsync(d, w->host, bytes, cudaMemcpyHostToDevice, c->stream);
+    if (e == cudaSuccess) e = cudaStreamSynchronize(c->stream);
+    if (e != cudaSuccess) {
+        cudaFree(d);
+        return luma_errf(err, "copying a %s weight to the GPU: %s", luma_type_name(w->type),
+                         cudaGetErrorString(e));
+    }
+    c->weights[c->n_weights++] = d;
+    w->dev = d;
+    return 0;
+}
+
+static int cuda_buf_alloc(luma_backend *be, luma_buf *b, int64_t rows, int64_t cols, luma_err *err)
+{
+    cuda_backend *c = cu(be);
+    size_t n;
+    if (rows < 0 || cols < 0 || luma_mul_size((size_t)rows, (size_t)cols, &n) ||
+        n > SIZE_MAX / sizeof(float))
+        return luma_errf(err, "activation buffer of %lld x %lld is too large", (long long)rows,
+                         (long long)cols);
+    float *d = NULL;
+    size_t bytes = (n ? n : 1) * sizeof(float);
+    cudaError_t e = cudaSetDevice(c->device);
+    if (e == cudaSuccess) e = cudaMalloc(&d, bytes);
+    if (e == cudaSuccess) e = cudaMemsetAsync(d, 0, bytes, c->stream);
+    if (e != cudaSuccess) {
+        cudaFree(d);
+        return luma_errf(err, "no GPU memory for a %lld x %lld activation buffer: %s", (long long)rows,
+                         (long long)cols, cudaGetErrorString(e));
+    }
+    b->data = d;
+    b->rows = rows;
+    b->cols = cols;
+    b->cap = (int64_t)n;
+    return 0;
+}
+
+static void cuda_buf_free(luma_backend *be, luma_buf *b)
+{
+    free_after_stream(cu(be), b->data);
+    memset(b, 0, sizeof *b);
+}
+
+static int cuda_buf_read(luma_backend *be, const luma_buf *b, float *dst, luma_err *err)
+{
+    cuda_backend *c = cu(be);
+    size_t bytes = (size_t)b->rows * (size_t)b->cols * sizeof(float);
+    if (LUMA_CUDA_OK(c) && bytes)
+        luma_cuda_fail(c, cudaMemcpyAsync(dst, b->data, bytes, cudaMemcpyDeviceToHost, c->stream),
+                       "reading an activation buffer");
+    if (LUMA_CUDA_OK(c)) luma_cuda_fail(c, cudaStreamSynchronize(c->stream), "reading an activation buffer");
+    return LUMA_CUDA_OK(c) ? 0 : report(c, err);
+}
+
+static size_t kv_elem_size(const luma_kv_layout *l) { return l->type == LUMA_F16 ? 2 : 4; }
+
+static int cuda_kv_alloc(luma_backend *be, const luma_kv_layout *l, luma_err *err)
+{
+    cuda_backend *c = cu(be);
+    if (l->type != LUMA_F16 && l->type != LUMA_F32)
+        return luma_errf(err, "KV cache type %s: the CUDA backend stores F16 or F32", luma_type_name(l->type));
+    if (l->n_pools < 1 || l->n_pools > LUMA_KV_MAX_POOLS || l->block_tokens < 1 || l->n_kv_head < 1)
+        return luma_errf(err, "invalid KV cache layout");
+    cudaError_t e = cudaSetDevice(c->device);
+    if (e != cudaSuccess) return luma_errf(err, "selecting the GPU: %s", cudaGetErrorString(e));
+    if (luma_cuda_attention_setup(l, err)) return -1;
+    for (int p = 0; p < LUMA_KV_MAX_POOLS; p++) {
+        free_after_stream(c, c->kv_mem[p]);
+        c->kv_mem[p] = NULL;
+        c->kv_block_bytes[p] = 0;
+    }
+    c->kvl = *l;
+    /* K [n_kv_head][block_tokens][head_dim_k] then V, per layer of the pool */
+    size_t layer = (size_t)l->n_kv_head * (size_t)l->block_tokens *
+                   ((size_t)l->head_dim_k + (size_t)l->head_dim_v) * kv_elem_size(l);
+    for (int p = 0; p < l->n_pools && e == cudaSuccess; p++) {
+        size_t block, total;
+        if (l->n_layers[p] < 0 || l->n_blocks[p] < 0 ||
+            luma_mul_size(layer, (size_t)l->n_layers[p], &block) ||
+            luma_mul_size(block, (size_t)l->n_blocks[p], &total))
+            return luma_errf(err, "KV cache pool %d is too large", p);
+        c->kv_block_bytes[p] = block;
+        e = cudaMalloc(&c->kv_mem[p], total ? total : 1);
+        if (e != cudaSuccess) {
+            c->kv_mem[p] = NULL;
+            return luma_errf(err, "no GPU memory for the KV cache (%zu MiB in pool %d): %s", total >> 20, p,
+                             cudaGetErrorString(e));
+        }
+        /* Slots never written still hold finite values. */
+        e = cudaMemsetAsync(c->kv_mem[p], 0, total ? total : 1, c->stream);
+    }
+    if (e != cudaSuccess) return luma_errf(err, "allocating the KV cache: %s", cudaGetErrorString(e));
+    return 0;
+}
+
+static void cuda_kv_copy_block(luma_backend *be, int pool, int32_t src, int32_t dst)
+{
+    cuda_backend *c = cu(be);
+    if (!LUMA_CUDA_OK(c)) return;
+    size_t bb = c->kv_block_bytes[pool];
+    luma_cuda_fail(c, cudaMemcpyAsync(c->kv_mem[pool] + (size_t)dst * bb, c->kv_mem[pool] + (size_t)src * bb,
+                                      bb, cudaMemcpyDeviceToDevice, c->stream),
+                   "copying a KV block");
+}
+
+/* ---- the step upload ---------------------------------------------------- */
+
+/* Offsets, in int32 entries, of the step's arrays inside the upload. */
+typedef struct step_plan {
+    size_t tokens, pos, out_rows, row_seq, seq_row0, seq_nrows, seq_pos0;
+    size_t block_off, block_n, dec_rows, tiles, blocks, total;
+} step_plan;
+
+static int plan_step(const cuda_backend *c, const luma_step *s, step_plan *p, int32_t *n_dec,
+                     int32_t *n_tiles, luma_err *err)
+{
+    if (s->n_rows < 0 || s->n_seqs < 0 || s->n_out < 0 || s->n_out > s->n_rows)
+        return luma_errf(err, "step of %d rows, %d sequences and %d out rows is inconsistent", s->n_rows,
+                         s->n_seqs, s->n_out);
+    int np = c->kvl.n_pools;
+    size_t blocks = 0, dec = 0, tiles = 0, covered = 0;
+    for (int32_t i = 0; i < s->n_seqs; i++) {
+        const luma_step_seq *q = &s->seqs[i];
+        if (q->row0 < 0 || q->n_rows < 0 || q->row0 > s->n_rows - q->n_rows || q->pos0 < 0 ||
+            q->pos0 > INT32_MAX - q->n_rows)
+            return luma_errf(err, "step sequence %d covers rows [%d, %d + %d) of %d", i, q->row0, q->row0,
+                             q->n_rows, s->n_rows);
+        for (int p = 0; p < np; p++) {
+            if (q->n_blocks[p] < 0) return luma_errf(err, "step sequence %d has a negative block count", i);
+            blocks += (size_t)q->n_blocks[p];
+        }
+        if (q->n_rows >= LUMA_CUDA_PREFILL_MIN_ROWS)
+            tiles += ((size_t)q->n_rows + LUMA_CUDA_ATTN_TILE - 1) / LUMA_CUDA_ATTN_TILE;
+        else
+            dec += (size_t)q->n_rows;
+        covered += (size_t)q->n_rows;
+    }
+    if (covered != (size_t)s->n_rows)
+        return luma_errf(err, "the step's sequences cover %zu rows, not its %d", covered, s->n_rows);
+    size_t R = (size_t)s->n_rows, S = (size_t)s->n_seqs, at = 0;
+    p->tokens = at; at += R;
+    p->pos = at; at += R;
+    p->out_rows = at; at += (size_t)s->n_out;
+    p->row_seq = at; at += R;
+    p->seq_row0 = at; at += S;
+    p->seq_nrows = at; at += S;
+    p->seq_pos0 = at; at += S;
+    p->block_off = at; at += (size_t)np * S;
+    p->block_n = at; at += (size_t)np * S;
+    p->dec_rows = at; at += dec;
+    p->tiles = at; at += 2 * tiles;
+    p->blocks = at; at += blocks;
+    p->total = at;
+    if (at > (size_t)INT32_MAX) return luma_errf(err, "step metadata is too large");
+    *n_dec = (int32_t)dec;
+    *n_tiles = (int32_t)tiles;
+    return 0;
+}
+
+/* Grows the pinned staging buffer and the device arena to hold bytes. */
+static int reserve_step(cuda_backend *c, size_t bytes, luma_err *err)
+{
+    if (bytes > c->stage_cap) {
+        cudaEventSynchronize(c->staged);
+        cudaFreeHost(c->host_stage);
+        c->host_stage = NULL;
+        c->stage_cap = 0;
+        size_t cap = bytes < 4096 ? 4096 : 2 * bytes;
+        cudaError_t e = cudaMallocHost(&c->host_stage, cap);
+        if (e != cudaSuccess) {
+            c->host_stage = NULL;
+            return luma_errf(err, "no pinned host memory for the step upload: %s", cudaGetErrorString(e));
+        }
+        c->stage_cap = cap;
+    }
+    if (bytes > c->step_cap) {
+        free_after_stream(c, c->step_mem);
+        c->step_mem = NULL;
+        c->step_cap = 0;
+        cudaError_t e = cudaMalloc(&c->step_mem, c->stage_cap);
+        if (e != cudaSuccess) {
+            c->step_mem = NULL;
+            return luma_errf(err, "no GPU memory for the step metadata: %s", cudaGetErrorString(e));
+        }
+        c->step_cap = c->stage_cap;
+    }
+    return 0;
+}
+
+static int cuda_step_begin(luma_backend *be, const luma_step *s, luma_err *err)
+{
+    cuda_backend *c = cu(be);
+    if (!LUMA_CUDA_OK(c)) return report(c, err);
+    step_plan p;
+    int32_t n_dec, n_tiles;
+    if (plan_step(c, s, &p, &n_dec, &n_tiles, err) || reserve_step(c, p.total * sizeof(int32_t), err))
+        return -1;
+    /* The previous upload must be out of the staging buffer before it is rewritten. */
+    if (luma_cuda_fail(c, cudaEventSynchronize(c->staged), "waiting for the last step upload"))
+        return report(c, err);
+    int32_t *h = (int32_t *)c->host_stage;
+    int32_t R = s->n_rows, S = s->n_seqs, np = c->kvl.n_pools;
+    int32_t max_pos = 0, dec_max_pos = 0;
+    memcpy(h + p.tokens, s->tokens, (size_t)R * sizeof(int32_t));
+    memcpy(h + p.pos, s->pos, (size_t)R * sizeof(int32_t));
+    memcpy(h + p.out_rows, s->out_rows, (size_t)s->n_out * sizeof(int32_t));
+    for (int32_t r = 0; r < R; r++) {
+        h[p.row_seq + r] = -1;
+        if (s->pos[r] < 0) return luma_errf(err, "step row %d has position %d", r, s->pos[r]);
+        if (s->pos[r] + 1 > max_pos) max_pos = s->pos[r] + 1;
+    }
+    for (int32_t j = 0; j < s->n_out; j++)
+        if (s->out_rows[j] < 0 || s->out_rows[j] >= R)
+            return luma_errf(err, "step out row %d is %d, outside [0, %d)", j, s->out_rows[j], R);
+    size_t blk = p.blocks, dec = p.dec_rows, tile = p.tiles;
+    for (int32_t i = 0; i < S; i++) {
+        const luma_step_seq *q = &s->seqs[i];
+        for (int32_t r = q->row0; r < q->row0 + q->n_rows; r++) {
+            if (h[p.row_seq + r] != -1) return luma_errf(err, "step row %d belongs to two sequences", r);
+            h[p.row_seq + r] = i;
+            /* the kernels index the block tables by position */
+            for (int pool = 0; pool < np; pool++)
+                if (s->pos[r] / c->kvl.block_tokens >= q->n_blocks[pool])
+                    return luma_errf(err, "step row %d at position %d is past the %d blocks of its table in pool %d",
+                                     r, s->pos[r], q->n_blocks[pool], pool);
+        }
+        h[p.seq_row0 + i] = q->row0;
+        h[p.seq_nrows + i] = q->n_rows;
+        h[p.seq_pos0 + i] = q->pos0;
+        for (int pool = 0; pool < np; pool++) {
+            h[p.block_off + (size_t)pool * S + i] = (int32_t)(blk - p.blocks);
+            h[p.block_n + (size_t)pool * S + i] = q->n_blocks[pool];
+            if (q->n_blocks[pool] > 0)
+                memcpy(h + blk, q->blocks[pool], (size_t)q->n_blocks[pool] * sizeof(int32_t));
+            blk += (size_t)q->n_blocks[pool];
+        }
+        if (q->n_rows >= LUMA_CUDA_PREFILL_MIN_ROWS) {
+            for (int32_t t = 0; t < q->n_rows; t += LUMA_CUDA_ATTN_TILE) {
+                h[tile++] = i;
+                h[tile++] = t;
+            }
+        } else {
+            for (int32_t r = q->row0; r < q->row0 + q->n_rows; r++) {
+                h[dec++] = r;
+                if (s->pos[r] + 1 > dec_max_pos) dec_max_pos = s->pos[r] + 1;
+            }
+        }
+    }
+    int32_t *d = (int32_t *)c->step_mem;
+    if (luma_cuda_fail(c, cudaMemcpyAsync(d, h, p.total * sizeof(int32_t), cudaMemcpyHostToDevice, c->stream),
+                       "uploading the step") ||
+        luma_cuda_fail(c, cudaEventRecord(c->staged, c->stream), "uploading the step"))
+        return report(c, err);
+    cuda_step *cs = &c->step;
+    cs->host = s;
+    cs->n_rows = R;
+    cs->n_seqs = S;
+    cs->n_out = s->n_out;
+    cs->tokens = d + p.tokens;
+    cs->pos = d + p.pos;
+    cs->out_rows = d + p.out_rows;
+    cs->row_seq = d + p.row_seq;
+    cs->seq_row0 = d + p.seq_row0;
+    cs->seq_nrows = d + p.seq_nrows;
+    cs->seq_pos0 = d + p.seq_pos0;
+    cs->blocks = d + p.blocks;
+    cs->block_off = d + p.block_off;
+    cs->block_n = d + p.block_n;
+    cs->max_pos = max_pos;
+    cs->n_dec = n_dec;
+    cs->n_tiles = n_tiles;
+    cs->dec_rows = d + p.dec_rows;
+    cs->tiles = d + p.tiles;
+    cs->dec_max_pos = dec_max_pos;
+    return 0;
+}
+
+const int32_t *luma_cuda_step_array(cuda_backend *c, const int32_t *host, int32_t n, const char *op)
+{
+    const luma_step *s = c->step.host;
+    uintptr_t at = (uintptr_t)host, end = at + (size_t)(n > 0 ? n : 0) * sizeof(int32_t);
+    struct { const int32_t *h; int32_t *d; int32_t n; } arrays[3];
+    if (s) {
+        arrays[0] = { s->tokens, c->step.tokens, s->n_rows };
+        arrays[1] = { s->pos, c->step.pos, s->n_rows };
+        arrays[2] = { s->out_rows, c->step.out_rows, s->n_out };
+        for (int i = 0; i < 3; i++) {
+            uintptr_t lo = (uintptr_t)arrays[i].h, hi = lo + (size_t)arrays[i].n * sizeof(int32_t);
+            if (n >= 0 && at >= lo && end <= hi) return arrays[i].d + (host - arrays[i].h);
+        }
+    }
+    luma_cuda_failf(c, "%s: the row indices are not the current step's (was step_begin called?)", op);
+    return NULL;
+}
+
+/* ---- operations kept here ----------------------------------------------- */
+
+static void cuda_matmul(luma_backend *be, const luma_weight *w, const luma_buf *x, luma_buf *y)
+{
+    cuda_backend *c = cu(be);
+    if (LUMA_CUDA_OK(c)) luma_cuda_matmul(c, w, x->data, x->rows, y->data);
+    y->rows = x->rows;
+    y->cols = w->rows;
+}
+
+static void cuda_attention(luma_backend *be, const luma_buf *q, const luma_buf *k, const luma_buf *v,
+                           const luma_step *step, const luma_attn *a, luma_buf *out)
+{
+    luma_cuda_attention(cu(be), q, k, v, step, a, out);
+}
+
+static int cuda_sync(luma_backend *be, luma_err *err)
+{
+    cuda_backend *c = cu(be);
+    luma_cuda_fail(c, cudaStreamSynchronize(c->stream), "the step's kernels");
+    return LUMA_CUDA_OK(c) ? 0 : report(c, err);
+}
+
+static void cuda_free(luma_backend *be)
+{
+    cuda_backend *c = cu(be);
+    if (!c) return;
+    cudaSetDevice(c->device);
+    if (c->stream) cudaStreamSynchronize(c->stream);
+    for (int32_t i = 0; i < c->n_weights; i++) cudaFree(c->weights[i]);
+    free(c->weights);
+    for (int p = 0; p < LUMA_KV_MAX_POOLS; p++) cudaFree(c->kv_mem[p]);
+    cudaFree(c->step_mem);
+    cudaFree(c->scratch);
+    cudaFree(c->attn_scratch);
+    if (c->staged) cudaEventSynchronize(c->staged);
+    cudaFreeHost(c->host_stage);
+    if (c->staged) cudaEventDestroy(c->staged);
+    if (c->cublas) cublasDestroy(c->cublas);
+    if (c->stream) cudaStreamDestroy(c->stream);
+    free(c);
+}
+
+static const luma_backend_ops cuda_ops = {
+    .name = "cuda",
+    .free = cuda_free,
+    .weight_load = cuda_weight_load,
+    .buf_alloc = cuda_buf_alloc,
+    .buf_free = cuda_buf_free,
+    .buf_read = cuda_buf_read,
+    .kv_alloc = cuda_kv_alloc,
+    .step_begin = cuda_step_begin,
+    .kv_copy_block = cuda_kv_copy_block,
+    .embed = luma_cuda_embed,
+    .matmul = cuda_matmul,
+    .gather = luma_cuda_gather,
+    .add_bias = luma_cuda_add_bias,
+    .rmsnorm = luma_cuda_rmsnorm,
+    .rope = luma_cuda_rope,
+    .attention = cuda_attention,
+    .gelu_mul = luma_cuda_gelu_mul,
+    .silu_mul = luma_cuda_silu_mul,
+    .add = luma_cuda_add,
+    .sync = cuda_sync,
+};
+
+/* Device 0 exists and can run this build's sm_90 code. */
+static bool device_usable(int device, int *major, int *minor)
+{
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess || device < 0 || device >= n) return false;
+    if (cudaDeviceGetAttribute(major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+        cudaDeviceGetAttribute(minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess)
+        return false;
+    return *major >= 9;
+}
+
+bool luma_backend_cuda_available(void)
+{
+    int major = 0, minor = 0;
+    bool ok = device_usable(0, &major, &minor);
+    cudaGetLastError();   /* a missing driver must not leave a sticky error behind */
+    return ok;
+}
+
+luma_backend *luma_backend_cuda_new(int device, luma_err *err)
+{
+    int n = 0, major = 0, minor = 0;
+    cudaError_t e = cudaGetDeviceCount(&n);
+    if (e != cudaSuccess || n == 0) {
+        cudaGetLastError();
+        luma_errf(err, "no CUDA device: %s", e != cudaSuccess ? cudaGetErrorString(e) : "none found");
+        return NULL;
+    }
+    if (!device_usable(device, &major, &minor)) {
+        if (device < 0 || device >= n) luma_errf(err, "CUDA device %d does not exist (%d found)", device, n);
+        else luma_errf(err, "CUDA device %d has compute capability %d.%d; luma's kernels need 9.0 or newer",
+                       device, major, minor);
+        return NULL;
+    }
+    cuda_backend *c = (cuda_backend *)calloc(1, sizeof *c);
+    if (!c) {
+        luma_errf(err, "out of memory for the CUDA backend");
+        return NULL;
+    }
+    c->base.ops = &cuda_ops;
+    c->device = device;
+    const char *what = "selecting the device";
+    e = cudaSetDevice(device);
+    if (e == cudaSuccess) {
+        what = "reading the device's properties";
+        e = cudaDeviceGetAttribute(&c->n_sm, cudaDevAttrMultiProcessorCount, device);
+    }
+    if (e == cudaSuccess) {
+        /* A blocking stream: work queued on the legacy default stream (a
+         * test's events and copies) stays ordered with the backend's. */
+        what = "creating a stream";
+        e = cudaStreamCreate(&c->stream);
+    }
+    if (e == cudaSuccess) {
+        what = "creating an event";
+        e = cudaEventCreateWithFlags(&c->staged, cudaEventDisableTiming);
+    }
+    if (e != cudaSuccess) {
+        luma_errf(err, "CUDA backend: %s: %s", what, cudaGetErrorString(e));
+        cuda_free(&c->base);
+        return NULL;
+    }
+    if (cublasCreate(&c->cublas) != CUBLAS_STATUS_SUCCESS || cublasSetStream(c->cublas, c->stream) != CUBLAS_STATUS_SUCCESS) {
+        luma_errf(err, "CUDA backend: could not start cuBLAS");
+        cuda_free(&c->base);
+        return NULL;
+    }
+    return &c->base;
+}

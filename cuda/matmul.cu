@@ -1,0 +1,1097 @@
+/* Matrix products with quantized weights: y[i] = W x[i] for the m activation
+ * rows of a step. W is rows x cols in its GGUF block format (rows contiguous,
+ * row r at w->dev + r * luma_row_size(type, cols)); x is m x cols and y is
+ * m x rows, f32, row-major, on the device.
+ *
+ * Two paths, chosen by m (cuda/NOTES.md has the napkin math):
+ *
+ * - m <= LUMA_MMV_MAX_M (decode, small batches): matrix-vector products,
+ *   memory-bound, so each weight byte is read once for up to MMV_PASS_M
+ *   activation rows. The activations are first quantized to int8 blocks of
+ *   32 (scale d = max|x| / 127 and the float sum of the block, like GGML's
+ *   Q8_1); each weight block is decoded to int8 lanes in registers and one
+ *   __dp4a does four multiply-adds. Float weights (F32, F16, BF16) meet the
+ *   f32 activations directly. One warp owns one or two weight rows; its lanes
+ *   split the row's blocks (lpb lanes to a block), accumulate, and reduce with
+ *   shuffles at the end. Activations are read through L1, where every warp of
+ *   the SM finds them (m x cols bytes of int8: 32 KB for 8 rows of 4096).
+ *
+ * - larger m (prefill, big batches): tensor cores through cuBLAS. A panel of
+ *   weight rows is dequantized to f16 in scratch (the same values as
+ *   luma_dequantize_row, rounded to f16), the activations are converted to
+ *   f16 once, and cublasGemmEx multiplies them with f32 accumulation and f32
+ *   output. mm_tensor is the one place to add a second way of doing this
+ *   (an mma/wgmma kernel reading dequantized shared-memory tiles). */
+#include "cuda_internal.h"
+
+#include <limits.h>
+
+/* The largest m that takes the matrix-vector path; above it the dequantized
+ * weights (2 bytes per element written, then read by the GEMM) cost less than
+ * reading the quantized weights once per MMV_PASS_M rows. F16 weights need
+ * no dequantization, so cuBLAS wins from m = 3 on (measured on an H100). */
+#ifndef LUMA_MMV_MAX_M
+#define LUMA_MMV_MAX_M 8
+#endif
+#define MMV_MAX_M_F16 2
+#define MMV_PASS_M 8           /* activation rows per matrix-vector kernel */
+#define MMV_WARPS 4            /* warps per CTA of the matrix-vector kernel */
+#define DEQ_THREADS 256
+/* Weight elements dequantized per GEMM call: bounds the f16 scratch at
+ * 128 MB (a 262144 x 640 output matrix takes three panels). */
+#define PANEL_ELEMS ((int64_t)64 << 20)
+
+/* ---- small helpers ---------------------------------------------------------- */
+
+static __device__ __forceinline__ float f16_bits(uint32_t h)
+{
+    return __half2float(__ushort_as_half((unsigned short)h));
+}
+
+static __device__ __forceinline__ float ld_f16(const uint8_t *p)
+{
+    return f16_bits(*(const uint16_t *)p);
+}
+
+/* Four bytes at an address that is only 2-aligned (blocks of 18, 22, 34, 110
+ * and 210 bytes). */
+static __device__ __forceinline__ int ld_i32_a2(const uint8_t *p)
+{
+    const uint16_t *h = (const uint16_t *)p;
+    return (int)((uint32_t)h[0] | (uint32_t)h[1] << 16);
+}
+
+static __device__ __forceinline__ int ld_i32(const uint8_t *p)
+{
+    return *(const int *)p;
+}
+
+/* Bits 0..3 of b to bit 4 of bytes 0..3: the fifth bit of four Q5 values. */
+static __device__ __forceinline__ int bits4_to_bytes(uint32_t b)
+{
+    return (int)((b & 1) << 4 | (b & 2) << 11 | (b & 4) << 18 | (b & 8) << 25);
+}
+
+static __device__ __forceinline__ float warp_sum(float v)
+{
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+static __device__ __forceinline__ float warp_max(float v)
+{
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+/* Programmatic dependent launch (sm_90): the matrix-vector kernel starts
+ * while the activation quantizer still runs, fetches its first weight
+ * blocks, and waits here before it reads anything an earlier kernel wrote.
+ * Both are no-ops for a kernel launched the ordinary way. */
+static __device__ __forceinline__ void wait_for_previous_kernel()
+{
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+}
+
+static __device__ __forceinline__ void let_next_kernel_start()
+{
+    asm volatile("griddepcontrol.launch_dependents;");
+}
+
+/* Q4_K and Q5_K scales and minimums (src/quant.c scale_min_k4), from the
+ * three words of the 12 scale bytes; s is a run-time index, so the bytes are
+ * picked by shifts rather than from an array. */
+static __device__ __forceinline__ void scale_min_k4(int s, uint32_t w1, uint32_t w2, uint32_t w3, int &sc, int &m)
+{
+    if (s < 4) {
+        sc = (w1 >> 8 * s) & 63;
+        m = (w2 >> 8 * s) & 63;
+    } else {
+        int b = 8 * (s - 4);
+        sc = ((w3 >> b) & 0xF) | ((w1 >> (b + 6)) & 3) << 4;
+        m = ((w3 >> (b + 4)) & 0xF) | ((w2 >> (b + 6)) & 3) << 4;
+    }
+}
+
+static __device__ __forceinline__ void scale_min_k4_bytes(int s, const uint8_t *q, int &sc, int &m)
+{
+    scale_min_k4(s, ld_i32(q), ld_i32(q + 4), ld_i32(q + 8), sc, m);
+}
+
+/* Q3_K's sixteen 6-bit scales (src/quant.c q3_k_scales), scale j. */
+static __device__ __forceinline__ int q3_k_scale(const uint8_t *s, int j)
+{
+    int lo = j < 8 ? s[j] & 0xF : s[j - 8] >> 4;
+    int hi = (s[8 + j % 4] >> (2 * (j / 4))) & 3;
+    return (lo | hi << 4) - 32;
+}
+
+/* ---- block formats -------------------------------------------------------------
+ *
+ * One struct per weight type: qk elements and `bytes` bytes per block, lpb
+ * lanes share a block in the matrix-vector kernel. Lane part p of a block:
+ *   fetch  loads the raw bytes of the lane's share into raw_t;
+ *   decode turns them into w_t (int8 lanes with any offset folded in,
+ *          per-group float scales): once per weight row;
+ *   loadx  reads the matching activations of one row into x_t;
+ *   dot    their contribution to that row's output.
+ * deq8 writes 8 consecutive elements from element e0 of a block, computed
+ * operation by operation as src/quant.c does (no fused multiply-add), so the
+ * f16 panel holds the reference values rounded once. */
+
+/* One activation row as the kernels read it: int8 values (four to an int)
+ * with (d, sum) per 32, or the f32 row itself for float weights. */
+struct act_rows {
+    const int *q;
+    const float2 *ds;
+    const float *f;
+    int64_t q_stride, ds_stride, f_stride;   /* per row, in ints, float2s, floats */
+};
+
+#define LOW4 0x0F0F0F0F
+
+struct type_q4_0 {
+    static constexpr int qk = 32, bytes = 18, lpb = 2;
+    struct raw_t { int q[2]; uint16_t d; };
+    struct w_t { int lo[2], hi[2]; float d; };
+    struct x_t { int2 lo, hi; float d; };
+    /* part p: qs[8p .. 8p + 7], elements 8p.. (low nibbles) and 16 + 8p.. (high) */
+    static __device__ void fetch(const uint8_t *b, int p, raw_t &r)
+    {
+        r.d = *(const uint16_t *)b;
+        r.q[0] = ld_i32_a2(b + 2 + 8 * p);
+        r.q[1] = ld_i32_a2(b + 6 + 8 * p);
+    }
+    static __device__ void decode(const raw_t &r, int p, w_t &w)
+    {
+        w.d = f16_bits(r.d);
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            w.lo[i] = __vsub4(r.q[i] & LOW4, 0x08080808);
+            w.hi[i] = __vsub4((r.q[i] >> 4) & LOW4, 0x08080808);
+        }
+    }
+    static __device__ void loadx(const act_rows &a, int j, int64_t ib, int p, x_t &x)
+    {
+        const int *q = a.q + j * a.q_stride + ib * 8;
+        x.lo = *(const int2 *)(q + 2 * p);
+        x.hi = *(const int2 *)(q + 4 + 2 * p);
+        x.d = a.ds[j * a.ds_stride + ib].x;
+    }
+    static __device__ float dot(const w_t &w, const x_t &x)
+    {
+        int s = __dp4a(w.lo[0], x.lo.x, __dp4a(w.lo[1], x.lo.y, 0));
+        s = __dp4a(w.hi[0], x.hi.x, __dp4a(w.hi[1], x.hi.y, s));
+        return w.d * x.d * (float)s;
+    }
+    static __device__ void deq8(const uint8_t *b, int e0, float *v)
+    {
+        float d = ld_f16(b);
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            int e = e0 + i, q = e < 16 ? b[2 + e] & 0xF : b[2 + e - 16] >> 4;
+            v[i] = __fmul_rn(d, (float)(q - 8));
+        }
+    }
+};
+
+struct type_q4_1 {
+    static constexpr int qk = 32, bytes = 20, lpb = 2;
+    struct raw_t { int q[2]; uint32_t dm; };
+    struct w_t { int lo[2], hi[2]; float d, m; };
+    struct x_t { int2 lo, hi; float d, s; };
+    /* the minimum times the sum of the block's activations is added by part 0 */
+    static __device__ void fetch(const uint8_t *b, int p, raw_t &r)
+    {
+        r.dm = (uint32_t)ld_i32(b);
+        r.q[0] = ld_i32(b + 4 + 8 * p);
+        r.q[1] = ld_i32(b + 8 + 8 * p);
+    }
+    static __device__ void decode(const raw_t &r, int p, w_t &w)
+    {
+        w.d = f16_bits(r.dm & 0xffff);
+        w.m = p == 0 ? f16_bits(r.dm >> 16) : 0.0f;
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            w.lo[i] = r.q[i] & LOW4;
+            w.hi[i] = (r.q[i] >> 4) & LOW4;
+        }
+    }
+    static __device__ void loadx(const act_rows &a, int j, int64_t ib, int p, x_t &x)
+    {
+        const int *q = a.q + j * a.q_stride + ib * 8;
+        x.lo = *(const int2 *)(q + 2 * p);
+        x.hi = *(const int2 *)(q + 4 + 2 * p);
+        float2 ds = a.ds[j * a.ds_stride + ib];
+        x.d = ds.x;
+        x.s = ds.y;
+    }
+    static __device__ float dot(const w_t &w, const x_t &x)
+    {
+        int s = __dp4a(w.lo[0], x.lo.x, __dp4a(w.lo[1], x.lo.y, 0));
+        s = __dp4a(w.hi[0], x.hi.x, __dp4a(w.hi[1], x.hi.y, s));
+        return w.d * x.d * (float)s + w.m * x.s;
+    }
+    static __device__ void deq8(const uint8_t *b, int e0, float *v)
+    {
+        float d = ld_f16(b), m = ld_f16(b + 2);
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            int e = e0 + i, q = e < 16 ? b[4 + e] & 0xF : b[4 + e - 16] >> 4;
+            v[i] = __fadd_rn(__fmul_rn(d, (float)q), m);
+        }
+    }
+};
+
+struct type_q5_0 {
+    static constexpr int qk = 32, bytes = 22, lpb = 2;
+    struct raw_t { int q[2]; uint32_t qh; uint16_t d; };
+    typedef type_q4_0::w_t w_t;
+    typedef type_q4_0::x_t x_t;
+    /* element e's fifth bit is bit e of qh */
+    static __device__ void fetch(const uint8_t *b, int p, raw_t &r)
+    {
+        r.d = *(const uint16_t *)b;
+        r.qh = (uint32_t)ld_i32_a2(b + 2);
+        r.q[0] = ld_i32_a2(b + 6 + 8 * p);
+        r.q[1] = ld_i32_a2(b + 10 + 8 * p);
+    }
+    static __device__ void decode(const raw_t &r, int p, w_t &w)
+    {
+        w.d = f16_bits(r.d);
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            int e = 8 * p + 4 * i;
+            w.lo[i] = __vsub4((r.q[i] & LOW4) | bits4_to_bytes(r.qh >> e), 0x10101010);
+            w.hi[i] = __vsub4(((r.q[i] >> 4) & LOW4) | bits4_to_bytes(r.qh >> (e + 16)), 0x10101010);
+        }
+    }
+    static __device__ void loadx(const act_rows &a, int j, int64_t ib, int p, x_t &x)
+    {
+        type_q4_0::loadx(a, j, ib, p, x);
+    }
+    static __device__ float dot(const w_t &w, const x_t &x)
+    {
+        int s = __dp4a(w.lo[0], x.lo.x, __dp4a(w.lo[1], x.lo.y, 0));
+        s = __dp4a(w.hi[0], x.hi.x, __dp4a(w.hi[1], x.hi.y, s));
+        return w.d * x.d * (float)s;
+    }
+    static __device__ void deq8(const uint8_t *b, int e0, float *v)
+    {
+        float d = ld_f16(b);
+        uint32_t qh = (uint32_t)ld_i32_a2(b + 2);
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            int e = e0 + i, q = (e < 16 ? b[6 + e] & 0xF : b[6 + e - 16] >> 4) | (int)((qh >> e) & 1) << 4;
+            v[i] = __fmul_rn(d, (float)(q - 16));
+        }
+    }
+};
+
+struct type_q5_1 {
+    static constexpr int qk = 32, bytes = 24, lpb = 2;
+    struct raw_t { int q[2]; uint32_t dm, qh; };
+    typedef type_q4_1::w_t w_t;
+    typedef type_q4_1::x_t x_t;
+    static __device__ void fetch(const uint8_t *b, int p, raw_t &r)
+    {
+        r.dm = (uint32_t)ld_i32(b);
+        r.qh = (uint32_t)ld_i32(b + 4);
+        r.q[0] = ld_i32(b + 8 + 8 * p);
+        r.q[1] = ld_i32(b + 12 + 8 * p);
+    }
+    static __device__ void decode(const raw_t &r, int p, w_t &w)
+    {
+        w.d = f16_bits(r.dm & 0xffff);
+        w.m = p == 0 ? f16_bits(r.dm >> 16) : 0.0f;
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            int e = 8 * p + 4 * i;
+            w.lo[i] = (r.q[i] & LOW4) | bits4_to_bytes(r.qh >> e);
+            w.hi[i] = ((r.q[i] >> 4) & LOW4) | bits4_to_bytes(r.qh >> (e + 16));
+        }
+    }
+    static __device__ void loadx(const act_rows &a, int j, int64_t ib, int p, x_t &x)
+    {
+        type_q4_1::loadx(a, j, ib, p, x);
+    }
+    static __device__ float dot(const w_t &w, const x_t &x)
+    {
+        return type_q4_1::dot(w, x);
+    }
+    static __device__ void deq8(const uint8_t *b, int e0, float *v)
+    {
+        float d = ld_f16(b), m = ld_f16(b + 2);
+        uint32_t qh = (uint32_t)ld_i32(b + 4);
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            int e = e0 + i, q = (e < 16 ? b[8 + e] & 0xF : b[8 + e - 16] >> 4) | (int)((qh >> e) & 1) << 4;
+            v[i] = __fadd_rn(__fmul_rn(d, (float)q), m);
+        }
+    }
+};
+
+struct type_q8_0 {
+    static constexpr int qk = 32, bytes = 34, lpb = 4;
+    typedef type_q4_0::raw_t raw_t;
+    struct w_t { int q[2]; float d; };
+    struct x_t { int2 q; float d; };
+    /* part p: elements 8p .. 8p + 7 */
+    static __device__ void fetch(const uint8_t *b, int p, raw_t &r)
+    {
+        type_q4_0::fetch(b, p, r);
+    }
+    static __device__ void decode(const raw_t &r, int p, w_t &w)
+    {
+        w.d = f16_bits(r.d);
+        w.q[0] = r.q[0];
+        w.q[1] = r.q[1];
+    }
+    static __device__ void loadx(const act_rows &a, int j, int64_t ib, int p, x_t &x)
+    {
+        x.q = *(const int2 *)(a.q + j * a.q_stride + ib * 8 + 2 * p);
+        x.d = a.ds[j * a.ds_stride + ib].x;
+    }
+    static __device__ float dot(const w_t &w, const x_t &x)
+    {
+        return w.d * x.d * (float)__dp4a(w.q[0], x.q.x, __dp4a(w.q[1], x.q.y, 0));
+    }
+    static __device__ void deq8(const uint8_t *b, int e0, float *v)
+    {
+        float d = ld_f16(b);
+#pragma unroll
+        for (int i = 0; i < 8; i++) v[i] = __fmul_rn(d, (float)(int8_t)b[2 + e0 + i]);
+    }
+};
+
+/* The K formats with 2-, 3- and 6-bit values (src/quant.c): element
+ * 128c + 32k + l takes bit pair k of byte l of half c and sub-block scale
+ * 8c + 2k + l / 16. Lane part p takes half c = p / 8 and the four positions
+ * l0 = 4 (p % 8) .. l0 + 3 of each k: four ints, four scales. */
+struct k_act4 {
+    int q[4];
+    float d[4];
+    static __device__ void load(const act_rows &a, int j, int64_t ib, int p, k_act4 &x)
+    {
+        int c = p / 8, l0 = 4 * (p % 8);
+        const int *q = a.q + j * a.q_stride + ib * 64 + 32 * c + l0 / 4;
+        const float2 *ds = a.ds + j * a.ds_stride + ib * 8 + 4 * c;
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            x.q[k] = q[8 * k];
+            x.d[k] = ds[k].x;
+        }
+    }
+};
+
+struct type_q2_K {
+    static constexpr int qk = 256, bytes = 84, lpb = 16;
+    struct raw_t { int q; uint32_t sc, dd; };
+    struct w_t { int q[4]; float dl[4], ml[4]; };
+    typedef k_act4 x_t;
+    /* sc: the four sub-block scale bytes of k = 0..3 */
+    static __device__ void fetch(const uint8_t *b, int p, raw_t &r)
+    {
+        int c = p / 8, l0 = 4 * (p % 8);
+        const uint8_t *s = b + 8 * c + l0 / 16;
+        r.dd = (uint32_t)ld_i32(b + 80);
+        r.q = ld_i32(b + 16 + 32 * c + l0);
+        r.sc = (uint32_t)s[0] | (uint32_t)s[2] << 8 | (uint32_t)s[4] << 16 | (uint32_t)s[6] << 24;
+    }
+    static __device__ void decode(const raw_t &r, int p, w_t &w)
+    {
+        float d = f16_bits(r.dd & 0xffff), dmin = f16_bits(r.dd >> 16);
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            int sc = (r.sc >> (8 * k)) & 0xFF;
+            w.q[k] = (r.q >> (2 * k)) & 0x03030303;
+            w.dl[k] = d * (float)(sc & 0xF);
+            w.ml[k] = dmin * (float)(sc >> 4);
+        }
+    }
+    static __device__ void loadx(const act_rows &a, int j, int64_t ib, int p, x_t &x)
+    {
+        k_act4::load(a, j, ib, p, x);
+    }
+    static __device__ float dot(const w_t &w, const x_t &x)
+    {
+        float r = 0.0f;
+#pragma unroll
+        for (int k = 0; k < 4; k++)
+            r += x.d[k] * (w.dl[k] * (float)__dp4a(w.q[k], x.q[k], 0) -
+                           w.ml[k] * (float)__dp4a(0x01010101, x.q[k], 0));
+        return r;
+    }
+    static __device__ void deq8(const uint8_t *b, int e0, float *v)
+    {
+        int c = e0 / 128, k = e0 % 128 / 32, l0 = e0 % 32, sc = b[8 * c + 2 * k + l0 / 16];
+        float d = ld_f16(b + 80), dmin = ld_f16(b + 82);
+        float dl = __fmul_rn(d, (float)(sc & 0xF)), ml = __fmul_rn(dmin, (float)(sc >> 4));
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            int q = (b[16 + 32 * c + l0 + i] >> (2 * k)) & 3;
+            v[i] = __fsub_rn(__fmul_rn(dl, (float)q), ml);
+        }
+    }
+};
+
+struct type_q3_K {
+    static constexpr int qk = 256, bytes = 110, lpb = 16;
+    struct raw_t { int q, hm; uint32_t sc; uint16_t d; };
+    struct w_t { int q[4]; float dl[4]; };
+    typedef k_act4 x_t;
+    /* value = 2 low bits - (high bit clear ? 4 : 0); the high bit of
+     * element 128c + 32k + l is bit 4c + k of hmask[l]; sc: the four 6-bit
+     * scales of k = 0..3, offset by 32 */
+    static __device__ void fetch(const uint8_t *b, int p, raw_t &r)
+    {
+        int c = p / 8, l0 = 4 * (p % 8);
+        r.d = *(const uint16_t *)(b + 108);
+        r.q = ld_i32_a2(b + 32 + 32 * c + l0);
+        r.hm = ld_i32_a2(b + l0);
+        r.sc = 0;
+#pragma unroll
+        for (int k = 0; k < 4; k++) r.sc |= (uint32_t)(q3_k_scale(b + 96, 8 * c + 2 * k + l0 / 16) + 32) << (8 * k);
+    }
+    static __device__ void decode(const raw_t &r, int p, w_t &w)
+    {
+        int c = p / 8;
+        float d = f16_bits(r.d);
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            int lo = (r.q >> (2 * k)) & 0x03030303, hi = (r.hm >> (4 * c + k)) & 0x01010101;
+            w.q[k] = __vsub4(lo | hi << 2, 0x04040404);
+            w.dl[k] = d * (float)((int)((r.sc >> (8 * k)) & 0xFF) - 32);
+        }
+    }
+    static __device__ void loadx(const act_rows &a, int j, int64_t ib, int p, x_t &x)
+    {
+        k_act4::load(a, j, ib, p, x);
+    }
+    static __device__ float dot(const w_t &w, const x_t &x)
+    {
+        float r = 0.0f;
+#pragma unroll
+        for (int k = 0; k < 4; k++) r += x.d[k] * w.dl[k] * (float)__dp4a(w.q[k], x.q[k], 0);
+        return r;
+    }
+    static __device__ void deq8(const uint8_t *b, int e0, float *v)
+    {
+        int c = e0 / 128, k = e0 % 128 / 32, l0 = e0 % 32;
+        float dl = __fmul_rn(ld_f16(b + 108), (float)q3_k_scale(b + 96, 8 * c + 2 * k + l0 / 16));
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            int l = l0 + i, lo = (b[32 + 32 * c + l] >> (2 * k)) & 3;
+            int q = (b[l] >> (4 * c + k)) & 1 ? lo : lo - 4;
+            v[i] = __fmul_rn(dl, (float)q);
+        }
+    }
+};
+
+/* Q4_K and Q5_K: sub-block 2j + h (32 elements) is the low (h = 0) or high
+ * (h = 1) nibbles of qs[32j .. 32j + 31]. Lane part p = 2j + h takes the
+ * 16 bytes qs[32j + 16h ..], that is positions l = 16h .. 16h + 15 of
+ * sub-blocks 2j and 2j + 1: 16-byte loads, since these blocks (144 and 176
+ * bytes) keep 16-byte alignment. The minimums meet the float sums of the
+ * activation blocks, added by the h = 0 lane. */
+struct k_act32 {
+    int4 a, b;                 /* sub-blocks 2j and 2j + 1 */
+    float4 ds;                 /* their (d, sum) */
+    static __device__ void load(const act_rows &x, int j, int64_t ib, int p, k_act32 &v)
+    {
+        int sj = p / 2, h = p % 2;
+        const int *q = x.q + j * x.q_stride + ib * 64 + 16 * sj + 4 * h;
+        v.a = *(const int4 *)q;
+        v.b = *(const int4 *)(q + 8);
+        v.ds = *(const float4 *)(x.ds + j * x.ds_stride + ib * 8 + 2 * sj);
+    }
+};
+
+struct k_w32 {
+    int lo[4], hi[4];
+    float da, db, ma, mb;      /* d * scale and dmin * minimum of the two sub-blocks */
+    static __device__ void scales(const int4 &hdr, int p, k_w32 &w)
+    {
+        float d = f16_bits((uint32_t)hdr.x & 0xffff), dmin = f16_bits((uint32_t)hdr.x >> 16);
+        int s0, m0, s1, m1, sj = p / 2;
+        scale_min_k4(2 * sj, hdr.y, hdr.z, hdr.w, s0, m0);
+        scale_min_k4(2 * sj + 1, hdr.y, hdr.z, hdr.w, s1, m1);
+        w.da = d * (float)s0;
+        w.db = d * (float)s1;
+        w.ma = p % 2 == 0 ? dmin * (float)m0 : 0.0f;
+        w.mb = p % 2 == 0 ? dmin * (float)m1 : 0.0f;
+    }
+    static __device__ float dot(const k_w32 &w, const k_act32 &x)
+    {
+        int sa = __dp4a(w.lo[0], x.a.x, __dp4a(w.lo[1], x.a.y, __dp4a(w.lo[2], x.a.z, __dp4a(w.lo[3], x.a.w, 0))));
+        int sb = __dp4a(w.hi[0], x.b.x, __dp4a(w.hi[1], x.b.y, __dp4a(w.hi[2], x.b.z, __dp4a(w.hi[3], x.b.w, 0))));
+        return x.ds.x * w.da * (float)sa + x.ds.z * w.db * (float)sb - (w.ma * x.ds.y + w.mb * x.ds.w);
+    }
+};
+
+struct type_q4_K {
+    static constexpr int qk = 256, bytes = 144, lpb = 8;
+    struct raw_t { int4 hdr, q; };
+    typedef k_w32 w_t;
+    typedef k_act32 x_t;
+    static __device__ void fetch(const uint8_t *b, int p, raw_t &r)
+    {
+        r.hdr = *(const int4 *)b;
+        r.q = *(const int4 *)(b + 16 + 16 * p);
+    }
+    static __device__ void decode(const raw_t &r, int p, w_t &w)
+    {
+        k_w32::scales(r.hdr, p, w);
+        int v[4] = { r.q.x, r.q.y, r.q.z, r.q.w };
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            w.lo[i] = v[i] & LOW4;
+            w.hi[i] = (v[i] >> 4) & LOW4;
+        }
+    }
+    static __device__ void loadx(const act_rows &a, int j, int64_t ib, int p, x_t &x)
+    {
+        k_act32::load(a, j, ib, p, x);
+    }
+    static __device__ float dot(const w_t &w, const x_t &x)
+    {
+        return k_w32::dot(w, x);
+    }
+    static __device__ void deq8(const uint8_t *b, int e0, float *v)
+    {
+        int s = e0 / 32, l0 = e0 % 32, sc, m;
+        scale_min_k4_bytes(s, b + 4, sc, m);
+        float d1 = __fmul_rn(ld_f16(b), (float)sc), m1 = __fmul_rn(ld_f16(b + 2), (float)m);
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            int q = (b[16 + 32 * (s / 2) + l0 + i] >> (4 * (s % 2))) & 0xF;
+            v[i] = __fsub_rn(__fmul_rn(d1, (float)q), m1);
+        }
+    }
+};
+
+/* Q5_K: the fifth bit of element l of sub-block s is bit s of qh[l]. */
+struct type_q5_K {
+    static constexpr int qk = 256, bytes = 176, lpb = 8;
+    struct raw_t { int4 hdr, qh, q; };
+    typedef k_w32 w_t;
+    typedef k_act32 x_t;
+    static __device__ void fetch(const uint8_t *b, int p, raw_t &r)
+    {
+        r.hdr = *(const int4 *)b;
+        r.qh = *(const int4 *)(b + 16 + 16 * (p % 2));
+        r.q = *(const int4 *)(b + 48 + 16 * p);
+    }
+    static __device__ void decode(const raw_t &r, int p, w_t &w)
+    {
+        k_w32::scales(r.hdr, p, w);
+        int sj = p / 2;
+        int v[4] = { r.q.x, r.q.y, r.q.z, r.q.w }, h[4] = { r.qh.x, r.qh.y, r.qh.z, r.qh.w };
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            w.lo[i] = (v[i] & LOW4) | ((h[i] >> (2 * sj)) & 0x01010101) << 4;
+            w.hi[i] = ((v[i] >> 4) & LOW4) | ((h[i] >> (2 * sj + 1)) & 0x01010101) << 4;
+        }
+    }
+    static __device__ void loadx(const act_rows &a, int j, int64_t ib, int p, x_t &x)
+    {
+        k_act32::load(a, j, ib, p, x);
+    }
+    static __device__ float dot(const w_t &w, const x_t &x)
+    {
+        return k_w32::dot(w, x);
+    }
+    static __device__ void deq8(const uint8_t *b, int e0, float *v)
+    {
+        int s = e0 / 32, l0 = e0 % 32, sc, m;
+        scale_min_k4_bytes(s, b + 4, sc, m);
+        float d1 = __fmul_rn(ld_f16(b), (float)sc), m1 = __fmul_rn(ld_f16(b + 2), (float)m);
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            int l = l0 + i;
+            int q = ((b[48 + 32 * (s / 2) + l] >> (4 * (s % 2))) & 0xF) | ((b[16 + l] >> s) & 1) << 4;
+            v[i] = __fsub_rn(__fmul_rn(d1, (float)q), m1);
+        }
+    }
+};
+
+/* Q6_K: element 128c + 32k + l has its low 4 bits in ql[64c + 32(k % 2) + l]
+ * (low nibble for k < 2, high for k >= 2), its top 2 bits at bit 2k of
+ * qh[32c + l]; value = those 6 bits - 32, times the int8 scale. */
+struct type_q6_K {
+    static constexpr int qk = 256, bytes = 210, lpb = 16;
+    struct raw_t { int ql[2], qh; uint32_t sc; uint16_t d; };
+    typedef type_q3_K::w_t w_t;
+    typedef k_act4 x_t;
+    /* sc: the four int8 scales of k = 0..3 */
+    static __device__ void fetch(const uint8_t *b, int p, raw_t &r)
+    {
+        int c = p / 8, l0 = 4 * (p % 8);
+        const uint8_t *s = b + 192 + 8 * c + l0 / 16;
+        r.d = *(const uint16_t *)(b + 208);
+        r.ql[0] = ld_i32_a2(b + 64 * c + l0);
+        r.ql[1] = ld_i32_a2(b + 64 * c + 32 + l0);
+        r.qh = ld_i32_a2(b + 128 + 32 * c + l0);
+        r.sc = (uint32_t)s[0] | (uint32_t)s[2] << 8 | (uint32_t)s[4] << 16 | (uint32_t)s[6] << 24;
+    }
+    static __device__ void decode(const raw_t &r, int p, w_t &w)
+    {
+        float d = f16_bits(r.d);
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            int lo = (r.ql[k % 2] >> (4 * (k / 2))) & LOW4, hi = ((r.qh >> (2 * k)) & 0x03030303) << 4;
+            w.q[k] = __vsub4(lo | hi, 0x20202020);
+            w.dl[k] = d * (float)(int8_t)((r.sc >> (8 * k)) & 0xFF);
+        }
+    }
+    static __device__ void loadx(const act_rows &a, int j, int64_t ib, int p, x_t &x)
+    {
+        k_act4::load(a, j, ib, p, x);
+    }
+    static __device__ float dot(const w_t &w, const x_t &x)
+    {
+        return type_q3_K::dot(w, x);
+    }
+    static __device__ void deq8(const uint8_t *b, int e0, float *v)
+    {
+        int c = e0 / 128, k = e0 % 128 / 32, l0 = e0 % 32;
+        float dl = __fmul_rn(ld_f16(b + 208), (float)(int8_t)b[192 + 8 * c + 2 * k + l0 / 16]);
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            int l = l0 + i;
+            int lo = (b[64 * c + 32 * (k % 2) + l] >> (4 * (k / 2))) & 0xF;
+            int hi = (b[128 + 32 * c + l] >> (2 * k)) & 3;
+            v[i] = __fmul_rn(dl, (float)((lo | hi << 4) - 32));
+        }
+    }
+};
+
+/* Float weights: a "block" is one 16-byte load, lpb 1; the activations stay
+ * f32. Their panels for the GEMM are converted element by element
+ * (float_to_f16), so they have no deq8. */
+static __device__ __forceinline__ float bf16_bits(uint32_t h)
+{
+    return __uint_as_float(h << 16);
+}
+
+struct float8_x {
+    float4 a, b;
+    static __device__ void load(const act_rows &x, int j, int64_t ib, float8_x &v)
+    {
+        const float4 *f = (const float4 *)(x.f + j * x.f_stride + ib * 8);
+        v.a = f[0];
+        v.b = f[1];
+    }
+};
+
+struct float8_w {
+    float f[8];
+    static __device__ float dot(const float8_w &w, const float8_x &x)
+    {
+        return w.f[0] * x.a.x + w.f[1] * x.a.y + w.f[2] * x.a.z + w.f[3] * x.a.w +
+               w.f[4] * x.b.x + w.f[5] * x.b.y + w.f[6] * x.b.z + w.f[7] * x.b.w;
+    }
+};
+
+struct type_f16 {
+    static constexpr int qk = 8, bytes = 16, lpb = 1;
+    typedef uint4 raw_t;
+    typedef float8_w w_t;
+    typedef float8_x x_t;
+    static __device__ void fetch(const uint8_t *b, int p, raw_t &r)
+    {
+        r = *(const uint4 *)b;
+    }
+    static __device__ void decode(const raw_t &r, int p, w_t &w)
+    {
+        uint32_t u[4] = { r.x, r.y, r.z, r.w };
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            float2 f = __half22float2(*(const __half2 *)&u[i]);
+            w.f[2 * i] = f.x;
+            w.f[2 * i + 1] = f.y;
+        }
+    }
+    static __device__ void loadx(const act_rows &a, int j, int64_t ib, int p, x_t &x)
+    {
+        float8_x::load(a, j, ib, x);
+    }
+    static __device__ float dot(const w_t &w, const x_t &x)
+    {
+        return float8_w::dot(w, x);
+    }
+};
+
+struct type_bf16 {
+    static constexpr int qk = 8, bytes = 16, lpb = 1;
+    typedef uint4 raw_t;
+    typedef float8_w w_t;
+    typedef float8_x x_t;
+    static __device__ void fetch(const uint8_t *b, int p, raw_t &r)
+    {
+        r = *(const uint4 *)b;
+    }
+    static __device__ void decode(const raw_t &r, int p, w_t &w)
+    {
+        uint32_t u[4] = { r.x, r.y, r.z, r.w };
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            w.f[2 * i] = bf16_bits(u[i] & 0xffff);
+            w.f[2 * i + 1] = bf16_bits(u[i] >> 16);
+        }
+    }
+    static __device__ void loadx(const act_rows &a, int j, int64_t ib, int p, x_t &x)
+    {
+        float8_x::load(a, j, ib, x);
+    }
+    static __device__ float dot(const w_t &w, const x_t &x)
+    {
+        return float8_w::dot(w, x);
+    }
+};
+
+struct type_f32 {
+    static constexpr int qk = 4, bytes = 16, lpb = 1;
+    typedef float4 raw_t;
+    struct w_t { float4 f; };
+    struct x_t { float4 f; };
+    static __device__ void fetch(const uint8_t *b, int p, raw_t &r)
+    {
+        r = *(const float4 *)b;
+    }
+    static __device__ void decode(const raw_t &r, int p, w_t &w)
+    {
+        w.f = r;
+    }
+    static __device__ void loadx(const act_rows &a, int j, int64_t ib, int p, x_t &x)
+    {
+        x.f = *(const float4 *)(a.f + j * a.f_stride + ib * 4);
+    }
+    static __device__ float dot(const w_t &w, const x_t &x)
+    {
+        return w.f.x * x.f.x + w.f.y * x.f.y + w.f.z * x.f.z + w.f.w * x.f.w;
+    }
+};
+
+/* ---- matrix-vector path ------------------------------------------------------- */
+
+/* x (n floats, in groups of 32) to int8 with d = max|x| / 127 per group and
+ * the group's float sum: one warp per group. */
+static __global__ void quantize_act(const float *__restrict__ x, int64_t groups, int8_t *__restrict__ q,
+                                    float2 *__restrict__ ds)
+{
+    int64_t g = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32;
+    int lane = threadIdx.x % 32;
+    if (g >= groups) return;
+    let_next_kernel_start();
+    float v = x[g * 32 + lane];
+    float amax = warp_max(fabsf(v)), sum = warp_sum(v);
+    float d = amax / 127.0f;
+    int i = amax == 0.0f ? 0 : __float2int_rn(v / d);
+    q[g * 32 + lane] = (int8_t)max(-127, min(127, i));
+    if (lane == 0) ds[g] = make_float2(d, sum);
+}
+
+/* y[j * rows + r] = W[r] . x[j] for the m <= MAXM activation rows; each warp
+ * owns ROWS consecutive weight rows and keeps ROWS x MAXM sums. A lane
+ * takes blocks ib0, ib0 + stride, ...; the raw bytes of its next block are
+ * fetched before the current one is decoded and used, so that a load is in
+ * flight while the lane computes. */
+template <class T, int MAXM, int ROWS>
+static __global__ void __launch_bounds__(MMV_WARPS * 32)
+mmv_kernel(const uint8_t *__restrict__ w, size_t row_bytes, int64_t rows, int nb, act_rows a, int m,
+           float *__restrict__ y)
+{
+    constexpr int stride = 32 / T::lpb;  /* blocks of a row covered by the warp at once */
+    const int lane = threadIdx.x % 32, p = lane % T::lpb;
+    const int64_t r0 = ((int64_t)blockIdx.x * MMV_WARPS + threadIdx.x / 32) * ROWS;
+    if (r0 >= rows) return;
+    const uint8_t *wr[ROWS];
+#pragma unroll
+    for (int r = 0; r < ROWS; r++) wr[r] = w + (size_t)min(r0 + r, rows - 1) * row_bytes;
+    typename T::raw_t raw[ROWS];
+    int ib = lane / T::lpb;
+    if (ib < nb)
+#pragma unroll
+        for (int r = 0; r < ROWS; r++) T::fetch(wr[r] + (size_t)ib * T::bytes, p, raw[r]);
+    wait_for_previous_kernel();
+    float acc[ROWS][MAXM] = {};
+    for (; ib < nb; ib += stride) {
+        typename T::w_t wv[ROWS];
+#pragma unroll
+        for (int r = 0; r < ROWS; r++) T::decode(raw[r], p, wv[r]);
+        if (ib + stride < nb)
+#pragma unroll
+            for (int r = 0; r < ROWS; r++) T::fetch(wr[r] + (size_t)(ib + stride) * T::bytes, p, raw[r]);
+#pragma unroll
+        for (int j = 0; j < MAXM; j++) {
+            if (j < m) {
+                typename T::x_t xv;
+                T::loadx(a, j, ib, p, xv);
+#pragma unroll
+                for (int r = 0; r < ROWS; r++) acc[r][j] += T::dot(wv[r], xv);
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < ROWS; r++)
+#pragma unroll
+        for (int j = 0; j < MAXM; j++) {
+            float v = warp_sum(acc[r][j]);
+            if (lane == 0 && j < m && r0 + r < rows) y[(int64_t)j * rows + r0 + r] = v;
+        }
+}
+
+/* Launched as a programmatic dependent of the quantizer (see
+ * wait_for_previous_kernel). */
+template <class T, int MAXM>
+static void mmv_launch(cuda_backend *c, const luma_weight *w, size_t row_bytes, const act_rows &a, int m,
+                       float *y)
+{
+    constexpr int rows_per_warp = MAXM == 1 ? 1 : 2;
+    int64_t warps = (w->rows + rows_per_warp - 1) / rows_per_warp;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3((unsigned)((warps + MMV_WARPS - 1) / MMV_WARPS));
+    cfg.blockDim = dim3(MMV_WARPS * 32);
+    cfg.stream = c->stream;
+    cudaLaunchAttribute attr;
+    attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr.val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = &attr;
+    cfg.numAttrs = 1;
+    luma_cuda_fail(c, cudaLaunchKernelEx(&cfg, mmv_kernel<T, MAXM, rows_per_warp>, (const uint8_t *)w->dev,
+                                         row_bytes, w->rows, (int)(w->cols / T::qk), a, m, y),
+                   "matmul (matrix-vector kernel)");
+}
+
+/* Passes of up to MMV_PASS_M activation rows, each on the kernel sized for it. */
+template <class T>
+static void mmv_run(cuda_backend *c, const luma_weight *w, const act_rows &a, int64_t m, float *y)
+{
+    size_t row_bytes = luma_row_size(w->type, w->cols);
+    for (int64_t j0 = 0; j0 < m && LUMA_CUDA_OK(c); j0 += MMV_PASS_M) {
+        int n = (int)(m - j0 < MMV_PASS_M ? m - j0 : MMV_PASS_M);
+        act_rows aj = a;
+        aj.f += j0 * a.f_stride;
+        if (a.q) {
+            aj.q += j0 * a.q_stride;
+            aj.ds += j0 * a.ds_stride;
+        }
+        float *yj = y + j0 * w->rows;
+        if (n == 1) mmv_launch<T, 1>(c, w, row_bytes, aj, n, yj);
+        else if (n == 2) mmv_launch<T, 2>(c, w, row_bytes, aj, n, yj);
+        else if (n <= 4) mmv_launch<T, 4>(c, w, row_bytes, aj, n, yj);
+        else mmv_launch<T, 8>(c, w, row_bytes, aj, n, yj);
+    }
+}
+
+static size_t align256(size_t n)
+{
+    return (n + 255) & ~(size_t)255;
+}
+
+static bool is_float_type(enum luma_type t)
+{
+    return t == LUMA_F32 || t == LUMA_F16 || t == LUMA_BF16;
+}
+
+/* Whether the matrix-vector kernels can read this weight and these
+ * activations: float weights need whole 16-byte loads. */
+static bool mmv_fits(const luma_weight *w, const float *x)
+{
+    if (!is_float_type(w->type)) return ((uintptr_t)w->dev & 15) == 0;
+    int64_t per16 = w->type == LUMA_F32 ? 4 : 8;
+    return w->cols % per16 == 0 && ((uintptr_t)w->dev & 15) == 0 && ((uintptr_t)x & 15) == 0;
+}
+
+static void mm_vec(cuda_backend *c, const luma_weight *w, const float *x, int64_t m, float *y)
+{
+    act_rows a = { NULL, NULL, x, w->cols / 4, w->cols / 32, w->cols };
+    if (!is_float_type(w->type)) {
+        size_t qbytes = align256((size_t)m * (size_t)w->cols);
+        int64_t groups = m * (w->cols / 32);
+        uint8_t *s = (uint8_t *)luma_cuda_scratch(c, qbytes + (size_t)groups * sizeof(float2));
+        if (!s) return;
+        a.q = (const int *)s;
+        a.ds = (const float2 *)(s + qbytes);
+        unsigned grid = (unsigned)((groups * 32 + 255) / 256);
+        quantize_act<<<grid, 256, 0, c->stream>>>(x, groups, (int8_t *)s, (float2 *)(s + qbytes));
+        if (luma_cuda_fail(c, cudaGetLastError(), "matmul (quantize activations)")) return;
+    }
+    switch (w->type) {
+    case LUMA_F32: mmv_run<type_f32>(c, w, a, m, y); break;
+    case LUMA_F16: mmv_run<type_f16>(c, w, a, m, y); break;
+    case LUMA_BF16: mmv_run<type_bf16>(c, w, a, m, y); break;
+    case LUMA_Q4_0: mmv_run<type_q4_0>(c, w, a, m, y); break;
+    case LUMA_Q4_1: mmv_run<type_q4_1>(c, w, a, m, y); break;
+    case LUMA_Q5_0: mmv_run<type_q5_0>(c, w, a, m, y); break;
+    case LUMA_Q5_1: mmv_run<type_q5_1>(c, w, a, m, y); break;
+    case LUMA_Q8_0: mmv_run<type_q8_0>(c, w, a, m, y); break;
+    case LUMA_Q2_K: mmv_run<type_q2_K>(c, w, a, m, y); break;
+    case LUMA_Q3_K: mmv_run<type_q3_K>(c, w, a, m, y); break;
+    case LUMA_Q4_K: mmv_run<type_q4_K>(c, w, a, m, y); break;
+    case LUMA_Q5_K: mmv_run<type_q5_K>(c, w, a, m, y); break;
+    case LUMA_Q6_K: mmv_run<type_q6_K>(c, w, a, m, y); break;
+    default: luma_cuda_failf(c, "matmul: tensor type %s is not supported by the CUDA backend", luma_type_name(w->type));
+    }
+}
+
+/* ---- tensor-core path ---------------------------------------------------------- */
+
+/* Rows [0, rows) of a block-format weight to f16, 8 elements per thread:
+ * out is rows x cols, row-major. */
+template <class T>
+static __global__ void dequant_f16(const uint8_t *__restrict__ w, size_t row_bytes, int64_t cols, int64_t units,
+                                   __half *__restrict__ out)
+{
+    int64_t u = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (u >= units) return;
+    int64_t per_row = cols / 8, r = u / per_row, e = u % per_row * 8;
+    float v[8];
+    T::deq8(w + (size_t)r * row_bytes + (size_t)(e / T::qk) * T::bytes, (int)(e % T::qk), v);
+    __half2 h[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++) h[i] = __floats2half2_rn(v[2 * i], v[2 * i + 1]);
+    *(uint4 *)(out + r * cols + e) = *(const uint4 *)h;
+}
+
+/* F32 or BF16 elements (n of them) to f16. */
+template <enum luma_type TYPE>
+static __global__ void float_to_f16(const void *__restrict__ src, int64_t n, __half *__restrict__ out)
+{
+    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    float f = TYPE == LUMA_F32 ? ((const float *)src)[i] : bf16_bits(((const uint16_t *)src)[i]);
+    out[i] = __float2half_rn(f);
+}
+
+static unsigned blocks_for(int64_t n, int threads)
+{
+    return (unsigned)((n + threads - 1) / threads);
+}
+
+template <class T>
+static void dequant_launch(cuda_backend *c, const uint8_t *w, size_t row_bytes, int64_t rows, int64_t cols,
+                           __half *out)
+{
+    int64_t units = rows * (cols / 8);
+    dequant_f16<T><<<blocks_for(units, DEQ_THREADS), DEQ_THREADS, 0, c->stream>>>(w, row_bytes, cols, units, out);
+}
+
+/* Rows [r0, r0 + n) of w as f16 into out (n x cols). */
+static void dequant_rows(cuda_backend *c, const luma_weight *w, int64_t r0, int64_t n, __half *out)
+{
+    size_t row_bytes = luma_row_size(w->type, w->cols);
+    const uint8_t *src = (const uint8_t *)w->dev + (size_t)r0 * row_bytes;
+    int64_t cols = w->cols, elems = n * cols;
+    switch (w->type) {
+    case LUMA_F32:
+        float_to_f16<LUMA_F32><<<blocks_for(elems, DEQ_THREADS), DEQ_THREADS, 0, c->stream>>>(src, elems, out);
+        break;
+    case LUMA_BF16:
+        float_to_f16<LUMA_BF16><<<blocks_for(elems, DEQ_THREADS), DEQ_THREADS, 0, c->stream>>>(src, elems, out);
+        break;
+    case LUMA_Q4_0: dequant_launch<type_q4_0>(c, src, row_bytes, n, cols, out); break;
+    case LUMA_Q4_1: dequant_launch<type_q4_1>(c, src, row_bytes, n, cols, out); break;
+    case LUMA_Q5_0: dequant_launch<type_q5_0>(c, src, row_bytes, n, cols, out); break;
+    case LUMA_Q5_1: dequant_launch<type_q5_1>(c, src, row_bytes, n, cols, out); break;
+    case LUMA_Q8_0: dequant_launch<type_q8_0>(c, src, row_bytes, n, cols, out); break;
+    case LUMA_Q2_K: dequant_launch<type_q2_K>(c, src, row_bytes, n, cols, out); break;
+    case LUMA_Q3_K: dequant_launch<type_q3_K>(c, src, row_bytes, n, cols, out); break;
+    case LUMA_Q4_K: dequant_launch<type_q4_K>(c, src, row_bytes, n, cols, out); break;
+    case LUMA_Q5_K: dequant_launch<type_q5_K>(c, src, row_bytes, n, cols, out); break;
+    case LUMA_Q6_K: dequant_launch<type_q6_K>(c, src, row_bytes, n, cols, out); break;
+    default: luma_cuda_failf(c, "matmul: tensor type %s is not supported by the CUDA backend", luma_type_name(w->type));
+             return;
+    }
+    luma_cuda_fail(c, cudaGetLastError(), "matmul (dequantize to f16)");
+}
+
+static const char *cublas_status_name(cublasStatus_t st)
+{
+    switch (st) {
+    case CUBLAS_STATUS_NOT_INITIALIZED: return "not initialized";
+    case CUBLAS_STATUS_ALLOC_FAILED: return "allocation failed";
+    case CUBLAS_STATUS_INVALID_VALUE: return "invalid value";
+    case CUBLAS_STATUS_ARCH_MISMATCH: return "architecture mismatch";
+    case CUBLAS_STATUS_EXECUTION_FAILED: return "execution failed";
+    case CUBLAS_STATUS_INTERNAL_ERROR: return "internal error";
+    case CUBLAS_STATUS_NOT_SUPPORTED: return "not supported";
+    default: return "error";
+    }
+}
+
+/* Y (m x rows, row-major) = X W^T through cuBLAS, which is column-major: W
+ * row-major is the cols x rows matrix A (lda cols), X row-major the cols x m
+ * matrix B (ldb cols), so Y^T = A^T B is rows x m with ldc rows: the "TN"
+ * product, both operands contiguous along k. Panels of weight rows fill
+ * column blocks of Y^T. */
+static void mm_tensor(cuda_backend *c, const luma_weight *w, const float *x, int64_t m, float *y)
+{
+    int64_t rows = w->rows, cols = w->cols;
+    if (rows > INT_MAX || cols > INT_MAX || m > INT_MAX) {
+        luma_cuda_failf(c, "matmul: %lld x %lld weight with %lld rows is too large for cuBLAS", (long long)rows,
+                        (long long)cols, (long long)m);
+        return;
+    }
+    bool f16_weights = w->type == LUMA_F16;
+    int64_t panel = f16_weights ? rows : PANEL_ELEMS / cols;
+    if (panel < 1) panel = 1;
+    if (panel > rows) panel = rows;
+    size_t xbytes = align256((size_t)m * (size_t)cols * sizeof(__half));
+    size_t wbytes = f16_weights ? 0 : (size_t)panel * (size_t)cols * sizeof(__half);
+    uint8_t *s = (uint8_t *)luma_cuda_scratch(c, xbytes + wbytes);
+    if (!s) return;
+    __half *xh = (__half *)s, *wh = (__half *)(s + xbytes);
+    float_to_f16<LUMA_F32><<<blocks_for(m * cols, DEQ_THREADS), DEQ_THREADS, 0, c->stream>>>(x, m * cols, xh);
+    if (luma_cuda_fail(c, cudaGetLastError(), "matmul (activations to f16)")) return;
+
+    cublasStatus_t st = cublasSetStream(c->cublas, c->stream);
+    if (st == CUBLAS_STATUS_SUCCESS) st = cublasSetPointerMode(c->cublas, CUBLAS_POINTER_MODE_HOST);
+    const float one = 1.0f, zero = 0.0f;
+    for (int64_t r0 = 0; r0 < rows && st == CUBLAS_STATUS_SUCCESS && LUMA_CUDA_OK(c); r0 += panel) {
+        int64_t n = rows - r0 < panel ? rows - r0 : panel;
+        const __half *a = (const __half *)w->dev + (f16_weights ? r0 * cols : 0);
+        if (!f16_weights) {
+            dequant_rows(c, w, r0, n, wh);
+            a = wh;
+        }
+        st = cublasGemmEx(c->cublas, CUBLAS_OP_T, CUBLAS_OP_N, (int)n, (int)m, (int)cols, &one, a, CUDA_R_16F,
+                          (int)cols, xh, CUDA_R_16F, (int)cols, &zero, y + r0, CUDA_R_32F, (int)rows,
+                          CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+    }
+    if (st != CUBLAS_STATUS_SUCCESS)
+        luma_cuda_failf(c, "matmul: cuBLAS GEMM failed (%s)", cublas_status_name(st));
+}
+
+/* ---- entry points ---------------------------------------------------------------- */
+
+bool luma_cuda_matmul_supports(enum luma_type t)
+{
+    switch (t) {
+    case LUMA_F32: case LUMA_F16: case LUMA_BF16:
+    case LUMA_Q4_0: case LUMA_Q4_1: case LUMA_Q5_0: case LUMA_Q5_1: case LUMA_Q8_0:
+    case LUMA_Q2_K: case LUMA_Q3_K: case LUMA_Q4_K: case LUMA_Q5_K: case LUMA_Q6_K:
+        return true;
+    default:
+        return false;
+    }
+}
+
+void luma_cuda_matmul(cuda_backend *c, const luma_weight *w, const float *x, int64_t m, float *y)
+{
+    if (!LUMA_CUDA_OK(c) || m <= 0 || w->rows <= 0) return;
+    if (!luma_cuda_matmul_supports(w->type)) {
+        luma_cuda_failf(c, "matmul: tensor type %s is not supported by the CUDA backend", luma_type_name(w->type));
+        return;
+    }
+    if (!w->dev || luma_row_size(w->type, w->cols) == 0) {
+        luma_cuda_failf(c, "matmul: %s weight of %lld x %lld is not on the device or has a bad shape",
+                        luma_type_name(w->type), (long long)w->rows, (long long)w->cols);
+        return;
+    }
+    if (m <= (w->type == LUMA_F16 ? MMV_MAX_M_F16 : LUMA_MMV_MAX_M) && mmv_fits(w, x)) mm_vec(c, w, x, m, y);
+    else mm_tensor(c, w, x, m, y);
+}

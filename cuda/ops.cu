@@ -1,0 +1,428 @@
+/* The CUDA backend's small operations: embedding rows, gather, RMSNorm,
+ * RoPE, bias, residual add and the gated activations. Each is one pass over
+ * its activations; the reference is src/cpu/backend.c.
+ *
+ * All of them are memory-bound. At the H100's ~3.0 TB/s an add of two
+ * 512 x 4096 activations (8 MiB each: 16 MiB read, 8 MiB written) is worth
+ * ~8 us; a decode step's versions (one row, a few KiB) cost their launch,
+ * which CUDA graphs address.
+ * Threads move 16 bytes at a time (float4) when the rows are 16-byte aligned,
+ * and fall back to single floats otherwise.
+ *
+ * Dequantization in embed multiplies and adds with explicit rounding
+ * (__fmul_rn, __fsub_rn: no fused multiply-add) so the rows equal the CPU's
+ * luma_dequantize_row bit for bit. */
+#include <math.h>
+
+#include "cuda_internal.h"
+
+#define THREADS 256
+/* RoPE's per-frequency tables travel as kernel parameters: head_dim <= 1024. */
+#define ROPE_MAX_HALF 512
+
+static cuda_backend *cu(luma_backend *be) { return (cuda_backend *)be; }
+
+static bool aligned16(const void *p) { return ((uintptr_t)p & 15) == 0; }
+
+static unsigned blocks_for(int64_t n, int per_block) { return (unsigned)((n + per_block - 1) / per_block); }
+
+/* ---- embedding rows ------------------------------------------------------ */
+
+__device__ static float half_at(const uint8_t *p)
+{
+    return __half2float(__ushort_as_half((unsigned short)(p[0] | p[1] << 8)));
+}
+
+/* Q4_K and Q5_K: the 6-bit scale and minimum of sub-block s (quant.c's scale_min_k4). */
+__device__ static void scale_min_k4(int s, const uint8_t *q, int *sc, int *m)
+{
+    if (s < 4) {
+        *sc = q[s] & 63;
+        *m = q[s + 4] & 63;
+    } else {
+        *sc = (q[s + 4] & 0xF) | ((q[s - 4] >> 6) << 4);
+        *m = (q[s + 4] >> 4) | ((q[s] >> 6) << 4);
+    }
+}
+
+/* Element i (< block size) of the block at b. Offsets are those of the
+ * luma_block_* structs in quant.h. */
+__device__ static float dequant(int type, const uint8_t *b, int i)
+{
+    switch (type) {
+    case LUMA_F32: return *(const float *)b;
+    case LUMA_F16: return half_at(b);
+    case LUMA_BF16: return __uint_as_float((uint32_t)(b[0] | b[1] << 8) << 16);
+    case LUMA_Q4_0: {
+        int q = i < 16 ? b[2 + i] & 0xF : b[2 + i - 16] >> 4;
+        return __fmul_rn(half_at(b), (float)(q - 8));
+    }
+    case LUMA_Q4_1: {
+        int q = i < 16 ? b[4 + i] & 0xF : b[4 + i - 16] >> 4;
+        return __fadd_rn(__fmul_rn(half_at(b), (float)q), half_at(b + 2));
+    }
+    case LUMA_Q5_0: {
+        uint32_t qh = (uint32_t)b[2] | (uint32_t)b[3] << 8 | (uint32_t)b[4] << 16 | (uint32_t)b[5] << 24;
+        int q = (i < 16 ? b[6 + i] & 0xF : b[6 + i - 16] >> 4) | (int)((qh >> i) & 1) << 4;
+        return __fmul_rn(half_at(b), (float)(q - 16));
+    }
+    case LUMA_Q5_1: {
+        uint32_t qh = (uint32_t)b[4] | (uint32_t)b[5] << 8 | (uint32_t)b[6] << 16 | (uint32_t)b[7] << 24;
+        int q = (i < 16 ? b[8 + i] & 0xF : b[8 + i - 16] >> 4) | (int)((qh >> i) & 1) << 4;
+        return __fadd_rn(__fmul_rn(half_at(b), (float)q), half_at(b + 2));
+    }
+    case LUMA_Q8_0: return __fmul_rn(half_at(b), (float)(int8_t)b[2 + i]);
+    case LUMA_Q2_K: {
+        /* element 128c + 32k + l: bit pair k of qs[32c + l], scale 8c + 2k + l/16 */
+        int c = i / 128, k = i % 128 / 32, l = i % 32, sc = b[8 * c + 2 * k + l / 16];
+        float dl = __fmul_rn(half_at(b + 80), (float)(sc & 0xF));
+        float ml = __fmul_rn(half_at(b + 82), (float)(sc >> 4));
+        int q = (b[16 + 32 * c + l] >> (2 * k)) & 3;
+        return __fsub_rn(__fmul_rn(dl, (float)q), ml);
+    }
+    case LUMA_Q3_K: {
+        int c = i / 128, k = i % 128 / 32, l = i % 32, g = 8 * c + 2 * k + l / 16;
+        const uint8_t *s = b + 96;
+        int lo = g < 8 ? s[g] & 0xF : s[g - 8] >> 4;
+        int hi = (s[8 + g % 4] >> (2 * (g / 4))) & 3;
+        int v = (b[32 + 32 * c + l] >> (2 * k)) & 3;
+        if (!((b[l] >> (4 * c + k)) & 1)) v -= 4;
+        return __fmul_rn(__fmul_rn(half_at(b + 108), (float)((lo | hi << 4) - 32)), (float)v);
+    }
+    case LUMA_Q4_K:
+    case LUMA_Q5_K: {
+        /* sub-block s = i / 32: low (s even) or high nibbles of qs[32 (s/2) + l] */
+        int s = i / 32, l = i % 32, sc, m;
+        scale_min_k4(s, b + 4, &sc, &m);
+        float d1 = __fmul_rn(half_at(b), (float)sc), m1 = __fmul_rn(half_at(b + 2), (float)m);
+        int q;
+        if (type == LUMA_Q4_K) q = (b[16 + 32 * (s / 2) + l] >> (4 * (s % 2))) & 0xF;
+        else q = ((b[48 + 32 * (s / 2) + l] >> (4 * (s % 2))) & 0xF) | ((b[16 + l] >> s) & 1) << 4;
+        return __fsub_rn(__fmul_rn(d1, (float)q), m1);
+    }
+    case LUMA_Q6_K: {
+        int c = i / 128, k = i % 128 / 32, l = i % 32;
+        float dl = __fmul_rn(half_at(b + 208), (float)(int8_t)b[192 + 8 * c + 2 * k + l / 16]);
+        int lo = (b[64 * c + 32 * (k % 2) + l] >> (4 * (k / 2))) & 0xF;
+        int hi = (b[128 + 32 * c + l] >> (2 * k)) & 3;
+        return __fmul_rn(dl, (float)((lo | hi << 4) - 32));
+    }
+    }
+    return 0.0f;
+}
+
+static bool embed_supports(enum luma_type t)
+{
+    switch (t) {
+    case LUMA_F32: case LUMA_F16: case LUMA_BF16: case LUMA_Q4_0: case LUMA_Q4_1: case LUMA_Q5_0:
+    case LUMA_Q5_1: case LUMA_Q8_0: case LUMA_Q2_K: case LUMA_Q3_K: case LUMA_Q4_K: case LUMA_Q5_K:
+    case LUMA_Q6_K:
+        return true;
+    default:
+        return false;
+    }
+}
+
+/* grid (column blocks, n): out[y][j] = w[ids[y]][j] * scale. An id outside
+ * the table (the batch rejects those before a step) gives a row of zeros. */
+__global__ static void embed_kernel(const uint8_t *w, int type, int64_t rows, int64_t cols, size_t row_size,
+                                    int block_size, int type_size, const int32_t *ids, float scale, float *out)
+{
+    int64_t j = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= cols) return;
+    int32_t id = ids[blockIdx.y];
+    float v = 0.0f;
+    if (id >= 0 && id < rows) {
+        const uint8_t *b = w + (size_t)id * row_size + (size_t)(j / block_size) * (size_t)type_size;
+        v = __fmul_rn(dequant(type, b, (int)(j % block_size)), scale);
+    }
+    out[(size_t)blockIdx.y * (size_t)cols + (size_t)j] = v;
+}
+
+void luma_cuda_embed(luma_backend *be, const luma_weight *w, const int32_t *ids, int32_t n, float scale,
+                     luma_buf *out)
+{
+    cuda_backend *c = cu(be);
+    out->rows = n;
+    out->cols = w->cols;
+    if (!LUMA_CUDA_OK(c) || n <= 0) return;
+    if (!embed_supports(w->type)) {
+        luma_cuda_failf(c, "embed: tensor type %s is not supported by the CUDA backend", luma_type_name(w->type));
+        return;
+    }
+    const int32_t *d_ids = luma_cuda_step_array(c, ids, n, "embed");
+    if (!d_ids) return;
+    const luma_type_traits *tr = luma_type_get(w->type);
+    dim3 grid(blocks_for(w->cols, THREADS), (unsigned)n);
+    embed_kernel<<<grid, THREADS, 0, c->stream>>>((const uint8_t *)w->dev, (int)w->type, w->rows, w->cols,
+                                                  luma_row_size(w->type, w->cols), (int)tr->block_size,
+                                                  (int)tr->type_size, d_ids, scale, out->data);
+    luma_cuda_fail(c, cudaGetLastError(), "embed");
+}
+
+/* ---- gather ------------------------------------------------------------- */
+
+/* One block per output row: out[y] = x[rows[y]]; cols counts floats, or
+ * float4s when VEC. */
+template <typename T>
+__global__ static void gather_kernel(const T *x, const int32_t *rows, int64_t cols, T *out)
+{
+    const T *src = x + (size_t)rows[blockIdx.x] * (size_t)cols;
+    T *dst = out + (size_t)blockIdx.x * (size_t)cols;
+    for (int64_t i = threadIdx.x; i < cols; i += blockDim.x) dst[i] = src[i];
+}
+
+void luma_cuda_gather(luma_backend *be, const luma_buf *x, const int32_t *rows, int32_t n, luma_buf *out)
+{
+    cuda_backend *c = cu(be);
+    out->rows = n;
+    out->cols = x->cols;
+    if (!LUMA_CUDA_OK(c) || n <= 0 || x->cols == 0) return;
+    const int32_t *d_rows = luma_cuda_step_array(c, rows, n, "gather");
+    if (!d_rows) return;
+    if (x->cols % 4 == 0 && aligned16(x->data) && aligned16(out->data))
+        gather_kernel<<<n, THREADS, 0, c->stream>>>((const float4 *)x->data, d_rows, x->cols / 4,
+                                                    (float4 *)out->data);
+    else
+        gather_kernel<<<n, THREADS, 0, c->stream>>>(x->data, d_rows, x->cols, out->data);
+    luma_cuda_fail(c, cudaGetLastError(), "gather");
+}
+
+/* ---- RMSNorm ------------------------------------------------------------- */
+
+template <bool VEC>
+__device__ static float sum_squares(const float *x, int64_t n, int lane, int width)
+{
+    float ss = 0.0f;
+    if (VEC) {
+        for (int64_t k = lane; k < n / 4; k += width) {
+            float4 v = ((const float4 *)x)[k];
+            ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+        }
+    } else {
+        for (int64_t k = lane; k < n; k += width) ss += x[k] * x[k];
+    }
+    return ss;
+}
+
+/* TPG threads normalize one group (TPG 32: a warp, several groups per block;
+ * TPG = THREADS: the whole block). The sum of squares is reduced in float,
+ * then every element is read again (from L1/L2) and scaled. */
+template <int TPG, bool VEC>
+__global__ static void rmsnorm_kernel(const float *x, const float *g, int64_t group, int64_t n_groups, float eps,
+                                      float *out)
+{
+    __shared__ float partial[THREADS / 32];
+    int lane = threadIdx.x % TPG;
+    int64_t gi = (int64_t)blockIdx.x * (THREADS / TPG) + threadIdx.x / TPG;
+    bool live = gi < n_groups;
+    const float *src = x + (size_t)(live ? gi : 0) * (size_t)group;
+    float ss = live ? sum_squares<VEC>(src, group, lane, TPG) : 0.0f;
+    for (int o = 16; o > 0; o /= 2) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    if (TPG > 32) {
+        if (threadIdx.x % 32 == 0) partial[threadIdx.x / 32] = ss;
+        __syncthreads();
+        ss = 0.0f;
+        for (int w = 0; w < TPG / 32; w++) ss += partial[w];
+    }
+    if (!live) return;
+    float s = 1.0f / sqrtf(ss / (float)group + eps);
+    float *dst = out + (size_t)gi * (size_t)group;
+    if (VEC) {
+        for (int64_t k = lane; k < group / 4; k += TPG) {
+            float4 v = ((const float4 *)src)[k], w = ((const float4 *)g)[k];
+            ((float4 *)dst)[k] = make_float4(v.x * s * w.x, v.y * s * w.y, v.z * s * w.z, v.w * s * w.w);
+        }
+    } else {
+        for (int64_t k = lane; k < group; k += TPG) dst[k] = src[k] * s * g[k];
+    }
+}
+
+template <int TPG>
+static void rmsnorm_launch(cuda_backend *c, const luma_buf *x, const float *g, int64_t group, int64_t n_groups,
+                           float eps, luma_buf *out)
+{
+    unsigned grid = blocks_for(n_groups, THREADS / TPG);
+    if (group % 4 == 0 && aligned16(x->data) && aligned16(out->data) && aligned16(g))
+        rmsnorm_kernel<TPG, true><<<grid, THREADS, 0, c->stream>>>(x->data, g, group, n_groups, eps, out->data);
+    else
+        rmsnorm_kernel<TPG, false><<<grid, THREADS, 0, c->stream>>>(x->data, g, group, n_groups, eps, out->data);
+}
+
+void luma_cuda_rmsnorm(luma_backend *be, const luma_buf *x, const luma_weight *g, int64_t group, float eps,
+                       luma_buf *out)
+{
+    cuda_backend *c = cu(be);
+    out->rows = x->rows;
+    out->cols = x->cols;
+    if (!LUMA_CUDA_OK(c) || x->rows * x->cols == 0) return;
+    if (group <= 0 || x->cols % group != 0 || g->cols != group) {
+        luma_cuda_failf(c, "rmsnorm: groups of %lld do not divide rows of %lld (gain of %lld)", (long long)group,
+                        (long long)x->cols, (long long)g->cols);
+        return;
+    }
+    int64_t n_groups = x->rows * (x->cols / group);
+    /* a warp per head-sized group, a block per model-width row */
+    if (group <= 1024) rmsnorm_launch<32>(c, x, (const float *)g->dev, group, n_groups, eps, out);
+    else rmsnorm_launch<THREADS>(c, x, (const float *)g->dev, group, n_groups, eps, out);
+    luma_cuda_fail(c, cudaGetLastError(), "rmsnorm");
+}
+
+/* ---- RoPE ---------------------------------------------------------------- */
+
+/* The angle of frequency i at position p, as the CPU's (and the reference
+ * engine's) tables make it: theta = p, multiplied by step = base^(-2/n_dims)
+ * once per frequency, in float, then pos_scale * theta / ff[i]; ff[i] is 1
+ * when the model has no frequency factors (dividing by 1 is exact). */
+typedef struct rope_args {
+    float ff[ROPE_MAX_HALF];
+    float step, pos_scale;
+    int32_t half, head_dim, heads;
+    bool neox;
+} rope_args;
+
+/* One thread per (row, frequency): the angle's sine and cosine once, then
+ * the pair (2i, 2i + 1) for NORM, (i, i + half) for NEOX, of every head. */
+__global__ static void rope_kernel(float *x, int64_t cols, const int32_t *pos, int64_t n, const rope_args a)
+{
+    int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= n) return;
+    int32_t i = (int32_t)(t % a.half);
+    int64_t row = t / a.half;
+    float theta = (float)pos[row];
+    for (int32_t k = 0; k < i; k++) theta *= a.step;
+    float angle = a.pos_scale * (theta / a.ff[i]), sn, cs;
+    sincosf(angle, &sn, &cs);
+    int32_t ia = a.neox ? i : 2 * i, ib = a.neox ? i + a.half : 2 * i + 1;
+    for (int32_t h = 0; h < a.heads; h++) {
+        float *v = x + (size_t)row * (size_t)cols + (size_t)h * (size_t)a.head_dim;
+        float x0 = v[ia], x1 = v[ib];
+        v[ia] = x0 * cs - x1 * sn;
+        v[ib] = x0 * sn + x1 * cs;
+    }
+}
+
+void luma_cuda_rope(luma_backend *be, luma_buf *x, int32_t head_dim, const int32_t *pos, const luma_rope *r)
+{
+    cuda_backend *c = cu(be);
+    if (!LUMA_CUDA_OK(c) || x->rows == 0 || r->n_dims < 2) return;
+    int32_t half = r->n_dims / 2;
+    if (head_dim <= 0 || x->cols % head_dim != 0 || r->n_dims > head_dim || half > ROPE_MAX_HALF) {
+        luma_cuda_failf(c, "rope: %d rotated dimensions in heads of %d (rows of %lld) are not supported",
+                        r->n_dims, head_dim, (long long)x->cols);
+        return;
+    }
+    const int32_t *d_pos = luma_cuda_step_array(c, pos, (int32_t)x->rows, "rope");
+    if (!d_pos) return;
+    rope_args a;
+    for (int32_t i = 0; i < half; i++) a.ff[i] = r->freq_factors ? r->freq_factors[i] : 1.0f;
+    a.step = powf(r->base, -2.0f / (float)r->n_dims);
+    a.half = half;
+    a.head_dim = head_dim;
+    a.heads = (int32_t)(x->cols / head_dim);
+    a.neox = r->kind == LUMA_ROPE_NEOX;
+    a.pos_scale = r->pos_scale;
+    int64_t n = x->rows * half;
+    rope_kernel<<<blocks_for(n, THREADS), THREADS, 0, c->stream>>>(x->data, x->cols, d_pos, n, a);
+    luma_cuda_fail(c, cudaGetLastError(), "rope");
+}
+
+/* ---- elementwise --------------------------------------------------------- */
+
+enum { EW_ADD, EW_GELU_MUL, EW_SILU_MUL };
+
+/* GELU (tanh approximation) as the CPU's (src/cpu/vec.h): of a rounded to
+ * half precision, the result rounded to half precision, 0 from -10 down and
+ * a itself from 10 up. */
+__device__ static float gelu(float a)
+{
+    const float k = 0.7978845608028654f; /* sqrt(2 / pi) */
+    if (a <= -10.0f) return 0.0f;
+    if (a >= 10.0f) return a;
+    float x = __half2float(__float2half_rn(a));
+    return __half2float(__float2half_rn(0.5f * x * (1.0f + tanhf(k * (x + 0.044715f * x * x * x)))));
+}
+
+template <int OP>
+__device__ static float ew(float a, float b)
+{
+    if (OP == EW_ADD) return a + b;
+    if (OP == EW_GELU_MUL) return gelu(a) * b;
+    return a / (1.0f + expf(-a)) * b;
+}
+
+/* a[i] = op(a[i], b[i]) for n floats; the float4 body covers n / 4 and the
+ * first threads finish the tail. */
+template <int OP, bool VEC>
+__global__ static void ew_kernel(float *a, const float *b, int64_t n)
+{
+    int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (VEC) {
+        if (t < n / 4) {
+            float4 x = ((float4 *)a)[t], y = ((const float4 *)b)[t];
+            ((float4 *)a)[t] = make_float4(ew<OP>(x.x, y.x), ew<OP>(x.y, y.y), ew<OP>(x.z, y.z), ew<OP>(x.w, y.w));
+        }
+        int64_t tail = n / 4 * 4 + t;
+        if (t < n % 4) a[tail] = ew<OP>(a[tail], b[tail]);
+    } else if (t < n) {
+        a[t] = ew<OP>(a[t], b[t]);
+    }
+}
+
+template <int OP>
+static void elementwise(luma_backend *be, luma_buf *x, const luma_buf *y, const char *what)
+{
+    cuda_backend *c = cu(be);
+    int64_t n = x->rows * x->cols;
+    if (!LUMA_CUDA_OK(c) || n == 0) return;
+    if (aligned16(x->data) && aligned16(y->data))
+        ew_kernel<OP, true><<<blocks_for(n / 4 + 1, THREADS), THREADS, 0, c->stream>>>(x->data, y->data, n);
+    else
+        ew_kernel<OP, false><<<blocks_for(n, THREADS), THREADS, 0, c->stream>>>(x->data, y->data, n);
+    luma_cuda_fail(c, cudaGetLastError(), what);
+}
+
+void luma_cuda_add(luma_backend *be, luma_buf *x, const luma_buf *y) { elementwise<EW_ADD>(be, x, y, "add"); }
+
+void luma_cuda_gelu_mul(luma_backend *be, luma_buf *gate, const luma_buf *up)
+{
+    elementwise<EW_GELU_MUL>(be, gate, up, "gelu_mul");
+}
+
+void luma_cuda_silu_mul(luma_backend *be, luma_buf *gate, const luma_buf *up)
+{
+    elementwise<EW_SILU_MUL>(be, gate, up, "silu_mul");
+}
+
+/* x[r][j] += b[j]; cols counts floats, or float4s when VEC. */
+template <typename T>
+__global__ static void add_bias_kernel(T *x, const T *b, int64_t cols, int64_t n)
+{
+    int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= n) return;
+    T v = x[t], w = b[t % cols];
+    if constexpr (sizeof(T) == sizeof(float4)) {
+        v.x += w.x;
+        v.y += w.y;
+        v.z += w.z;
+        v.w += w.w;
+        x[t] = v;
+    } else {
+        x[t] = v + w;
+    }
+}
+
+void luma_cuda_add_bias(luma_backend *be, luma_buf *x, const luma_weight *b)
+{
+    cuda_backend *c = cu(be);
+    int64_t n = x->rows * x->cols;
+    if (!LUMA_CUDA_OK(c) || n == 0) return;
+    const float *bv = (const float *)b->dev;
+    if (x->cols % 4 == 0 && aligned16(x->data) && aligned16(bv))
+        add_bias_kernel<<<blocks_for(n / 4, THREADS), THREADS, 0, c->stream>>>((float4 *)x->data,
+                                                                               (const float4 *)bv, x->cols / 4,
+                                                                               n / 4);
+    else
+        add_bias_kernel<<<blocks_for(n, THREADS), THREADS, 0, c->stream>>>(x->data, bv, x->cols, n);
+    luma_cuda_fail(c, cudaGetLastError(), "add_bias");
+}

@@ -1,0 +1,1031 @@
+/* The CUDA backend (cuda/) against the CPU backend (src/cpu/backend.c), op by
+ * op on random inputs, then on the default model:
+ *   - embed of every block format equals the CPU's rows bit for bit (random
+ *     blocks with sane half scales, as test_quant.c makes them), times a scale;
+ *   - rmsnorm (whole rows, per-head groups, in place, unaligned rows), rope
+ *     NORM and NEOX (partial rotation, linear position scaling, frequency
+ *     factors), add_bias, add, gelu_mul (through half precision, as the
+ *     CPU's), silu_mul and gather: the largest error relative to the largest
+ *     reference value stays under each op's tolerance (0 for the exact ones);
+ *   - attention over the paged KV cache, each backend through its own
+ *     kv_alloc and the same luma_kv block tables: gemma's shape (4 heads over
+ *     1 kv head of 256, two pools, window 512), llama's (32 over 8 of 128) and
+ *     an odd one (14 over 2, keys of 96, values of 80, softcap), F16 and F32
+ *     caches; decode steps at contexts up to ~3000 (split over the keys), a
+ *     long prefill chunk and a mixed step, with window 0 and 512;
+ *   - a failure inside a step (ids that are not the step's) comes back from
+ *     sync as a message and the backend keeps working;
+ *   - the default model on both backends: the logits of a 64-token prompt
+ *     (top-1 agreement, max abs diff) and a 32-token greedy continuation,
+ *     identical or parting only at a near tie (CPU margin < 0.3).
+ * Ends with a table: op, max relative error, tolerance, and for the big
+ * shapes the GPU time per call (cudaEvent, calls queued behind a long memset
+ * so launch gaps are not timed) with the bandwidth it implies.
+ * Built with the CUDA backend only; without a device it says so and passes.
+ * LUMA_CUDA_QUICK=1 runs smaller cases and neither the model nor the timings
+ * (for compute-sanitizer). */
+#include "backend.h"
+#include "kv.h"
+#include "model.h"
+#include "quant.h"
+
+#include <math.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* Built only with the CUDA backend, whose link dependencies bring the
+ * runtime's headers. */
+#include <cuda_runtime.h>
+
+static int failures;
+
+#define CHECK(cond, ...)                                      \
+    do {                                                      \
+        if (!(cond)) {                                        \
+            failures++;                                       \
+            if (failures <= 20) {                             \
+                printf("  FAIL %s:%d: ", __FILE__, __LINE__); \
+                printf(__VA_ARGS__);                          \
+                printf("\n");                                 \
+            }                                                 \
+        }                                                     \
+    } while (0)
+
+static int quick;
+static luma_backend *cpu, *gpu;
+
+/* ---- random data -------------------------------------------------------- */
+
+static uint64_t rng_state = 0x2545f4914f6cdd1dULL;
+
+static uint64_t rnd(void)
+{
+    uint64_t z = (rng_state += 0x9e3779b97f4a7c15ULL);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    return z ^ (z >> 31);
+}
+
+static float uniform(float lo, float hi)
+{
+    return lo + (hi - lo) * (float)(rnd() >> 40) / (float)(1 << 24);
+}
+
+static float gaussian(void)
+{
+    float u = uniform(1e-7f, 1.0f), v = uniform(0.0f, 6.2831853f);
+    return sqrtf(-2.0f * logf(u)) * cosf(v);
+}
+
+static void *xmalloc(size_t n)
+{
+    void *p = malloc(n ? n : 1);
+    if (!p) {
+        printf("test_cuda: out of memory\n");
+        exit(1);
+    }
+    return p;
+}
+
+static float *random_floats(size_t n, float scale)
+{
+    float *x = xmalloc(n * sizeof(float));
+    for (size_t i = 0; i < n; i++) x[i] = scale * gaussian();
+    return x;
+}
+
+/* Offsets of the half scales of a block: d, then m or dmin (-1: none). */
+static void scale_offsets(enum luma_type t, int *d, int *m)
+{
+    *m = -1;
+    switch (t) {
+    case LUMA_Q4_0: *d = offsetof(luma_block_q4_0, d); break;
+    case LUMA_Q4_1: *d = offsetof(luma_block_q4_1, d); *m = offsetof(luma_block_q4_1, m); break;
+    case LUMA_Q5_0: *d = offsetof(luma_block_q5_0, d); break;
+    case LUMA_Q5_1: *d = offsetof(luma_block_q5_1, d); *m = offsetof(luma_block_q5_1, m); break;
+    case LUMA_Q8_0: *d = offsetof(luma_block_q8_0, d); break;
+    case LUMA_Q2_K: *d = offsetof(luma_block_q2_K, d); *m = offsetof(luma_block_q2_K, dmin); break;
+    case LUMA_Q3_K: *d = offsetof(luma_block_q3_K, d); break;
+    case LUMA_Q4_K: *d = offsetof(luma_block_q4_K, d); *m = offsetof(luma_block_q4_K, dmin); break;
+    case LUMA_Q5_K: *d = offsetof(luma_block_q5_K, d); *m = offsetof(luma_block_q5_K, dmin); break;
+    case LUMA_Q6_K: *d = offsetof(luma_block_q6_K, d); break;
+    default: *d = -1; break;
+    }
+}
+
+/* n elements of type t: random bytes with half scales in [1e-3, 1e-1] for
+ * the block formats (negative minimums too), normals for the float ones. */
+static void random_weights(enum luma_type t, int64_t n, uint8_t *row)
+{
+    const luma_type_traits *tr = luma_type_get(t);
+    if (!tr->is_quantized) {
+        for (int64_t i = 0; i < n; i++) {
+            float v = gaussian();
+            if (t == LUMA_F32) {
+                memcpy(row + 4 * i, &v, 4);
+            } else {
+                uint16_t h = t == LUMA_F16 ? luma_f32_to_f16(v) : luma_f32_to_bf16(v);
+                memcpy(row + 2 * i, &h, 2);
+            }
+        }
+        return;
+    }
+    size_t bytes = luma_row_size(t, n);
+    for (size_t i = 0; i < bytes; i++) row[i] = (uint8_t)rnd();
+    int od, om;
+    scale_offsets(t, &od, &om);
+    for (int64_t b = 0; b < n / tr->block_size; b++) {
+        uint8_t *blk = row + (size_t)b * tr->type_size;
+        uint16_t d = luma_f32_to_f16(uniform(1e-3f, 1e-1f));
+        memcpy(blk + od, &d, 2);
+        if (om >= 0) {
+            uint16_t m = luma_f32_to_f16((rnd() & 1 ? -1.0f : 1.0f) * uniform(1e-3f, 1e-1f));
+            memcpy(blk + om, &m, 2);
+        }
+    }
+}
+
+/* ---- results ------------------------------------------------------------ */
+
+typedef struct result {
+    char op[48];
+    double err, tol;
+    double us, gbps;           /* GPU time per call and bandwidth; 0: not timed */
+} result;
+
+static result results[160];
+static int n_results;
+
+static void report(const char *op, double err, double tol)
+{
+    bool ok = err <= tol;      /* false for NaN */
+    if (!ok) failures++;
+    printf("%-40s max rel err %.2e (tol %.0e)%s\n", op, err, tol, ok ? "" : "  FAIL");
+    if (n_results < (int)(sizeof results / sizeof results[0])) {
+        result *r = &results[n_results++];
+        snprintf(r->op, sizeof r->op, "%s", op);
+        r->err = err;
+        r->tol = tol;
+        r->us = r->gbps = 0.0;
+    }
+}
+
+/* max |a - b| / max |b|; infinite when a is not finite where b is. */
+static double rel_err(const float *a, const float *b, size_t n)
+{
+    double num = 0.0, den = 0.0;
+    for (size_t i = 0; i < n; i++) {
+        if (!isfinite(a[i]) && isfinite(b[i])) return INFINITY;
+        double d = fabs((double)a[i] - (double)b[i]);
+        if (d > num) num = d;
+        if (fabs((double)b[i]) > den) den = fabs((double)b[i]);
+    }
+    return den > 0.0 ? num / den : num;
+}
+
+static bool cuda_ok(cudaError_t e, const char *what)
+{
+    if (e == cudaSuccess) return true;
+    CHECK(0, "%s: %s", what, cudaGetErrorString(e));
+    return false;
+}
+
+/* ---- the same data on both backends ------------------------------------- */
+
+typedef struct dual {
+    luma_buf c, g;
+} dual;
+
+static void dual_new(dual *d, int64_t rows, int64_t cols)
+{
+    luma_err err = { { 0 } };
+    if (cpu->ops->buf_alloc(cpu, &d->c, rows, cols, &err) != 0 ||
+        gpu->ops->buf_alloc(gpu, &d->g, rows, cols, &err) != 0) {
+        printf("test_cuda: buf_alloc %lld x %lld: %s\n", (long long)rows, (long long)cols, err.msg);
+        exit(1);
+    }
+}
+
+static void dual_free(dual *d)
+{
+    cpu->ops->buf_free(cpu, &d->c);
+    gpu->ops->buf_free(gpu, &d->g);
+}
+
+/* Fills the buffers' rows x cols with x. */
+static void dual_set(dual *d, const float *x)
+{
+    size_t bytes = (size_t)(d->c.rows * d->c.cols) * sizeof(float);
+    memcpy(d->c.data, x, bytes);
+    cuda_ok(cudaMemcpy(d->g.data, x, bytes, cudaMemcpyHostToDevice), "upload");
+}
+
+/* Both views of rows [r0, r0 + n). */
+static dual dual_rows(const dual *d, int64_t r0, int64_t n)
+{
+    dual v = { luma_buf_rows(&d->c, r0, n), luma_buf_rows(&d->g, r0, n) };
+    return v;
+}
+
+/* The GPU's result against the CPU's; a read failure counts as infinite. */
+static double dual_err(const dual *d)
+{
+    luma_err err = { { 0 } };
+    if (d->c.rows != d->g.rows || d->c.cols != d->g.cols) {
+        CHECK(0, "shapes differ: cpu %lld x %lld, gpu %lld x %lld", (long long)d->c.rows, (long long)d->c.cols,
+              (long long)d->g.rows, (long long)d->g.cols);
+        return INFINITY;
+    }
+    size_t n = (size_t)(d->c.rows * d->c.cols);
+    float *a = xmalloc(n * sizeof(float)), *b = xmalloc(n * sizeof(float));
+    double e = INFINITY;
+    if (cpu->ops->buf_read(cpu, &d->c, b, &err) != 0 || gpu->ops->buf_read(gpu, &d->g, a, &err) != 0)
+        CHECK(0, "buf_read: %s", err.msg);
+    else
+        e = rel_err(a, b, n);
+    free(a);
+    free(b);
+    return e;
+}
+
+typedef struct dual_w {
+    luma_weight c, g;
+} dual_w;
+
+static bool dual_weight(dual_w *w, enum luma_type t, int64_t rows, int64_t cols, const void *host)
+{
+    luma_err err = { { 0 } };
+    luma_weight x = { t, rows, cols, host, NULL };
+    w->c = w->g = x;
+    if (cpu->ops->weight_load(cpu, &w->c, &err) != 0 || gpu->ops->weight_load(gpu, &w->g, &err) != 0) {
+        CHECK(0, "weight_load %s %lld x %lld: %s", luma_type_name(t), (long long)rows, (long long)cols, err.msg);
+        return false;
+    }
+    return true;
+}
+
+/* A step: rows of sequences with tokens, positions, out rows, block tables. */
+typedef struct tstep {
+    luma_step s;
+    luma_step_seq seqs[4];
+    int32_t *tokens, *pos, *out_rows;
+} tstep;
+
+/* One sequence of n rows at positions pos (or 0, 1, ...), tokens ids (or 0). */
+static void step_simple(tstep *t, int32_t n, const int32_t *ids, const int32_t *pos, const int32_t *out,
+                        int32_t n_out)
+{
+    memset(t, 0, sizeof *t);
+    t->tokens = xmalloc((size_t)n * sizeof(int32_t));
+    t->pos = xmalloc((size_t)n * sizeof(int32_t));
+    t->out_rows = xmalloc((size_t)(n_out > 0 ? n_out : 1) * sizeof(int32_t));
+    for (int32_t i = 0; i < n; i++) {
+        t->tokens[i] = ids ? ids[i] : 0;
+        t->pos[i] = pos ? pos[i] : i;
+    }
+    for (int32_t i = 0; i < n_out; i++) t->out_rows[i] = out[i];
+    t->seqs[0].n_rows = n;
+    t->s = (luma_step){ .n_rows = n, .tokens = t->tokens, .pos = t->pos, .n_seqs = 1, .seqs = t->seqs,
+                        .n_out = n_out, .out_rows = t->out_rows };
+}
+
+static void step_free(tstep *t)
+{
+    free(t->tokens);
+    free(t->pos);
+    free(t->out_rows);
+}
+
+static bool step_begin(tstep *t)
+{
+    luma_err err = { { 0 } };
+    if (gpu->ops->step_begin(gpu, &t->s, &err) != 0) {
+        CHECK(0, "step_begin: %s", err.msg);
+        return false;
+    }
+    return true;
+}
+
+static bool gpu_sync(const char *what)
+{
+    luma_err err = { { 0 } };
+    if (gpu->ops->sync(gpu, &err) != 0) {
+        CHECK(0, "%s: %s", what, err.msg);
+        return false;
+    }
+    return true;
+}
+
+/* ---- timing ------------------------------------------------------------- */
+
+#define TIME_REPS 10
+#define QUEUE_BYTES ((size_t)512 << 20)
+
+static void *queue_mem;
+
+typedef void (*gpu_call)(void *ctx);
+
+/* Best GPU time of one call, in microseconds; the calls wait behind a memset
+ * of QUEUE_BYTES so that they are all queued before the first one runs. */
+static double gpu_us(gpu_call call, void *ctx)
+{
+    cudaEvent_t ev[2 * TIME_REPS];
+    int n_ev = 0;
+    double best = 0.0;
+    for (; n_ev < 2 * TIME_REPS; n_ev++)
+        if (!cuda_ok(cudaEventCreate(&ev[n_ev]), "cudaEventCreate")) goto done;
+    call(ctx);
+    if (!gpu_sync("timing warm-up")) goto done;
+    if (!cuda_ok(cudaMemsetAsync(queue_mem, 1, QUEUE_BYTES, 0), "queue memset")) goto done;
+    for (int i = 0; i < TIME_REPS; i++) {
+        cudaEventRecord(ev[2 * i], 0);
+        call(ctx);
+        cudaEventRecord(ev[2 * i + 1], 0);
+    }
+    if (!gpu_sync("timing") || !cuda_ok(cudaEventSynchronize(ev[2 * TIME_REPS - 1]), "cudaEventSynchronize"))
+        goto done;
+    for (int i = 0; i < TIME_REPS; i++) {
+        float ms = 0.0f;
+        if (!cuda_ok(cudaEventElapsedTime(&ms, ev[2 * i], ev[2 * i + 1]), "cudaEventElapsedTime")) goto done;
+        if (best == 0.0 || ms * 1e3 < best) best = ms * 1e3;
+    }
+done:
+    for (int i = 0; i < n_ev; i++) cudaEventDestroy(ev[i]);
+    return best;
+}
+
+/* Times call and attaches the time (and bytes / time) to the last result. */
+static void timed(gpu_call call, void *ctx, double bytes)
+{
+    if (quick || n_results == 0) return;
+    result *r = &results[n_results - 1];
+    r->us = gpu_us(call, ctx);
+    r->gbps = r->us > 0.0 ? bytes / (r->us * 1e3) : 0.0;
+}
+
+/* ---- embed -------------------------------------------------------------- */
+
+static void test_embed(void)
+{
+    static const enum luma_type types[] = {
+        LUMA_F32, LUMA_F16, LUMA_BF16, LUMA_Q4_0, LUMA_Q4_1, LUMA_Q5_0, LUMA_Q5_1, LUMA_Q8_0,
+        LUMA_Q2_K, LUMA_Q3_K, LUMA_Q4_K, LUMA_Q5_K, LUMA_Q6_K,
+    };
+    const int64_t rows = 48, cols = 512;
+    const int32_t n = 20;
+    int32_t ids[20];
+    for (int32_t i = 0; i < n; i++) ids[i] = (int32_t)(rnd() % (uint64_t)rows);
+    ids[0] = 0;
+    ids[1] = (int32_t)rows - 1;
+    tstep t;
+    step_simple(&t, n, ids, NULL, NULL, 0);
+    dual x;
+    dual_new(&x, n, cols);
+    for (size_t k = 0; k < sizeof types / sizeof types[0]; k++) {
+        enum luma_type ty = types[k];
+        size_t rs = luma_row_size(ty, cols);
+        uint8_t *table = xmalloc(rs * (size_t)rows);
+        for (int64_t r = 0; r < rows; r++) random_weights(ty, cols, table + (size_t)r * rs);
+        dual_w w;
+        char name[48];
+        snprintf(name, sizeof name, "embed %s", luma_type_name(ty));
+        if (dual_weight(&w, ty, rows, cols, table) && step_begin(&t)) {
+            cpu->ops->embed(cpu, &w.c, t.tokens, n, 0.75f, &x.c);
+            gpu->ops->embed(gpu, &w.g, t.tokens, n, 0.75f, &x.g);
+            report(name, dual_err(&x), 0.0);
+        }
+        free(table);
+    }
+    dual_free(&x);
+    step_free(&t);
+}
+
+/* ---- rmsnorm ------------------------------------------------------------ */
+
+typedef struct norm_ctx {
+    dual *x;
+    dual_w *g;
+    int64_t group;
+} norm_ctx;
+
+static void norm_call(void *p)
+{
+    norm_ctx *c = p;
+    gpu->ops->rmsnorm(gpu, &c->x->g, &c->g->g, c->group, 1e-6f, &c->x->g);
+}
+
+static void test_rmsnorm(void)
+{
+    static const struct { int64_t rows, cols, group; int in_place, offset, timed; const char *what; } cases[] = {
+        { 7, 640, 640, 0, 0, 0, "rows of 640" },
+        { 33, 1024, 256, 1, 0, 0, "heads of 256, in place" },
+        { 5, 4096, 128, 0, 0, 0, "heads of 128" },
+        { 3, 2560, 2560, 0, 0, 0, "rows of 2560" },
+        { 6, 90, 45, 0, 1, 0, "groups of 45, unaligned" },
+        { 512, 4096, 4096, 1, 0, 1, "512 rows of 4096" },
+        { 512, 4096, 128, 1, 0, 1, "512 x 32 heads of 128" },
+    };
+    for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+        int64_t rows = cases[k].rows, cols = cases[k].cols, group = cases[k].group, r0 = cases[k].offset;
+        if (quick && rows > 64) continue;
+        float *x = random_floats((size_t)((rows + r0) * cols), 2.0f), *gain = xmalloc((size_t)group * sizeof(float));
+        for (int64_t i = 0; i < group; i++) gain[i] = 1.0f + 0.5f * gaussian();
+        dual xb, ob;
+        dual_new(&xb, rows + r0, cols);
+        dual_new(&ob, rows + r0, cols);
+        dual_set(&xb, x);
+        dual_w g;
+        if (dual_weight(&g, LUMA_F32, 1, group, gain)) {
+            dual xv = dual_rows(&xb, r0, rows), ov = cases[k].in_place ? xv : dual_rows(&ob, r0, rows);
+            cpu->ops->rmsnorm(cpu, &xv.c, &g.c, group, 1e-6f, &ov.c);
+            gpu->ops->rmsnorm(gpu, &xv.g, &g.g, group, 1e-6f, &ov.g);
+            char name[48];
+            snprintf(name, sizeof name, "rmsnorm %s", cases[k].what);
+            report(name, dual_err(&ov), 1e-5);
+            if (cases[k].timed) {
+                norm_ctx c = { &xv, &g, group };
+                timed(norm_call, &c, 2.0 * (double)(rows * cols) * 4.0);
+            }
+        }
+        dual_free(&xb);
+        dual_free(&ob);
+        free(x);
+        free(gain);
+    }
+}
+
+/* ---- rope --------------------------------------------------------------- */
+
+typedef struct rope_ctx {
+    dual *x;
+    int32_t head_dim;
+    const int32_t *pos;
+    const luma_rope *r;
+} rope_ctx;
+
+static void rope_call(void *p)
+{
+    rope_ctx *c = p;
+    gpu->ops->rope(gpu, &c->x->g, c->head_dim, c->pos, c->r);
+}
+
+static void test_rope(void)
+{
+    static const struct {
+        int32_t rows, head_dim, heads, n_dims;
+        enum luma_rope_kind kind;
+        float base, pos_scale;
+        int freq_factors, timed;
+        const char *what;
+    } cases[] = {
+        { 20, 256, 4, 256, LUMA_ROPE_NEOX, 1e6f, 1.0f, 0, 0, "NEOX 4 x 256 (gemma)" },
+        { 20, 128, 8, 128, LUMA_ROPE_NORM, 5e5f, 1.0f, 1, 0, "NORM 8 x 128, freq factors" },
+        { 9, 128, 2, 64, LUMA_ROPE_NEOX, 1e4f, 0.25f, 0, 0, "NEOX 64 of 128, pos x 0.25" },
+        { 11, 64, 14, 64, LUMA_ROPE_NORM, 1e4f, 1.0f, 0, 0, "NORM 14 x 64" },
+        { 13, 96, 3, 96, LUMA_ROPE_NEOX, 1e4f, 1.0f, 1, 0, "NEOX 3 x 96, freq factors" },
+        { 512, 128, 32, 128, LUMA_ROPE_NORM, 5e5f, 1.0f, 0, 1, "NORM 512 x 32 x 128" },
+    };
+    for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+        int32_t rows = cases[k].rows, hd = cases[k].head_dim;
+        int64_t cols = (int64_t)cases[k].heads * hd;
+        if (quick && rows > 64) continue;
+        float *x = random_floats((size_t)(rows * cols), 1.5f);
+        float ff[512];
+        int32_t *pos = xmalloc((size_t)rows * sizeof(int32_t));
+        for (int32_t i = 0; i < rows; i++) pos[i] = (int32_t)(rnd() % 32768);
+        pos[0] = 0;
+        for (int i = 0; i < cases[k].n_dims / 2; i++) ff[i] = uniform(1.0f, 32.0f);
+        luma_rope r = { cases[k].kind, cases[k].n_dims, cases[k].base, cases[k].pos_scale,
+                        cases[k].freq_factors ? ff : NULL };
+        dual xb;
+        dual_new(&xb, rows, cols);
+        dual_set(&xb, x);
+        tstep t;
+        step_simple(&t, rows, NULL, pos, NULL, 0);
+        if (step_begin(&t)) {
+            cpu->ops->rope(cpu, &xb.c, hd, t.pos, &r);
+            gpu->ops->rope(gpu, &xb.g, hd, t.pos, &r);
+            char name[48];
+            snprintf(name, sizeof name, "rope %s", cases[k].what);
+            report(name, dual_err(&xb), 1e-5);
+            if (cases[k].timed) {
+                rope_ctx c = { &xb, hd, t.pos, &r };
+                timed(rope_call, &c, 2.0 * (double)(rows * cols) * 4.0);
+            }
+        }
+        step_free(&t);
+        dual_free(&xb);
+        free(x);
+        free(pos);
+    }
+}
+
+/* ---- elementwise, bias, gather ------------------------------------------ */
+
+enum { OP_ADD, OP_GELU, OP_SILU };
+
+typedef struct ew_ctx {
+    int op;
+    dual *a, *b;
+} ew_ctx;
+
+static void ew_gpu(int op, luma_buf *a, const luma_buf *b)
+{
+    if (op == OP_ADD) gpu->ops->add(gpu, a, b);
+    else if (op == OP_GELU) gpu->ops->gelu_mul(gpu, a, b);
+    else gpu->ops->silu_mul(gpu, a, b);
+}
+
+static void ew_call(void *p)
+{
+    ew_ctx *c = p;
+    ew_gpu(c->op, &c->a->g, &c->b->g);
+}
+
+static void test_elementwise(void)
+{
+    static const char *names[] = { "add", "gelu_mul", "silu_mul" };
+    /* GELU's result is rounded to half precision: an ulp of tanh can move
+     * it by one half-precision step */
+    static const double tols[] = { 0.0, 1e-3, 1e-5 };
+    static const struct { int64_t rows, cols, offset; int timed; const char *what; } shapes[] = {
+        { 64, 1000, 0, 0, "64 x 1000" },
+        { 3, 7, 0, 0, "3 x 7 (tail)" },
+        { 4, 90, 1, 0, "4 x 90, unaligned" },
+        { 512, 14336, 0, 1, "512 x 14336" },
+    };
+    for (int op = OP_ADD; op <= OP_SILU; op++)
+        for (size_t k = 0; k < sizeof shapes / sizeof shapes[0]; k++) {
+            int64_t rows = shapes[k].rows, cols = shapes[k].cols, r0 = shapes[k].offset;
+            if (quick && rows > 64) continue;
+            size_t n = (size_t)((rows + r0) * cols);
+            float *a = random_floats(n, 3.0f), *b = random_floats(n, 2.0f);
+            dual ab, bb;
+            dual_new(&ab, rows + r0, cols);
+            dual_new(&bb, rows + r0, cols);
+            dual_set(&ab, a);
+            dual_set(&bb, b);
+            dual av = dual_rows(&ab, r0, rows), bv = dual_rows(&bb, r0, rows);
+            if (op == OP_ADD) cpu->ops->add(cpu, &av.c, &bv.c);
+            else if (op == OP_GELU) cpu->ops->gelu_mul(cpu, &av.c, &bv.c);
+            else cpu->ops->silu_mul(cpu, &av.c, &bv.c);
+            ew_gpu(op, &av.g, &bv.g);
+            char name[48];
+            snprintf(name, sizeof name, "%s %s", names[op], shapes[k].what);
+            report(name, dual_err(&ab), tols[op]);
+            if (shapes[k].timed) {
+                ew_ctx c = { op, &av, &bv };
+                timed(ew_call, &c, 3.0 * (double)(rows * cols) * 4.0);
+            }
+            dual_free(&ab);
+            dual_free(&bb);
+            free(a);
+            free(b);
+        }
+}
+
+static void test_bias_gather(void)
+{
+    static const int64_t widths[] = { 896, 90 };
+    for (size_t k = 0; k < 2; k++) {
+        int64_t rows = 13, cols = widths[k];
+        float *x = random_floats((size_t)(rows * cols), 2.0f), *bias = random_floats((size_t)cols, 1.0f);
+        dual xb;
+        dual_new(&xb, rows, cols);
+        dual_set(&xb, x);
+        dual_w b;
+        if (dual_weight(&b, LUMA_F32, 1, cols, bias)) {
+            cpu->ops->add_bias(cpu, &xb.c, &b.c);
+            gpu->ops->add_bias(gpu, &xb.g, &b.g);
+            char name[48];
+            snprintf(name, sizeof name, "add_bias 13 x %lld", (long long)cols);
+            report(name, dual_err(&xb), 0.0);
+        }
+        static const int32_t out[] = { 12, 0, 7, 3, 3 };
+        tstep t;
+        step_simple(&t, (int32_t)rows, NULL, NULL, out, 5);
+        dual ob;
+        dual_new(&ob, 5, cols);
+        if (step_begin(&t)) {
+            cpu->ops->gather(cpu, &xb.c, t.out_rows, 5, &ob.c);
+            gpu->ops->gather(gpu, &xb.g, t.out_rows, 5, &ob.g);
+            char name[48];
+            snprintf(name, sizeof name, "gather 5 of 13 x %lld", (long long)cols);
+            report(name, dual_err(&ob), 0.0);
+        }
+        step_free(&t);
+        dual_free(&ob);
+        dual_free(&xb);
+        free(x);
+        free(bias);
+    }
+}
+
+/* ---- attention ---------------------------------------------------------- */
+
+#define BLOCK_TOKENS 16
+#define WINDOW 512
+
+typedef struct attn_shape {
+    const char *name;
+    int32_t n_head, n_kv, dk, dv;
+    int n_pools;               /* 2: layers with the window get their own pool */
+    float softcap;
+} attn_shape;
+
+typedef struct kv_env {
+    const attn_shape *sh;
+    enum luma_type type;
+    luma_kv *kv;
+    luma_kv_seq *seq[3];
+    luma_attn full, win;       /* the attended layers: whole context, window */
+} kv_env;
+
+static void copy_both(void *ctx, int pool, int32_t src, int32_t dst)
+{
+    cpu->ops->kv_copy_block(cpu, pool, src, dst);
+    gpu->ops->kv_copy_block(gpu, pool, src, dst);
+}
+
+/* One step's rows: parts[i] rows of sequence seq_of[i]. */
+typedef struct attn_step {
+    tstep t;
+    int n;
+    int32_t seq_of[3];
+} attn_step;
+
+static bool build_step(kv_env *e, attn_step *as, const int *seqs, const int32_t *rows, int n_parts)
+{
+    luma_err err = { { 0 } };
+    int32_t total = 0;
+    for (int i = 0; i < n_parts; i++) total += rows[i];
+    memset(as, 0, sizeof *as);
+    tstep *t = &as->t;
+    t->tokens = xmalloc((size_t)total * sizeof(int32_t));
+    t->pos = xmalloc((size_t)total * sizeof(int32_t));
+    t->out_rows = xmalloc(sizeof(int32_t));
+    int32_t at = 0;
+    for (int i = 0; i < n_parts; i++) {
+        luma_kv_seq *s = e->seq[seqs[i]];
+        if (luma_kv_reserve(e->kv, s, rows[i], &err) != 0) {
+            CHECK(0, "luma_kv_reserve: %s", err.msg);
+            return false;
+        }
+        luma_step_seq *q = &t->seqs[i];
+        q->row0 = at;
+        q->n_rows = rows[i];
+        q->pos0 = luma_kv_seq_len(s);
+        for (int p = 0; p < e->sh->n_pools; p++) q->blocks[p] = luma_kv_seq_blocks(s, p, &q->n_blocks[p]);
+        for (int32_t j = 0; j < rows[i]; j++) {
+            t->tokens[at + j] = 0;
+            t->pos[at + j] = q->pos0 + j;
+        }
+        at += rows[i];
+    }
+    t->s = (luma_step){ .n_rows = total, .tokens = t->tokens, .pos = t->pos, .n_seqs = n_parts, .seqs = t->seqs,
+                        .n_out = 0, .out_rows = t->out_rows };
+    return step_begin(t);
+}
+
+typedef struct attn_ctx {
+    dual *q, *k, *v, *o;
+    const luma_step *s;
+    const luma_attn *a;
+} attn_ctx;
+
+static void attn_call(void *p)
+{
+    attn_ctx *c = p;
+    gpu->ops->attention(gpu, &c->q->g, &c->k->g, &c->v->g, c->s, c->a, &c->o->g);
+}
+
+enum { UNTIMED, TIMED, TIMED_BYTES };
+
+/* Runs attention of layer a on both backends over fresh random q, k, v for
+ * the step's rows; n_head may be fewer than the shape's (filling). Returns
+ * the error, and reports it as `label` when label is set; TIMED_BYTES also
+ * gives the bandwidth of reading each row's visible keys and values once
+ * (the decode kernel's traffic). */
+static double attend(kv_env *e, const luma_step *s, const luma_attn *a, const char *label, int timing)
+{
+    int64_t R = s->n_rows;
+    dual q, k, v, o;
+    dual_new(&q, R, (int64_t)a->n_head * a->head_dim_k);
+    dual_new(&k, R, (int64_t)a->n_kv_head * a->head_dim_k);
+    dual_new(&v, R, (int64_t)a->n_kv_head * a->head_dim_v);
+    dual_new(&o, R, (int64_t)a->n_head * a->head_dim_v);
+    float *hq = random_floats((size_t)(q.c.rows * q.c.cols), 2.0f);
+    float *hk = random_floats((size_t)(k.c.rows * k.c.cols), 1.0f);
+    float *hv = random_floats((size_t)(v.c.rows * v.c.cols), 1.0f);
+    dual_set(&q, hq);
+    dual_set(&k, hk);
+    dual_set(&v, hv);
+    cpu->ops->attention(cpu, &q.c, &k.c, &v.c, s, a, &o.c);
+    gpu->ops->attention(gpu, &q.g, &k.g, &v.g, s, a, &o.g);
+    double err = dual_err(&o);
+    if (label) report(label, err, e->type == LUMA_F16 ? 1e-4 : 2e-5);
+    if (label && timing != UNTIMED) {
+        double bytes = 0.0, es = e->type == LUMA_F16 ? 2.0 : 4.0;
+        for (int32_t r = 0; r < s->n_rows && timing == TIMED_BYTES; r++) {
+            int32_t p = s->pos[r], first = a->window > 0 && p - a->window + 1 > 0 ? p - a->window + 1 : 0;
+            bytes += (double)(p - first + 1) * a->n_kv_head * (a->head_dim_k + a->head_dim_v) * es;
+        }
+        attn_ctx c = { &q, &k, &v, &o, s, a };
+        timed(attn_call, &c, bytes);
+    }
+    dual_free(&q);
+    dual_free(&k);
+    dual_free(&v);
+    dual_free(&o);
+    free(hq);
+    free(hk);
+    free(hv);
+    return err;
+}
+
+/* Grows sequence si to len positions through steps of up to 512 rows whose
+ * attention sees only the row's own key (window 1): it stores k and v in
+ * every attended layer at little cost. */
+static void fill(kv_env *e, int si, int32_t len)
+{
+    while (luma_kv_seq_len(e->seq[si]) < len) {
+        int32_t n = len - luma_kv_seq_len(e->seq[si]);
+        if (n > 512) n = 512;
+        attn_step as;
+        if (!build_step(e, &as, &si, &n, 1)) {
+            step_free(&as.t);
+            return;
+        }
+        const luma_attn *layers[2] = { &e->full, &e->win };
+        for (int i = 0; i < (e->sh->n_pools == 2 ? 2 : 1); i++) {
+            luma_attn a = *layers[i];
+            a.n_head = a.n_kv_head;
+            a.window = 1;
+            double err = attend(e, &as.t.s, &a, NULL, UNTIMED);
+            CHECK(err <= 1e-6, "filling %s: window-1 attention differs by %.2e", e->sh->name, err);
+        }
+        luma_kv_commit(e->kv, e->seq[si], n);
+        step_free(&as.t);
+    }
+}
+
+static void test_attention_shape(const attn_shape *sh, enum luma_type type)
+{
+    luma_err err = { { 0 } };
+    int32_t lens[3] = { quick ? 600 : 3000, quick ? 200 : 700, 37 };
+    int32_t prefill = quick ? 64 : 300, mixed = quick ? 20 : 100;
+    int32_t n_blocks = (lens[0] + lens[1] + lens[2] + prefill + mixed) / BLOCK_TOKENS + 16;
+    luma_kv_layout l = { .n_pools = sh->n_pools, .block_tokens = BLOCK_TOKENS, .n_kv_head = sh->n_kv,
+                         .head_dim_k = sh->dk, .head_dim_v = sh->dv, .type = type };
+    luma_kv_params kp = { .n_pools = sh->n_pools, .block_tokens = BLOCK_TOKENS, .copy = copy_both };
+    for (int p = 0; p < sh->n_pools; p++) {
+        l.n_blocks[p] = kp.n_blocks[p] = n_blocks;
+        l.n_layers[p] = p == 0 ? 2 : 1;
+        kp.window[p] = p == 1 ? WINDOW : 0;
+    }
+    kv_env e = { .sh = sh, .type = type };
+    if (cpu->ops->kv_alloc(cpu, &l, &err) != 0 || gpu->ops->kv_alloc(gpu, &l, &err) != 0 ||
+        luma_kv_new(&kp, &e.kv, &err) != 0) {
+        CHECK(0, "KV cache for %s: %s", sh->name, err.msg);
+        return;
+    }
+    for (int i = 0; i < 3; i++) e.seq[i] = luma_kv_seq_new(e.kv);
+    luma_attn full = { 0, 1, sh->n_head, sh->n_kv, sh->dk, sh->dv, 0, 1.0f / sqrtf((float)sh->dk), sh->softcap };
+    e.full = e.win = full;
+    e.win.window = WINDOW;
+    if (sh->n_pools == 2) {
+        e.win.pool = 1;
+        e.win.layer = 0;
+    }
+    for (int i = 0; i < 3; i++) fill(&e, i, lens[i]);
+
+    static const struct { const char *what; int n; int seqs[3]; int32_t rows[3]; int timing; } steps[] = {
+        { "decode x3", 3, { 0, 1, 2 }, { 1, 1, 1 }, TIMED_BYTES },
+        { "decode short", 1, { 2 }, { 1 }, UNTIMED },
+        { "prefill", 1, { 2 }, { 0 }, TIMED },
+        { "mixed", 3, { 0, 1, 2 }, { 1, 0, 5 }, UNTIMED },
+    };
+    for (size_t k = 0; k < sizeof steps / sizeof steps[0]; k++) {
+        int32_t rows[3];
+        memcpy(rows, steps[k].rows, sizeof rows);
+        if (k == 2) rows[0] = prefill;
+        if (k == 3) rows[1] = mixed;
+        attn_step as;
+        if (build_step(&e, &as, steps[k].seqs, rows, steps[k].n)) {
+            char label[48];
+            snprintf(label, sizeof label, "attn %s %s %s w0", sh->name, luma_type_name(type), steps[k].what);
+            attend(&e, &as.t.s, &e.full, label, type == LUMA_F16 ? steps[k].timing : UNTIMED);
+            snprintf(label, sizeof label, "attn %s %s %s w%d", sh->name, luma_type_name(type), steps[k].what, WINDOW);
+            attend(&e, &as.t.s, &e.win, label, UNTIMED);
+        }
+        step_free(&as.t);
+    }
+    for (int i = 0; i < 3; i++) luma_kv_seq_free(e.kv, e.seq[i]);
+    luma_kv_free(e.kv);
+}
+
+static void test_attention(void)
+{
+    static const attn_shape shapes[] = {
+        { "gemma 4/1x256", 4, 1, 256, 256, 2, 0.0f },
+        { "llama 32/8x128", 32, 8, 128, 128, 1, 0.0f },
+        { "odd 14/2x96/80", 14, 2, 96, 80, 1, 30.0f },
+    };
+    for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++) {
+        test_attention_shape(&shapes[i], LUMA_F16);
+        if (!quick || i == 0) test_attention_shape(&shapes[i], LUMA_F32);
+    }
+}
+
+/* ---- failures ----------------------------------------------------------- */
+
+/* An operation given row indices that are not the step's fails at sync with
+ * a message, and the backend goes on working. */
+static void test_failure(void)
+{
+    int32_t foreign[2] = { 0, 1 };
+    float one = 1.0f;
+    dual x;
+    dual_new(&x, 2, 1);
+    dual_w w;
+    tstep t;
+    step_simple(&t, 2, NULL, NULL, NULL, 0);
+    luma_err err = { { 0 } };
+    if (dual_weight(&w, LUMA_F32, 1, 1, &one) && step_begin(&t)) {
+        gpu->ops->embed(gpu, &w.g, foreign, 2, 1.0f, &x.g);
+        int rc = gpu->ops->sync(gpu, &err);
+        CHECK(rc != 0 && strstr(err.msg, "step") != NULL, "sync after a foreign id list: rc %d, '%s'", rc, err.msg);
+        CHECK(gpu->ops->sync(gpu, &err) == 0, "a second sync is clean: '%s'", err.msg);
+        gpu->ops->embed(gpu, &w.g, t.tokens, 1, 1.0f, &x.g);
+        CHECK(gpu_sync("embed after a failure"), "the backend works after a failure");
+        printf("failure reporting: '%s'\n", err.msg);
+    }
+    step_free(&t);
+    dual_free(&x);
+}
+
+/* ---- the default model -------------------------------------------------- */
+
+static int32_t argmax(const float *x, int32_t n)
+{
+    int32_t best = 0;
+    for (int32_t i = 1; i < n; i++)
+        if (x[i] > x[best]) best = i;
+    return best;
+}
+
+static const char prompt[] =
+    "The old lighthouse keeper climbed the spiral stairs every evening at dusk, carrying a lantern and a "
+    "notebook in which he wrote down the ships he saw, the color of the sea, and the shapes of the clouds "
+    "that gathered over the northern cliffs. One autumn night, a storm rolled in from the west, and the "
+    "keeper saw a small boat struggling against the waves near the rocks below the tower. He lit the great "
+    "lamp, rang the bell, and ran down to the harbor";
+
+static void test_model(void)
+{
+    char path[1024];
+    const char *env = getenv("LUMA_MODEL"), *home = getenv("HOME");
+    if (env && *env) snprintf(path, sizeof path, "%s", env);
+    else snprintf(path, sizeof path, "%s/.cache/luma/models/gemma-3-270m-q4_k_m.gguf", home ? home : "");
+    FILE *f = fopen(path, "rb");
+    if (!f) {
+        failures++;
+        printf("model: FAIL: the model file %s is missing; set LUMA_MODEL or fetch the default model into "
+               "~/.cache/luma/models/\n", path);
+        return;
+    }
+    fclose(f);
+    luma_err err = { { 0 } };
+    luma_model *m[2] = { NULL, NULL };
+    luma_seq *s[2] = { NULL, NULL };
+    static const char *names[2] = { "cpu", "cuda" };
+    float *logits[2] = { NULL, NULL };
+    for (int b = 0; b < 2; b++) {
+        luma_model_params p;
+        luma_model_params_default(&p);
+        p.backend = names[b];
+        p.n_threads = 2;
+        p.n_ctx = 256;
+        p.max_rows = 64;
+        if (luma_model_load(path, &p, &m[b], &err) != 0 || !(s[b] = luma_seq_new(m[b], &err))) {
+            CHECK(0, "loading %s on %s: %s", path, names[b], err.msg);
+            goto done;
+        }
+    }
+    int32_t nv = m[0]->hp.n_vocab, ids[256];
+    int64_t n = luma_tokenize(m[0]->vocab, prompt, strlen(prompt), true, false, ids, 256, &err);
+    if (n < 64) {
+        CHECK(0, "the prompt gives %lld tokens, fewer than 64 (%s)", (long long)n, err.msg);
+        goto done;
+    }
+    for (int b = 0; b < 2; b++) {
+        logits[b] = xmalloc((size_t)64 * (size_t)nv * sizeof(float));
+        luma_chunk c = { s[b], ids, 64, true };
+        if (luma_model_run(m[b], &c, 1, logits[b], &err) != 0) {
+            CHECK(0, "prompt on %s: %s", names[b], err.msg);
+            goto done;
+        }
+    }
+    int agree = 0;
+    double max_diff = 0.0;
+    for (int32_t r = 0; r < 64; r++) {
+        const float *a = logits[0] + (size_t)r * (size_t)nv, *g = logits[1] + (size_t)r * (size_t)nv;
+        agree += argmax(a, nv) == argmax(g, nv);
+        for (int32_t i = 0; i < nv; i++) {
+            double d = fabs((double)a[i] - (double)g[i]);
+            if (!(d <= max_diff)) max_diff = d;   /* NaN sticks */
+        }
+    }
+    printf("model: 64-token prompt: top-1 agrees on %d of 64 rows, max abs logit diff %.4f\n", agree, max_diff);
+    CHECK(agree >= 58 && isfinite(max_diff), "prompt logits: top-1 agreement %d of 64, max abs diff %g", agree,
+          max_diff);
+
+    /* greedy, in lockstep from the prompt's last row */
+    int32_t tok[2] = { argmax(logits[0] + (size_t)63 * (size_t)nv, nv), argmax(logits[1] + (size_t)63 * (size_t)nv, nv) };
+    const float *last[2] = { logits[0] + (size_t)63 * (size_t)nv, logits[1] + (size_t)63 * (size_t)nv };
+    int same = 0;
+    for (; same < 32; same++) {
+        if (tok[0] != tok[1]) {
+            double margin = (double)last[0][tok[0]] - (double)last[0][tok[1]];
+            printf("model: greedy continuations part at token %d (cpu %d, cuda %d, cpu margin %.3f)\n", same, tok[0],
+                   tok[1], margin);
+            CHECK(margin < 0.3, "greedy continuations part at token %d with a cpu margin of %.3f", same, margin);
+            break;
+        }
+        for (int b = 0; b < 2; b++) {
+            luma_chunk c = { s[b], &tok[b], 1, false };
+            if (luma_model_run(m[b], &c, 1, logits[b], &err) != 0) {
+                CHECK(0, "greedy step on %s: %s", names[b], err.msg);
+                goto done;
+            }
+            last[b] = logits[b];
+        }
+        tok[0] = argmax(last[0], nv);
+        tok[1] = argmax(last[1], nv);
+    }
+    if (same == 32) printf("model: 32 greedy tokens identical on both backends\n");
+done:
+    for (int b = 0; b < 2; b++) {
+        free(logits[b]);
+        luma_seq_free(s[b]);
+        luma_model_free(m[b]);
+    }
+}
+
+/* ---- main --------------------------------------------------------------- */
+
+static void print_table(void)
+{
+    printf("\n%-40s %10s %7s %10s %8s\n", "op", "rel err", "tol", "GPU us", "GB/s");
+    for (int i = 0; i < n_results; i++) {
+        const result *r = &results[i];
+        printf("%-40s %10.2e %7.0e", r->op, r->err, r->tol);
+        if (r->us > 0.0) printf(" %10.2f %8.1f", r->us, r->gbps);
+        printf("%s\n", r->err <= r->tol ? "" : "  FAIL");
+    }
+}
+
+static int run_checks(void)
+{
+    luma_err err = { { 0 } };
+    const char *q = getenv("LUMA_CUDA_QUICK");
+    quick = q && *q && strcmp(q, "0") != 0;
+    cpu = luma_backend_cpu_new(2, &err);
+    if (cpu) gpu = luma_backend_cuda_new(0, &err);
+    if (!cpu || !gpu) {
+        printf("test_cuda: FAIL: creating the backends: %s\n", err.msg);
+        return 1;
+    }
+    if (!quick && !cuda_ok(cudaMalloc(&queue_mem, QUEUE_BYTES), "cudaMalloc (timing queue)")) return 1;
+    test_embed();
+    test_rmsnorm();
+    test_rope();
+    test_elementwise();
+    test_bias_gather();
+    test_failure();   /* before any KV layout: its step has no block tables */
+    test_attention();
+    cpu->ops->free(cpu);
+    gpu->ops->free(gpu);
+    if (queue_mem) cudaFree(queue_mem);
+    if (quick) printf("model: not run (LUMA_CUDA_QUICK)\n");
+    else test_model();
+    print_table();
+    return 0;
+}
+
+int main(void)
+{
+    if (!luma_backend_cuda_available()) {
+        printf("test_cuda: no CUDA device, the GPU checks did not run\n");
+        return 0;
+    }
+    if (run_checks() != 0) return 1;
+    if (failures) {
+        printf("test_cuda: %d failures\n", failures);
+        return 1;
+    }
+    printf("test_cuda: all checks passed\n");
+    return 0;
+}

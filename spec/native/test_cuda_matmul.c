@@ -1,0 +1,433 @@
+/* The CUDA backend's matrix products (cuda/matmul.cu), through the backend
+ * interface, against a double-precision CPU reference built from
+ * luma_dequantize_row and the f32 activations:
+ *   - every weight type, random blocks with sane half scales (as
+ *     test_quant.c makes them), shapes from gemma's 640 columns and odd row
+ *     counts to llama-8B's 4096 x 4096 and 14336 x 4096, and m = 1, 2, 3, 8,
+ *     16 (matrix-vector kernels: int8 activations for the block formats) and
+ *     64, 512 (f16 tensor-core path): each output's error relative to
+ *     sum |w x| stays under the tolerance of its number format;
+ *   - then a timing table for the two big shapes (cudaEvent, best of several
+ *     calls queued behind a long memset so that launch gaps are not timed,
+ *     weights rotated through copies larger than L2): GB/s of weights for
+ *     m = 1 and 8, with the fraction of the H100's 3000 GB/s, and TFLOP/s
+ *     for m = 512.
+ * Without a CUDA device it says so and passes. LUMA_CUDA_QUICK=1 keeps to the
+ * small shapes and skips the timing (for compute-sanitizer runs).
+ *
+ * The events and the memset go to the legacy default stream, which orders
+ * itself against the backend's stream as long as that one is a blocking
+ * stream (cudaStreamCreate without cudaStreamNonBlocking). */
+#include "backend.h"
+#include "quant.h"
+
+#include <math.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* A CUDA build links the CUDA runtime into every test; LUMA_HAVE_CUDA says
+ * so (the headers alone prove nothing: they may sit in /usr/local/include of
+ * a machine that builds for the CPU only). */
+#ifdef LUMA_HAVE_CUDA
+#include <cuda_runtime.h>
+#endif
+
+static int failures;
+
+#define CHECK(cond, ...)                                      \
+    do {                                                      \
+        if (!(cond)) {                                        \
+            failures++;                                       \
+            if (failures <= 20) {                             \
+                printf("  FAIL %s:%d: ", __FILE__, __LINE__); \
+                printf(__VA_ARGS__);                          \
+                printf("\n");                                 \
+            }                                                 \
+        }                                                     \
+    } while (0)
+
+#ifdef LUMA_HAVE_CUDA
+
+static const enum luma_type types[] = {
+    LUMA_F32, LUMA_F16, LUMA_BF16, LUMA_Q4_0, LUMA_Q4_1, LUMA_Q5_0, LUMA_Q5_1, LUMA_Q8_0,
+    LUMA_Q2_K, LUMA_Q3_K, LUMA_Q4_K, LUMA_Q5_K, LUMA_Q6_K,
+};
+#define N_TYPES (int)(sizeof types / sizeof types[0])
+
+/* rows x cols; the big ones are timed. 1024 x 640 has gemma's width (no K
+ * format fits it), 333 x 1002 leaves float rows without whole 16-byte loads. */
+static const struct shape { int64_t rows, cols; int big; } shapes[] = {
+    { 640, 1024, 0 }, { 999, 2048, 0 }, { 1024, 640, 0 }, { 333, 1002, 0 },
+    { 4096, 4096, 1 }, { 14336, 4096, 1 },
+};
+#define N_SHAPES (int)(sizeof shapes / sizeof shapes[0])
+
+static const int ms[] = { 1, 2, 3, 8, 16, 64, 512 };
+#define N_MS (int)(sizeof ms / sizeof ms[0])
+
+/* Errors relative to sum |w x|: int8 activations (block formats with small
+ * m) lose about 1/254 of each block's largest value per element; f16
+ * operands (the tensor-core path) at most 2^-11 of each factor. */
+#define TOL_INT8 5e-3
+#define TOL_F16 2e-3
+
+#define SAMPLE_ROWS 32   /* weight rows checked per shape */
+#define SAMPLE_ACTS 64   /* activation rows checked per m */
+#define TIME_REPS 8
+#define L2_DEFEAT_BYTES ((size_t)192 << 20)   /* well over the H100's 50 MB of L2 */
+#define QUEUE_BYTES ((size_t)1 << 30)         /* memset that keeps the GPU busy while calls queue */
+#define HBM_GBS 3000.0
+
+/* ---- random data -------------------------------------------------------- */
+
+static uint64_t rng_state = 0x243f6a8885a308d3ULL;
+
+static uint64_t rnd(void)
+{
+    uint64_t z = (rng_state += 0x9e3779b97f4a7c15ULL);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    return z ^ (z >> 31);
+}
+
+static float uniform(float lo, float hi)
+{
+    return lo + (hi - lo) * (float)(rnd() >> 40) / (float)(1 << 24);
+}
+
+/* A cheap bell-shaped value in (-2, 2) with unit-ish spread. */
+static float bell(void)
+{
+    uint64_t r = rnd();
+    float a = (float)(r & 0xffffff) / (float)(1 << 24), b = (float)((r >> 24) & 0xffffff) / (float)(1 << 24);
+    return 2.0f * (a + b - 1.0f);
+}
+
+static void put_half(uint8_t *p, float v)
+{
+    uint16_t h = luma_f32_to_f16(v);
+    memcpy(p, &h, sizeof h);
+}
+
+/* Offsets of the half-float scales in a block: d, then m or dmin (-1: none). */
+static void scale_offsets(enum luma_type t, int *d, int *m)
+{
+    *m = -1;
+    switch (t) {
+    case LUMA_Q4_0: *d = offsetof(luma_block_q4_0, d); break;
+    case LUMA_Q4_1: *d = offsetof(luma_block_q4_1, d); *m = offsetof(luma_block_q4_1, m); break;
+    case LUMA_Q5_0: *d = offsetof(luma_block_q5_0, d); break;
+    case LUMA_Q5_1: *d = offsetof(luma_block_q5_1, d); *m = offsetof(luma_block_q5_1, m); break;
+    case LUMA_Q8_0: *d = offsetof(luma_block_q8_0, d); break;
+    case LUMA_Q2_K: *d = offsetof(luma_block_q2_K, d); *m = offsetof(luma_block_q2_K, dmin); break;
+    case LUMA_Q3_K: *d = offsetof(luma_block_q3_K, d); break;
+    case LUMA_Q4_K: *d = offsetof(luma_block_q4_K, d); *m = offsetof(luma_block_q4_K, dmin); break;
+    case LUMA_Q5_K: *d = offsetof(luma_block_q5_K, d); *m = offsetof(luma_block_q5_K, dmin); break;
+    case LUMA_Q6_K: *d = offsetof(luma_block_q6_K, d); break;
+    default: *d = -1; break;
+    }
+}
+
+/* rows x cols of type t: random bytes with half scales in [1e-3, 1e-1] (Q4_1
+ * and Q5_1 minimums of either sign) for the block formats, bell-shaped
+ * values for the float ones. */
+static void random_weights(enum luma_type t, int64_t rows, int64_t cols, uint8_t *dst, size_t bytes)
+{
+    const luma_type_traits *tr = luma_type_get(t);
+    if (!tr->is_quantized) {
+        for (int64_t i = 0; i < rows * cols; i++) {
+            float v = bell();
+            if (t == LUMA_F32) memcpy(dst + 4 * i, &v, 4);
+            else {
+                uint16_t h = t == LUMA_F16 ? luma_f32_to_f16(v) : luma_f32_to_bf16(v);
+                memcpy(dst + 2 * i, &h, 2);
+            }
+        }
+        return;
+    }
+    for (size_t i = 0; i < bytes; i += 8) {
+        uint64_t r = rnd();
+        memcpy(dst + i, &r, bytes - i < 8 ? bytes - i : 8);
+    }
+    int od, om;
+    scale_offsets(t, &od, &om);
+    for (size_t b = 0; b < bytes / tr->type_size; b++) {
+        uint8_t *blk = dst + b * tr->type_size;
+        put_half(blk + od, uniform(1e-3f, 1e-1f));
+        if (om >= 0)
+            put_half(blk + om, (t == LUMA_Q4_1 || t == LUMA_Q5_1) && (rnd() & 1) ? -uniform(1e-3f, 1e-1f)
+                                                                           : uniform(1e-3f, 1e-1f));
+    }
+}
+
+static void *xmalloc(size_t n)
+{
+    void *p = malloc(n ? n : 1);
+    if (!p) {
+        printf("out of memory\n");
+        exit(1);
+    }
+    return p;
+}
+
+static int cuda_ok(cudaError_t e, const char *what)
+{
+    if (e == cudaSuccess) return 1;
+    CHECK(0, "%s: %s", what, cudaGetErrorString(e));
+    return 0;
+}
+
+/* ---- one weight matrix -------------------------------------------------- */
+
+typedef struct ctx {
+    luma_backend *be;
+    int quick;
+    void *queue;               /* QUEUE_BYTES of device memory for the memset */
+} ctx;
+
+typedef struct timing {
+    double us[3];              /* m = 1, 8, 512; 0 when not timed */
+} timing;
+
+/* y = W x on the device for m rows of x; 0 on success. y is m x rows. */
+static int run_matmul(ctx *cx, const luma_weight *w, const float *x, int64_t m, float *y)
+{
+    const luma_backend_ops *ops = cx->be->ops;
+    luma_err err = { { 0 } };
+    luma_buf xb = { 0 }, yb = { 0 };
+    int rc = -1;
+    if (ops->buf_alloc(cx->be, &xb, m, w->cols, &err) != 0 || ops->buf_alloc(cx->be, &yb, m, w->rows, &err) != 0) {
+        CHECK(0, "buf_alloc: %s", err.msg);
+        goto done;
+    }
+    if (!cuda_ok(cudaMemcpy(xb.data, x, (size_t)(m * w->cols) * sizeof(float), cudaMemcpyHostToDevice),
+                 "upload x"))
+        goto done;
+    ops->matmul(cx->be, w, &xb, &yb);
+    if (ops->sync(cx->be, &err) != 0) {
+        CHECK(0, "%s %lldx%lld m=%lld: %s", luma_type_name(w->type), (long long)w->rows, (long long)w->cols,
+              (long long)m, err.msg);
+        goto done;
+    }
+    CHECK(yb.rows == m && yb.cols == w->rows, "matmul sets y to m x rows (%lld x %lld)", (long long)yb.rows,
+          (long long)yb.cols);
+    if (ops->buf_read(cx->be, &yb, y, &err) != 0) {
+        CHECK(0, "buf_read: %s", err.msg);
+        goto done;
+    }
+    rc = 0;
+done:
+    if (xb.data) ops->buf_free(cx->be, &xb);
+    if (yb.data) ops->buf_free(cx->be, &yb);
+    return rc;
+}
+
+/* Largest error of the sampled outputs relative to sum |w x|; wref holds
+ * the dequantized sampled rows. A non-finite output counts as infinite. */
+static double max_rel_error(const float *wref, const int64_t *rows_s, int ns, const float *x, int64_t m,
+                            int64_t cols, const float *y, int64_t rows)
+{
+    double worst = 0.0;
+    int64_t step = m <= SAMPLE_ACTS ? 1 : m / SAMPLE_ACTS;
+    for (int64_t j = 0; j < m; j += step)
+        for (int s = 0; s < ns; s++) {
+            const float *wr = wref + (size_t)s * (size_t)cols, *xr = x + (size_t)j * (size_t)cols;
+            double ref = 0.0, mag = 0.0;
+            for (int64_t k = 0; k < cols; k++) {
+                double p = (double)wr[k] * (double)xr[k];
+                ref += p;
+                mag += fabs(p);
+            }
+            double got = y[(size_t)j * (size_t)rows + (size_t)rows_s[s]];
+            double e = isfinite(got) ? fabs(got - ref) / (mag > 0.0 ? mag : 1.0) : INFINITY;
+            if (!(e <= worst)) worst = e;
+        }
+    return worst;
+}
+
+/* Best time of TIME_REPS calls of y = W x, in microseconds: the calls queue
+ * behind a long memset, each between two events, and cycle through enough
+ * copies of W that none is still in L2 when its turn comes. */
+static double time_matmul(ctx *cx, const luma_weight *w, size_t wbytes, int64_t m)
+{
+    const luma_backend_ops *ops = cx->be->ops;
+    luma_err err = { { 0 } };
+    luma_buf xb = { 0 }, yb = { 0 };
+    int copies = (int)((L2_DEFEAT_BYTES + wbytes - 1) / wbytes);
+    if (copies > TIME_REPS) copies = TIME_REPS;
+    luma_weight wc[TIME_REPS];
+    cudaEvent_t ev[2 * TIME_REPS];
+    int n_ev = 0, n_copies = 0;
+    double best = 0.0;
+    for (; n_ev < 2 * TIME_REPS; n_ev++)
+        if (!cuda_ok(cudaEventCreate(&ev[n_ev]), "cudaEventCreate")) goto done;
+    for (; n_copies < copies; n_copies++) {
+        wc[n_copies] = *w;
+        if (!cuda_ok(cudaMalloc(&wc[n_copies].dev, wbytes), "cudaMalloc (weight copy)")) goto done;
+        if (!cuda_ok(cudaMemcpy(wc[n_copies].dev, w->dev, wbytes, cudaMemcpyDeviceToDevice), "copy weights"))
+            goto done;
+    }
+    if (ops->buf_alloc(cx->be, &xb, m, w->cols, &err) != 0 || ops->buf_alloc(cx->be, &yb, m, w->rows, &err) != 0) {
+        CHECK(0, "buf_alloc: %s", err.msg);
+        goto done;
+    }
+    if (!cuda_ok(cudaMemset(xb.data, 0, (size_t)(m * w->cols) * sizeof(float)), "clear x")) goto done;
+    ops->matmul(cx->be, &wc[0], &xb, &yb);   /* grows the scratch before the timed calls */
+    if (ops->sync(cx->be, &err) != 0) {
+        CHECK(0, "timing warm-up: %s", err.msg);
+        goto done;
+    }
+    if (!cuda_ok(cudaMemsetAsync(cx->queue, 1, QUEUE_BYTES, 0), "queue memset")) goto done;
+    for (int i = 0; i < TIME_REPS; i++) {
+        cudaEventRecord(ev[2 * i], 0);
+        ops->matmul(cx->be, &wc[(i + 1) % copies], &xb, &yb);
+        cudaEventRecord(ev[2 * i + 1], 0);
+    }
+    if (ops->sync(cx->be, &err) != 0) {
+        CHECK(0, "timing: %s", err.msg);
+        goto done;
+    }
+    if (!cuda_ok(cudaEventSynchronize(ev[2 * TIME_REPS - 1]), "cudaEventSynchronize")) goto done;
+    for (int i = 0; i < TIME_REPS; i++) {
+        float ms_ = 0.0f;
+        if (!cuda_ok(cudaEventElapsedTime(&ms_, ev[2 * i], ev[2 * i + 1]), "cudaEventElapsedTime")) goto done;
+        if (best == 0.0 || ms_ * 1e3 < best) best = ms_ * 1e3;
+    }
+done:
+    for (int i = 0; i < n_ev; i++) cudaEventDestroy(ev[i]);
+    for (int i = 0; i < n_copies; i++)
+        if (wc[i].dev) cudaFree(wc[i].dev);
+    if (xb.data) ops->buf_free(cx->be, &xb);
+    if (yb.data) ops->buf_free(cx->be, &yb);
+    return best;
+}
+
+/* Checks W x for every m against the reference, prints one line, and times
+ * the big shapes. */
+static void check_shape(ctx *cx, enum luma_type t, const struct shape *sh, timing *tm)
+{
+    const luma_type_traits *tr = luma_type_get(t);
+    int64_t rows = sh->rows, cols = sh->cols;
+    size_t row_bytes = luma_row_size(t, cols), bytes = row_bytes * (size_t)rows;
+    uint8_t *host = xmalloc(bytes);
+    random_weights(t, rows, cols, host, bytes);
+    luma_weight w = { t, rows, cols, host, NULL };
+    luma_err err = { { 0 } };
+    if (cx->be->ops->weight_load(cx->be, &w, &err) != 0) {
+        CHECK(0, "weight_load %s %lldx%lld: %s", tr->name, (long long)rows, (long long)cols, err.msg);
+        free(host);
+        return;
+    }
+
+    int64_t rows_s[SAMPLE_ROWS];
+    int ns = rows < SAMPLE_ROWS ? (int)rows : SAMPLE_ROWS;
+    for (int s = 0; s < ns; s++) rows_s[s] = ns == 1 ? 0 : (int64_t)s * (rows - 1) / (ns - 1);
+    float *wref = xmalloc((size_t)ns * (size_t)cols * sizeof(float));
+    for (int s = 0; s < ns; s++)
+        luma_dequantize_row(t, host + (size_t)rows_s[s] * row_bytes, wref + (size_t)s * (size_t)cols, cols);
+
+    int m_max = cx->quick ? 64 : 512;
+    float *x = xmalloc((size_t)m_max * (size_t)cols * sizeof(float));
+    float *y = xmalloc((size_t)m_max * (size_t)rows * sizeof(float));
+    char line[512];
+    int len = snprintf(line, sizeof line, "%-5s %5lldx%-5lld", tr->name, (long long)rows, (long long)cols);
+    double tol = tr->is_quantized ? TOL_INT8 : TOL_F16;
+    for (int i = 0; i < N_MS; i++) {
+        int64_t m = ms[i];
+        if (m > m_max || (cx->quick && (m == 2 || m == 8))) continue;
+        for (int64_t k = 0; k < m * cols; k++) x[k] = bell();
+        for (int64_t k = 0; k < m * rows; k++) y[k] = NAN;
+        if (run_matmul(cx, &w, x, m, y) != 0) continue;
+        double e = max_rel_error(wref, rows_s, ns, x, m, cols, y, rows);
+        CHECK(e <= tol, "%s %lldx%lld m=%lld: max relative error %.3g > %.1g", tr->name, (long long)rows,
+              (long long)cols, (long long)m, e, tol);
+        if (len < (int)sizeof line) len += snprintf(line + len, sizeof line - (size_t)len, "  m=%lld %.1e", (long long)m, e);
+    }
+    printf("%s  (tol %.0e)\n", line, tol);
+
+    if (sh->big && !cx->quick) {
+        static const int64_t tm_m[3] = { 1, 8, 512 };
+        for (int i = 0; i < 3; i++) tm->us[i] = time_matmul(cx, &w, bytes, tm_m[i]);
+        /* over 20 TB/s: the events did not wait for the backend's stream */
+        CHECK(tm->us[0] > (double)bytes / 2e7, "%s %lldx%lld m=1 timed at %.2f us: implausible", tr->name,
+              (long long)rows, (long long)cols, tm->us[0]);
+    }
+    free(x);
+    free(y);
+    free(wref);
+    free(host);
+}
+
+static void print_timing(enum luma_type t, const struct shape *sh, const timing *tm)
+{
+    size_t bytes = luma_row_size(t, sh->cols) * (size_t)sh->rows;
+    double gb1 = tm->us[0] > 0 ? (double)bytes / (tm->us[0] * 1e3) : 0.0;
+    double gb8 = tm->us[1] > 0 ? (double)bytes / (tm->us[1] * 1e3) : 0.0;
+    double tf = tm->us[2] > 0 ? 2.0 * 512.0 * (double)sh->rows * (double)sh->cols / (tm->us[2] * 1e6) : 0.0;
+    printf("%-5s %5lldx%-5lld %7.1f MB | %7.1f us %6.0f GB/s %3.0f%% | %7.1f us %6.0f GB/s %3.0f%% | %8.1f us %6.1f TFLOP/s\n",
+           luma_type_name(t), (long long)sh->rows, (long long)sh->cols, (double)bytes / 1e6, tm->us[0], gb1,
+           100.0 * gb1 / HBM_GBS, tm->us[1], gb8, 100.0 * gb8 / HBM_GBS, tm->us[2], tf);
+}
+
+static int run_checks(void)
+{
+    luma_err err = { { 0 } };
+    ctx cx = { 0 };
+    const char *q = getenv("LUMA_CUDA_QUICK");
+    cx.quick = q && *q && strcmp(q, "0") != 0;
+    cx.be = luma_backend_cuda_new(0, &err);
+    if (!cx.be) {
+        printf("test_cuda_matmul: FAIL: a CUDA device is present but the backend did not start: %s\n", err.msg);
+        return 1;
+    }
+    if (!cx.quick && !cuda_ok(cudaMalloc(&cx.queue, QUEUE_BYTES), "cudaMalloc (queue)")) cx.quick = 1;
+
+    static timing tms[N_TYPES][N_SHAPES];
+    int checked = 0;
+    for (int ti = 0; ti < N_TYPES; ti++)
+        for (int si = 0; si < N_SHAPES; si++) {
+            const struct shape *sh = &shapes[si];
+            if (sh->cols % luma_type_get(types[ti])->block_size != 0 || (cx.quick && sh->big)) continue;
+            check_shape(&cx, types[ti], sh, &tms[ti][si]);
+            checked++;
+        }
+    printf("matmul: %d weight matrices checked%s\n", checked, cx.quick ? " (quick: small shapes only)" : "");
+
+    if (!cx.quick) {
+        printf("\ntiming (best of %d, weights cold in L2; %% of %.0f GB/s):\n", TIME_REPS, HBM_GBS);
+        printf("type  shape       weights |  m=1: time   bandwidth  |  m=8: time   bandwidth  |  m=512: time    "
+               "throughput\n");
+        for (int ti = 0; ti < N_TYPES; ti++)
+            for (int si = 0; si < N_SHAPES; si++)
+                if (shapes[si].big && shapes[si].cols % luma_type_get(types[ti])->block_size == 0)
+                    print_timing(types[ti], &shapes[si], &tms[ti][si]);
+    }
+    if (cx.queue) cudaFree(cx.queue);
+    cx.be->ops->free(cx.be);
+    return 0;
+}
+
+#endif
+
+int main(void)
+{
+    if (!luma_backend_cuda_available()) {
+        printf("test_cuda_matmul: no CUDA device, the GPU checks did not run\n");
+        return 0;
+    }
+#ifdef LUMA_HAVE_CUDA
+    if (run_checks() != 0) return 1;
+#else
+    printf("test_cuda_matmul: FAIL: the library has a CUDA backend but this test was compiled without "
+           "LUMA_HAVE_CUDA\n");
+    return 1;
+#endif
+    if (failures) {
+        printf("test_cuda_matmul: %d failures\n", failures);
+        return 1;
+    }
+    printf("test_cuda_matmul: all checks passed\n");
+    return 0;
+}

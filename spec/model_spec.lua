@@ -1,5 +1,5 @@
 -- luma.load and the Model userdata: errors, progress, info, metadata,
--- tensors, closing.
+-- tensors, free KV blocks, closing.
 local luma = require "luma"
 local H = require "helper"
 
@@ -113,6 +113,34 @@ describe("a loaded model", function()
     assert.matches("luma.Model %(gemma3, 262144 tokens%)", tostring(model))
   end)
 
+  it("counts the free blocks of each KV pool with kv_free", function()
+    -- ctx 1024 is longer than the window of 512: a second pool for the
+    -- sliding-window layers. The default budget holds one sequence: 64
+    -- blocks of 16 positions in each pool.
+    local free, block = model:kv_free()
+    assert.are.same({ 64, 64 }, free)
+    assert.are.equal(16, block)
+    local seq = model:sequence()
+    local ids = model:tokenize("The quick brown fox jumps over the lazy dog, again and again, until it tires.")
+    assert.is_true(#ids > 16 and #ids <= 32)
+    seq:eval(ids)
+    assert.are.same({ 62, 62 }, (model:kv_free()))
+    -- A fork shares every block; its first write copies the shared partial one.
+    local child = seq:fork()
+    assert.are.same({ 62, 62 }, (model:kv_free()))
+    child:eval(100)
+    assert.are.same({ 61, 61 }, (model:kv_free()))
+    child:close()
+    seq:close()
+    assert.are.same({ 64, 64 }, (model:kv_free()))
+    local small = H.load{ ctx = 256 }
+    assert.are.same({ 16 }, (small:kv_free()))
+    small:close()
+    local vocab = luma.load(H.model_path(), { vocab_only = true })
+    assert.matches("vocab_only: it has no KV cache", select(2, pcall(vocab.kv_free, vocab)))
+    vocab:close()
+  end)
+
   it("reads metadata values of each kind with meta(key)", function()
     assert.are.equal("gemma3", model:meta("general.architecture"))
     assert.are.equal(32768, model:meta("gemma3.context_length"))
@@ -155,7 +183,8 @@ describe("closing a model", function()
     model:close()
     for _, f in ipairs{ function() return model:tokenize("x") end, function() return model:sequence() end,
                         function() return model.info end, function() return model.eos end,
-                        function() return model:meta("general.name") end, function() return model:batch() end } do
+                        function() return model:meta("general.name") end, function() return model:batch() end,
+                        function() return model:kv_free() end } do
       assert.matches("model is closed", failure(f))
     end
     model:close()

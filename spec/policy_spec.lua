@@ -108,17 +108,66 @@ describe("policies, stops and streams", function()
     ids, _, stats = run{ policy = P.greedy(), max_tokens = 50, stop = { S.max_tokens(2) } }
     assert.are.equal(2, #ids)
     assert.are.equal("stop", stats.stop)
-    assert.are.same({}, (run{ policy = P.greedy(), max_tokens = 0 }))
+    ids, _, stats = run{ policy = P.greedy(), max_tokens = 0 }
+    assert.are.same({}, ids)
+    assert.are.equal("max_tokens", stats.stop)
+    -- A limit of 0 makes no token, through the condition as through the option.
+    local asked = 0
+    local function counting(logits) asked = asked + 1; return logits:argmax() end
+    ids, _, stats = run{ policy = counting, max_tokens = 5, stop = { S.eog(), S.max_tokens(0) } }
+    assert.are.same({}, ids)
+    assert.are.equal(0, stats.tokens)
+    assert.are.equal(0, asked)
+    assert.are.equal("stop", stats.stop)
+    assert.are.equal("", (luma.generate(model, PROMPT, { policy = counting, stop = S.max_tokens(0) })))
+    assert.are.equal(0, asked)
+    assert.are.equal(1, #run{ policy = P.greedy(), max_tokens = 5, stop = { S.max_tokens(1) } })
   end)
 
   it("stops at an end-of-generation token with S.eog, dropping its text", function()
     local force_eos = P.chain{ P.bias{ [model.eos] = 1000 }, P.greedy() }
     local ids, pieces, stats = run{ policy = force_eos, max_tokens = 5, stop = { S.eog() } }
     assert.are.equal(1, stats.tokens)
+    assert.are.equal("eog", stats.stop)
     assert.are.same({}, ids)
     assert.are.same({}, pieces)
-    local text = luma.generate(model, PROMPT, { policy = force_eos, max_tokens = 5 })
+    local text, gstats = luma.generate(model, PROMPT, { policy = force_eos, max_tokens = 5 })
     assert.are.equal("", text)
+    assert.are.equal("eog", gstats.stop)
+    -- After some text: that text is streamed, the marker's is not.
+    local function late_eos(logits, state)
+      if state.step == 2 then return model.eos end
+      return logits:argmax()
+    end
+    local want = model:detokenize(H.greedy(model, model:tokenize(PROMPT), 2))
+    ids, pieces, stats = run{ policy = late_eos, max_tokens = 5 }
+    assert.are.equal(want, table.concat(pieces))
+    assert.are.equal(3, stats.tokens)
+    assert.are.equal("eog", stats.stop)
+    assert.are.equal(2, #ids)
+  end)
+
+  it("adds no second BOS to a prompt that begins with one (a chat-formatted prompt)", function()
+    local chat = luma.chat.format(model, { { role = "user", content = "Say hi." } })
+    assert.are.equal("<bos>", chat:sub(1, 5))
+    local want = model:tokenize(chat, { bos = false, special = true })
+    assert.are.equal(model.bos, want[1])
+    assert.are_not.equal(model.bos, want[2])
+    local seen
+    local function first(logits, state) seen = seen or state.tokens; return logits:argmax() end
+    local _, stats = luma.generate(model, chat, { policy = first, max_tokens = 1 })
+    assert.are.same(want, seen)
+    assert.are.equal(#want, stats.prompt_tokens)
+    -- Without special parsing "<bos>" is plain text, after the BOS token.
+    seen = nil
+    luma.generate(model, chat, { policy = first, max_tokens = 1, special = false })
+    assert.are.same(model:tokenize(chat, { bos = true, special = false }), seen)
+    assert.are_not.equal(model.bos, seen[2])
+    -- A plain prompt still gets its BOS.
+    seen = nil
+    luma.generate(model, PROMPT, { policy = first, max_tokens = 1 })
+    assert.are.same(model:tokenize(PROMPT), seen)
+    assert.are.equal(model.bos, seen[1])
   end)
 
   it("stops on a Lua predicate", function()

@@ -1,6 +1,6 @@
 -- The prefix cache: a hit gives the logits of a cold run, matching is by
--- whole 16-token blocks, the blocks are shared (not copied), and entries are
--- evicted least recently used first.
+-- whole KV blocks (16 tokens, as model:kv_free() says), the blocks are shared
+-- (not copied), and entries are evicted least recently used first.
 local H = require "helper"
 local Prefix = require "luma.prefix"
 
@@ -50,6 +50,8 @@ describe("the prefix cache", function()
 
   it("matches whole blocks only, and always leaves a token to evaluate", function()
     local cache = Prefix.new(model)
+    assert.are.equal(16, cache.block)
+    assert.are.equal(select(2, model:kv_free()), cache.block)
     local src = model:sequence()
     src:eval(first(20))
     assert.are.equal(16, cache:insert(src))          -- the partial block is not kept
@@ -128,6 +130,7 @@ describe("the prefix cache", function()
     assert.is_true(cached(c))
     -- The two entries hold 6 of the 16 blocks: two sequences of 4 blocks
     -- fit beside them, a third only once they are gone.
+    assert.are.same({ 10 }, (model:kv_free()))
     local seqs = {}
     for i = 1, 3 do seqs[i] = model:sequence() end
     seqs[1]:eval(first(40, first(24)))
@@ -136,8 +139,10 @@ describe("the prefix cache", function()
     assert.is_true(cache:evict())
     assert.is_true(cache:evict())
     assert.is_false(cache:evict())
+    assert.are.same({ 8 }, (model:kv_free()))
     seqs[3]:eval(first(40, first(24)))
     for _, s in ipairs(seqs) do s:close() end
+    assert.are.same({ 16 }, (model:kv_free()))
     assert.are.equal(3, cache.stats.evictions)
   end)
 

@@ -45,11 +45,14 @@ describe("the scheduler", function()
   end
 
   -- Submits every prompt (greedy, exactly N tokens) and runs to the end.
+  -- extra: fields added to every request, or a function of i giving them.
   local function run_all(sch, extra)
     local handles = {}
     for i = 1, #prompts do
       local r = { prompt = prompts[i], policy = P.greedy(), max_tokens = N, stop = {} }
-      for k, v in pairs(extra or {}) do r[k] = v end
+      local more = extra
+      if type(extra) == "function" then more = extra(i) end
+      for k, v in pairs(more or {}) do r[k] = v end
       handles[i] = sch:submit(r)
     end
     sch:run()
@@ -101,8 +104,63 @@ describe("the scheduler", function()
     local preempted = 0
     for _, h in ipairs(handles) do preempted = preempted + h.stats.preemptions end
     assert.are.equal(sch.stats.preemptions, preempted)
-    print(string.format("scheduler_spec: small KV cache: %d full, %d preemptions, a limit of %d tokens learned",
-                        sch.stats.kv_full, sch.stats.preemptions, sch.kv_tokens))
+    print(string.format("scheduler_spec: small KV cache: %d full, %d preemptions", sch.stats.kv_full,
+                        sch.stats.preemptions))
+  end)
+
+  it("admits by the KV cache's free blocks: what starts fits, and the cache never fills", function()
+    -- Six 20-token prompts making 12 tokens each hold 2 of the 8 blocks
+    -- apiece: 4 run at once, the others wait for their blocks.
+    local long = prompts[9]
+    local twenty, want = {}, {}
+    for i = 1, 6 do
+      twenty[i] = { table.unpack(long, 1, 20) }
+      twenty[i][20] = long[20 + i]
+      want[i] = H.greedy(big, twenty[i], N)
+    end
+    local free, block = small:kv_free()
+    assert.are.same({ 8 }, free)
+    assert.are.equal(16, block)
+    local most = 0
+    local sch = Scheduler.new(small, { token_budget = 16, prefix = false,
+                                       budget = function(s)
+                                         most = math.max(most, #s.running)
+                                         return 16
+                                       end })
+    local handles = {}
+    for i = 1, 6 do
+      handles[i] = sch:submit{ prompt = twenty[i], policy = P.greedy(), max_tokens = N, stop = {} }
+    end
+    sch:run()
+    for i, h in ipairs(handles) do assert.are.same(want[i], generated(h), "request " .. i) end
+    assert.are.equal(4, most)
+    assert.are.equal(0, sch.stats.kv_full)
+    assert.are.same({ 8 }, (small:kv_free()))
+  end)
+
+  it("counts a sliding-window pool as the window and one step's rows", function()
+    -- ctx 1024 > the window of 512: a second pool for the sliding-window
+    -- layers, with the window and 16 rows (34 blocks) per sequence; 22 MiB
+    -- hold two sequences.
+    local model = H.load{ ctx = 1024, max_rows = 16, kv_mb = 22 }
+    assert.are.same({ 128, 68 }, (model:kv_free()))
+    local sch = Scheduler.new(model, { prefix = false })
+    assert.are.same({ 0, 512 }, sch.window)
+    assert.are.equal(38, sch:pool_blocks(1, 601))
+    assert.are.equal(34, sch:pool_blocks(2, 601))
+    assert.are.equal(3, sch:pool_blocks(2, 40))
+    -- Three 600-token prompts: the full pool has room for 3 x 38 blocks, the
+    -- windowed one for 2 x 34; counted whole (38), only one would start.
+    for i = 1, 3 do
+      local ids = {}
+      for k = 1, 600 do ids[k] = 1000 + 7 * k + i end
+      sch:submit{ prompt = ids, policy = P.greedy(), max_tokens = 4 }
+    end
+    sch:admit_waiting()
+    assert.are.equal(2, #sch.running)
+    assert.are.equal(1, #sch.waiting)
+    sch:close()
+    model:close()
   end)
 
   it("takes prompts from its prefix cache, empties it before preempting, and generates the same tokens", function()
@@ -111,7 +169,8 @@ describe("the scheduler", function()
     for i = 8, 9 do sch:submit{ prompt = prompts[i], policy = P.greedy(), max_tokens = 1 } end
     sch:run()
     assert.are.equal(2, #sch.prefix)
-    local handles = run_all(sch)
+    -- They go first again; the others' admission then evicts the entries.
+    local handles = run_all(sch, function(i) return { priority = i >= 8 and 1 or 0 } end)
     for i, h in ipairs(handles) do assert.are.same(alone[i], generated(h), "request " .. i) end
     assert.are.equal(16, handles[8].stats.cached_tokens)
     assert.are.equal(32, handles[9].stats.cached_tokens)
@@ -179,23 +238,42 @@ describe("the scheduler", function()
 
   it("streams text as luma.stream does: stop strings held back, end of generation dropped", function()
     local sch = Scheduler.new(big, { prefix = false })
+    -- Greedy, then the end of turn at step 3 (that token's text is dropped).
+    local function eot_at_3(logits, state)
+      if state.step == 3 then return big:tokenize("<end_of_turn>", { bos = false, special = true })[1] end
+      return logits:argmax()
+    end
     local cases = {
       { prompt = PROMPTS[2], stop = { S.eog(), S.strings{ " of" } }, max_tokens = 16 },
       { prompt = PROMPTS[6], stop = { S.strings{ "return" } }, max_tokens = 16 },
       { prompt = "<start_of_turn>user\nSay hi.<end_of_turn>\n<start_of_turn>model\n", max_tokens = 40 },
+      -- begins with "<bos>": no second BOS
+      { prompt = luma.chat.format(big, { { role = "user", content = "Say hi." } }), max_tokens = 40,
+        policy = eot_at_3 },
+      { prompt = PROMPTS[1], stop = { S.eog(), S.max_tokens(0) }, max_tokens = 4 },
     }
     for _, c in ipairs(cases) do
       local pieces, streamed = {}, {}
-      local want = luma.generate(big, c.prompt, { policy = P.greedy(), stop = c.stop, max_tokens = c.max_tokens })
-      for piece in luma.stream(big, c.prompt, { policy = P.greedy(), stop = c.stop, max_tokens = c.max_tokens }) do
-        streamed[#streamed + 1] = piece
-      end
-      local h = sch:submit{ prompt = c.prompt, policy = P.greedy(), stop = c.stop, max_tokens = c.max_tokens,
+      local o = { policy = c.policy or P.greedy(), stop = c.stop, max_tokens = c.max_tokens }
+      local want, stats = luma.generate(big, c.prompt, o)
+      for piece in luma.stream(big, c.prompt, o) do streamed[#streamed + 1] = piece end
+      local h = sch:submit{ prompt = c.prompt, policy = o.policy, stop = c.stop, max_tokens = c.max_tokens,
                             on_token = function(piece) pieces[#pieces + 1] = piece end }
+      c.h = h
       sch:run()
       assert.are.equal(want, h.text)
       assert.are.same(streamed, pieces)
+      assert.are.equal(stats.stop, h.stats.stop)
+      assert.are.equal(stats.tokens, h.stats.tokens)
+      assert.are.equal(stats.prompt_tokens, h.prompt_len)
     end
+    local chat = cases[4].h
+    assert.are.equal("eog", chat.stats.stop)
+    assert.are.equal(4, chat.stats.tokens)
+    assert.are.same(big:tokenize(cases[4].prompt, { bos = false, special = true }),
+                    { table.unpack(chat.ids, 1, chat.prompt_len) })
+    assert.are.equal("stop", cases[5].h.stats.stop)
+    assert.are.equal(0, cases[5].h.stats.tokens)
   end)
 
   it("ends a request whose policy fails, and only that one", function()
@@ -223,9 +301,13 @@ describe("the scheduler", function()
     assert.matches("token_budget", select(2, pcall(Scheduler.new, big, { token_budget = 0 })))
     assert.matches("victim must be a function", select(2, pcall(Scheduler.new, big, { victim = 1 })))
     local zero = sch:submit{ prompt = "x", max_tokens = 0 }
+    local none = sch:submit{ prompt = "x", stop = { S.eog(), S.max_tokens(0) },
+                             policy = function() error("no token is to be chosen") end }
     sch:run()
     assert.are.equal("max_tokens", zero.stats.stop)
     assert.are.equal("", zero.text)
+    assert.are.equal("stop", none.stats.stop)
+    assert.are.equal(0, none.stats.tokens)
   end)
 
   it("runs scripts/batch.lua and scripts/load.lua", function()

@@ -9,9 +9,10 @@
 --   local seq, n = cache:lookup(ids)       -- a sequence holding ids[1..n], or nil, 0
 --   cache:evict()                          -- drop the least recently used entry
 --
--- Matching is by whole KV blocks of BLOCK tokens: an entry holds a multiple of
--- BLOCK tokens, and a hit is rewound to the last block boundary both prompts
--- share, so the new sequence writes into fresh blocks (no copy-on-write).
+-- Matching is by whole KV blocks (cache.block tokens, from model:kv_free()):
+-- an entry holds a multiple of that many tokens, and a hit is rewound to the
+-- last block boundary both prompts share, so the new sequence writes into
+-- fresh blocks (no copy-on-write).
 -- The index is a trie with one node per block; a node's key is its block's
 -- ids joined by commas, and it records the entries whose tokens pass
 -- through it. An entry whose tokens are a prefix of a newer one's holds no
@@ -19,12 +20,9 @@
 local Prefix = {}
 Prefix.__index = Prefix
 
--- Positions per KV block (KV_BLOCK_TOKENS in src/model.c).
-Prefix.BLOCK = 16
-local BLOCK = Prefix.BLOCK
-
-local function block_key(ids, b)
-  return table.concat(ids, ",", (b - 1) * BLOCK + 1, b * BLOCK)
+-- The ids of the b-th block (of size tokens) joined by commas.
+local function block_key(ids, b, size)
+  return table.concat(ids, ",", (b - 1) * size + 1, b * size)
 end
 
 local function new_node(parent, key)
@@ -38,8 +36,10 @@ function Prefix.new(model, opts)
   if math.type(max_entries) ~= "integer" or max_entries < 1 then
     error("prefix: max_entries must be a positive integer", 2)
   end
+  local _, block = model:kv_free()
   return setmetatable({
     model = model,
+    block = block,
     max_entries = max_entries,
     root = new_node(nil, nil),
     entries = {},          -- array of { seq, nodes, used }
@@ -92,12 +92,13 @@ end
 -- released those positions).
 function Prefix:insert(seq, n)
   n = n or seq:len()
-  local nb = math.min(n, seq:len()) // BLOCK
+  local block = self.block
+  local nb = math.min(n, seq:len()) // block
   if nb == 0 then return 0 end
   local ids = seq:tokens()
   local node, path = self.root, {}
   for b = 1, nb do
-    local child = node.children[block_key(ids, b)]
+    local child = node.children[block_key(ids, b, block)]
     if not child then break end
     node = child
     path[b] = child
@@ -105,15 +106,15 @@ function Prefix:insert(seq, n)
   if #path == nb then
     -- Already cached: the entries through the last node hold these blocks.
     for e in pairs(node.entries) do touch(self, e) end
-    return nb * BLOCK
+    return nb * block
   end
   local fork = seq:fork()
-  if fork:len() > nb * BLOCK and not pcall(fork.rewind, fork, nb * BLOCK) then
+  if fork:len() > nb * block and not pcall(fork.rewind, fork, nb * block) then
     fork:close()
     return 0
   end
   for b = #path + 1, nb do
-    local key = block_key(ids, b)
+    local key = block_key(ids, b, block)
     local child = new_node(node, key)
     node.children[key] = child
     node = child
@@ -129,16 +130,17 @@ function Prefix:insert(seq, n)
   touch(self, entry)
   self.stats.inserts = self.stats.inserts + 1
   while #self.entries > self.max_entries do self:evict() end
-  return nb * BLOCK
+  return nb * block
 end
 
 -- A new sequence holding the longest cached prefix of ids in whole blocks,
 -- always leaving at least one token of ids to evaluate (its logits are the
 -- prompt's). Returns seq, n (tokens it holds), or nil, 0 on a miss.
 function Prefix:lookup(ids)
+  local block = self.block
   local node, depth = self.root, 0
-  for b = 1, (#ids - 1) // BLOCK do
-    local child = node.children[block_key(ids, b)]
+  for b = 1, (#ids - 1) // block do
+    local child = node.children[block_key(ids, b, block)]
     if not child then break end
     node, depth = child, b
   end
@@ -151,15 +153,15 @@ function Prefix:lookup(ids)
     return nil, 0
   end
   local seq = best.seq:fork()
-  if seq:len() > depth * BLOCK and not pcall(seq.rewind, seq, depth * BLOCK) then
+  if seq:len() > depth * block and not pcall(seq.rewind, seq, depth * block) then
     seq:close()
     self.stats.misses = self.stats.misses + 1
     return nil, 0
   end
   touch(self, best)
   self.stats.hits = self.stats.hits + 1
-  self.stats.hit_tokens = self.stats.hit_tokens + depth * BLOCK
-  return seq, depth * BLOCK
+  self.stats.hit_tokens = self.stats.hit_tokens + depth * block
+  return seq, depth * block
 end
 
 return Prefix

@@ -25,31 +25,38 @@
 -- sequence. Prefill, decode and recomputation after preemption are therefore
 -- the same thing: feeding ids[n_done + 1 ..] to the sequence.
 --
--- When the KV cache is full the step is retried after the prefix cache
--- evicts an entry or, once it is empty, after a running request is preempted:
--- its sequence is closed and it waits again with all its ids, to be
--- recomputed later. Its stream goes on where it was; no token is lost.
+-- Admission asks the KV cache for its free blocks (model:kv_free()): they
+-- must cover the newcomer's ids and its first new token, plus, for each
+-- running request, the blocks its ids not yet in its sequence need, and at
+-- least one to grow into. In the sliding-window pool (the second, Gemma 3) a
+-- sequence holds at most the window and one step's rows: older blocks are
+-- released as it grows. Cached prefixes standing in the way are evicted,
+-- least recently used first.
+--
+-- When a step still finds the KV cache full (requests grow after they were
+-- admitted), it is retried after the prefix cache evicts an entry or, once
+-- it is empty, after a running request is preempted: its sequence is closed
+-- and it waits again with all its ids, to be recomputed later. Its stream
+-- goes on where it was; no token is lost.
 --
 -- Every decision is a replaceable function of opts:
 --   order(a, b)       waiting requests in admission order (default: priority, then arrival)
 --   admit(sch, req)   whether the head of the queue may start now; asked only while
---                     something runs, so the queue always moves
+--                     something runs, so the queue always moves (default: fewer
+--                     than max_seqs run and sch:kv_room(req))
 --   budget(sch)       rows of this step (default token_budget)
 --   victim(sch, running) the request to preempt (default: lowest priority, latest arrival)
 -- Other opts: token_budget (default model.info.max_rows), max_seqs (default
 -- token_budget), prefix (a luma.prefix cache, or false for none; default a
--- new one), kv_tokens (a first guess at how many tokens the KV cache holds;
--- default unbounded, learned from the first "KV cache full").
+-- new one).
 --
 -- An error inside a request's policy, stop condition or on_token ends that
 -- request (stop "error", the message in stats.error); the others go on. An
 -- error inside on_done is raised by step() once every request is settled.
 local luma = require "luma"
 local P = require "luma.policy"
-local S = require "luma.stop"
+local T = require "luma.text"
 local Prefix = require "luma.prefix"
-
-local BLOCK = Prefix.BLOCK
 
 local Scheduler = {}
 Scheduler.__index = Scheduler
@@ -57,35 +64,13 @@ Scheduler.__index = Scheduler
 local Request = {}
 Request.__index = Request
 
--- Tokens rounded up to whole KV blocks: what a sequence of n tokens holds.
-local function blocks(n)
-  return (n + BLOCK - 1) // BLOCK * BLOCK
-end
-
--- Bytes at the end of s that do not yet form a complete UTF-8 character
--- (the rule of luma.stream).
-local function incomplete_tail(s)
-  local n = #s
-  for back = 0, math.min(3, n - 1) do
-    local b = s:byte(n - back)
-    if b < 0x80 then return 0 end
-    if b >= 0xC0 then
-      local need = b >= 0xF0 and 4 or b >= 0xE0 and 3 or 2
-      return back + 1 < need and back + 1 or 0
-    end
-  end
-  return 0
-end
-
 local function by_priority(a, b)
   if a.priority ~= b.priority then return a.priority > b.priority end
   return a.id < b.id
 end
 
--- Admits while the running requests' ids plus the newcomer's fit in the
--- tokens the cache is believed to hold.
 local function admit_by_memory(sch, req)
-  return #sch.running < sch.max_seqs and sch:kv_need() + blocks(#req.ids + 1) <= sch.kv_tokens
+  return #sch.running < sch.max_seqs and sch:kv_room(req)
 end
 
 local function fixed_budget(sch)
@@ -119,13 +104,20 @@ function Scheduler.new(model, opts)
   end
   local prefix = opts.prefix
   if prefix == nil or prefix == true then prefix = Prefix.new(model) end
+  local free, block = model:kv_free()
+  -- A second pool holds the sliding-window layers. (A model whose every
+  -- layer slides has one pool, counted here as a full one: too many blocks,
+  -- never too few.)
+  local window = {}
+  for p = 1, #free do window[p] = p == 2 and model.info.sliding_window or 0 end
   return setmetatable({
     model = model,
     ctx = model.info.ctx,
+    block = block,
+    window = window,
     batch = model:batch(),
     token_budget = token_budget,
     max_seqs = max_seqs,
-    kv_tokens = opts.kv_tokens or math.huge,
     prefix = prefix or nil,
     order = opts.order or by_priority,
     admit = opts.admit or admit_by_memory,
@@ -141,23 +133,12 @@ function Scheduler.new(model, opts)
   }, Scheduler)
 end
 
-local function check_stops(stops)
-  if type(stops) == "function" or (type(stops) == "table" and stops.check) then stops = { stops } end
-  if type(stops) ~= "table" then error("submit: stop must be a list of conditions", 3) end
-  for i, c in ipairs(stops) do
-    if type(c) ~= "function" and not (type(c) == "table" and type(c.check) == "function") then
-      error("submit: stop condition " .. i .. " is not a function", 3)
-    end
-  end
-  return stops
-end
-
 -- sch:submit(request) -> handle (the request, with status, text, ids, stats).
 function Scheduler:submit(r)
   if type(r) ~= "table" then error("submit: expected a request table", 2) end
   local ids
   if type(r.prompt) == "string" then
-    ids = self.model:tokenize(r.prompt, { bos = true, special = r.special ~= false })
+    ids = T.tokenize(self.model, r.prompt, true, r.special ~= false)
   elseif type(r.prompt) == "table" then
     ids = table.move(r.prompt, 1, #r.prompt, 1, {})
   else
@@ -179,9 +160,8 @@ function Scheduler:submit(r)
   local req = setmetatable({
     sch = self, id = self.count, priority = priority, status = "waiting",
     ids = ids, prompt_len = #ids, n_done = 0, seq = nil,
-    policy = policy, stops = check_stops(r.stop or { S.eog() }), max_tokens = max_tokens,
-    on_token = r.on_token, on_done = r.on_done,
-    gen = "", emitted = 0, text = "",
+    policy = policy, out = T.emitter(T.stops(r.stop, "submit"), max_tokens),
+    on_token = r.on_token, on_done = r.on_done, text = "",
     cached_tokens = 0, preemptions = 0,
     t_submit = luma.now(),
   }, Request)
@@ -197,18 +177,38 @@ function Request:cancel()
   return self
 end
 
--- Tokens the running requests will hold once their ids are all in.
-function Scheduler:kv_need()
-  local n = 0
-  for _, r in ipairs(self.running) do n = n + blocks(#r.ids + 1) end
-  return n
+-- KV blocks of pool p that a sequence of n tokens holds at most: all of
+-- them, or in a sliding-window pool those of the window and of one step's
+-- rows, plus the block the window's start falls in.
+function Scheduler:pool_blocks(p, n)
+  local w, b = self.window[p], self.block
+  if w > 0 and n > w + self.token_budget then n = w + self.token_budget + b end
+  return (n + b - 1) // b
 end
 
--- Tokens the running requests hold now.
-function Scheduler:kv_held()
-  local n = 0
-  for _, r in ipairs(self.running) do n = n + blocks(r.n_done) end
-  return n
+-- Whether the free KV blocks of every pool cover req's ids and first new
+-- token, and for each running request the blocks of its ids not yet in its
+-- sequence, at least one.
+function Scheduler:kv_fits(req)
+  local free = self.model:kv_free()
+  for p = 1, #free do
+    local need = self:pool_blocks(p, #req.ids + 1)
+    for _, r in ipairs(self.running) do
+      need = need + math.max(1, self:pool_blocks(p, #r.ids + 1) - self:pool_blocks(p, r.n_done))
+    end
+    if need > free[p] then return false end
+  end
+  return true
+end
+
+-- kv_fits, after evicting cached prefixes until req fits or none is left:
+-- a running request is worth more than a cached prompt.
+function Scheduler:kv_room(req)
+  while not self:kv_fits(req) do
+    if not (self.prefix and self.prefix:evict()) then return false end
+    self.stats.evictions = self.stats.evictions + 1
+  end
+  return true
 end
 
 local function remove(list, x)
@@ -225,7 +225,7 @@ function Scheduler:retire(req, reason, err)
   if req.seq then req.seq:close() end
   req.seq = nil
   req.status = "done"
-  req.text = req.gen:sub(1, req.emitted)
+  req.text = req.out:shown()
   local now, tokens = luma.now(), #req.ids - req.prompt_len
   local stats = { prompt_tokens = req.prompt_len, tokens = tokens, stop = reason, error = err,
                   time = now - req.t_submit, cached_tokens = req.cached_tokens, preemptions = req.preemptions }
@@ -272,8 +272,9 @@ function Scheduler:admit_waiting()
   table.sort(self.waiting, self.order)
   while #self.waiting > 0 do
     local req = self.waiting[1]
-    if req.max_tokens == 0 then
-      self:retire(req, "max_tokens")
+    local before = req.state.step == 0 and req.out:stop_before()
+    if before then
+      self:retire(req, before)
     elseif #self.running == 0 or self.admit(self, req) then
       table.remove(self.waiting, 1)
       self:start(req)
@@ -306,16 +307,9 @@ function Scheduler:plan()
   return plan
 end
 
--- After "KV cache full: pool P needs N blocks, F free" for plan: make room
--- for the next try. The cache holds about what the running requests hold,
--- plus the plan's tokens, less the blocks that were missing.
-function Scheduler:relieve(msg, plan)
+-- After "KV cache full": makes room for the next try.
+function Scheduler:relieve(msg)
   self.stats.kv_full = self.stats.kv_full + 1
-  local planned = 0
-  for _, c in ipairs(plan) do planned = planned + c.n end
-  local need, free = msg:match("needs (%d+) blocks, (%d+) free")
-  local short = need and (tonumber(need) - tonumber(free)) * BLOCK or planned
-  self.kv_tokens = math.max(BLOCK, self:kv_held() + planned - short)
   if self.prefix and self.prefix:evict() then
     self.stats.evictions = self.stats.evictions + 1
   elseif #self.running == 1 then
@@ -344,7 +338,7 @@ function Scheduler:run_batch()
     if ok then return out, plan end
     out = tostring(out)
     if not out:find("KV cache full", 1, true) then error(out, 0) end
-    self:relieve(out, plan)
+    self:relieve(out)
     if #self.running == 0 then return nil end
     plan = self:plan()
   end
@@ -353,7 +347,7 @@ end
 -- Chooses req's next token from logits and streams its text as luma.stream
 -- does. Returns the stop reason, or nil to go on.
 function Scheduler:next_token(req, logits)
-  local state, model = req.state, self.model
+  local state = req.state
   state.seq = req.seq
   local t = luma.now()
   local id = req.policy(logits, state)
@@ -363,43 +357,13 @@ function Scheduler:next_token(req, logits)
   end
   req.t_first = req.t_first or luma.now()
   state.id = id
-  local before = req.gen
-  req.gen = before .. model:piece(id)
-  state.text = req.gen
-  local stop, keep, hold = nil, nil, 0
-  for _, c in ipairs(req.stops) do
-    local r, cut
-    if type(c) == "function" then r, cut = c(state) else r, cut = c.check(state) end
-    if r then
-      stop = stop or r
-      if r == "drop" then keep = math.min(keep or #before, #before) end
-      if cut then keep = math.min(keep or cut, cut) end
-    elseif type(c) == "table" and c.hold then
-      hold = math.max(hold, c.hold(req.gen))
-    end
-  end
-  if not stop and state.step + 1 >= req.max_tokens then stop = "max_tokens" end
   -- The token is evaluated next step only if the context has room for it.
-  if not stop and #req.ids + 1 > self.ctx then stop = "ctx" end
-  state.step = state.step + 1
+  local piece, stop = req.out:push(state, #req.ids + 1 > self.ctx and "ctx" or nil)
   req.ids[#req.ids + 1] = id
   self.stats.tokens = self.stats.tokens + 1
-  local piece
-  if stop then
-    piece = req.gen:sub(req.emitted + 1, keep or #req.gen)
-    req.emitted = req.emitted + #piece
-    if piece == "" and stop == "drop" then piece = nil end
-  else
-    local upto = #req.gen - math.max(hold, incomplete_tail(req.gen))
-    piece = ""
-    if upto > req.emitted then
-      piece = req.gen:sub(req.emitted + 1, upto)
-      req.emitted = upto
-    end
-  end
-  req.text = req.gen:sub(1, req.emitted)
+  req.text = req.out:shown()
   if piece and req.on_token then req.on_token(piece, id, req) end
-  if stop then return stop == true and "stop" or stop end
+  return stop
 end
 
 -- Calls on_done of the requests retired in this step; the first error is
@@ -439,7 +403,6 @@ function Scheduler:step()
         elseif stop then self:retire(req, stop) end
       end
     end
-    if plan then self.kv_tokens = math.max(self.kv_tokens, self:kv_held()) end
     self:sweep()
     self.stats.steps = self.stats.steps + 1
     self.stats.lua_time = self.stats.lua_time + (luma.now() - t0) - (self.stats.run_time - run0)

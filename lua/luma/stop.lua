@@ -1,24 +1,30 @@
 -- Stop conditions. A condition is a function (state) -> stop, where state
 -- has the fields of a policy's state plus `id` (the token just chosen) and
--- `text` (the generated text so far, without held-back bytes removed). It
--- returns true to stop after this token (the token's text is kept), or
--- "drop" to stop and drop this token's text (end-of-generation tokens).
+-- `text` (the generated text so far, held-back bytes included). It returns
+-- false or nil to go on, or a reason to stop after this token: true
+-- (reported as "stop" in stats.stop) or a string reported as it is. The
+-- reason "eog" (what S.eog returns) also drops the token's text: an
+-- end-of-generation marker is not part of the answer, and a stream that has
+-- nothing left to show for that token does not yield it.
 --
 -- A condition may also be a table with a `check` function of that shape and
 -- a `hold(text)` function returning how many trailing bytes of text must not
 -- be shown yet because they may still become part of a stop string; its
--- check may return a byte count as second result: the text to keep.
+-- check may return a byte count as second result: the text to keep. A
+-- table's `max_tokens` field, when present, is the count of tokens its check
+-- stops at; it is read before the first token, so that a limit of 0 makes
+-- no token at all.
 local S = {}
 
 function S.max_tokens(n)
   if math.type(n) ~= "integer" or n < 0 then error("max_tokens: expected a non-negative integer", 2) end
-  return function(state) return state.step + 1 >= n end
+  return { max_tokens = n, check = function(state) return state.step + 1 >= n end }
 end
 
 -- End-of-generation tokens of the model (eos, end of turn, ...).
 function S.eog()
   return function(state)
-    if state.model:is_eog(state.id) then return "drop" end
+    if state.model:is_eog(state.id) then return "eog" end
     return false
   end
 end

@@ -8,36 +8,18 @@
 --       seed, special (parse special tokens in the prompt, default true),
 --       seq (continue this sequence instead of making a new one),
 --       on_token(piece, id, state), stats (a table filled in place).
+-- A prompt text on a fresh sequence gets the BOS token first, unless special
+-- tokens are parsed and it already begins with it (luma.chat.format's text).
 local luma = require "luma"
 local P = require "luma.policy"
-local S = require "luma.stop"
-
--- Bytes at the end of s that do not yet form a complete UTF-8 character.
-local function incomplete_tail(s)
-  local n = #s
-  for back = 0, math.min(3, n - 1) do
-    local b = s:byte(n - back)
-    if b < 0x80 then return 0 end
-    if b >= 0xC0 then
-      local need = b >= 0xF0 and 4 or b >= 0xE0 and 3 or 2
-      return back + 1 < need and back + 1 or 0
-    end
-  end
-  return 0
-end
+local T = require "luma.text"
 
 local function stream(model, prompt, opts)
   opts = opts or {}
   if type(opts) ~= "table" then error("stream: opts must be a table", 2) end
   local policy = opts.policy or P.from_options{ temp = 0.8, top_k = 40, top_p = 0.95 }
   if type(policy) ~= "function" then error("stream: policy must be a function (logits, state) -> id", 2) end
-  local stops = opts.stop or { S.eog() }
-  if type(stops) == "function" or (type(stops) == "table" and stops.check) then stops = { stops } end
-  for i, c in ipairs(stops) do
-    if type(c) ~= "function" and not (type(c) == "table" and type(c.check) == "function") then
-      error("stream: stop condition " .. i .. " is not a function", 2)
-    end
-  end
+  local stops = T.stops(opts.stop, "stream")
   local max_tokens = opts.max_tokens or 256
   if math.type(max_tokens) ~= "integer" or max_tokens < 0 then
     error("stream: max_tokens must be a non-negative integer", 2)
@@ -47,7 +29,7 @@ local function stream(model, prompt, opts)
   local ids
   if type(prompt) == "string" then
     local fresh = seq == nil or seq:len() == 0
-    ids = model:tokenize(prompt, { bos = fresh, special = opts.special ~= false })
+    ids = T.tokenize(model, prompt, fresh, opts.special ~= false)
   elseif type(prompt) == "table" then
     ids = prompt
   else
@@ -60,7 +42,7 @@ local function stream(model, prompt, opts)
   stats.stop, stats.ttft, stats.time, stats.tokens_per_s = nil, nil, nil, nil
   local state = { model = model, rng = luma.rng(opts.seed or os.time()), step = 0,
                   prompt_len = #ids, text = "" }
-  local text, emitted = "", 0
+  local out = T.emitter(stops, max_tokens)
   local done, last_id = false, nil
   local t0 = luma.now()
 
@@ -75,12 +57,13 @@ local function stream(model, prompt, opts)
 
   local function step()
     if done then return nil end
-    if max_tokens == 0 then finish("max_tokens"); return nil end
-    local logits
-    if not seq then
-      seq = model:sequence()
-      state.seq = seq
+    local before = last_id == nil and out:stop_before()
+    if before then
+      finish(before)
+      return nil
     end
+    local logits
+    seq = seq or model:sequence()
     state.seq = seq
     if last_id == nil then
       logits = seq:eval(ids)
@@ -97,41 +80,11 @@ local function stream(model, prompt, opts)
     last_id = id
     state.id = id
     stats.tokens = stats.tokens + 1
-    local before = text
-    text = text .. model:piece(id)
-    state.text = text
-    local stop, keep, hold = nil, nil, 0
-    for _, c in ipairs(stops) do
-      local r, cut
-      if type(c) == "function" then r, cut = c(state) else r, cut = c.check(state) end
-      if r then
-        stop = stop or r
-        if r == "drop" then keep = math.min(keep or #before, #before) end
-        if cut then keep = math.min(keep or cut, cut) end
-      elseif type(c) == "table" and c.hold then
-        hold = math.max(hold, c.hold(text))
-      end
-    end
-    if state.step + 1 >= max_tokens and not stop then stop = "max_tokens" end
-    state.step = state.step + 1
-    if stop then
-      local out = text:sub(emitted + 1, keep or #text)
-      finish(stop == true and "stop" or stop)
-      if out ~= "" or stop ~= "drop" then
-        if opts.on_token then opts.on_token(out, id, state) end
-        return out, id
-      end
-      return nil
-    end
-    hold = math.max(hold, incomplete_tail(text))
-    local upto = #text - hold
-    local out = ""
-    if upto > emitted then
-      out = text:sub(emitted + 1, upto)
-      emitted = upto
-    end
-    if opts.on_token then opts.on_token(out, id, state) end
-    return out, id
+    local piece, stop = out:push(state)
+    if stop then finish(stop) end
+    if piece == nil then return nil end
+    if opts.on_token then opts.on_token(piece, id, state) end
+    return piece, id
   end
 
   local closer = setmetatable({}, { __close = function() if not done then finish("cancelled") end end })

@@ -373,6 +373,21 @@ static int model_tensors(lua_State *L)
     return 1;
 }
 
+/* model:kv_free() -> {free blocks of pool 1 [, pool 2]}, tokens per block */
+static int model_kv_free(lua_State *L)
+{
+    luma_model *m = luma_bind_model(L, 1);
+    if (m->vocab_only) return luaL_error(L, "model was loaded with vocab_only: it has no KV cache");
+    const luma_kv_params *p = luma_kv_get_params(m->kv);
+    lua_createtable(L, p->n_pools, 0);
+    for (int i = 0; i < p->n_pools; i++) {
+        lua_pushinteger(L, luma_kv_free_blocks(m->kv, i));
+        lua_rawseti(L, -2, i + 1);
+    }
+    lua_pushinteger(L, p->block_tokens);
+    return 2;
+}
+
 static const luaL_Reg meta[] = {
     { "__gc", model_close },
     { "__close", model_close },
@@ -390,6 +405,7 @@ static const luaL_Reg methods[] = {
     { "meta", model_meta },
     { "meta_keys", model_meta_keys },
     { "tensors", model_tensors },
+    { "kv_free", model_kv_free },
     { "close", model_close },
     { NULL, NULL },
 };

@@ -1,0 +1,125 @@
+-- The text side of a generation, shared by luma.stream and the scheduler: a
+-- prompt's token ids, the list of stop conditions, and an emitter that turns
+-- the chosen tokens into the text to show under those conditions.
+--
+--   local T = require "luma.text"
+--   local ids = T.tokenize(model, prompt, true, true)
+--   local stops = T.stops(opts.stop, "stream")
+--   local out = T.emitter(stops, max_tokens)
+--   local why = out:stop_before()           -- a limit of 0: make no token
+--   -- for each chosen token, state.id set:
+--   local piece, stop = out:push(state)     -- piece nil: nothing to yield
+--
+-- The emitter keeps the whole generated text (`text`, also given to the stop
+-- conditions as state.text) and how many of its bytes were shown
+-- (`emitted`). It holds back the bytes a condition's hold() asks for and the
+-- bytes of an unfinished UTF-8 character; when a condition stops, the text
+-- up to its cut (or before the token, for "eog") is shown and the rest is
+-- dropped.
+local S = require "luma.stop"
+
+local T = {}
+
+-- Bytes at the end of s that do not yet form a complete UTF-8 character.
+local function incomplete_tail(s)
+  local n = #s
+  for back = 0, math.min(3, n - 1) do
+    local b = s:byte(n - back)
+    if b < 0x80 then return 0 end
+    if b >= 0xC0 then
+      local need = b >= 0xF0 and 4 or b >= 0xE0 and 3 or 2
+      return back + 1 < need and back + 1 or 0
+    end
+  end
+  return 0
+end
+
+-- The ids of a prompt text. With bos, the model's BOS token goes first,
+-- unless special tokens are parsed and the text already begins with it (a
+-- chat-formatted prompt such as luma.chat.format makes).
+function T.tokenize(model, text, bos, special)
+  if bos and special and model.bos then
+    local mark = model:piece(model.bos, true)
+    if mark ~= "" and text:sub(1, #mark) == mark then bos = false end
+  end
+  return model:tokenize(text, { bos = bos, special = special })
+end
+
+-- The stop conditions of opts.stop as a list: nil or false gives
+-- { S.eog() }, one condition a list of it. Raises "<who>: ..." at the
+-- caller's caller.
+function T.stops(stops, who)
+  if not stops then return { S.eog() } end
+  if type(stops) == "function" or (type(stops) == "table" and stops.check) then return { stops } end
+  if type(stops) ~= "table" then error(who .. ": stop must be a list of conditions", 3) end
+  for i, c in ipairs(stops) do
+    if type(c) ~= "function" and not (type(c) == "table" and type(c.check) == "function") then
+      error(who .. ": stop condition " .. i .. " is not a function", 3)
+    end
+  end
+  return stops
+end
+
+local Emitter = {}
+Emitter.__index = Emitter
+
+-- stops: a list from T.stops; max_tokens: tokens at most.
+function T.emitter(stops, max_tokens)
+  return setmetatable({ stops = stops, max_tokens = max_tokens, text = "", emitted = 0 }, Emitter)
+end
+
+-- The reason to stop before the first token (a limit of 0), or nil.
+function Emitter:stop_before()
+  if self.max_tokens == 0 then return "max_tokens" end
+  for _, c in ipairs(self.stops) do
+    if type(c) == "table" and c.max_tokens == 0 then return "stop" end
+  end
+  return nil
+end
+
+-- The text shown so far.
+function Emitter:shown()
+  return self.text:sub(1, self.emitted)
+end
+
+-- Takes the token state.id, chosen after state.step others: appends its text,
+-- asks the stop conditions and counts the step. limit, when given, is a
+-- reason to stop after this token if nothing else stops (a caller's own
+-- bound, such as a full context). Returns the text to show now ("" when all
+-- of it is held back; nil when the token is not to be yielded: an "eog" with
+-- nothing left to show) and the stop reason, or nil to go on.
+function Emitter:push(state, limit)
+  local before = #self.text
+  self.text = self.text .. state.model:piece(state.id)
+  state.text = self.text
+  local stop, keep, hold = nil, nil, 0
+  for _, c in ipairs(self.stops) do
+    local r, cut
+    if type(c) == "function" then r, cut = c(state) else r, cut = c.check(state) end
+    if r then
+      stop = stop or r
+      if r == "eog" then keep = math.min(keep or before, before) end
+      if cut then keep = math.min(keep or cut, cut) end
+    elseif type(c) == "table" and c.hold then
+      hold = math.max(hold, c.hold(self.text))
+    end
+  end
+  if not stop and state.step + 1 >= self.max_tokens then stop = "max_tokens" end
+  if not stop then stop = limit end
+  state.step = state.step + 1
+  if stop then
+    local piece = self.text:sub(self.emitted + 1, keep or #self.text)
+    self.emitted = self.emitted + #piece
+    if piece == "" and stop == "eog" then piece = nil end
+    return piece, stop == true and "stop" or stop
+  end
+  local upto = #self.text - math.max(hold, incomplete_tail(self.text))
+  local piece = ""
+  if upto > self.emitted then
+    piece = self.text:sub(self.emitted + 1, upto)
+    self.emitted = upto
+  end
+  return piece, nil
+end
+
+return T

@@ -153,6 +153,32 @@ int luma_model_read_hparams(luma_model *m, float rope_base_default, luma_err *er
     return 0;
 }
 
+int luma_model_bind_common(luma_model *m, luma_err *err)
+{
+    const luma_hparams *hp = &m->hp;
+    int64_t E = hp->n_embd, Q = (int64_t)hp->n_head * hp->head_dim_k;
+    int64_t K = (int64_t)hp->n_kv_head * hp->head_dim_k, V = (int64_t)hp->n_kv_head * hp->head_dim_v;
+    int64_t O = (int64_t)hp->n_head * hp->head_dim_v, F = hp->n_ff;
+    if (luma_model_weight(m, &m->tok_embd, "token_embd.weight", hp->n_vocab, E, false, err) ||
+        luma_model_weight(m, &m->output_norm, "output_norm.weight", 1, E, false, err) ||
+        luma_model_weight(m, &m->output, "output.weight", hp->n_vocab, E, true, err))
+        return -1;
+    for (int il = 0; il < hp->n_layer; il++) {
+        luma_layer *l = &m->layers[il];
+        if (luma_model_layer_weight(m, &l->attn_norm, il, "attn_norm", 1, E, false, err) ||
+            luma_model_layer_weight(m, &l->wq, il, "attn_q", Q, E, false, err) ||
+            luma_model_layer_weight(m, &l->wk, il, "attn_k", K, E, false, err) ||
+            luma_model_layer_weight(m, &l->wv, il, "attn_v", V, E, false, err) ||
+            luma_model_layer_weight(m, &l->wo, il, "attn_output", E, O, false, err) ||
+            luma_model_layer_weight(m, &l->ffn_norm, il, "ffn_norm", 1, E, false, err) ||
+            luma_model_layer_weight(m, &l->gate, il, "ffn_gate", F, E, false, err) ||
+            luma_model_layer_weight(m, &l->up, il, "ffn_up", F, E, false, err) ||
+            luma_model_layer_weight(m, &l->down, il, "ffn_down", E, F, false, err))
+            return -1;
+    }
+    return 0;
+}
+
 void luma_model_attn(const luma_model *m, int il, luma_attn *a)
 {
     const luma_hparams *hp = &m->hp;

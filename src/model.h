@@ -115,6 +115,10 @@ int luma_model_layer_weight(luma_model *m, luma_weight *w, int il, const char *n
  * epsilon, RoPE base and linear scaling, training context) into m->hp and
  * allocates m->layers. Architectures then adjust what differs. */
 int luma_model_read_hparams(luma_model *m, float rope_base_default, luma_err *err);
+/* Binds the tensors every architecture has: token_embd, output_norm, the
+ * optional output, and per layer attn_norm, attn_q/k/v, attn_output,
+ * ffn_norm, ffn_gate/up/down. Architectures bind their extras after it. */
+int luma_model_bind_common(luma_model *m, luma_err *err);
 /* The attention parameters of layer il: its KV pool, window and scale. */
 void luma_model_attn(const luma_model *m, int il, luma_attn *a);
 /* Reads "<arch>.<suffix>" (e.g. "block_count"), with a default when absent. */

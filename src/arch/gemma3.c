@@ -36,27 +36,13 @@ static int gemma3_load(luma_model *m, luma_err *err)
     /* The 27B model scales queries by its model width per head instead. */
     if (hp->n_layer == 62) hp->attn_scale = 1.0f / sqrtf((float)(hp->n_embd / hp->n_head));
 
-    int64_t E = hp->n_embd, Q = (int64_t)hp->n_head * hp->head_dim_k;
-    int64_t K = (int64_t)hp->n_kv_head * hp->head_dim_k, V = (int64_t)hp->n_kv_head * hp->head_dim_v;
-    int64_t O = (int64_t)hp->n_head * hp->head_dim_v, F = hp->n_ff;
-    if (luma_model_weight(m, &m->tok_embd, "token_embd.weight", hp->n_vocab, E, false, err) ||
-        luma_model_weight(m, &m->output_norm, "output_norm.weight", 1, E, false, err) ||
-        luma_model_weight(m, &m->output, "output.weight", hp->n_vocab, E, true, err))
-        return -1;
+    if (luma_model_bind_common(m, err)) return -1;
+    int64_t E = hp->n_embd;
     for (int il = 0; il < hp->n_layer; il++) {
         luma_layer *l = &m->layers[il];
-        if (luma_model_layer_weight(m, &l->attn_norm, il, "attn_norm", 1, E, false, err) ||
-            luma_model_layer_weight(m, &l->wq, il, "attn_q", Q, E, false, err) ||
-            luma_model_layer_weight(m, &l->wk, il, "attn_k", K, E, false, err) ||
-            luma_model_layer_weight(m, &l->wv, il, "attn_v", V, E, false, err) ||
-            luma_model_layer_weight(m, &l->q_norm, il, "attn_q_norm", 1, hp->head_dim_k, false, err) ||
+        if (luma_model_layer_weight(m, &l->q_norm, il, "attn_q_norm", 1, hp->head_dim_k, false, err) ||
             luma_model_layer_weight(m, &l->k_norm, il, "attn_k_norm", 1, hp->head_dim_k, false, err) ||
-            luma_model_layer_weight(m, &l->wo, il, "attn_output", E, O, false, err) ||
             luma_model_layer_weight(m, &l->post_attn_norm, il, "post_attention_norm", 1, E, false, err) ||
-            luma_model_layer_weight(m, &l->ffn_norm, il, "ffn_norm", 1, E, false, err) ||
-            luma_model_layer_weight(m, &l->gate, il, "ffn_gate", F, E, false, err) ||
-            luma_model_layer_weight(m, &l->up, il, "ffn_up", F, E, false, err) ||
-            luma_model_layer_weight(m, &l->down, il, "ffn_down", E, F, false, err) ||
             luma_model_layer_weight(m, &l->post_ffn_norm, il, "post_ffw_norm", 1, E, false, err))
             return -1;
     }

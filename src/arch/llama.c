@@ -22,13 +22,9 @@ static int load_common(luma_model *m, bool qkv_bias, enum luma_rope_kind rope, l
     if (luma_model_read_hparams(m, 10000.0f, err)) return -1;
     hp->rope_kind = rope;
 
-    int64_t E = hp->n_embd, Q = (int64_t)hp->n_head * hp->head_dim_k;
-    int64_t K = (int64_t)hp->n_kv_head * hp->head_dim_k, V = (int64_t)hp->n_kv_head * hp->head_dim_v;
-    int64_t O = (int64_t)hp->n_head * hp->head_dim_v, F = hp->n_ff;
-    if (luma_model_weight(m, &m->tok_embd, "token_embd.weight", hp->n_vocab, E, false, err) ||
-        luma_model_weight(m, &m->output_norm, "output_norm.weight", 1, E, false, err) ||
-        luma_model_weight(m, &m->output, "output.weight", hp->n_vocab, E, true, err))
-        return -1;
+    if (luma_model_bind_common(m, err)) return -1;
+    int64_t Q = (int64_t)hp->n_head * hp->head_dim_k, K = (int64_t)hp->n_kv_head * hp->head_dim_k;
+    int64_t V = (int64_t)hp->n_kv_head * hp->head_dim_v;
     luma_weight freqs;
     if (luma_model_weight(m, &freqs, "rope_freqs.weight", 1, hp->rope_dims / 2, true, err)) return -1;
     if (freqs.host) {
@@ -39,16 +35,6 @@ static int load_common(luma_model *m, bool qkv_bias, enum luma_rope_kind rope, l
     }
     for (int il = 0; il < hp->n_layer; il++) {
         luma_layer *l = &m->layers[il];
-        if (luma_model_layer_weight(m, &l->attn_norm, il, "attn_norm", 1, E, false, err) ||
-            luma_model_layer_weight(m, &l->wq, il, "attn_q", Q, E, false, err) ||
-            luma_model_layer_weight(m, &l->wk, il, "attn_k", K, E, false, err) ||
-            luma_model_layer_weight(m, &l->wv, il, "attn_v", V, E, false, err) ||
-            luma_model_layer_weight(m, &l->wo, il, "attn_output", E, O, false, err) ||
-            luma_model_layer_weight(m, &l->ffn_norm, il, "ffn_norm", 1, E, false, err) ||
-            luma_model_layer_weight(m, &l->gate, il, "ffn_gate", F, E, false, err) ||
-            luma_model_layer_weight(m, &l->up, il, "ffn_up", F, E, false, err) ||
-            luma_model_layer_weight(m, &l->down, il, "ffn_down", E, F, false, err))
-            return -1;
         if (luma_model_layer_weight(m, &l->bq, il, "attn_q.bias", 1, Q, !qkv_bias, err) ||
             luma_model_layer_weight(m, &l->bk, il, "attn_k.bias", 1, K, !qkv_bias, err) ||
             luma_model_layer_weight(m, &l->bv, il, "attn_v.bias", 1, V, !qkv_bias, err))

@@ -2,13 +2,15 @@
  * operations (kernels in ops.cu, attention.cu and matmul.cu).
  *
  * Everything lives on one device and is queued on one stream. Weights are
- * copied once, byte for byte, from the mapped file. A step's metadata
- * (tokens, positions, out rows, the row -> sequence map, per-sequence ranges,
- * block tables and the attention work lists) is packed on the host into a
- * pinned buffer and sent in one copy, so a decode step pays for a single
- * small transfer. Operations never return errors: the first failure is kept
- * in c->failure, later operations are skipped, and sync (or buf_read)
- * reports it. */
+ * copied once, byte for byte, from the mapped file; while the device has
+ * room (keep_f16), each matrix is also dequantized once into an f16 copy
+ * that the tensor-core path of matmul reads instead of dequantizing per
+ * call. A step's metadata (tokens, positions, out rows, the row -> sequence
+ * map, per-sequence ranges, block tables and the attention work lists) is
+ * packed on the host into a pinned buffer and sent in one copy, so a decode
+ * step pays for a single small transfer. Operations never return errors:
+ * the first failure is kept in c->failure, later operations are skipped,
+ * and sync (or buf_read) reports it. */
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -68,6 +70,87 @@ void *luma_cuda_scratch(cuda_backend *c, size_t n)
 
 /* ---- memory ------------------------------------------------------------- */
 
+/* The f16 copies of the weights may take 3/5 of the memory free at the first
+ * weight_load; the rest is for the quantized weights, the KV cache, the
+ * activations and scratch. A 7B model in Q4_K_M needs 13.5 GiB of copies. */
+#define F16_SHARE_NUM 3
+#define F16_SHARE_DEN 5
+
+/* Frees every f16 copy and makes no more: large products dequantize per
+ * call from now on. */
+static void drop_f16(cuda_backend *c)
+{
+    if (c->n_f16 > 0) cudaStreamSynchronize(c->stream);
+    for (int32_t i = 0; i < c->n_weights; i++) {
+        cudaFree(c->weights[i].f16);
+        c->weights[i].f16 = NULL;
+    }
+    c->f16_bytes = 0;
+    c->n_f16 = 0;
+    c->f16_mode = CUDA_F16_PER_CALL;
+}
+
+/* cudaMalloc that, when the device is full, makes room by dropping the f16
+ * copies: they never cost an allocation the backend could make without them. */
+static cudaError_t dev_malloc(cuda_backend *c, void **p, size_t n)
+{
+    cudaError_t e = cudaMalloc(p, n);
+    if (e == cudaErrorMemoryAllocation && c->n_f16 > 0) {
+        cudaGetLastError();
+        drop_f16(c);
+        e = cudaMalloc(p, n);
+    }
+    return e;
+}
+
+/* At the first weight_load: the copies' budget out of the memory free now. */
+static void decide_f16(cuda_backend *c)
+{
+    size_t free_bytes = 0, total_bytes = 0;
+    if (cudaMemGetInfo(&free_bytes, &total_bytes) != cudaSuccess) {
+        cudaGetLastError();
+        c->f16_mode = CUDA_F16_PER_CALL;
+        return;
+    }
+    c->f16_free_at_load = free_bytes;
+    c->f16_budget = free_bytes / F16_SHARE_DEN * F16_SHARE_NUM;
+    c->f16_mode = CUDA_F16_RESIDENT;
+}
+
+/* Gives the matrix w (just loaded into slot) its f16 copy while the backend
+ * keeps copies. A copy that would take their total past the budget, or that
+ * finds no memory, ends the policy instead: all copies are freed, so a
+ * model is cached whole or not at all. F16 weights are their own copy; a
+ * vector is never multiplied. Fails only when the dequantization does. */
+static int keep_f16(cuda_backend *c, luma_weight *w, cuda_weight_copy *slot, luma_err *err)
+{
+    if (c->f16_mode != CUDA_F16_RESIDENT || w->rows < 2 || w->type == LUMA_F16) return 0;
+    if (!LUMA_CUDA_OK(c)) return report(c, err);
+    size_t bytes;
+    if (luma_mul_size((size_t)w->rows, (size_t)w->cols, &bytes) ||
+        luma_mul_size(bytes, sizeof(__half), &bytes) || bytes > c->f16_budget - c->f16_bytes) {
+        drop_f16(c);
+        return 0;
+    }
+    void *h = NULL;
+    if (cudaMalloc(&h, bytes) != cudaSuccess) {
+        cudaGetLastError();
+        drop_f16(c);
+        return 0;
+    }
+    luma_cuda_weight_to_f16(c, w, (__half *)h);
+    if (LUMA_CUDA_OK(c)) luma_cuda_fail(c, cudaStreamSynchronize(c->stream), "dequantizing a weight to f16");
+    if (!LUMA_CUDA_OK(c)) {
+        cudaFree(h);
+        return report(c, err);
+    }
+    slot->f16 = h;
+    w->dev_f16 = h;
+    c->f16_bytes += bytes;
+    c->n_f16++;
+    return 0;
+}
+
 static int cuda_weight_load(luma_backend *be, luma_weight *w, luma_err *err)
 {
     cuda_backend *c = cu(be);
@@ -80,14 +163,15 @@ static int cuda_weight_load(luma_backend *be, luma_weight *w, luma_err *err)
                          (long long)w->rows, (long long)w->cols);
     if (c->n_weights == c->weights_cap) {
         int32_t cap = c->weights_cap ? 2 * c->weights_cap : 256;
-        void **list = (void **)realloc(c->weights, (size_t)cap * sizeof *list);
+        cuda_weight_copy *list = (cuda_weight_copy *)realloc(c->weights, (size_t)cap * sizeof *list);
         if (!list) return luma_errf(err, "out of memory");
         c->weights = list;
         c->weights_cap = cap;
     }
     cudaError_t e = cudaSetDevice(c->device);
+    if (e == cudaSuccess && c->f16_mode == CUDA_F16_UNDECIDED) decide_f16(c);
     void *d = NULL;
-    if (e == cudaSuccess) e = cudaMalloc(&d, bytes);
+    if (e == cudaSuccess) e = dev_malloc(c, &d, bytes);
     if (e != cudaSuccess)
         return luma_errf(err, "no GPU memory for a %s weight of %zu MiB: %s", luma_type_name(w->type),
                          bytes >> 20, cudaGetErrorString(e));
@@ -98,9 +182,12 @@ static int cuda_weight_load(luma_backend *be, luma_weight *w, luma_err *err)
         return luma_errf(err, "copying a %s weight to the GPU: %s", luma_type_name(w->type),
                          cudaGetErrorString(e));
     }
-    c->weights[c->n_weights++] = d;
+    cuda_weight_copy *slot = &c->weights[c->n_weights++];
+    slot->dev = d;
+    slot->f16 = NULL;
     w->dev = d;
-    return 0;
+    w->dev_f16 = NULL;
+    return keep_f16(c, w, slot, err);
 }
 
 static int cuda_buf_alloc(luma_backend *be, luma_buf *b, int64_t rows, int64_t cols, luma_err *err)
@@ -111,17 +198,17 @@ static int cuda_buf_alloc(luma_backend *be, luma_buf *b, int64_t rows, int64_t c
         n > SIZE_MAX / sizeof(float))
         return luma_errf(err, "activation buffer of %lld x %lld is too large", (long long)rows,
                          (long long)cols);
-    float *d = NULL;
+    void *d = NULL;
     size_t bytes = (n ? n : 1) * sizeof(float);
     cudaError_t e = cudaSetDevice(c->device);
-    if (e == cudaSuccess) e = cudaMalloc(&d, bytes);
+    if (e == cudaSuccess) e = dev_malloc(c, &d, bytes);
     if (e == cudaSuccess) e = cudaMemsetAsync(d, 0, bytes, c->stream);
     if (e != cudaSuccess) {
         cudaFree(d);
         return luma_errf(err, "no GPU memory for a %lld x %lld activation buffer: %s", (long long)rows,
                          (long long)cols, cudaGetErrorString(e));
     }
-    b->data = d;
+    b->data = (float *)d;
     b->rows = rows;
     b->cols = cols;
     b->cap = (int64_t)n;
@@ -173,12 +260,12 @@ static int cuda_kv_alloc(luma_backend *be, const luma_kv_layout *l, luma_err *er
             luma_mul_size(block, (size_t)l->n_blocks[p], &total))
             return luma_errf(err, "KV cache pool %d is too large", p);
         c->kv_block_bytes[p] = block;
-        e = cudaMalloc(&c->kv_mem[p], total ? total : 1);
-        if (e != cudaSuccess) {
-            c->kv_mem[p] = NULL;
+        void *mem = NULL;
+        e = dev_malloc(c, &mem, total ? total : 1);
+        if (e != cudaSuccess)
             return luma_errf(err, "no GPU memory for the KV cache (%zu MiB in pool %d): %s", total >> 20, p,
                              cudaGetErrorString(e));
-        }
+        c->kv_mem[p] = (uint8_t *)mem;
         /* Slots never written still hold finite values. */
         e = cudaMemsetAsync(c->kv_mem[p], 0, total ? total : 1, c->stream);
     }
@@ -415,7 +502,10 @@ static void cuda_free(luma_backend *be)
     if (!c) return;
     cudaSetDevice(c->device);
     if (c->stream) cudaStreamSynchronize(c->stream);
-    for (int32_t i = 0; i < c->n_weights; i++) cudaFree(c->weights[i]);
+    for (int32_t i = 0; i < c->n_weights; i++) {
+        cudaFree(c->weights[i].dev);
+        cudaFree(c->weights[i].f16);
+    }
     free(c->weights);
     for (int p = 0; p < LUMA_KV_MAX_POOLS; p++) cudaFree(c->kv_mem[p]);
     cudaFree(c->step_mem);

@@ -1,6 +1,7 @@
 /* Shared by the files of the CUDA backend (compiled by nvcc as C++); nothing
  * outside cuda/ includes it. The backend keeps everything on one device:
- * quantized weights (luma_weight.dev, same bytes as in the file), activations
+ * quantized weights (luma_weight.dev, same bytes as in the file) and, memory
+ * allowing, their f16 copies (luma_weight.dev_f16), activations
  * (luma_buf.data), the KV pools, the step's metadata and the logits. Work is
  * queued on one stream; failures are sticky and reported by sync. */
 #ifndef LUMA_CUDA_INTERNAL_H
@@ -36,6 +37,25 @@ typedef struct cuda_step {
     int32_t dec_max_pos;       /* the largest position of a decoded row, plus one */
 } cuda_step;
 
+/* How the tensor-core path gets f16 weights. While RESIDENT, each matrix
+ * loaded (other than F16 ones, used as they are) keeps a dequantized f16
+ * copy in luma_weight.dev_f16; the copies are a cache that gives way: when
+ * the next matrix would take their total past the budget, or an allocation
+ * of the backend finds no memory, all are freed and the backend turns
+ * PER_CALL for good. Weights loaded earlier then still hold their stale
+ * dev_f16, so matmul reads it only while the backend is RESIDENT. */
+enum cuda_f16_mode {
+    CUDA_F16_UNDECIDED = 0,    /* no weight loaded yet */
+    CUDA_F16_RESIDENT,
+    CUDA_F16_PER_CALL,         /* dequantized into scratch by every large product */
+};
+
+/* The device memory weight_load made for one weight: its bytes as in the
+ * file, and its f16 copy or NULL. */
+typedef struct cuda_weight_copy {
+    void *dev, *f16;
+} cuda_weight_copy;
+
 typedef struct cuda_backend {
     luma_backend base;
     int device;
@@ -48,8 +68,13 @@ typedef struct cuda_backend {
     void *host_stage;          /* pinned host staging for the step upload */
     size_t stage_cap;
     cudaEvent_t staged;        /* the last upload out of host_stage has completed */
-    void **weights;            /* device copies made by weight_load, freed with the backend */
+    cuda_weight_copy *weights; /* made by weight_load, freed with the backend */
     int32_t n_weights, weights_cap;
+    /* The f16 copies: the policy, the memory free at the first weight_load,
+     * the share of it (60%) the copies may take, their total and count. */
+    enum cuda_f16_mode f16_mode;
+    size_t f16_free_at_load, f16_budget, f16_bytes;
+    int32_t n_f16;
     luma_kv_layout kvl;
     uint8_t *kv_mem[LUMA_KV_MAX_POOLS];
     size_t kv_block_bytes[LUMA_KV_MAX_POOLS];
@@ -88,6 +113,10 @@ bool luma_cuda_matmul_supports(enum luma_type t);
  * the device, row-major. Small m reads each weight byte once for all rows;
  * large m takes the tensor-core path. */
 void luma_cuda_matmul(cuda_backend *c, const luma_weight *w, const float *x, int64_t m, float *y);
+/* Queues the dequantization of all of w (from w->dev) to f16 into out
+ * (rows x cols, row-major): the tensor-core path's operand. Not for F16
+ * weights; failures are recorded. */
+void luma_cuda_weight_to_f16(cuda_backend *c, const luma_weight *w, __half *out);
 
 /* ---- ops.cu -------------------------------------------------------------- */
 

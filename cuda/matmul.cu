@@ -16,20 +16,26 @@
  *   shuffles at the end. Activations are read through L1, where every warp of
  *   the SM finds them (m x cols bytes of int8: 32 KB for 8 rows of 4096).
  *
- * - larger m (prefill, big batches): tensor cores through cuBLAS. A panel of
- *   weight rows is dequantized to f16 in scratch (the same values as
- *   luma_dequantize_row, rounded to f16), the activations are converted to
- *   f16 once, and cublasGemmEx multiplies them with f32 accumulation and f32
- *   output. mm_tensor is the one place to add a second way of doing this
- *   (an mma/wgmma kernel reading dequantized shared-memory tiles). */
+ * - larger m (prefill, big batches): tensor cores through cuBLAS. The
+ *   weights in f16 (the same values as luma_dequantize_row, rounded to f16)
+ *   are the resident copy weight_load made when the device has room for the
+ *   copies of all matrices (luma_weight.dev_f16), or else a panel of weight
+ *   rows dequantized into scratch on every call; the activations are
+ *   converted to f16 once, and cublasGemmEx multiplies them with f32
+ *   accumulation and f32 output. mm_tensor is the one place to add another
+ *   way of doing this (an mma/wgmma kernel reading dequantized
+ *   shared-memory tiles). */
 #include "cuda_internal.h"
 
 #include <limits.h>
 
-/* The largest m that takes the matrix-vector path; above it the dequantized
- * weights (2 bytes per element written, then read by the GEMM) cost less than
- * reading the quantized weights once per MMV_PASS_M rows. F16 weights need
- * no dequantization, so cuBLAS wins from m = 3 on (measured on an H100). */
+/* The largest m that takes the matrix-vector path; above it the GEMM over f16
+ * weights (2 bytes per element read, and first written when there is no
+ * resident copy) costs less than reading the quantized weights once per
+ * MMV_PASS_M rows. A resident copy makes the GEMM cheaper still, but one
+ * 8-row pass already costs about what the GEMM does, so the switch stays
+ * at 8 for both (cuda/NOTES.md). F16 weights need no dequantization, so
+ * cuBLAS wins from m = 3 on (measured on an H100). */
 #ifndef LUMA_MMV_MAX_M
 #define LUMA_MMV_MAX_M 8
 #endif
@@ -1023,11 +1029,26 @@ static const char *cublas_status_name(cublasStatus_t st)
     }
 }
 
+void luma_cuda_weight_to_f16(cuda_backend *c, const luma_weight *w, __half *out)
+{
+    dequant_rows(c, w, 0, w->rows, out);
+}
+
+/* The whole weight as f16 with nothing to dequantize: F16 weights
+ * themselves, or the resident copy while the backend keeps copies (a copy
+ * freed since is still named by w->dev_f16: cuda_internal.h). */
+static const __half *resident_f16(const cuda_backend *c, const luma_weight *w)
+{
+    if (w->type == LUMA_F16) return (const __half *)w->dev;
+    return c->f16_mode == CUDA_F16_RESIDENT ? (const __half *)w->dev_f16 : NULL;
+}
+
 /* Y (m x rows, row-major) = X W^T through cuBLAS, which is column-major: W
  * row-major is the cols x rows matrix A (lda cols), X row-major the cols x m
  * matrix B (ldb cols), so Y^T = A^T B is rows x m with ldc rows: the "TN"
- * product, both operands contiguous along k. Panels of weight rows fill
- * column blocks of Y^T. */
+ * product, both operands contiguous along k. Without a resident f16 copy,
+ * panels of weight rows are dequantized in turn and fill column blocks of
+ * Y^T. */
 static void mm_tensor(cuda_backend *c, const luma_weight *w, const float *x, int64_t m, float *y)
 {
     int64_t rows = w->rows, cols = w->cols;
@@ -1036,12 +1057,12 @@ static void mm_tensor(cuda_backend *c, const luma_weight *w, const float *x, int
                         (long long)cols, (long long)m);
         return;
     }
-    bool f16_weights = w->type == LUMA_F16;
-    int64_t panel = f16_weights ? rows : PANEL_ELEMS / cols;
+    const __half *whole = resident_f16(c, w);
+    int64_t panel = whole ? rows : PANEL_ELEMS / cols;
     if (panel < 1) panel = 1;
     if (panel > rows) panel = rows;
     size_t xbytes = align256((size_t)m * (size_t)cols * sizeof(__half));
-    size_t wbytes = f16_weights ? 0 : (size_t)panel * (size_t)cols * sizeof(__half);
+    size_t wbytes = whole ? 0 : (size_t)panel * (size_t)cols * sizeof(__half);
     uint8_t *s = (uint8_t *)luma_cuda_scratch(c, xbytes + wbytes);
     if (!s) return;
     __half *xh = (__half *)s, *wh = (__half *)(s + xbytes);
@@ -1053,11 +1074,8 @@ static void mm_tensor(cuda_backend *c, const luma_weight *w, const float *x, int
     const float one = 1.0f, zero = 0.0f;
     for (int64_t r0 = 0; r0 < rows && st == CUBLAS_STATUS_SUCCESS && LUMA_CUDA_OK(c); r0 += panel) {
         int64_t n = rows - r0 < panel ? rows - r0 : panel;
-        const __half *a = (const __half *)w->dev + (f16_weights ? r0 * cols : 0);
-        if (!f16_weights) {
-            dequant_rows(c, w, r0, n, wh);
-            a = wh;
-        }
+        const __half *a = whole ? whole + r0 * cols : wh;
+        if (!whole) dequant_rows(c, w, r0, n, wh);
         st = cublasGemmEx(c->cublas, CUBLAS_OP_T, CUBLAS_OP_N, (int)n, (int)m, (int)cols, &one, a, CUDA_R_16F,
                           (int)cols, xh, CUDA_R_16F, (int)cols, &zero, y + r0, CUDA_R_32F, (int)rows,
                           CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);

@@ -22,6 +22,7 @@ typedef struct luma_weight {
     int64_t rows, cols;        /* a vector has rows == 1 */
     const void *host;          /* in the mapped file */
     void *dev;                 /* the backend's copy, when it keeps one */
+    void *dev_f16;             /* the backend's f16 copy for large products, or NULL */
 } luma_weight;
 
 typedef struct luma_buf {

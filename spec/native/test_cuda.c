@@ -257,7 +257,7 @@ typedef struct dual_w {
 static bool dual_weight(dual_w *w, enum luma_type t, int64_t rows, int64_t cols, const void *host)
 {
     luma_err err = { { 0 } };
-    luma_weight x = { t, rows, cols, host, NULL };
+    luma_weight x = { .type = t, .rows = rows, .cols = cols, .host = host };
     w->c = w->g = x;
     if (cpu->ops->weight_load(cpu, &w->c, &err) != 0 || gpu->ops->weight_load(gpu, &w->g, &err) != 0) {
         CHECK(0, "weight_load %s %lld x %lld: %s", luma_type_name(t), (long long)rows, (long long)cols, err.msg);

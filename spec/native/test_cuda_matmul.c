@@ -3,15 +3,21 @@
  * luma_dequantize_row and the f32 activations:
  *   - every weight type, random blocks with sane half scales (as
  *     test_quant.c makes them), shapes from gemma's 640 columns and odd row
- *     counts to llama-8B's 4096 x 4096 and 14336 x 4096, and m = 1, 2, 3, 8,
- *     16 (matrix-vector kernels: int8 activations for the block formats) and
- *     64, 512 (f16 tensor-core path): each output's error relative to
- *     sum |w x| stays under the tolerance of its number format;
+ *     counts to llama-8B's 4096 x 4096 and 14336 x 4096, and m = 1, 2, 3, 8
+ *     (matrix-vector kernels: int8 activations for the block formats) and
+ *     16, 64, 512 (f16 tensor-core path), the large m twice: with the
+ *     resident f16 copy weight_load made (luma_weight.dev_f16) and with the
+ *     weight dequantized per call (the same weight, dev_f16 cleared): each
+ *     output's error relative to sum |w x| stays under the tolerance of its
+ *     number format;
+ *   - weight_load keeps an f16 copy of every matrix but the F16 ones (the
+ *     test's few GB are far inside the copies' budget);
  *   - then a timing table for the two big shapes (cudaEvent, best of several
  *     calls queued behind a long memset so that launch gaps are not timed,
  *     weights rotated through copies larger than L2): GB/s of weights for
- *     m = 1 and 8, with the fraction of the H100's 3000 GB/s, and TFLOP/s
- *     for m = 512.
+ *     m = 1 and 8, with the fraction of the H100's 3000 GB/s, and ms per call
+ *     and TFLOP/s for m = 512 with the resident copy and dequantizing per
+ *     call, side by side.
  * Without a CUDA device it says so and passes. LUMA_CUDA_QUICK=1 keeps to the
  * small shapes and skips the timing (for compute-sanitizer runs).
  *
@@ -66,6 +72,9 @@ static const struct shape { int64_t rows, cols; int big; } shapes[] = {
 
 static const int ms[] = { 1, 2, 3, 8, 16, 64, 512 };
 #define N_MS (int)(sizeof ms / sizeof ms[0])
+/* LUMA_MMV_MAX_M of cuda/matmul.cu: a larger m takes the tensor-core path
+ * (F16 weights take it from m = 3, with no copy to tell apart). */
+#define MMV_MAX_M 8
 
 /* Errors relative to sum |w x|: int8 activations (block formats with small
  * m) lose about 1/254 of each block's largest value per element; f16
@@ -188,7 +197,7 @@ typedef struct ctx {
 } ctx;
 
 typedef struct timing {
-    double us[3];              /* m = 1, 8, 512; 0 when not timed */
+    double us[4];              /* m = 1, 8, 512 resident, 512 per call; 0 when not timed */
 } timing;
 
 /* y = W x on the device for m rows of x; 0 on success. y is m x rows. */
@@ -249,24 +258,34 @@ static double max_rel_error(const float *wref, const int64_t *rows_s, int ns, co
 
 /* Best time of TIME_REPS calls of y = W x, in microseconds: the calls queue
  * behind a long memset, each between two events, and cycle through enough
- * copies of W that none is still in L2 when its turn comes. */
+ * copies of W (its f16 copy too, when it has one: that is what the GEMM
+ * reads) that none is still in L2 when its turn comes. */
 static double time_matmul(ctx *cx, const luma_weight *w, size_t wbytes, int64_t m)
 {
     const luma_backend_ops *ops = cx->be->ops;
     luma_err err = { { 0 } };
     luma_buf xb = { 0 }, yb = { 0 };
-    int copies = (int)((L2_DEFEAT_BYTES + wbytes - 1) / wbytes);
+    size_t f16_bytes = (size_t)w->rows * (size_t)w->cols * 2;
+    size_t read = w->dev_f16 ? f16_bytes : wbytes;
+    int copies = (int)((L2_DEFEAT_BYTES + read - 1) / read);
     if (copies > TIME_REPS) copies = TIME_REPS;
     luma_weight wc[TIME_REPS];
+    memset(wc, 0, sizeof wc);   /* a copy's pointers stay NULL until allocated */
     cudaEvent_t ev[2 * TIME_REPS];
-    int n_ev = 0, n_copies = 0;
+    int n_ev = 0;
     double best = 0.0;
     for (; n_ev < 2 * TIME_REPS; n_ev++)
         if (!cuda_ok(cudaEventCreate(&ev[n_ev]), "cudaEventCreate")) goto done;
-    for (; n_copies < copies; n_copies++) {
-        wc[n_copies] = *w;
-        if (!cuda_ok(cudaMalloc(&wc[n_copies].dev, wbytes), "cudaMalloc (weight copy)")) goto done;
-        if (!cuda_ok(cudaMemcpy(wc[n_copies].dev, w->dev, wbytes, cudaMemcpyDeviceToDevice), "copy weights"))
+    for (int i = 0; i < copies; i++) {
+        luma_weight *c = &wc[i];
+        *c = *w;
+        c->dev = c->dev_f16 = NULL;
+        if (!cuda_ok(cudaMalloc(&c->dev, wbytes), "cudaMalloc (weight copy)") ||
+            !cuda_ok(cudaMemcpy(c->dev, w->dev, wbytes, cudaMemcpyDeviceToDevice), "copy weights"))
+            goto done;
+        if (w->dev_f16 &&
+            (!cuda_ok(cudaMalloc(&c->dev_f16, f16_bytes), "cudaMalloc (f16 weight copy)") ||
+             !cuda_ok(cudaMemcpy(c->dev_f16, w->dev_f16, f16_bytes, cudaMemcpyDeviceToDevice), "copy f16 weights")))
             goto done;
     }
     if (ops->buf_alloc(cx->be, &xb, m, w->cols, &err) != 0 || ops->buf_alloc(cx->be, &yb, m, w->rows, &err) != 0) {
@@ -297,15 +316,18 @@ static double time_matmul(ctx *cx, const luma_weight *w, size_t wbytes, int64_t 
     }
 done:
     for (int i = 0; i < n_ev; i++) cudaEventDestroy(ev[i]);
-    for (int i = 0; i < n_copies; i++)
-        if (wc[i].dev) cudaFree(wc[i].dev);
+    for (int i = 0; i < copies; i++) {
+        cudaFree(wc[i].dev);
+        cudaFree(wc[i].dev_f16);
+    }
     if (xb.data) ops->buf_free(cx->be, &xb);
     if (yb.data) ops->buf_free(cx->be, &yb);
     return best;
 }
 
-/* Checks W x for every m against the reference, prints one line, and times
- * the big shapes. */
+/* Checks W x for every m against the reference, the large m both with the
+ * resident f16 copy and dequantizing per call, prints one line ("m=64
+ * 3.1e-05/3.2e-05": resident/per call), and times the big shapes. */
 static void check_shape(ctx *cx, enum luma_type t, const struct shape *sh, timing *tm)
 {
     const luma_type_traits *tr = luma_type_get(t);
@@ -313,13 +335,19 @@ static void check_shape(ctx *cx, enum luma_type t, const struct shape *sh, timin
     size_t row_bytes = luma_row_size(t, cols), bytes = row_bytes * (size_t)rows;
     uint8_t *host = xmalloc(bytes);
     random_weights(t, rows, cols, host, bytes);
-    luma_weight w = { t, rows, cols, host, NULL };
+    luma_weight w = { .type = t, .rows = rows, .cols = cols, .host = host };
     luma_err err = { { 0 } };
     if (cx->be->ops->weight_load(cx->be, &w, &err) != 0) {
         CHECK(0, "weight_load %s %lldx%lld: %s", tr->name, (long long)rows, (long long)cols, err.msg);
         free(host);
         return;
     }
+    /* F16 weights are their own f16 form; every other matrix gets a copy */
+    bool copy_expected = t != LUMA_F16;
+    CHECK((w.dev_f16 != NULL) == copy_expected, "weight_load %s %lldx%lld %s an f16 copy", tr->name,
+          (long long)rows, (long long)cols, copy_expected ? "did not keep" : "kept");
+    luma_weight per_call = w;
+    per_call.dev_f16 = NULL;
 
     int64_t rows_s[SAMPLE_ROWS];
     int ns = rows < SAMPLE_ROWS ? (int)rows : SAMPLE_ROWS;
@@ -333,10 +361,11 @@ static void check_shape(ctx *cx, enum luma_type t, const struct shape *sh, timin
     float *y = xmalloc((size_t)m_max * (size_t)rows * sizeof(float));
     char line[512];
     int len = snprintf(line, sizeof line, "%-5s %5lldx%-5lld", tr->name, (long long)rows, (long long)cols);
-    double tol = tr->is_quantized ? TOL_INT8 : TOL_F16;
+    double tol_small = tr->is_quantized ? TOL_INT8 : TOL_F16;
     for (int i = 0; i < N_MS; i++) {
         int64_t m = ms[i];
         if (m > m_max || (cx->quick && (m == 2 || m == 8))) continue;
+        double tol = m > MMV_MAX_M ? TOL_F16 : tol_small;
         for (int64_t k = 0; k < m * cols; k++) x[k] = bell();
         for (int64_t k = 0; k < m * rows; k++) y[k] = NAN;
         if (run_matmul(cx, &w, x, m, y) != 0) continue;
@@ -344,12 +373,22 @@ static void check_shape(ctx *cx, enum luma_type t, const struct shape *sh, timin
         CHECK(e <= tol, "%s %lldx%lld m=%lld: max relative error %.3g > %.1g", tr->name, (long long)rows,
               (long long)cols, (long long)m, e, tol);
         if (len < (int)sizeof line) len += snprintf(line + len, sizeof line - (size_t)len, "  m=%lld %.1e", (long long)m, e);
+        if (m <= MMV_MAX_M || !w.dev_f16) continue;
+        for (int64_t k = 0; k < m * rows; k++) y[k] = NAN;
+        if (run_matmul(cx, &per_call, x, m, y) != 0) continue;
+        e = max_rel_error(wref, rows_s, ns, x, m, cols, y, rows);
+        CHECK(e <= tol, "%s %lldx%lld m=%lld dequantized per call: max relative error %.3g > %.1g", tr->name,
+              (long long)rows, (long long)cols, (long long)m, e, tol);
+        if (len < (int)sizeof line) len += snprintf(line + len, sizeof line - (size_t)len, "/%.1e", e);
     }
-    printf("%s  (tol %.0e)\n", line, tol);
+    if (tol_small != TOL_F16) printf("%s  (tol %.0e; %.0e for m > %d)\n", line, tol_small, TOL_F16, MMV_MAX_M);
+    else printf("%s  (tol %.0e)\n", line, TOL_F16);
 
     if (sh->big && !cx->quick) {
-        static const int64_t tm_m[3] = { 1, 8, 512 };
-        for (int i = 0; i < 3; i++) tm->us[i] = time_matmul(cx, &w, bytes, tm_m[i]);
+        tm->us[0] = time_matmul(cx, &per_call, bytes, 1);
+        tm->us[1] = time_matmul(cx, &per_call, bytes, 8);
+        tm->us[2] = time_matmul(cx, &w, bytes, 512);
+        if (w.dev_f16) tm->us[3] = time_matmul(cx, &per_call, bytes, 512);
         /* over 20 TB/s: the events did not wait for the backend's stream */
         CHECK(tm->us[0] > (double)bytes / 2e7, "%s %lldx%lld m=1 timed at %.2f us: implausible", tr->name,
               (long long)rows, (long long)cols, tm->us[0]);
@@ -360,15 +399,23 @@ static void check_shape(ctx *cx, enum luma_type t, const struct shape *sh, timin
     free(host);
 }
 
+static double tflops(const struct shape *sh, double us)
+{
+    return us > 0 ? 2.0 * 512.0 * (double)sh->rows * (double)sh->cols / (us * 1e6) : 0.0;
+}
+
 static void print_timing(enum luma_type t, const struct shape *sh, const timing *tm)
 {
     size_t bytes = luma_row_size(t, sh->cols) * (size_t)sh->rows;
     double gb1 = tm->us[0] > 0 ? (double)bytes / (tm->us[0] * 1e3) : 0.0;
     double gb8 = tm->us[1] > 0 ? (double)bytes / (tm->us[1] * 1e3) : 0.0;
-    double tf = tm->us[2] > 0 ? 2.0 * 512.0 * (double)sh->rows * (double)sh->cols / (tm->us[2] * 1e6) : 0.0;
-    printf("%-5s %5lldx%-5lld %7.1f MB | %7.1f us %6.0f GB/s %3.0f%% | %7.1f us %6.0f GB/s %3.0f%% | %8.1f us %6.1f TFLOP/s\n",
+    printf("%-5s %5lldx%-5lld %7.1f MB | %7.1f us %6.0f GB/s %3.0f%% | %7.1f us %6.0f GB/s %3.0f%% | %7.3f ms %6.1f TFLOP/s",
            luma_type_name(t), (long long)sh->rows, (long long)sh->cols, (double)bytes / 1e6, tm->us[0], gb1,
-           100.0 * gb1 / HBM_GBS, tm->us[1], gb8, 100.0 * gb8 / HBM_GBS, tm->us[2], tf);
+           100.0 * gb1 / HBM_GBS, tm->us[1], gb8, 100.0 * gb8 / HBM_GBS, tm->us[2] / 1e3, tflops(sh, tm->us[2]));
+    if (tm->us[3] > 0 && tm->us[2] > 0)
+        printf(" | %7.3f ms %6.1f TFLOP/s %5.2fx\n", tm->us[3] / 1e3, tflops(sh, tm->us[3]), tm->us[3] / tm->us[2]);
+    else
+        printf(" |   %s\n", t == LUMA_F16 ? "(F16 weights: no copy)" : "(not timed)");
 }
 
 static int run_checks(void)
@@ -397,8 +444,8 @@ static int run_checks(void)
 
     if (!cx.quick) {
         printf("\ntiming (best of %d, weights cold in L2; %% of %.0f GB/s):\n", TIME_REPS, HBM_GBS);
-        printf("type  shape       weights |  m=1: time   bandwidth  |  m=8: time   bandwidth  |  m=512: time    "
-               "throughput\n");
+        printf("type  shape       weights |  m=1: time   bandwidth  |  m=8: time   bandwidth  |  m=512, resident "
+               "f16: time  throughput | m=512, dequantized per call: time  throughput  resident's speedup\n");
         for (int ti = 0; ti < N_TYPES; ti++)
             for (int si = 0; si < N_SHAPES; si++)
                 if (shapes[si].big && shapes[si].cols % luma_type_get(types[ti])->block_size == 0)

@@ -1,7 +1,8 @@
 /* The CUDA backend (cuda/) against the CPU backend (src/cpu/backend.c), op by
  * op on random inputs, then on the default model:
  *   - embed of every block format equals the CPU's rows bit for bit (random
- *     blocks with sane half scales, as test_quant.c makes them), times a scale;
+ *     blocks with sane half scales: random_weights of testutil.h), times a
+ *     scale;
  *   - rmsnorm (whole rows, per-head groups, in place, unaligned rows), rope
  *     NORM and NEOX (partial rotation, linear position scaling, frequency
  *     factors), add_bias, add, gelu_mul (through half precision, as the
@@ -28,6 +29,7 @@
 #include "kv.h"
 #include "model.h"
 #include "quant.h"
+#include "testutil.h"
 
 #include <math.h>
 #include <stddef.h>
@@ -39,112 +41,16 @@
  * runtime's headers. */
 #include <cuda_runtime.h>
 
-static int failures;
-
-#define CHECK(cond, ...)                                      \
-    do {                                                      \
-        if (!(cond)) {                                        \
-            failures++;                                       \
-            if (failures <= 20) {                             \
-                printf("  FAIL %s:%d: ", __FILE__, __LINE__); \
-                printf(__VA_ARGS__);                          \
-                printf("\n");                                 \
-            }                                                 \
-        }                                                     \
-    } while (0)
-
 static int quick;
 static luma_backend *cpu, *gpu;
 
 /* ---- random data -------------------------------------------------------- */
-
-static uint64_t rng_state = 0x2545f4914f6cdd1dULL;
-
-static uint64_t rnd(void)
-{
-    uint64_t z = (rng_state += 0x9e3779b97f4a7c15ULL);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-    return z ^ (z >> 31);
-}
-
-static float uniform(float lo, float hi)
-{
-    return lo + (hi - lo) * (float)(rnd() >> 40) / (float)(1 << 24);
-}
-
-static float gaussian(void)
-{
-    float u = uniform(1e-7f, 1.0f), v = uniform(0.0f, 6.2831853f);
-    return sqrtf(-2.0f * logf(u)) * cosf(v);
-}
-
-static void *xmalloc(size_t n)
-{
-    void *p = malloc(n ? n : 1);
-    if (!p) {
-        printf("test_cuda: out of memory\n");
-        exit(1);
-    }
-    return p;
-}
 
 static float *random_floats(size_t n, float scale)
 {
     float *x = xmalloc(n * sizeof(float));
     for (size_t i = 0; i < n; i++) x[i] = scale * gaussian();
     return x;
-}
-
-/* Offsets of the half scales of a block: d, then m or dmin (-1: none). */
-static void scale_offsets(enum luma_type t, int *d, int *m)
-{
-    *m = -1;
-    switch (t) {
-    case LUMA_Q4_0: *d = offsetof(luma_block_q4_0, d); break;
-    case LUMA_Q4_1: *d = offsetof(luma_block_q4_1, d); *m = offsetof(luma_block_q4_1, m); break;
-    case LUMA_Q5_0: *d = offsetof(luma_block_q5_0, d); break;
-    case LUMA_Q5_1: *d = offsetof(luma_block_q5_1, d); *m = offsetof(luma_block_q5_1, m); break;
-    case LUMA_Q8_0: *d = offsetof(luma_block_q8_0, d); break;
-    case LUMA_Q2_K: *d = offsetof(luma_block_q2_K, d); *m = offsetof(luma_block_q2_K, dmin); break;
-    case LUMA_Q3_K: *d = offsetof(luma_block_q3_K, d); break;
-    case LUMA_Q4_K: *d = offsetof(luma_block_q4_K, d); *m = offsetof(luma_block_q4_K, dmin); break;
-    case LUMA_Q5_K: *d = offsetof(luma_block_q5_K, d); *m = offsetof(luma_block_q5_K, dmin); break;
-    case LUMA_Q6_K: *d = offsetof(luma_block_q6_K, d); break;
-    default: *d = -1; break;
-    }
-}
-
-/* n elements of type t: random bytes with half scales in [1e-3, 1e-1] for
- * the block formats (negative minimums too), normals for the float ones. */
-static void random_weights(enum luma_type t, int64_t n, uint8_t *row)
-{
-    const luma_type_traits *tr = luma_type_get(t);
-    if (!tr->is_quantized) {
-        for (int64_t i = 0; i < n; i++) {
-            float v = gaussian();
-            if (t == LUMA_F32) {
-                memcpy(row + 4 * i, &v, 4);
-            } else {
-                uint16_t h = t == LUMA_F16 ? luma_f32_to_f16(v) : luma_f32_to_bf16(v);
-                memcpy(row + 2 * i, &h, 2);
-            }
-        }
-        return;
-    }
-    size_t bytes = luma_row_size(t, n);
-    for (size_t i = 0; i < bytes; i++) row[i] = (uint8_t)rnd();
-    int od, om;
-    scale_offsets(t, &od, &om);
-    for (int64_t b = 0; b < n / tr->block_size; b++) {
-        uint8_t *blk = row + (size_t)b * tr->type_size;
-        uint16_t d = luma_f32_to_f16(uniform(1e-3f, 1e-1f));
-        memcpy(blk + od, &d, 2);
-        if (om >= 0) {
-            uint16_t m = luma_f32_to_f16((rnd() & 1 ? -1.0f : 1.0f) * uniform(1e-3f, 1e-1f));
-            memcpy(blk + om, &m, 2);
-        }
-    }
 }
 
 /* ---- results ------------------------------------------------------------ */
@@ -188,7 +94,7 @@ static double rel_err(const float *a, const float *b, size_t n)
 static bool cuda_ok(cudaError_t e, const char *what)
 {
     if (e == cudaSuccess) return true;
-    CHECK(0, "%s: %s", what, cudaGetErrorString(e));
+    CHECKF(0, "%s: %s", what, cudaGetErrorString(e));
     return false;
 }
 
@@ -234,15 +140,15 @@ static double dual_err(const dual *d)
 {
     luma_err err = { { 0 } };
     if (d->c.rows != d->g.rows || d->c.cols != d->g.cols) {
-        CHECK(0, "shapes differ: cpu %lld x %lld, gpu %lld x %lld", (long long)d->c.rows, (long long)d->c.cols,
-              (long long)d->g.rows, (long long)d->g.cols);
+        CHECKF(0, "shapes differ: cpu %lld x %lld, gpu %lld x %lld", (long long)d->c.rows, (long long)d->c.cols,
+               (long long)d->g.rows, (long long)d->g.cols);
         return INFINITY;
     }
     size_t n = (size_t)(d->c.rows * d->c.cols);
     float *a = xmalloc(n * sizeof(float)), *b = xmalloc(n * sizeof(float));
     double e = INFINITY;
     if (cpu->ops->buf_read(cpu, &d->c, b, &err) != 0 || gpu->ops->buf_read(gpu, &d->g, a, &err) != 0)
-        CHECK(0, "buf_read: %s", err.msg);
+        CHECKF(0, "buf_read: %s", err.msg);
     else
         e = rel_err(a, b, n);
     free(a);
@@ -260,7 +166,7 @@ static bool dual_weight(dual_w *w, enum luma_type t, int64_t rows, int64_t cols,
     luma_weight x = { .type = t, .rows = rows, .cols = cols, .host = host };
     w->c = w->g = x;
     if (cpu->ops->weight_load(cpu, &w->c, &err) != 0 || gpu->ops->weight_load(gpu, &w->g, &err) != 0) {
-        CHECK(0, "weight_load %s %lld x %lld: %s", luma_type_name(t), (long long)rows, (long long)cols, err.msg);
+        CHECKF(0, "weight_load %s %lld x %lld: %s", luma_type_name(t), (long long)rows, (long long)cols, err.msg);
         return false;
     }
     return true;
@@ -302,7 +208,7 @@ static bool step_begin(tstep *t)
 {
     luma_err err = { { 0 } };
     if (gpu->ops->step_begin(gpu, &t->s, &err) != 0) {
-        CHECK(0, "step_begin: %s", err.msg);
+        CHECKF(0, "step_begin: %s", err.msg);
         return false;
     }
     return true;
@@ -312,7 +218,7 @@ static bool gpu_sync(const char *what)
 {
     luma_err err = { { 0 } };
     if (gpu->ops->sync(gpu, &err) != 0) {
-        CHECK(0, "%s: %s", what, err.msg);
+        CHECKF(0, "%s: %s", what, err.msg);
         return false;
     }
     return true;
@@ -670,7 +576,7 @@ static bool build_step(kv_env *e, attn_step *as, const int *seqs, const int32_t 
     for (int i = 0; i < n_parts; i++) {
         luma_kv_seq *s = e->seq[seqs[i]];
         if (luma_kv_reserve(e->kv, s, rows[i], &err) != 0) {
-            CHECK(0, "luma_kv_reserve: %s", err.msg);
+            CHECKF(0, "luma_kv_reserve: %s", err.msg);
             return false;
         }
         luma_step_seq *q = &t->seqs[i];
@@ -764,7 +670,7 @@ static void fill(kv_env *e, int si, int32_t len)
             a.n_head = a.n_kv_head;
             a.window = 1;
             double err = attend(e, &as.t.s, &a, NULL, UNTIMED);
-            CHECK(err <= 1e-6, "filling %s: window-1 attention differs by %.2e", e->sh->name, err);
+            CHECKF(err <= 1e-6, "filling %s: window-1 attention differs by %.2e", e->sh->name, err);
         }
         luma_kv_commit(e->kv, e->seq[si], n);
         step_free(&as.t);
@@ -788,7 +694,7 @@ static void test_attention_shape(const attn_shape *sh, enum luma_type type)
     kv_env e = { .sh = sh, .type = type };
     if (cpu->ops->kv_alloc(cpu, &l, &err) != 0 || gpu->ops->kv_alloc(gpu, &l, &err) != 0 ||
         luma_kv_new(&kp, &e.kv, &err) != 0) {
-        CHECK(0, "KV cache for %s: %s", sh->name, err.msg);
+        CHECKF(0, "KV cache for %s: %s", sh->name, err.msg);
         return;
     }
     for (int i = 0; i < 3; i++) e.seq[i] = luma_kv_seq_new(e.kv);
@@ -856,10 +762,10 @@ static void test_failure(void)
     if (dual_weight(&w, LUMA_F32, 1, 1, &one) && step_begin(&t)) {
         gpu->ops->embed(gpu, &w.g, foreign, 2, 1.0f, &x.g);
         int rc = gpu->ops->sync(gpu, &err);
-        CHECK(rc != 0 && strstr(err.msg, "step") != NULL, "sync after a foreign id list: rc %d, '%s'", rc, err.msg);
-        CHECK(gpu->ops->sync(gpu, &err) == 0, "a second sync is clean: '%s'", err.msg);
+        CHECKF(rc != 0 && strstr(err.msg, "step") != NULL, "sync after a foreign id list: rc %d, '%s'", rc, err.msg);
+        CHECKF(gpu->ops->sync(gpu, &err) == 0, "a second sync is clean: '%s'", err.msg);
         gpu->ops->embed(gpu, &w.g, t.tokens, 1, 1.0f, &x.g);
-        CHECK(gpu_sync("embed after a failure"), "the backend works after a failure");
+        CHECKF(gpu_sync("embed after a failure"), "the backend works after a failure");
         printf("failure reporting: '%s'\n", err.msg);
     }
     step_free(&t);
@@ -886,17 +792,12 @@ static const char prompt[] =
 static void test_model(void)
 {
     char path[1024];
-    const char *env = getenv("LUMA_MODEL"), *home = getenv("HOME");
-    if (env && *env) snprintf(path, sizeof path, "%s", env);
-    else snprintf(path, sizeof path, "%s/.cache/luma/models/gemma-3-270m-q4_k_m.gguf", home ? home : "");
-    FILE *f = fopen(path, "rb");
-    if (!f) {
+    if (!luma_test_model_path(path, sizeof path)) {
         failures++;
         printf("model: FAIL: the model file %s is missing; set LUMA_MODEL or fetch the default model into "
                "~/.cache/luma/models/\n", path);
         return;
     }
-    fclose(f);
     luma_err err = { { 0 } };
     luma_model *m[2] = { NULL, NULL };
     luma_seq *s[2] = { NULL, NULL };
@@ -910,21 +811,21 @@ static void test_model(void)
         p.n_ctx = 256;
         p.max_rows = 64;
         if (luma_model_load(path, &p, &m[b], &err) != 0 || !(s[b] = luma_seq_new(m[b], &err))) {
-            CHECK(0, "loading %s on %s: %s", path, names[b], err.msg);
+            CHECKF(0, "loading %s on %s: %s", path, names[b], err.msg);
             goto done;
         }
     }
     int32_t nv = m[0]->hp.n_vocab, ids[256];
     int64_t n = luma_tokenize(m[0]->vocab, prompt, strlen(prompt), true, false, ids, 256, &err);
     if (n < 64) {
-        CHECK(0, "the prompt gives %lld tokens, fewer than 64 (%s)", (long long)n, err.msg);
+        CHECKF(0, "the prompt gives %lld tokens, fewer than 64 (%s)", (long long)n, err.msg);
         goto done;
     }
     for (int b = 0; b < 2; b++) {
         logits[b] = xmalloc((size_t)64 * (size_t)nv * sizeof(float));
         luma_chunk c = { s[b], ids, 64, true };
         if (luma_model_run(m[b], &c, 1, logits[b], &err) != 0) {
-            CHECK(0, "prompt on %s: %s", names[b], err.msg);
+            CHECKF(0, "prompt on %s: %s", names[b], err.msg);
             goto done;
         }
     }
@@ -939,8 +840,8 @@ static void test_model(void)
         }
     }
     printf("model: 64-token prompt: top-1 agrees on %d of 64 rows, max abs logit diff %.4f\n", agree, max_diff);
-    CHECK(agree >= 58 && isfinite(max_diff), "prompt logits: top-1 agreement %d of 64, max abs diff %g", agree,
-          max_diff);
+    CHECKF(agree >= 58 && isfinite(max_diff), "prompt logits: top-1 agreement %d of 64, max abs diff %g", agree,
+           max_diff);
 
     /* greedy, in lockstep from the prompt's last row */
     int32_t tok[2] = { argmax(logits[0] + (size_t)63 * (size_t)nv, nv), argmax(logits[1] + (size_t)63 * (size_t)nv, nv) };
@@ -951,13 +852,13 @@ static void test_model(void)
             double margin = (double)last[0][tok[0]] - (double)last[0][tok[1]];
             printf("model: greedy continuations part at token %d (cpu %d, cuda %d, cpu margin %.3f)\n", same, tok[0],
                    tok[1], margin);
-            CHECK(margin < 0.3, "greedy continuations part at token %d with a cpu margin of %.3f", same, margin);
+            CHECKF(margin < 0.3, "greedy continuations part at token %d with a cpu margin of %.3f", same, margin);
             break;
         }
         for (int b = 0; b < 2; b++) {
             luma_chunk c = { s[b], &tok[b], 1, false };
             if (luma_model_run(m[b], &c, 1, logits[b], &err) != 0) {
-                CHECK(0, "greedy step on %s: %s", names[b], err.msg);
+                CHECKF(0, "greedy step on %s: %s", names[b], err.msg);
                 goto done;
             }
             last[b] = logits[b];
@@ -1017,6 +918,7 @@ static int run_checks(void)
 
 int main(void)
 {
+    rnd_seed(0x2545f4914f6cdd1dULL);
     if (!luma_backend_cuda_available()) {
         printf("test_cuda: no CUDA device, the GPU checks did not run\n");
         return 0;

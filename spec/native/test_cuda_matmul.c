@@ -1,9 +1,9 @@
 /* The CUDA backend's matrix products (cuda/matmul.cu), through the backend
  * interface, against a double-precision CPU reference built from
  * luma_dequantize_row and the f32 activations:
- *   - every weight type, random blocks with sane half scales (as
- *     test_quant.c makes them), shapes from gemma's 640 columns and odd row
- *     counts to llama-8B's 4096 x 4096 and 14336 x 4096, and m = 1, 2, 3, 8
+ *   - every weight type, random blocks with sane half scales (random_weights
+ *     of testutil.h), shapes from gemma's 640 columns and odd row counts to
+ *     llama-8B's 4096 x 4096 and 14336 x 4096, and m = 1, 2, 3, 8
  *     (matrix-vector kernels: int8 activations for the block formats) and
  *     16, 64, 512 (f16 tensor-core path), the large m twice: with the
  *     resident f16 copy weight_load made (luma_weight.dev_f16) and with the
@@ -26,6 +26,7 @@
  * stream (cudaStreamCreate without cudaStreamNonBlocking). */
 #include "backend.h"
 #include "quant.h"
+#include "testutil.h"
 
 #include <math.h>
 #include <stddef.h>
@@ -39,20 +40,6 @@
 #ifdef LUMA_HAVE_CUDA
 #include <cuda_runtime.h>
 #endif
-
-static int failures;
-
-#define CHECK(cond, ...)                                      \
-    do {                                                      \
-        if (!(cond)) {                                        \
-            failures++;                                       \
-            if (failures <= 20) {                             \
-                printf("  FAIL %s:%d: ", __FILE__, __LINE__); \
-                printf(__VA_ARGS__);                          \
-                printf("\n");                                 \
-            }                                                 \
-        }                                                     \
-    } while (0)
 
 #ifdef LUMA_HAVE_CUDA
 
@@ -91,21 +78,6 @@ static const int ms[] = { 1, 2, 3, 8, 16, 64, 512 };
 
 /* ---- random data -------------------------------------------------------- */
 
-static uint64_t rng_state = 0x243f6a8885a308d3ULL;
-
-static uint64_t rnd(void)
-{
-    uint64_t z = (rng_state += 0x9e3779b97f4a7c15ULL);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-    return z ^ (z >> 31);
-}
-
-static float uniform(float lo, float hi)
-{
-    return lo + (hi - lo) * (float)(rnd() >> 40) / (float)(1 << 24);
-}
-
 /* A cheap bell-shaped value in (-2, 2) with unit-ish spread. */
 static float bell(void)
 {
@@ -114,77 +86,10 @@ static float bell(void)
     return 2.0f * (a + b - 1.0f);
 }
 
-static void put_half(uint8_t *p, float v)
-{
-    uint16_t h = luma_f32_to_f16(v);
-    memcpy(p, &h, sizeof h);
-}
-
-/* Offsets of the half-float scales in a block: d, then m or dmin (-1: none). */
-static void scale_offsets(enum luma_type t, int *d, int *m)
-{
-    *m = -1;
-    switch (t) {
-    case LUMA_Q4_0: *d = offsetof(luma_block_q4_0, d); break;
-    case LUMA_Q4_1: *d = offsetof(luma_block_q4_1, d); *m = offsetof(luma_block_q4_1, m); break;
-    case LUMA_Q5_0: *d = offsetof(luma_block_q5_0, d); break;
-    case LUMA_Q5_1: *d = offsetof(luma_block_q5_1, d); *m = offsetof(luma_block_q5_1, m); break;
-    case LUMA_Q8_0: *d = offsetof(luma_block_q8_0, d); break;
-    case LUMA_Q2_K: *d = offsetof(luma_block_q2_K, d); *m = offsetof(luma_block_q2_K, dmin); break;
-    case LUMA_Q3_K: *d = offsetof(luma_block_q3_K, d); break;
-    case LUMA_Q4_K: *d = offsetof(luma_block_q4_K, d); *m = offsetof(luma_block_q4_K, dmin); break;
-    case LUMA_Q5_K: *d = offsetof(luma_block_q5_K, d); *m = offsetof(luma_block_q5_K, dmin); break;
-    case LUMA_Q6_K: *d = offsetof(luma_block_q6_K, d); break;
-    default: *d = -1; break;
-    }
-}
-
-/* rows x cols of type t: random bytes with half scales in [1e-3, 1e-1] (Q4_1
- * and Q5_1 minimums of either sign) for the block formats, bell-shaped
- * values for the float ones. */
-static void random_weights(enum luma_type t, int64_t rows, int64_t cols, uint8_t *dst, size_t bytes)
-{
-    const luma_type_traits *tr = luma_type_get(t);
-    if (!tr->is_quantized) {
-        for (int64_t i = 0; i < rows * cols; i++) {
-            float v = bell();
-            if (t == LUMA_F32) memcpy(dst + 4 * i, &v, 4);
-            else {
-                uint16_t h = t == LUMA_F16 ? luma_f32_to_f16(v) : luma_f32_to_bf16(v);
-                memcpy(dst + 2 * i, &h, 2);
-            }
-        }
-        return;
-    }
-    for (size_t i = 0; i < bytes; i += 8) {
-        uint64_t r = rnd();
-        memcpy(dst + i, &r, bytes - i < 8 ? bytes - i : 8);
-    }
-    int od, om;
-    scale_offsets(t, &od, &om);
-    for (size_t b = 0; b < bytes / tr->type_size; b++) {
-        uint8_t *blk = dst + b * tr->type_size;
-        put_half(blk + od, uniform(1e-3f, 1e-1f));
-        if (om >= 0)
-            put_half(blk + om, (t == LUMA_Q4_1 || t == LUMA_Q5_1) && (rnd() & 1) ? -uniform(1e-3f, 1e-1f)
-                                                                           : uniform(1e-3f, 1e-1f));
-    }
-}
-
-static void *xmalloc(size_t n)
-{
-    void *p = malloc(n ? n : 1);
-    if (!p) {
-        printf("out of memory\n");
-        exit(1);
-    }
-    return p;
-}
-
 static int cuda_ok(cudaError_t e, const char *what)
 {
     if (e == cudaSuccess) return 1;
-    CHECK(0, "%s: %s", what, cudaGetErrorString(e));
+    CHECKF(0, "%s: %s", what, cudaGetErrorString(e));
     return 0;
 }
 
@@ -208,7 +113,7 @@ static int run_matmul(ctx *cx, const luma_weight *w, const float *x, int64_t m, 
     luma_buf xb = { 0 }, yb = { 0 };
     int rc = -1;
     if (ops->buf_alloc(cx->be, &xb, m, w->cols, &err) != 0 || ops->buf_alloc(cx->be, &yb, m, w->rows, &err) != 0) {
-        CHECK(0, "buf_alloc: %s", err.msg);
+        CHECKF(0, "buf_alloc: %s", err.msg);
         goto done;
     }
     if (!cuda_ok(cudaMemcpy(xb.data, x, (size_t)(m * w->cols) * sizeof(float), cudaMemcpyHostToDevice),
@@ -216,14 +121,14 @@ static int run_matmul(ctx *cx, const luma_weight *w, const float *x, int64_t m, 
         goto done;
     ops->matmul(cx->be, w, &xb, &yb);
     if (ops->sync(cx->be, &err) != 0) {
-        CHECK(0, "%s %lldx%lld m=%lld: %s", luma_type_name(w->type), (long long)w->rows, (long long)w->cols,
-              (long long)m, err.msg);
+        CHECKF(0, "%s %lldx%lld m=%lld: %s", luma_type_name(w->type), (long long)w->rows, (long long)w->cols,
+               (long long)m, err.msg);
         goto done;
     }
-    CHECK(yb.rows == m && yb.cols == w->rows, "matmul sets y to m x rows (%lld x %lld)", (long long)yb.rows,
-          (long long)yb.cols);
+    CHECKF(yb.rows == m && yb.cols == w->rows, "matmul sets y to m x rows (%lld x %lld)", (long long)yb.rows,
+           (long long)yb.cols);
     if (ops->buf_read(cx->be, &yb, y, &err) != 0) {
-        CHECK(0, "buf_read: %s", err.msg);
+        CHECKF(0, "buf_read: %s", err.msg);
         goto done;
     }
     rc = 0;
@@ -289,13 +194,13 @@ static double time_matmul(ctx *cx, const luma_weight *w, size_t wbytes, int64_t 
             goto done;
     }
     if (ops->buf_alloc(cx->be, &xb, m, w->cols, &err) != 0 || ops->buf_alloc(cx->be, &yb, m, w->rows, &err) != 0) {
-        CHECK(0, "buf_alloc: %s", err.msg);
+        CHECKF(0, "buf_alloc: %s", err.msg);
         goto done;
     }
     if (!cuda_ok(cudaMemset(xb.data, 0, (size_t)(m * w->cols) * sizeof(float)), "clear x")) goto done;
     ops->matmul(cx->be, &wc[0], &xb, &yb);   /* grows the scratch before the timed calls */
     if (ops->sync(cx->be, &err) != 0) {
-        CHECK(0, "timing warm-up: %s", err.msg);
+        CHECKF(0, "timing warm-up: %s", err.msg);
         goto done;
     }
     if (!cuda_ok(cudaMemsetAsync(cx->queue, 1, QUEUE_BYTES, 0), "queue memset")) goto done;
@@ -305,7 +210,7 @@ static double time_matmul(ctx *cx, const luma_weight *w, size_t wbytes, int64_t 
         cudaEventRecord(ev[2 * i + 1], 0);
     }
     if (ops->sync(cx->be, &err) != 0) {
-        CHECK(0, "timing: %s", err.msg);
+        CHECKF(0, "timing: %s", err.msg);
         goto done;
     }
     if (!cuda_ok(cudaEventSynchronize(ev[2 * TIME_REPS - 1]), "cudaEventSynchronize")) goto done;
@@ -334,18 +239,18 @@ static void check_shape(ctx *cx, enum luma_type t, const struct shape *sh, timin
     int64_t rows = sh->rows, cols = sh->cols;
     size_t row_bytes = luma_row_size(t, cols), bytes = row_bytes * (size_t)rows;
     uint8_t *host = xmalloc(bytes);
-    random_weights(t, rows, cols, host, bytes);
+    random_weights(t, rows * cols, host);
     luma_weight w = { .type = t, .rows = rows, .cols = cols, .host = host };
     luma_err err = { { 0 } };
     if (cx->be->ops->weight_load(cx->be, &w, &err) != 0) {
-        CHECK(0, "weight_load %s %lldx%lld: %s", tr->name, (long long)rows, (long long)cols, err.msg);
+        CHECKF(0, "weight_load %s %lldx%lld: %s", tr->name, (long long)rows, (long long)cols, err.msg);
         free(host);
         return;
     }
     /* F16 weights are their own f16 form; every other matrix gets a copy */
     bool copy_expected = t != LUMA_F16;
-    CHECK((w.dev_f16 != NULL) == copy_expected, "weight_load %s %lldx%lld %s an f16 copy", tr->name,
-          (long long)rows, (long long)cols, copy_expected ? "did not keep" : "kept");
+    CHECKF((w.dev_f16 != NULL) == copy_expected, "weight_load %s %lldx%lld %s an f16 copy", tr->name,
+           (long long)rows, (long long)cols, copy_expected ? "did not keep" : "kept");
     luma_weight per_call = w;
     per_call.dev_f16 = NULL;
 
@@ -370,15 +275,15 @@ static void check_shape(ctx *cx, enum luma_type t, const struct shape *sh, timin
         for (int64_t k = 0; k < m * rows; k++) y[k] = NAN;
         if (run_matmul(cx, &w, x, m, y) != 0) continue;
         double e = max_rel_error(wref, rows_s, ns, x, m, cols, y, rows);
-        CHECK(e <= tol, "%s %lldx%lld m=%lld: max relative error %.3g > %.1g", tr->name, (long long)rows,
-              (long long)cols, (long long)m, e, tol);
+        CHECKF(e <= tol, "%s %lldx%lld m=%lld: max relative error %.3g > %.1g", tr->name, (long long)rows,
+               (long long)cols, (long long)m, e, tol);
         if (len < (int)sizeof line) len += snprintf(line + len, sizeof line - (size_t)len, "  m=%lld %.1e", (long long)m, e);
         if (m <= MMV_MAX_M || !w.dev_f16) continue;
         for (int64_t k = 0; k < m * rows; k++) y[k] = NAN;
         if (run_matmul(cx, &per_call, x, m, y) != 0) continue;
         e = max_rel_error(wref, rows_s, ns, x, m, cols, y, rows);
-        CHECK(e <= tol, "%s %lldx%lld m=%lld dequantized per call: max relative error %.3g > %.1g", tr->name,
-              (long long)rows, (long long)cols, (long long)m, e, tol);
+        CHECKF(e <= tol, "%s %lldx%lld m=%lld dequantized per call: max relative error %.3g > %.1g", tr->name,
+               (long long)rows, (long long)cols, (long long)m, e, tol);
         if (len < (int)sizeof line) len += snprintf(line + len, sizeof line - (size_t)len, "/%.1e", e);
     }
     if (tol_small != TOL_F16) printf("%s  (tol %.0e; %.0e for m > %d)\n", line, tol_small, TOL_F16, MMV_MAX_M);
@@ -390,8 +295,8 @@ static void check_shape(ctx *cx, enum luma_type t, const struct shape *sh, timin
         tm->us[2] = time_matmul(cx, &w, bytes, 512);
         if (w.dev_f16) tm->us[3] = time_matmul(cx, &per_call, bytes, 512);
         /* over 20 TB/s: the events did not wait for the backend's stream */
-        CHECK(tm->us[0] > (double)bytes / 2e7, "%s %lldx%lld m=1 timed at %.2f us: implausible", tr->name,
-              (long long)rows, (long long)cols, tm->us[0]);
+        CHECKF(tm->us[0] > (double)bytes / 2e7, "%s %lldx%lld m=1 timed at %.2f us: implausible", tr->name,
+               (long long)rows, (long long)cols, tm->us[0]);
     }
     free(x);
     free(y);
@@ -460,6 +365,7 @@ static int run_checks(void)
 
 int main(void)
 {
+    rnd_seed(0x243f6a8885a308d3ULL);
     if (!luma_backend_cuda_available()) {
         printf("test_cuda_matmul: no CUDA device, the GPU checks did not run\n");
         return 0;

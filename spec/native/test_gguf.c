@@ -16,21 +16,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include "gguf.h"
 #include "quant.h"
-
-static int failures;
-
-#define CHECK(cond)                                                               \
-    do {                                                                          \
-        if (!(cond)) {                                                            \
-            failures++;                                                           \
-            fprintf(stderr, "%s:%d: check failed: %s\n", __FILE__, __LINE__, #cond); \
-        }                                                                         \
-    } while (0)
+#include "testutil.h"
 
 /* ---- small tools ---------------------------------------------------------- */
 
@@ -821,12 +811,7 @@ static void test_writer_errors(const char *path)
 static void test_model(void)
 {
     char path[4096];
-    const char *env = getenv("LUMA_MODEL"), *home = getenv("HOME");
-    struct stat st;
-    if (env && stat(env, &st) == 0) snprintf(path, sizeof path, "%s", env);
-    else snprintf(path, sizeof path, "%s/.cache/luma/models/gemma-3-270m-q4_k_m.gguf",
-                  home ? home : "");
-    if (stat(path, &st) != 0) {
+    if (!luma_test_model_path(path, sizeof path)) {
         printf("test_gguf: default model not found, real-file check did not run\n");
         return;
     }

@@ -5,24 +5,12 @@
  * a missing file is a failure (CI always fetches it). */
 #include "gguf.h"
 #include "quant.h"
+#include "testutil.h"
 
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-
-static int failures;
-
-static void model_path(char *buf, size_t size)
-{
-    const char *env = getenv("LUMA_MODEL");
-    if (env && *env) {
-        snprintf(buf, size, "%s", env);
-        return;
-    }
-    const char *home = getenv("HOME");
-    snprintf(buf, size, "%s/.cache/luma/models/gemma-3-270m-q4_k_m.gguf", home ? home : "");
-}
 
 /* A fixed pseudo-random activation row. */
 static void activations(float *x, int64_t n)
@@ -63,14 +51,11 @@ static int check_dots(const luma_gguf_tensor *t, int64_t rows, size_t row_bytes,
 int main(void)
 {
     char path[4096];
-    model_path(path, sizeof path);
-    FILE *probe = fopen(path, "rb");
-    if (!probe) {
+    if (!luma_test_model_path(path, sizeof path)) {
         printf("test_model_tensors: FAIL: the model file %s is missing; set LUMA_MODEL or fetch the default "
                "model into ~/.cache/luma/models/\n", path);
         return 1;
     }
-    fclose(probe);
 
     luma_err err = { { 0 } };
     luma_gguf *g = NULL;

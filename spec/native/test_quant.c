@@ -11,6 +11,7 @@
 #define _POSIX_C_SOURCE 200809L  /* clock_gettime */
 
 #include "quant.h"
+#include "testutil.h"
 
 #include <math.h>
 #include <stddef.h>
@@ -18,20 +19,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
-
-static int failures;
-
-#define CHECK(cond, ...)                                      \
-    do {                                                      \
-        if (!(cond)) {                                        \
-            failures++;                                       \
-            if (failures <= 20) {                             \
-                printf("  FAIL %s:%d: ", __FILE__, __LINE__); \
-                printf(__VA_ARGS__);                          \
-                printf("\n");                                 \
-            }                                                 \
-        }                                                     \
-    } while (0)
 
 static const enum luma_type weight_types[] = {
     LUMA_F32, LUMA_F16, LUMA_BF16, LUMA_Q4_0, LUMA_Q4_1, LUMA_Q5_0, LUMA_Q5_1, LUMA_Q8_0,
@@ -41,93 +28,9 @@ static const enum luma_type weight_types[] = {
 
 /* ---- random data -------------------------------------------------------- */
 
-static uint64_t rng_state = 0x9e3779b97f4a7c15ULL;
-
-static uint64_t rnd(void)
-{
-    uint64_t z = (rng_state += 0x9e3779b97f4a7c15ULL);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-    return z ^ (z >> 31);
-}
-
-static float uniform(float lo, float hi)
-{
-    return lo + (hi - lo) * (float)(rnd() >> 40) / (float)(1 << 24);
-}
-
-static float gaussian(void)
-{
-    float u = uniform(1e-7f, 1.0f), v = uniform(0.0f, 6.2831853f);
-    return sqrtf(-2.0f * logf(u)) * cosf(v);
-}
-
-/* Offsets of the half-float scales in a block: d, then m or dmin (-1: none). */
-static void scale_offsets(enum luma_type t, int *d, int *m)
-{
-    *m = -1;
-    switch (t) {
-    case LUMA_Q4_0: *d = offsetof(luma_block_q4_0, d); break;
-    case LUMA_Q4_1: *d = offsetof(luma_block_q4_1, d); *m = offsetof(luma_block_q4_1, m); break;
-    case LUMA_Q5_0: *d = offsetof(luma_block_q5_0, d); break;
-    case LUMA_Q5_1: *d = offsetof(luma_block_q5_1, d); *m = offsetof(luma_block_q5_1, m); break;
-    case LUMA_Q8_0: *d = offsetof(luma_block_q8_0, d); break;
-    case LUMA_Q2_K: *d = offsetof(luma_block_q2_K, d); *m = offsetof(luma_block_q2_K, dmin); break;
-    case LUMA_Q3_K: *d = offsetof(luma_block_q3_K, d); break;
-    case LUMA_Q4_K: *d = offsetof(luma_block_q4_K, d); *m = offsetof(luma_block_q4_K, dmin); break;
-    case LUMA_Q5_K: *d = offsetof(luma_block_q5_K, d); *m = offsetof(luma_block_q5_K, dmin); break;
-    case LUMA_Q6_K: *d = offsetof(luma_block_q6_K, d); break;
-    default: *d = -1; break;
-    }
-}
-
-static void put_half(uint8_t *p, float v)
-{
-    uint16_t h = luma_f32_to_f16(v);
-    memcpy(p, &h, sizeof h);
-}
-
-/* A weight row of n elements: random bytes with sane half scales in
- * [1e-3, 1e-1] for the block formats, random normals for the float ones. */
-static void random_weights(enum luma_type t, int64_t n, uint8_t *row)
-{
-    const luma_type_traits *tr = luma_type_get(t);
-    if (!tr->is_quantized) {
-        for (int64_t i = 0; i < n; i++) {
-            float v = gaussian();
-            if (t == LUMA_F32) memcpy(row + 4 * i, &v, 4);
-            else {
-                uint16_t h = t == LUMA_F16 ? luma_f32_to_f16(v) : luma_f32_to_bf16(v);
-                memcpy(row + 2 * i, &h, 2);
-            }
-        }
-        return;
-    }
-    size_t bytes = luma_row_size(t, n);
-    for (size_t i = 0; i < bytes; i++) row[i] = (uint8_t)rnd();
-    int od, om;
-    scale_offsets(t, &od, &om);
-    for (int64_t b = 0; b < n / tr->block_size; b++) {
-        uint8_t *blk = row + (size_t)b * tr->type_size;
-        put_half(blk + od, uniform(1e-3f, 1e-1f));
-        if (om >= 0) put_half(blk + om, (t == LUMA_Q4_1 || t == LUMA_Q5_1) && (rnd() & 1) ? -uniform(1e-3f, 1e-1f)
-                                                                                   : uniform(1e-3f, 1e-1f));
-    }
-}
-
 static void random_floats(float *x, int64_t n, float scale)
 {
     for (int64_t i = 0; i < n; i++) x[i] = scale * gaussian();
-}
-
-static void *xmalloc(size_t n)
-{
-    void *p = malloc(n ? n : 1);
-    if (!p) {
-        printf("out of memory\n");
-        exit(1);
-    }
-    return p;
 }
 
 /* ---- traits ------------------------------------------------------------- */
@@ -145,21 +48,22 @@ static void test_traits(void)
     int checks = 0;
     for (size_t i = 0; i < sizeof want / sizeof want[0]; i++, checks++) {
         const luma_type_traits *tr = luma_type_get(want[i].t);
-        CHECK(tr && tr->block_size == want[i].bs && tr->type_size == want[i].ts &&
-                  strcmp(tr->name, want[i].name) == 0 && strcmp(luma_type_name(want[i].t), want[i].name) == 0,
-              "traits of %s", want[i].name);
-        CHECK(luma_vec_dot_ref(want[i].t) && luma_vec_dot_get(want[i].t), "dot for %s", want[i].name);
+        CHECKF(tr && tr->block_size == want[i].bs && tr->type_size == want[i].ts &&
+                   strcmp(tr->name, want[i].name) == 0 && strcmp(luma_type_name(want[i].t), want[i].name) == 0,
+               "traits of %s", want[i].name);
+        CHECKF(luma_vec_dot_ref(want[i].t) && luma_vec_dot_get(want[i].t), "dot for %s", want[i].name);
     }
-    CHECK(luma_type_get(LUMA_Q8_1) == NULL && luma_type_get(4) == NULL && luma_type_get(LUMA_TYPE_COUNT) == NULL &&
-              luma_type_get(0xffffffffu) == NULL, "unknown types");
-    CHECK(strcmp(luma_type_name(99), "unknown") == 0, "name of an unknown type");
-    CHECK(luma_vec_dot_get(LUMA_Q8_1) == NULL && luma_vec_dot_ref((enum luma_type)5) == NULL, "no dot for unknown");
-    CHECK(luma_type_get(LUMA_Q4_K)->act_type == LUMA_Q8_K && luma_type_get(LUMA_Q5_0)->act_type == LUMA_Q8_0 &&
-              luma_type_get(LUMA_F16)->act_type == LUMA_F32, "activation types");
-    CHECK(luma_row_size(LUMA_Q4_K, 512) == 288 && luma_row_size(LUMA_F16, 7) == 14, "row sizes");
-    CHECK(luma_row_size(LUMA_Q4_K, 300) == 0 && luma_row_size(LUMA_Q4_0, 0) == 0 && luma_row_size(LUMA_Q4_0, -32) == 0 &&
-              luma_row_size((enum luma_type)4, 32) == 0, "row size of a bad length or type is 0");
-    CHECK(luma_row_size(LUMA_F32, INT64_MAX) == 0 || sizeof(size_t) > 8, "row size overflow is 0");
+    CHECKF(luma_type_get(LUMA_Q8_1) == NULL && luma_type_get(4) == NULL && luma_type_get(LUMA_TYPE_COUNT) == NULL &&
+               luma_type_get(0xffffffffu) == NULL, "unknown types");
+    CHECKF(strcmp(luma_type_name(99), "unknown") == 0, "name of an unknown type");
+    CHECKF(luma_vec_dot_get(LUMA_Q8_1) == NULL && luma_vec_dot_ref((enum luma_type)5) == NULL, "no dot for unknown");
+    CHECKF(luma_type_get(LUMA_Q4_K)->act_type == LUMA_Q8_K && luma_type_get(LUMA_Q5_0)->act_type == LUMA_Q8_0 &&
+               luma_type_get(LUMA_F16)->act_type == LUMA_F32, "activation types");
+    CHECKF(luma_row_size(LUMA_Q4_K, 512) == 288 && luma_row_size(LUMA_F16, 7) == 14, "row sizes");
+    CHECKF(luma_row_size(LUMA_Q4_K, 300) == 0 && luma_row_size(LUMA_Q4_0, 0) == 0 &&
+               luma_row_size(LUMA_Q4_0, -32) == 0 && luma_row_size((enum luma_type)4, 32) == 0,
+           "row size of a bad length or type is 0");
+    CHECKF(luma_row_size(LUMA_F32, INT64_MAX) == 0 || sizeof(size_t) > 8, "row size overflow is 0");
     checks += 8;
     printf("traits: %d checks, simd path %s\n", checks, luma_simd_name());
 }
@@ -197,14 +101,14 @@ static void test_conversions(void)
     };
     int checks = 0;
     for (size_t i = 0; i < sizeof f16_cases / sizeof f16_cases[0]; i++, checks++)
-        CHECK(luma_f32_to_f16(f16_cases[i].f) == f16_cases[i].h, "f32_to_f16(%g) = 0x%04x, want 0x%04x",
-              (double)f16_cases[i].f, luma_f32_to_f16(f16_cases[i].f), f16_cases[i].h);
+        CHECKF(luma_f32_to_f16(f16_cases[i].f) == f16_cases[i].h, "f32_to_f16(%g) = 0x%04x, want 0x%04x",
+               (double)f16_cases[i].f, luma_f32_to_f16(f16_cases[i].f), f16_cases[i].h);
     uint16_t hn = luma_f32_to_f16(NAN);
-    CHECK((hn & 0x7c00) == 0x7c00 && (hn & 0x3ff) != 0, "f32_to_f16(NaN) is a NaN");
-    CHECK((luma_f32_to_f16(from_bits(0x7f800001)) & 0x7fff) > 0x7c00, "a signalling NaN with a low payload stays NaN");
-    CHECK(isnan(luma_f16_to_f32(0x7e00)) && isnan(luma_f16_to_f32(0xfc01)), "f16 NaN to f32");
-    CHECK(luma_f16_to_f32(0x0001) == 5.9604644775390625e-08f && luma_f16_to_f32(0x83ff) == -6.09755516e-05f,
-          "f16 subnormals to f32");
+    CHECKF((hn & 0x7c00) == 0x7c00 && (hn & 0x3ff) != 0, "f32_to_f16(NaN) is a NaN");
+    CHECKF((luma_f32_to_f16(from_bits(0x7f800001)) & 0x7fff) > 0x7c00, "a signalling NaN with a low payload stays NaN");
+    CHECKF(isnan(luma_f16_to_f32(0x7e00)) && isnan(luma_f16_to_f32(0xfc01)), "f16 NaN to f32");
+    CHECKF(luma_f16_to_f32(0x0001) == 5.9604644775390625e-08f && luma_f16_to_f32(0x83ff) == -6.09755516e-05f,
+           "f16 subnormals to f32");
     checks += 4;
 
     /* Every half: to float and back is the identity (NaNs stay NaN), the
@@ -231,9 +135,9 @@ static void test_conversions(void)
             bad_mid += luma_f32_to_f16(mid) != want;
         }
     }
-    CHECK(bad_round == 0, "%d halves do not round-trip", bad_round);
-    CHECK(bad_mid == 0, "%d midpoints do not round to even", bad_mid);
-    CHECK(bad_row == 0, "%d halves differ in luma_f16_to_f32_row", bad_row);
+    CHECKF(bad_round == 0, "%d halves do not round-trip", bad_round);
+    CHECKF(bad_mid == 0, "%d midpoints do not round to even", bad_mid);
+    CHECKF(bad_row == 0, "%d halves differ in luma_f16_to_f32_row", bad_row);
     free(row);
     free(all);
     checks += 3 * 65536;
@@ -247,17 +151,17 @@ static void test_conversions(void)
         { 9.18354962e-41f, 0x0001 },                      /* subnormal kept */
     };
     for (size_t i = 0; i < sizeof bf16_cases / sizeof bf16_cases[0]; i++, checks++)
-        CHECK(luma_f32_to_bf16(bf16_cases[i].f) == bf16_cases[i].b, "f32_to_bf16(%g) = 0x%04x, want 0x%04x",
-              (double)bf16_cases[i].f, luma_f32_to_bf16(bf16_cases[i].f), bf16_cases[i].b);
+        CHECKF(luma_f32_to_bf16(bf16_cases[i].f) == bf16_cases[i].b, "f32_to_bf16(%g) = 0x%04x, want 0x%04x",
+               (double)bf16_cases[i].f, luma_f32_to_bf16(bf16_cases[i].f), bf16_cases[i].b);
     uint16_t bn = luma_f32_to_bf16(from_bits(0x7f800001));
-    CHECK((bn & 0x7f80) == 0x7f80 && (bn & 0x7f) != 0, "bf16 of a NaN with a low payload stays NaN");
-    CHECK(isnan(luma_bf16_to_f32(0x7fc0)) && luma_bf16_to_f32(0x3f80) == 1.0f, "bf16 to f32");
+    CHECKF((bn & 0x7f80) == 0x7f80 && (bn & 0x7f) != 0, "bf16 of a NaN with a low payload stays NaN");
+    CHECKF(isnan(luma_bf16_to_f32(0x7fc0)) && luma_bf16_to_f32(0x3f80) == 1.0f, "bf16 to f32");
     int bad_bf = 0;
     for (uint32_t b = 0; b < 65536; b++) {
         float f = luma_bf16_to_f32((uint16_t)b);
         if (!isnan(f)) bad_bf += luma_f32_to_bf16(f) != b;
     }
-    CHECK(bad_bf == 0, "%d bfloats do not round-trip", bad_bf);
+    CHECKF(bad_bf == 0, "%d bfloats do not round-trip", bad_bf);
     checks += 2 + 65536;
     printf("conversions: %d checks\n", checks);
 }
@@ -295,20 +199,20 @@ static void test_golden(void)
         uint32_t kind, type, n, nbytes;
         if (read_u32(f, &kind) || read_u32(f, &type) || read_u32(f, &n) || read_u32(f, &nbytes) || n > (1u << 20) ||
             nbytes > (1u << 22)) {
-            CHECK(0, "entry %u header truncated", e);
+            CHECKF(0, "entry %u header truncated", e);
             break;
         }
         const luma_type_traits *tr = luma_type_get(type);
         uint8_t *bytes = xmalloc(nbytes);
         float *want = xmalloc((size_t)n * sizeof(float));
         if (fread(bytes, 1, nbytes, f) != nbytes || fread(want, sizeof(float), n, f) != n) {
-            CHECK(0, "entry %u truncated", e);
+            CHECKF(0, "entry %u truncated", e);
             free(bytes);
             free(want);
             break;
         }
         if (!tr || luma_row_size((enum luma_type)type, n) != nbytes) {
-            CHECK(0, "entry %u: type %u with %u elements in %u bytes", e, type, n, nbytes);
+            CHECKF(0, "entry %u: type %u with %u elements in %u bytes", e, type, n, nbytes);
         } else if (kind == 0) {
             float *got = xmalloc((size_t)n * sizeof(float));
             luma_dequantize_row((enum luma_type)type, bytes, got, n);
@@ -316,16 +220,16 @@ static void test_golden(void)
             for (uint32_t i = 0; i < n; i++) {
                 bool same = bits_of(got[i]) == bits_of(want[i]) || (isnan(got[i]) && isnan(want[i]));
                 if (!same && bad++ == 0)
-                    CHECK(0, "%s element %u: got %.9g, want %.9g", tr->name, i, (double)got[i], (double)want[i]);
+                    CHECKF(0, "%s element %u: got %.9g, want %.9g", tr->name, i, (double)got[i], (double)want[i]);
             }
-            CHECK(bad == 0, "%s: %d of %u values differ from the gguf package", tr->name, bad, n);
+            CHECKF(bad == 0, "%s: %d of %u values differ from the gguf package", tr->name, bad, n);
             free(got);
         } else {
             uint8_t *got = xmalloc(nbytes), *simd = xmalloc(nbytes);
             luma_quantize_act_ref((enum luma_type)type, want, got, n);
             luma_quantize_act((enum luma_type)type, want, simd, n);
-            CHECK(memcmp(got, bytes, nbytes) == 0, "%s quantization differs from the gguf package", tr->name);
-            CHECK(memcmp(simd, bytes, nbytes) == 0, "%s SIMD quantization differs from the gguf package", tr->name);
+            CHECKF(memcmp(got, bytes, nbytes) == 0, "%s quantization differs from the gguf package", tr->name);
+            CHECKF(memcmp(simd, bytes, nbytes) == 0, "%s SIMD quantization differs from the gguf package", tr->name);
             free(got);
             free(simd);
         }
@@ -335,7 +239,7 @@ static void test_golden(void)
         free(want);
     }
     fclose(f);
-    CHECK(entries == (int)count && count >= 16, "read %d of %u golden entries", entries, count);
+    CHECKF(entries == (int)count && count >= 16, "read %d of %u golden entries", entries, count);
     printf("golden: %d entries, %d values compared with the gguf package\n", entries, values);
 }
 
@@ -393,10 +297,10 @@ static void test_dots(void)
                 double er = fabs(r - exact) / (mag + 1e-30), es = fabs(s - r) / (mag + 1e-30);
                 worst_ref = er > worst_ref ? er : worst_ref;
                 worst_simd = es > worst_simd ? es : worst_simd;
-                CHECK(er <= 1e-5, "%s n=%lld: scalar %.9g, double %.9g (%.2g of sum|w*a|)", luma_type_name(t),
-                      (long long)n, (double)r, exact, er);
-                CHECK(es <= 1e-4, "%s n=%lld: simd %.9g, scalar %.9g (%.2g of sum|w*a|)", luma_type_name(t),
-                      (long long)n, (double)s, (double)r, es);
+                CHECKF(er <= 1e-5, "%s n=%lld: scalar %.9g, double %.9g (%.2g of sum|w*a|)", luma_type_name(t),
+                       (long long)n, (double)r, exact, er);
+                CHECKF(es <= 1e-4, "%s n=%lld: simd %.9g, scalar %.9g (%.2g of sum|w*a|)", luma_type_name(t),
+                       (long long)n, (double)s, (double)r, es);
                 checks += 2;
                 free_act(&a);
                 free(w);
@@ -421,8 +325,8 @@ static void test_float_tails(void)
             random_weights(ft[ti], n, w);
             random_floats(x, n, 1.0f);
             float r = luma_vec_dot_ref(ft[ti])(n, w, x), s = luma_vec_dot_get(ft[ti])(n, w, x);
-            CHECK(fabsf(r - s) <= 1e-5f * (1.0f + fabsf(r)), "%s n=%lld: %g vs %g", luma_type_name(ft[ti]),
-                  (long long)n, (double)s, (double)r);
+            CHECKF(fabsf(r - s) <= 1e-5f * (1.0f + fabsf(r)), "%s n=%lld: %g vs %g", luma_type_name(ft[ti]),
+                   (long long)n, (double)s, (double)r);
             checks++;
             free(w);
             free(x);
@@ -462,8 +366,8 @@ static void test_rows(void)
                 float want = dot(n, w + i * ws, a + (size_t)j * as);
                 bad += !(fabsf(got - want) <= 1e-5f * (1.0f + fabsf(want)));
             }
-        CHECK(bad == 0, "%s: %d tile results differ from single dots", luma_type_name(t), bad);
-        CHECK(touched == 0, "%s: the tile wrote %d values outside its rows", luma_type_name(t), touched);
+        CHECKF(bad == 0, "%s: %d tile results differ from single dots", luma_type_name(t), bad);
+        CHECKF(touched == 0, "%s: the tile wrote %d values outside its rows", luma_type_name(t), touched);
         checks += nr * na + 1;
         free(w);
         free(a);
@@ -500,8 +404,8 @@ static void test_quantize_act(void)
             memset(s, 0x55, row);
             luma_quantize_act_ref(at[ti], x, r, n);
             luma_quantize_act(at[ti], x, s, n);
-            CHECK(memcmp(r, s, row) == 0, "%s rep %d: SIMD bytes differ from the scalar ones", luma_type_name(at[ti]),
-                  rep);
+            CHECKF(memcmp(r, s, row) == 0, "%s rep %d: SIMD bytes differ from the scalar ones", luma_type_name(at[ti]),
+                   rep);
             checks++;
         }
         /* Q8_K: the largest magnitude maps to -127, and bsums are the sums */
@@ -514,8 +418,8 @@ static void test_quantize_act(void)
                     for (int j = 0; j < 16; j++) sum += b[k].qs[16 * g + j];
                     bad += sum != b[k].bsums[g];
                 }
-            CHECK(bad == 0, "Q8_K: %d bsums wrong", bad);
-            CHECK(b[1].qs[300 - 256] == -127 && b[1].qs[301 - 256] == 127 && b[0].d == 0.0f, "Q8_K extremes");
+            CHECKF(bad == 0, "Q8_K: %d bsums wrong", bad);
+            CHECKF(b[1].qs[300 - 256] == -127 && b[1].qs[301 - 256] == 127 && b[0].d == 0.0f, "Q8_K extremes");
             checks += 2;
         }
         free(r);
@@ -586,6 +490,7 @@ static void test_timing(void)
 
 int main(void)
 {
+    rnd_seed(0x9e3779b97f4a7c15ULL);
     test_traits();
     test_conversions();
     test_golden();

@@ -28,16 +28,7 @@
 #include "quant.h"
 #include "sha256.h"
 #include "synth.h"
-
-static int failures;
-
-#define CHECK(cond)                                                               \
-    do {                                                                          \
-        if (!(cond)) {                                                            \
-            failures++;                                                           \
-            fprintf(stderr, "%s:%d: check failed: %s\n", __FILE__, __LINE__, #cond); \
-        }                                                                         \
-    } while (0)
+#include "testutil.h"
 
 #define VOCAB_DIR LUMA_SOURCE_DIR "/../shared/testdata/tokenizer/"
 #define SPM_VOCAB "ggml-vocab-llama-spm.gguf"
@@ -45,17 +36,6 @@ static int failures;
 #define PATH_CAP 512
 
 static char tmpdir[256];
-
-#define DEFAULT_MODEL "gemma-3-270m-q4_k_m.gguf"
-
-/* $LUMA_MODEL, else the default model in the cache. */
-static void default_model(char *out, size_t cap)
-{
-    const char *env = getenv("LUMA_MODEL");
-    const char *home = getenv("HOME");
-    if (env && *env) snprintf(out, cap, "%s", env);
-    else snprintf(out, cap, "%s/.cache/luma/models/" DEFAULT_MODEL, home ? home : "");
-}
 
 static void tmp_path(char out[PATH_CAP], const char *name)
 {
@@ -414,7 +394,7 @@ static void check_golden_recipe(const char *preset)
         fprintf(stderr, "test_synth: %s: no model = { seed, mix, vocab, sha256 } line\n", path);
         return;
     }
-    if (strcmp(vocab, DEFAULT_MODEL) == 0) default_model(vocab_path, sizeof vocab_path);
+    if (strcmp(vocab, LUMA_TEST_MODEL_NAME) == 0) luma_test_model_path(vocab_path, sizeof vocab_path);
     else snprintf(vocab_path, sizeof vocab_path, "%s%s", VOCAB_DIR, vocab);
     if (!exists(vocab_path)) {
         printf("test_synth: %s golden recipe: vocabulary %s absent, not checked\n", preset, vocab);
@@ -559,8 +539,7 @@ static bool pick_vocab(char *out, size_t cap)
 {
     snprintf(out, cap, "%s", VOCAB_DIR SPM_VOCAB);
     if (exists(out)) return true;
-    default_model(out, cap);
-    return exists(out);
+    return luma_test_model_path(out, cap);
 }
 
 int main(void)

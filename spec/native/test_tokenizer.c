@@ -28,17 +28,8 @@
 
 #include "gguf.h"
 #include "tokenizer.h"
+#include "testutil.h"
 #include "unicode.h"
-
-static int failures;
-
-#define CHECK(cond)                                                                   \
-    do {                                                                              \
-        if (!(cond)) {                                                                \
-            failures++;                                                               \
-            fprintf(stderr, "%s:%d: check failed: %s\n", __FILE__, __LINE__, #cond);  \
-        }                                                                             \
-    } while (0)
 
 /* ---- small tools ------------------------------------------------------------ */
 
@@ -727,15 +718,6 @@ static void test_shared(void)
 
 /* ---- Gemma 3 ------------------------------------------------------------------------------ */
 
-static bool model_path(char *path, size_t size)
-{
-    struct stat st;
-    const char *env = getenv("LUMA_MODEL"), *home = getenv("HOME");
-    if (env && *env) snprintf(path, size, "%s", env);
-    else snprintf(path, size, "%s/.cache/luma/models/gemma-3-270m-q4_k_m.gguf", home ? home : "");
-    return stat(path, &st) == 0;
-}
-
 static void test_gemma_stream(const luma_vocab *v)
 {
     static const char *const texts[] = {
@@ -770,7 +752,7 @@ static void test_gemma_stream(const luma_vocab *v)
 static void test_gemma(void)
 {
     char path[4096];
-    if (!model_path(path, sizeof path)) {
+    if (!luma_test_model_path(path, sizeof path)) {
         failures++;
         printf("test_tokenizer: FAILED: the default model is missing (%s); set LUMA_MODEL or fetch "
                "gemma-3-270m-q4_k_m.gguf into ~/.cache/luma/models\n", path);

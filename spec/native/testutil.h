@@ -1,0 +1,171 @@
+/* What the native tests share, written once: the failure count and its
+ * CHECK macros, a seeded random generator, random weights in every format,
+ * xmalloc, and where the default model is. Each test is a program of its
+ * own, so everything here is static (inline: a test need not use it all) and
+ * a test includes it as "testutil.h" from its own folder. */
+#ifndef LUMA_TESTUTIL_H
+#define LUMA_TESTUTIL_H
+
+#include "quant.h"
+
+#include <math.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ---- checks ------------------------------------------------------------- */
+
+/* A test exits non-zero when this is not 0 at the end. */
+static int failures;
+
+/* CHECK(cond) names a failed condition on stderr, every time. */
+#define CHECK(cond)                                                                   \
+    do {                                                                              \
+        if (!(cond)) {                                                                \
+            failures++;                                                               \
+            fprintf(stderr, "%s:%d: check failed: %s\n", __FILE__, __LINE__, #cond);  \
+        }                                                                             \
+    } while (0)
+
+/* CHECKF(cond, fmt, ...) prints its message on stdout, for the first 20
+ * failures only: it sits in loops over thousands of elements. */
+#define CHECKF(cond, ...)                                     \
+    do {                                                      \
+        if (!(cond)) {                                        \
+            failures++;                                       \
+            if (failures <= 20) {                             \
+                printf("  FAIL %s:%d: ", __FILE__, __LINE__); \
+                printf(__VA_ARGS__);                          \
+                printf("\n");                                 \
+            }                                                 \
+        }                                                     \
+    } while (0)
+
+/* ---- random data -------------------------------------------------------- */
+
+/* splitmix64. Each test seeds it once with its own constant, so its data
+ * stays the same from run to run. */
+static uint64_t rnd_state;
+
+static inline void rnd_seed(uint64_t seed)
+{
+    rnd_state = seed;
+}
+
+static inline uint64_t rnd(void)
+{
+    uint64_t z = (rnd_state += 0x9e3779b97f4a7c15ULL);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    return z ^ (z >> 31);
+}
+
+/* 24 random bits spread over [lo, hi). */
+static inline float uniform(float lo, float hi)
+{
+    return lo + (hi - lo) * (float)(rnd() >> 40) / (float)(1 << 24);
+}
+
+/* A standard normal (Box-Muller). */
+static inline float gaussian(void)
+{
+    float u = uniform(1e-7f, 1.0f), v = uniform(0.0f, 6.2831853f);
+    return sqrtf(-2.0f * logf(u)) * cosf(v);
+}
+
+/* Offsets of the half-float scales in a block: d, then m or dmin (-1: none). */
+static inline void scale_offsets(enum luma_type t, int *d, int *m)
+{
+    *m = -1;
+    switch (t) {
+    case LUMA_Q4_0: *d = offsetof(luma_block_q4_0, d); break;
+    case LUMA_Q4_1: *d = offsetof(luma_block_q4_1, d); *m = offsetof(luma_block_q4_1, m); break;
+    case LUMA_Q5_0: *d = offsetof(luma_block_q5_0, d); break;
+    case LUMA_Q5_1: *d = offsetof(luma_block_q5_1, d); *m = offsetof(luma_block_q5_1, m); break;
+    case LUMA_Q8_0: *d = offsetof(luma_block_q8_0, d); break;
+    case LUMA_Q2_K: *d = offsetof(luma_block_q2_K, d); *m = offsetof(luma_block_q2_K, dmin); break;
+    case LUMA_Q3_K: *d = offsetof(luma_block_q3_K, d); break;
+    case LUMA_Q4_K: *d = offsetof(luma_block_q4_K, d); *m = offsetof(luma_block_q4_K, dmin); break;
+    case LUMA_Q5_K: *d = offsetof(luma_block_q5_K, d); *m = offsetof(luma_block_q5_K, dmin); break;
+    case LUMA_Q6_K: *d = offsetof(luma_block_q6_K, d); break;
+    default: *d = -1; break;
+    }
+}
+
+static inline void put_half(uint8_t *p, float v)
+{
+    uint16_t h = luma_f32_to_f16(v);
+    memcpy(p, &h, sizeof h);
+}
+
+/* n weights of type t into dst, luma_row_size(t, n) bytes: one row, or a
+ * whole rows x cols matrix when a row is whole blocks. The block formats get
+ * random bytes with their half scales set to [1e-3, 1e-1], so that no block
+ * holds an inf or a NaN; the minimums of Q4_1 and Q5_1 (a signed offset)
+ * take either sign, the K formats' dmin stays positive as a quantizer
+ * writes it. The float formats get standard normals. */
+static inline void random_weights(enum luma_type t, int64_t n, uint8_t *dst)
+{
+    const luma_type_traits *tr = luma_type_get(t);
+    if (!tr->is_quantized) {
+        for (int64_t i = 0; i < n; i++) {
+            float v = gaussian();
+            if (t == LUMA_F32) {
+                memcpy(dst + 4 * i, &v, 4);
+            } else {
+                uint16_t h = t == LUMA_F16 ? luma_f32_to_f16(v) : luma_f32_to_bf16(v);
+                memcpy(dst + 2 * i, &h, 2);
+            }
+        }
+        return;
+    }
+    size_t bytes = luma_row_size(t, n);
+    for (size_t i = 0; i < bytes; i++) dst[i] = (uint8_t)rnd();
+    int od, om;
+    scale_offsets(t, &od, &om);
+    if (od < 0) return;
+    for (size_t b = 0; b < bytes / tr->type_size; b++) {
+        uint8_t *blk = dst + b * tr->type_size;
+        put_half(blk + od, uniform(1e-3f, 1e-1f));
+        if (om < 0) continue;
+        bool negative = (t == LUMA_Q4_1 || t == LUMA_Q5_1) && (rnd() & 1);
+        float m = uniform(1e-3f, 1e-1f);
+        put_half(blk + om, negative ? -m : m);
+    }
+}
+
+/* malloc that ends the test when memory runs out; never NULL, even for 0. */
+static inline void *xmalloc(size_t n)
+{
+    void *p = malloc(n ? n : 1);
+    if (!p) {
+        printf("out of memory\n");
+        exit(1);
+    }
+    return p;
+}
+
+/* ---- the default model -------------------------------------------------- */
+
+#define LUMA_TEST_MODEL_NAME "gemma-3-270m-q4_k_m.gguf"
+
+/* $LUMA_MODEL when set, else ~/.cache/luma/models/LUMA_TEST_MODEL_NAME, into
+ * buf (for the test's message either way); true when that file opens. Each
+ * test decides what its absence means: a failure, or a check that did not
+ * run. */
+static inline bool luma_test_model_path(char *buf, size_t size)
+{
+    const char *env = getenv("LUMA_MODEL"), *home = getenv("HOME");
+    int n = env && *env ? snprintf(buf, size, "%s", env)
+                        : snprintf(buf, size, "%s/.cache/luma/models/" LUMA_TEST_MODEL_NAME, home ? home : "");
+    if (n < 0 || (size_t)n >= size) return false;
+    FILE *f = fopen(buf, "rb");
+    if (!f) return false;
+    fclose(f);
+    return true;
+}
+
+#endif

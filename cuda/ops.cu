@@ -18,7 +18,7 @@
 
 #define THREADS 256
 /* RoPE's per-frequency tables travel as kernel parameters: head_dim <= 1024. */
-#define ROPE_MAX_HALF 512
+#define ROPE_MAX_HALF 256
 
 static cuda_backend *cu(luma_backend *be) { return (cuda_backend *)be; }
 
@@ -270,13 +270,14 @@ void luma_cuda_rmsnorm(luma_backend *be, const luma_buf *x, const luma_weight *g
 
 /* ---- RoPE ---------------------------------------------------------------- */
 
-/* The angle of frequency i at position p, as the CPU's (and the reference
- * engine's) tables make it: theta = p, multiplied by step = base^(-2/n_dims)
- * once per frequency, in float, then pos_scale * theta / ff[i]; ff[i] is 1
- * when the model has no frequency factors (dividing by 1 is exact). */
+/* The angle of frequency i at position p, as the CPU's tables make it:
+ * (p * pos_scale) * pw[i] / ff[i], pw[i] = base^(-2i/n_dims) computed on the
+ * host with powf; ff[i] is 1 when the model has no frequency factors
+ * (dividing by 1 is exact). */
 typedef struct rope_args {
     float ff[ROPE_MAX_HALF];
-    float step, pos_scale;
+    float pw[ROPE_MAX_HALF];
+    float pos_scale;
     int32_t half, head_dim, heads;
     bool neox;
 } rope_args;
@@ -289,10 +290,8 @@ __global__ static void rope_kernel(float *x, int64_t cols, const int32_t *pos, i
     if (t >= n) return;
     int32_t i = (int32_t)(t % a.half);
     int64_t row = t / a.half;
-    float theta = (float)pos[row];
-    for (int32_t k = 0; k < i; k++) theta *= a.step;
-    float angle = a.pos_scale * (theta / a.ff[i]), sn, cs;
-    sincosf(angle, &sn, &cs);
+    float angle = (float)pos[row] * a.pos_scale * a.pw[i] / a.ff[i];
+    float sn = sinf(angle), cs = cosf(angle);
     int32_t ia = a.neox ? i : 2 * i, ib = a.neox ? i + a.half : 2 * i + 1;
     for (int32_t h = 0; h < a.heads; h++) {
         float *v = x + (size_t)row * (size_t)cols + (size_t)h * (size_t)a.head_dim;
@@ -315,8 +314,10 @@ void luma_cuda_rope(luma_backend *be, luma_buf *x, int32_t head_dim, const int32
     const int32_t *d_pos = luma_cuda_step_array(c, pos, (int32_t)x->rows, "rope");
     if (!d_pos) return;
     rope_args a;
-    for (int32_t i = 0; i < half; i++) a.ff[i] = r->freq_factors ? r->freq_factors[i] : 1.0f;
-    a.step = powf(r->base, -2.0f / (float)r->n_dims);
+    for (int32_t i = 0; i < half; i++) {
+        a.ff[i] = r->freq_factors ? r->freq_factors[i] : 1.0f;
+        a.pw[i] = powf(r->base, -2.0f * (float)i / (float)r->n_dims);
+    }
     a.half = half;
     a.head_dim = head_dim;
     a.heads = (int32_t)(x->cols / head_dim);
@@ -331,16 +332,11 @@ void luma_cuda_rope(luma_backend *be, luma_buf *x, int32_t head_dim, const int32
 
 enum { EW_ADD, EW_GELU_MUL, EW_SILU_MUL };
 
-/* GELU (tanh approximation) as the CPU's (src/cpu/vec.h): of a rounded to
- * half precision, the result rounded to half precision, 0 from -10 down and
- * a itself from 10 up. */
-__device__ static float gelu(float a)
+/* GELU, tanh approximation, the CPU's formula (src/cpu/vec.c). */
+__device__ static float gelu(float x)
 {
     const float k = 0.7978845608028654f; /* sqrt(2 / pi) */
-    if (a <= -10.0f) return 0.0f;
-    if (a >= 10.0f) return a;
-    float x = __half2float(__float2half_rn(a));
-    return __half2float(__float2half_rn(0.5f * x * (1.0f + tanhf(k * (x + 0.044715f * x * x * x)))));
+    return 0.5f * x * (1.0f + tanhf(k * (x + 0.044715f * x * x * x)));
 }
 
 template <int OP>

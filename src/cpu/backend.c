@@ -4,13 +4,22 @@
  * matmul quantizes each activation row once to the weight's activation
  * format, then walks the weight matrix in tiles of TILE_W rows; each tile is
  * multiplied with the activation rows TILE_A at a time while it sits in L1,
- * so a prefill of M tokens reads the weights from memory once, not M times. */
+ * so a prefill of M tokens reads the weights from memory once, not M times.
+ * With AVX2, the legacy block formats go through weight panels instead
+ * (cpu/quant_simd.h): from a few activation rows on, each thread decodes 8
+ * weight rows at a time into a panel and runs every activation row against
+ * it, paying the decoding once per prefill instead of once per 4 tokens;
+ * fewer rows (decode) take the panels' rows kernel, which gives the same
+ * results bit for bit. Every operation computes a row the same way whatever
+ * the other rows of the step, so a sequence's logits do not depend on how
+ * its tokens were batched. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "backend.h"
 #include "cpu/pool.h"
+#include "cpu/quant_simd.h"
 #include "cpu/vec.h"
 #include "quant.h"
 
@@ -20,14 +29,33 @@
  * waking the pool would cost more than the work. */
 #define SMALL_OP 16384
 
+#define ROPE_TABLES 2
+
+/* cos and sin of every (row, rotated pair) of a step for one RoPE setting,
+ * kept between calls: the forward rotates q and k of every layer, and its
+ * layers share one or two settings, so a step computes each table once
+ * instead of once per call. A table is reused only for an equal setting and
+ * equal positions. */
+typedef struct rope_table {
+    luma_rope r;
+    int32_t *pos;              /* [rows] */
+    float *cs;                 /* [rows][n_dims / 2] pairs cos, sin */
+    float *pw;                 /* [n_dims / 2] base^(-2i/n_dims) */
+    int64_t rows;
+    size_t pos_cap, cs_cap, pw_cap;
+} rope_table;
+
 typedef struct cpu_backend {
     luma_backend base;
     luma_pool *pool;
     const luma_vec_ops *vec;
+    bool avx2;
     void *act;                 /* quantized activation rows */
     size_t act_cap;
-    float *scratch;            /* per-thread attention scores and accumulators */
-    size_t scratch_per_thread;
+    uint8_t *panels;           /* one weight panel per thread */
+    size_t panels_cap;
+    rope_table rope[ROPE_TABLES];
+    int rope_next;             /* the slot to refill next */
     luma_kv_layout kvl;
     uint8_t *kv_mem[LUMA_KV_MAX_POOLS];
     size_t kv_block_bytes[LUMA_KV_MAX_POOLS];
@@ -43,6 +71,17 @@ static void run(cpu_backend *c, luma_pool_fn fn, void *ctx, int64_t work)
 }
 
 /* ---- memory ------------------------------------------------------------- */
+
+/* Grows *mem to at least need bytes; false when out of memory. */
+static bool reserve(void *mem, size_t *cap, size_t need)
+{
+    if (need <= *cap) return true;
+    void *m = realloc(*(void **)mem, need);
+    if (!m) return false;
+    *(void **)mem = m;
+    *cap = need;
+    return true;
+}
 
 static int cpu_weight_load(luma_backend *be, luma_weight *w, luma_err *err)
 {
@@ -106,13 +145,6 @@ static int cpu_kv_alloc(luma_backend *be, const luma_kv_layout *l, luma_err *err
             return luma_errf(err, "out of memory for the KV cache (%zu MiB in pool %d)",
                              total >> 20, p);
     }
-    /* Scores for the longest visible context, plus one output head. */
-    size_t ctx = 0;
-    for (int p = 0; p < l->n_pools; p++) ctx += (size_t)l->n_blocks[p] * (size_t)l->block_tokens;
-    c->scratch_per_thread = ctx + (size_t)l->head_dim_v + 16;
-    free(c->scratch);
-    c->scratch = malloc(c->scratch_per_thread * (size_t)luma_pool_size(c->pool) * sizeof(float));
-    if (!c->scratch) return luma_errf(err, "out of memory for attention scratch");
     return 0;
 }
 
@@ -146,17 +178,51 @@ typedef struct {
     void *act;
     size_t act_row;
     luma_buf *y;
+    const luma_panel_ops *panel;   /* NULL: tiles */
+    bool packed;               /* through panels, else the panels' rows kernel */
+    uint8_t *panels;
+    size_t panel_bytes;
 } matmul_job;
 
 static void quantize_job(void *p, int ith, int nth)
 {
     matmul_job *j = p;
     enum luma_type at = luma_type_get(j->w->type)->act_type;
+    int64_t n = j->x->cols;
     long lo, hi;
     luma_pool_split(j->n, ith, nth, &lo, &hi);
     for (long i = lo; i < hi; i++) {
-        luma_quantize_act(at, j->x->data + (size_t)i * (size_t)j->x->cols,
-                          (uint8_t *)j->act + (size_t)i * j->act_row, j->x->cols);
+        const float *x = j->x->data + (size_t)i * (size_t)n;
+        uint8_t *dst = (uint8_t *)j->act + (size_t)i * j->act_row;
+        if (!j->panel) {
+            luma_quantize_act(at, x, dst, n);
+            continue;
+        }
+#if defined(__x86_64__)
+        /* through 8 Q8_0 blocks at a time */
+        luma_block_q8_0 tmp[8];
+        for (int64_t k = 0; k < n; k += 8 * LUMA_QK) {
+            int64_t len = n - k < 8 * LUMA_QK ? n - k : 8 * LUMA_QK;
+            luma_quantize_act(at, x + k, tmp, len);
+            luma_panel_act_avx2(tmp, len, (luma_panel_act *)dst + k / LUMA_QK);
+        }
+#endif
+    }
+}
+
+static void matmul_panel_run(void *p, int ith, int nth)
+{
+    matmul_job *j = p;
+    const luma_weight *w = j->w;
+    size_t wrow = luma_row_size(w->type, w->cols);
+    uint8_t *panel = j->panels + (size_t)ith * j->panel_bytes;
+    long panels = (w->rows + LUMA_PANEL_ROWS - 1) / LUMA_PANEL_ROWS, lo, hi;
+    luma_pool_split(panels, ith, nth, &lo, &hi);
+    for (long t = lo; t < hi; t++) {
+        int64_t r0 = t * LUMA_PANEL_ROWS;
+        int nr = (int)(w->rows - r0 < LUMA_PANEL_ROWS ? w->rows - r0 : LUMA_PANEL_ROWS);
+        j->panel->pack(w->cols, (const uint8_t *)w->host + (size_t)r0 * wrow, wrow, nr, panel);
+        j->panel->dot(w->cols, panel, nr, j->act, j->act_row, j->n, j->y->data + r0, (size_t)w->rows);
     }
 }
 
@@ -171,6 +237,10 @@ static void matmul_job_run(void *p, int ith, int nth)
         int64_t r0 = t * TILE_W;
         int nr = (int)(w->rows - r0 < TILE_W ? w->rows - r0 : TILE_W);
         const uint8_t *wt = (const uint8_t *)w->host + (size_t)r0 * wrow;
+        if (j->panel) {
+            j->panel->rows(w->cols, wt, wrow, nr, j->act, j->act_row, j->n, j->y->data + r0, (size_t)w->rows);
+            continue;
+        }
         for (int32_t a0 = 0; a0 < j->n; a0 += TILE_A) {
             int na = j->n - a0 < TILE_A ? j->n - a0 : TILE_A;
             luma_vec_dot_rows(w->type, w->cols, wt, wrow, nr,
@@ -184,21 +254,29 @@ static void cpu_matmul(luma_backend *be, const luma_weight *w, const luma_buf *x
 {
     cpu_backend *c = cpu(be);
     int32_t n = (int32_t)x->rows;
-    enum luma_type at = luma_type_get(w->type)->act_type;
-    size_t act_row = luma_row_size(at, w->cols);
-    size_t need = act_row * (size_t)(n ? n : 1);
-    if (need > c->act_cap) {
-        void *a = realloc(c->act, need);
-        if (!a) {
-            c->failure = "out of memory for quantized activations";
+    matmul_job j = { .w = w, .x = x, .n = n, .y = y };
+#if defined(__x86_64__)
+    if (c->avx2) j.panel = luma_panel_avx2(w->type);
+#endif
+    if (j.panel) {
+        j.packed = n >= j.panel->min_rows;
+        j.act_row = (size_t)(w->cols / LUMA_QK) * sizeof(luma_panel_act);
+        j.panel_bytes = (size_t)(w->cols / LUMA_QK) * j.panel->block_bytes;
+        if (j.packed && !reserve(&c->panels, &c->panels_cap, j.panel_bytes * (size_t)luma_pool_size(c->pool))) {
+            c->failure = "out of memory for weight panels";
             return;
         }
-        c->act = a;
-        c->act_cap = need;
+        j.panels = c->panels;
+    } else {
+        j.act_row = luma_row_size(luma_type_get(w->type)->act_type, w->cols);
     }
-    matmul_job j = { w, x, n, c->act, act_row, y };
+    if (!reserve(&c->act, &c->act_cap, j.act_row * (size_t)(n ? n : 1))) {
+        c->failure = "out of memory for quantized activations";
+        return;
+    }
+    j.act = c->act;
     run(c, quantize_job, &j, (int64_t)n * w->cols);
-    luma_pool_run(c->pool, matmul_job_run, &j);
+    luma_pool_run(c->pool, j.packed ? matmul_panel_run : matmul_job_run, &j);
     y->rows = n;
     y->cols = w->rows;
 }
@@ -230,6 +308,7 @@ typedef struct {
     int64_t group;
     float eps;
     luma_buf *out;
+    const luma_vec_ops *vec;
 } norm_job;
 
 static void norm_job_run(void *p, int ith, int nth)
@@ -241,9 +320,7 @@ static void norm_job_run(void *p, int ith, int nth)
     for (long i = lo; i < hi; i++) {
         const float *src = j->x->data + (size_t)i * (size_t)j->group;
         float *dst = j->out->data + (size_t)i * (size_t)j->group;
-        double ss = 0;
-        for (int64_t k = 0; k < j->group; k++) ss += (double)src[k] * src[k];
-        float s = (float)(1.0 / sqrt(ss / (double)j->group + j->eps));
+        float s = (float)(1.0 / sqrt(j->vec->sum_sq(j->group, src) / (double)j->group + j->eps));
         for (int64_t k = 0; k < j->group; k++) dst[k] = src[k] * s * j->g[k];
     }
 }
@@ -253,89 +330,139 @@ static void cpu_rmsnorm(luma_backend *be, const luma_buf *x, const luma_weight *
 {
     out->rows = x->rows;
     out->cols = x->cols;
-    norm_job j = { x, g->host, group, eps, out };
+    norm_job j = { x, g->host, group, eps, out, cpu(be)->vec };
     run(cpu(be), norm_job_run, &j, x->rows * x->cols);
 }
 
 typedef struct {
+    rope_table *t;
     luma_buf *x;
     int32_t head_dim;
-    const int32_t *pos;
-    const luma_rope *r;
 } rope_job;
+
+static void rope_fill_run(void *p, int ith, int nth)
+{
+    rope_job *j = p;
+    const luma_rope *r = &j->t->r;
+    int32_t half = r->n_dims / 2;
+    long lo, hi;
+    luma_pool_split(j->t->rows, ith, nth, &lo, &hi);
+    for (long row = lo; row < hi; row++) {
+        float pos = (float)j->t->pos[row] * r->pos_scale, *cs = j->t->cs + (size_t)row * (size_t)half * 2;
+        for (int32_t i = 0; i < half; i++) {
+            float theta = pos * j->t->pw[i];
+            if (r->freq_factors) theta /= r->freq_factors[i];
+            cs[2 * i] = cosf(theta);
+            cs[2 * i + 1] = sinf(theta);
+        }
+    }
+}
 
 static void rope_job_run(void *p, int ith, int nth)
 {
     rope_job *j = p;
-    const luma_rope *r = j->r;
+    const luma_rope *r = &j->t->r;
     int64_t heads = j->x->cols / j->head_dim;
     int32_t half = r->n_dims / 2;
+    /* NORM rotates adjacent pairs (a, a + 1); NEOX the two halves (a, a + half) */
+    int32_t step = r->kind == LUMA_ROPE_NEOX ? 1 : 2, other = r->kind == LUMA_ROPE_NEOX ? half : 1;
     long lo, hi;
     luma_pool_split(j->x->rows, ith, nth, &lo, &hi);
     for (long row = lo; row < hi; row++) {
-        float pos = (float)j->pos[row] * r->pos_scale;
-        for (int32_t i = 0; i < half; i++) {
-            float theta = pos * powf(r->base, -2.0f * (float)i / (float)r->n_dims);
-            if (r->freq_factors) theta /= r->freq_factors[i];
-            float cs = cosf(theta), sn = sinf(theta);
-            for (int64_t h = 0; h < heads; h++) {
-                float *v = j->x->data + (size_t)row * (size_t)j->x->cols + (size_t)h * (size_t)j->head_dim;
-                /* NORM rotates adjacent pairs; NEOX rotates the two halves. */
-                int32_t a = r->kind == LUMA_ROPE_NEOX ? i : 2 * i;
-                int32_t b = r->kind == LUMA_ROPE_NEOX ? i + half : 2 * i + 1;
-                float x0 = v[a], x1 = v[b];
-                v[a] = x0 * cs - x1 * sn;
-                v[b] = x0 * sn + x1 * cs;
+        const float *cs = j->t->cs + (size_t)row * (size_t)half * 2;
+        for (int64_t h = 0; h < heads; h++) {
+            float *v = j->x->data + (size_t)row * (size_t)j->x->cols + (size_t)h * (size_t)j->head_dim;
+            for (int32_t i = 0; i < half; i++) {
+                float *a = v + i * step, *b = a + other;
+                float x0 = *a, x1 = *b;
+                *a = x0 * cs[2 * i] - x1 * cs[2 * i + 1];
+                *b = x0 * cs[2 * i + 1] + x1 * cs[2 * i];
             }
         }
     }
 }
 
+static bool rope_same(const luma_rope *a, const luma_rope *b)
+{
+    return a->kind == b->kind && a->n_dims == b->n_dims && a->base == b->base &&
+           a->pos_scale == b->pos_scale && a->freq_factors == b->freq_factors;
+}
+
+/* The table for r at these positions: a kept one, or the older slot filled. */
+static rope_table *rope_lookup(cpu_backend *c, const int32_t *pos, int64_t rows, const luma_rope *r)
+{
+    for (int i = 0; i < ROPE_TABLES; i++) {
+        rope_table *t = &c->rope[i];
+        if (t->rows == rows && rope_same(&t->r, r) && memcmp(t->pos, pos, (size_t)rows * sizeof *pos) == 0) {
+            c->rope_next = (i + 1) % ROPE_TABLES;
+            return t;
+        }
+    }
+    rope_table *t = &c->rope[c->rope_next];
+    c->rope_next = (c->rope_next + 1) % ROPE_TABLES;
+    t->rows = 0;
+    int32_t half = r->n_dims / 2;
+    if (!reserve(&t->pos, &t->pos_cap, (size_t)rows * sizeof *pos) ||
+        !reserve(&t->cs, &t->cs_cap, (size_t)rows * (size_t)half * 2 * sizeof(float)) ||
+        !reserve(&t->pw, &t->pw_cap, (size_t)(half > 0 ? half : 1) * sizeof(float)))
+        return NULL;
+    memcpy(t->pos, pos, (size_t)rows * sizeof *pos);
+    /* theta_i = pos * scale * base^(-2i/n_dims) / factor_i, multiplied in
+     * that order; the powers once per table */
+    for (int32_t i = 0; i < half; i++) t->pw[i] = powf(r->base, -2.0f * (float)i / (float)r->n_dims);
+    t->r = *r;
+    t->rows = rows;
+    rope_job j = { t, NULL, 0 };
+    run(c, rope_fill_run, &j, rows * r->n_dims * 16);
+    return t;
+}
+
 static void cpu_rope(luma_backend *be, luma_buf *x, int32_t head_dim, const int32_t *pos,
                      const luma_rope *r)
 {
-    rope_job j = { x, head_dim, pos, r };
-    run(cpu(be), rope_job_run, &j, x->rows * x->cols * 8);
+    cpu_backend *c = cpu(be);
+    rope_table *t = rope_lookup(c, pos, x->rows, r);
+    if (!t) {
+        c->failure = "out of memory for RoPE tables";
+        return;
+    }
+    rope_job j = { t, x, head_dim };
+    run(c, rope_job_run, &j, x->rows * x->cols);
 }
 
 typedef struct {
     luma_buf *a;
     const luma_buf *b;
     int op;
+    const luma_vec_ops *vec;
 } ew_job;
 
 enum { EW_ADD, EW_GELU_MUL, EW_SILU_MUL };
-
-static float gelu_tanh(float x)
-{
-    const float c = 0.7978845608028654f; /* sqrt(2 / pi) */
-    return 0.5f * x * (1.0f + tanhf(c * (x + 0.044715f * x * x * x)));
-}
 
 static void ew_job_run(void *p, int ith, int nth)
 {
     ew_job *j = p;
     long lo, hi;
     luma_pool_split(j->a->rows * j->a->cols, ith, nth, &lo, &hi);
-    float *a = j->a->data;
-    const float *b = j->b->data;
+    float *a = j->a->data + lo;
+    const float *b = j->b->data + lo;
     switch (j->op) {
     case EW_ADD:
-        for (long i = lo; i < hi; i++) a[i] += b[i];
+        for (long i = 0; i < hi - lo; i++) a[i] += b[i];
         break;
     case EW_GELU_MUL:
-        for (long i = lo; i < hi; i++) a[i] = gelu_tanh(a[i]) * b[i];
+        j->vec->gelu_mul(hi - lo, a, b);
         break;
     case EW_SILU_MUL:
-        for (long i = lo; i < hi; i++) a[i] = a[i] / (1.0f + expf(-a[i])) * b[i];
+        j->vec->silu_mul(hi - lo, a, b);
         break;
     }
 }
 
 static void elementwise(luma_backend *be, luma_buf *a, const luma_buf *b, int op)
 {
-    ew_job j = { a, b, op };
-    run(cpu(be), ew_job_run, &j, a->rows * a->cols * (op == EW_ADD ? 1 : 8));
+    ew_job j = { a, b, op, cpu(be)->vec };
+    run(cpu(be), ew_job_run, &j, a->rows * a->cols * (op == EW_ADD ? 1 : 4));
 }
 
 static void cpu_add(luma_backend *be, luma_buf *x, const luma_buf *y) { elementwise(be, x, y, EW_ADD); }
@@ -344,6 +471,24 @@ static void cpu_silu_mul(luma_backend *be, luma_buf *g, const luma_buf *u) { ele
 
 /* ---- attention over the paged cache ------------------------------------- */
 
+/* The work is cut into items: a run of up to ATTN_ROWS consecutive rows of
+ * one sequence, times a set of heads sharing one KV head (fewer heads when
+ * there would be fewer items than threads, as in decode). An item walks its
+ * keys in chunks of ATTN_CHUNK positions with an online softmax (each query
+ * row keeps its running maximum and sum, and its output is rescaled when the
+ * maximum grows), so every cached key and value is read and converted once
+ * for all of the item's query rows (up to ATTN_Q of them). Chunks start at
+ * multiples of ATTN_CHUNK and always span ATTN_CHUNK scores (those a row
+ * does not see are -inf): a row's arithmetic is then the same whatever rows
+ * and heads share its item. */
+#define ATTN_ROWS 4
+#define ATTN_Q 16
+#define ATTN_CHUNK 64
+
+typedef struct {
+    int32_t row0, n_rows, seq;
+} attn_run_rows;
+
 typedef struct {
     cpu_backend *c;
     const luma_buf *q, *k, *v;
@@ -351,6 +496,9 @@ typedef struct {
     const luma_attn *a;
     luma_buf *out;
     int32_t *row_seq;          /* sequence of each row */
+    const attn_run_rows *runs;
+    int32_t n_runs;
+    int32_t heads;             /* per item, dividing the group of a KV head */
 } attn_job;
 
 /* Address of the K (or V) row of a cached position, for one kv head. */
@@ -393,47 +541,96 @@ static void attn_store_run(void *p, int ith, int nth)
     }
 }
 
+/* The keys [k0, k1) of one sequence, cut at KV block boundaries: scores
+ * s[i * ATTN_CHUNK + key - k0] of the nq query rows, or (o != NULL) the
+ * weighted values added to o. */
+static void attn_keys(cpu_backend *c, const luma_attn *a, const luma_step_seq *sq, int32_t kvh,
+                      int32_t k0, int32_t k1, const float *const *q, float *const *o, int nq, float *s)
+{
+    const luma_vec_ops *vec = c->vec;
+    bool f16 = c->kvl.type == LUMA_F16;
+    int32_t B = c->kvl.block_tokens;
+    for (int32_t k = k0; k < k1;) {
+        int32_t block = sq->blocks[a->pool][k / B], off = k % B;
+        int nk = (int)(B - off < k1 - k ? B - off : k1 - k);
+        float *sk = s + (k - k0);
+        if (!o) {
+            const uint8_t *kr = kv_row(c, a, block, off, kvh, false);
+            if (f16) vec->qk_f16(a->head_dim_k, q, nq, (const uint16_t *)kr, (size_t)a->head_dim_k, nk, sk, ATTN_CHUNK);
+            else vec->qk_f32(a->head_dim_k, q, nq, (const float *)kr, (size_t)a->head_dim_k, nk, sk, ATTN_CHUNK);
+        } else {
+            const uint8_t *vr = kv_row(c, a, block, off, kvh, true);
+            if (f16) vec->pv_f16(a->head_dim_v, o, nq, sk, ATTN_CHUNK, (const uint16_t *)vr, (size_t)a->head_dim_v, nk);
+            else vec->pv_f32(a->head_dim_v, o, nq, sk, ATTN_CHUNK, (const float *)vr, (size_t)a->head_dim_v, nk);
+        }
+        k += nk;
+    }
+}
+
 static void attn_run(void *p, int ith, int nth)
 {
     attn_job *j = p;
     cpu_backend *c = j->c;
     const luma_attn *a = j->a;
-    const luma_vec_ops *vec = c->vec;
-    bool f16 = c->kvl.type == LUMA_F16;
-    int32_t B = c->kvl.block_tokens, group = a->n_head / a->n_kv_head;
-    float *scores = c->scratch + (size_t)ith * c->scratch_per_thread;
+    int32_t group = a->n_head / a->n_kv_head, hsplits = group / j->heads, dv = a->head_dim_v;
+    float s[ATTN_Q * ATTN_CHUNK], m[ATTN_Q], l[ATTN_Q];
+    const float *q[ATTN_Q];
+    float *o[ATTN_Q];
+    int32_t first[ATTN_Q], last[ATTN_Q];
     long lo, hi;
-    luma_pool_split((long)j->step->n_rows * a->n_head, ith, nth, &lo, &hi);
+    luma_pool_split((long)j->n_runs * a->n_kv_head * hsplits, ith, nth, &lo, &hi);
     for (long item = lo; item < hi; item++) {
-        long r = item / a->n_head;
-        int32_t h = (int32_t)(item % a->n_head), kvh = h / group;
-        const luma_step_seq *s = &j->step->seqs[j->row_seq[r]];
-        int32_t pos = j->step->pos[r];
-        int32_t first = a->window > 0 && pos - a->window + 1 > 0 ? pos - a->window + 1 : 0;
-        const float *q = j->q->data + (size_t)r * (size_t)j->q->cols + (size_t)h * (size_t)a->head_dim_k;
-        float mx = -INFINITY;
-        for (int32_t k = first; k <= pos; k++) {
-            const uint8_t *kr = kv_row(c, a, s->blocks[a->pool][k / B], k % B, kvh, false);
-            float sc = (f16 ? vec->dot_f16(a->head_dim_k, (const uint16_t *)kr, q)
-                            : vec->dot_f32(a->head_dim_k, (const float *)kr, q)) * a->scale;
-            if (a->softcap > 0) sc = a->softcap * tanhf(sc / a->softcap);
-            scores[k - first] = sc;
-            if (sc > mx) mx = sc;
+        int32_t hs = (int32_t)(item % hsplits), kvh = (int32_t)(item / hsplits % a->n_kv_head);
+        int32_t h0 = kvh * group + hs * j->heads;
+        const attn_run_rows *run = &j->runs[item / hsplits / a->n_kv_head];
+        const luma_step_seq *sq = &j->step->seqs[run->seq];
+        int nq = run->n_rows * j->heads;
+        for (int i = 0; i < nq; i++) {
+            int32_t r = run->row0 + i / j->heads, h = h0 + i % j->heads;
+            int32_t pos = j->step->pos[r];
+            q[i] = j->q->data + (size_t)r * (size_t)j->q->cols + (size_t)h * (size_t)a->head_dim_k;
+            o[i] = j->out->data + (size_t)r * (size_t)j->out->cols + (size_t)h * (size_t)dv;
+            memset(o[i], 0, (size_t)dv * sizeof(float));
+            first[i] = a->window > 0 && pos - a->window + 1 > 0 ? pos - a->window + 1 : 0;
+            last[i] = pos;
+            m[i] = -INFINITY;
+            l[i] = 0;
         }
-        float sum = 0;
-        for (int32_t k = first; k <= pos; k++) {
-            float e = expf(scores[k - first] - mx);
-            scores[k - first] = e;
-            sum += e;
+        /* rows run at increasing positions: the first row sees the first
+         * key, the last row the last */
+        int32_t kb = first[0], ke = last[nq - 1] + 1;
+        for (int32_t c0 = kb / ATTN_CHUNK * ATTN_CHUNK; c0 < ke; c0 += ATTN_CHUNK) {
+            int32_t k0 = c0 > kb ? c0 : kb, k1 = c0 + ATTN_CHUNK < ke ? c0 + ATTN_CHUNK : ke;
+            attn_keys(c, a, sq, kvh, k0, k1, q, NULL, nq, s + (k0 - c0));
+            for (int i = 0; i < nq; i++) {
+                float *si = s + (size_t)i * ATTN_CHUNK, mx = -INFINITY;
+                for (int32_t k = c0; k < c0 + ATTN_CHUNK; k++) {
+                    float sc = -INFINITY;
+                    if (k >= k0 && k < k1 && k >= first[i] && k <= last[i]) {
+                        sc = si[k - c0] * a->scale;
+                        if (a->softcap > 0) sc = a->softcap * tanhf(sc / a->softcap);
+                    }
+                    si[k - c0] = sc;
+                    if (sc > mx) mx = sc;
+                }
+                if (mx == -INFINITY) {
+                    memset(si, 0, ATTN_CHUNK * sizeof(float));
+                    continue;
+                }
+                if (mx > m[i]) {
+                    float f = expf(m[i] - mx);
+                    l[i] *= f;
+                    if (f != 1.0f)
+                        for (int32_t d = 0; d < dv; d++) o[i][d] *= f;
+                    m[i] = mx;
+                }
+                l[i] += c->vec->exp_sum(ATTN_CHUNK, si, m[i], si);
+            }
+            attn_keys(c, a, sq, kvh, k0, k1, NULL, o, nq, s + (k0 - c0));
         }
-        float *o = j->out->data + (size_t)r * (size_t)j->out->cols + (size_t)h * (size_t)a->head_dim_v;
-        memset(o, 0, (size_t)a->head_dim_v * sizeof(float));
-        float inv = 1.0f / sum;
-        for (int32_t k = first; k <= pos; k++) {
-            const uint8_t *vr = kv_row(c, a, s->blocks[a->pool][k / B], k % B, kvh, true);
-            float w = scores[k - first] * inv;
-            if (f16) vec->axpy_f16(a->head_dim_v, w, (const uint16_t *)vr, o);
-            else vec->axpy_f32(a->head_dim_v, w, (const float *)vr, o);
+        for (int i = 0; i < nq; i++) {
+            float inv = 1.0f / l[i];
+            for (int32_t d = 0; d < dv; d++) o[i][d] *= inv;
         }
     }
 }
@@ -442,22 +639,44 @@ static void cpu_attention(luma_backend *be, const luma_buf *q, const luma_buf *k
                           const luma_step *step, const luma_attn *a, luma_buf *out)
 {
     cpu_backend *c = cpu(be);
-    /* The rows of a step are few (at most max_rows): a small stack map from
-     * row to sequence keeps the workers free of searching. */
+    /* The rows of a step are few (at most max_rows): small stack maps from
+     * row to sequence, and runs of rows, keep the workers free of searching. */
     int32_t row_seq_small[1024];
-    int32_t *row_seq = step->n_rows <= 1024 ? row_seq_small : malloc((size_t)step->n_rows * sizeof(int32_t));
-    if (!row_seq) {
+    attn_run_rows runs_small[1024];
+    bool small = step->n_rows <= 1024;
+    int32_t *row_seq = small ? row_seq_small : malloc((size_t)step->n_rows * sizeof(int32_t));
+    attn_run_rows *runs = small ? runs_small : malloc((size_t)step->n_rows * sizeof *runs);
+    if (!row_seq || !runs) {
         c->failure = "out of memory for attention";
-        return;
+        goto done;
     }
-    for (int32_t s = 0; s < step->n_seqs; s++)
-        for (int32_t r = 0; r < step->seqs[s].n_rows; r++) row_seq[step->seqs[s].row0 + r] = s;
+    int32_t group = a->n_head / a->n_kv_head, heads = group < ATTN_Q ? group : ATTN_Q;
+    while (group % heads) heads--;
+    int32_t rows = ATTN_Q / heads < ATTN_ROWS ? ATTN_Q / heads : ATTN_ROWS;
+    int32_t n_runs = 0;
+    for (int32_t s = 0; s < step->n_seqs; s++) {
+        const luma_step_seq *sq = &step->seqs[s];
+        for (int32_t r = 0; r < sq->n_rows; r++) row_seq[sq->row0 + r] = s;
+        for (int32_t r = 0; r < sq->n_rows; r += rows) {
+            int32_t n = sq->n_rows - r < rows ? sq->n_rows - r : rows;
+            runs[n_runs++] = (attn_run_rows){ sq->row0 + r, n, s };
+        }
+    }
+    /* Too few items for the threads (decode): fewer heads per item. */
+    int nth = luma_pool_size(c->pool);
+    while (heads > 1 && (long)n_runs * a->n_kv_head * (group / heads) < nth) {
+        int32_t h = heads - 1;
+        while (group % h) h--;
+        heads = h;
+    }
     out->rows = q->rows;
     out->cols = (int64_t)a->n_head * a->head_dim_v;
-    attn_job j = { c, q, k, v, step, a, out, row_seq };
+    attn_job j = { c, q, k, v, step, a, out, row_seq, runs, n_runs, heads };
     run(c, attn_store_run, &j, step->n_rows * k->cols);
     luma_pool_run(c->pool, attn_run, &j);
+done:
     if (row_seq != row_seq_small) free(row_seq);
+    if (runs != runs_small) free(runs);
 }
 
 static int cpu_sync(luma_backend *be, luma_err *err)
@@ -475,8 +694,13 @@ static void cpu_free(luma_backend *be)
     if (!c) return;
     luma_pool_free(c->pool);
     for (int p = 0; p < LUMA_KV_MAX_POOLS; p++) free(c->kv_mem[p]);
-    free(c->scratch);
     free(c->act);
+    free(c->panels);
+    for (int i = 0; i < ROPE_TABLES; i++) {
+        free(c->rope[i].pos);
+        free(c->rope[i].cs);
+        free(c->rope[i].pw);
+    }
     free(c);
 }
 
@@ -511,6 +735,7 @@ luma_backend *luma_backend_cpu_new(int n_threads, luma_err *err)
     }
     c->base.ops = &cpu_ops;
     c->vec = luma_vec_get();
+    c->avx2 = strcmp(luma_simd_name(), "avx2") == 0;
     c->pool = luma_pool_new(n_threads);
     if (!c->pool) {
         free(c);

@@ -9,7 +9,9 @@
  *
  * A weight block is decoded once into registers, then met by up to TILE_A
  * activation rows: luma_vec_dot_rows reads each weight byte once per tile of
- * tokens, and a single dot is the tile of one weight row and one token. */
+ * tokens, and a single dot is the tile of one weight row and one token. For
+ * many tokens (prefill), the CPU backend decodes 8 weight rows once into a
+ * panel instead and runs every token against it (the last section). */
 #include "quant_simd.h"
 
 #include <immintrin.h>
@@ -54,13 +56,34 @@ INLINE __m256i pack_i8(__m256i i0, __m256i i1, __m256i i2, __m256i i3)
     return _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
+/* A matrix-vector product (decode) is otherwise compute-bound and
+ * memory-bound by turns: the hardware prefetcher does not run far enough
+ * ahead of the decoding. So each step asks for the same bytes of a weight
+ * row about PREFETCH_BYTES further on (whole rows ahead, ws bytes each).
+ * Rows past the last are never read, and a prefetch cannot fault. */
+#define PREFETCH_BYTES 4096
+
+INLINE size_t prefetch_distance(size_t ws)
+{
+    return ws ? (PREFETCH_BYTES + ws - 1) / ws * ws : 0;
+}
+
+/* [p, p + len) at dist bytes ahead, one cache line at a time. */
+INLINE void prefetch_ahead(const uint8_t *p, size_t dist, size_t len)
+{
+    const char *q = (const char *)p + dist;
+    for (size_t o = 0; o < len; o += 64) _mm_prefetch(q + o, _MM_HINT_T0);
+}
+
 /* ---- legacy formats (32-element blocks) against Q8_0 ------------------- */
 
-/* 16 bytes of nibbles to 32 bytes: low nibbles (elements 0..15), then high. */
+/* 16 bytes of nibbles to 32 bytes: low nibbles (elements 0..15), then high.
+ * A broadcast load and a per-lane shift, where the obvious insert would
+ * compete for the shuffle unit with the rest of the decoding. */
 INLINE __m256i nibbles(const uint8_t *p)
 {
-    __m128i v = _mm_loadu_si128((const __m128i *)p);
-    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(0x0F));
+    __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_and_si256(_mm256_srlv_epi64(v, _mm256_setr_epi64x(0, 0, 4, 4)), _mm256_set1_epi8(0x0F));
 }
 
 /* The 32 bits of a Q5 qh (little-endian) to 32 bytes: 0xFF where set. */
@@ -164,7 +187,7 @@ INLINE __m256 legacy_dot(enum luma_type t, const legacy_w *w, const luma_block_q
 INLINE void legacy_tile(enum luma_type t, int ta, int64_t n, const uint8_t *w, size_t ws, int nr,
                         const uint8_t *a, size_t as, float *out, size_t os)
 {
-    const size_t bs = legacy_block_size(t);
+    const size_t bs = legacy_block_size(t), dist = prefetch_distance(ws);
     const int64_t nb = n / LUMA_QK;
     for (int i = 0; i < nr; i++) {
         const uint8_t *wr = w + (size_t)i * ws;
@@ -172,6 +195,7 @@ INLINE void legacy_tile(enum luma_type t, int ta, int64_t n, const uint8_t *w, s
         for (int r = 0; r < ta; r++) acc0[r] = acc1[r] = _mm256_setzero_ps();
         int64_t b = 0;
         for (; b + 2 <= nb; b += 2) {
+            prefetch_ahead(wr + (size_t)b * bs, dist, 2 * bs);
             legacy_w x0 = legacy_decode(t, wr + (size_t)b * bs);
             legacy_w x1 = legacy_decode(t, wr + (size_t)(b + 1) * bs);
             for (int r = 0; r < ta; r++) {
@@ -359,13 +383,14 @@ INLINE __m256 k_dot(const kquant_w *w, const luma_block_q8_K *y, __m256 acc)
 INLINE void k_tile(enum luma_type t, int ta, int64_t n, const uint8_t *w, size_t ws, int nr,
                    const uint8_t *a, size_t as, float *out, size_t os)
 {
-    const size_t bs = k_block_size(t);
+    const size_t bs = k_block_size(t), dist = prefetch_distance(ws);
     for (int i = 0; i < nr; i++) {
         const uint8_t *wr = w + (size_t)i * ws;
         __m256 acc[TILE_A];
         for (int r = 0; r < ta; r++) acc[r] = _mm256_setzero_ps();
         for (int64_t b = 0; b < n / LUMA_QK_K; b++) {
             kquant_w x;
+            prefetch_ahead(wr + (size_t)b * bs, dist, bs);
             k_decode(t, wr + (size_t)b * bs, &x);
             for (int r = 0; r < ta; r++)
                 acc[r] = k_dot(&x, (const luma_block_q8_K *)(a + (size_t)r * as) + b, acc[r]);
@@ -524,6 +549,282 @@ luma_vec_rows_fn luma_vec_rows_avx2(enum luma_type t)
     case LUMA_Q4_K: return rows_q4_K;
     case LUMA_Q5_K: return rows_q5_K;
     case LUMA_Q6_K: return rows_q6_K;
+    default: return NULL;
+    }
+}
+
+/* ---- weight panels against many activation rows (prefill) -------------- */
+
+/* A panel holds LUMA_PANEL_ROWS weight rows of a legacy format decoded to
+ * bytes and interleaved four by four: for each block of 32 elements,
+ * 32-byte vector k holds elements 4k..4k+3 of row r in bytes 4r..4r+3. Four
+ * bytes of an activation row broadcast against it give, after maddubs and
+ * madd, one int32 sum per weight row in its own lane: the 8 rows need no
+ * horizontal sums. Each block then carries the rows' float scales and
+ * offsets: value = scale * q + offset. The bytes are unsigned (the offset
+ * absorbs the zero point of Q4_0 and Q5_0, or is the minimum of Q4_1 and
+ * Q5_1) except for Q8_0, whose signed bytes meet the activations through
+ * the sign trick. */
+#define PR LUMA_PANEL_ROWS
+#define PANEL_BLOCK_BYTES (32 * PR + 2 * PR * sizeof(float))
+
+/* Where panels overtake the tiles (measured, M activation rows of 1024
+ * elements): from 4 rows for Q4_0, Q4_1, Q5_0, Q5_1, whose panel kernel
+ * gains most; from 16 for Q8_0. */
+#define PANEL_MIN_ROWS(t) ((t) == LUMA_Q8_0 ? 16 : 4)
+
+INLINE bool panel_signed(enum luma_type t)
+{
+    return t == LUMA_Q8_0;
+}
+
+/* How many maddubs results add up in int16 before they must widen: one is
+ * at most 2 * qmax * 127. */
+INLINE int panel_sum_len(enum luma_type t)
+{
+    switch (t) {
+    case LUMA_Q4_0: case LUMA_Q4_1: return 8;   /* qmax 15: 3810 */
+    case LUMA_Q5_0: case LUMA_Q5_1: return 4;   /* 31: 7874 */
+    default: return 1;                          /* |q| 128: 32512 */
+    }
+}
+
+INLINE int panel_zero(enum luma_type t)
+{
+    return t == LUMA_Q4_0 ? 8 : t == LUMA_Q5_0 ? 16 : 0;
+}
+
+/* Block b of one weight row: its bytes as the panel holds them (q), the
+ * bytes that meet the activations (|q| for Q8_0, else q), its scale and
+ * offset. */
+typedef struct {
+    __m256i q, qa;
+    float scale, offset;
+} panel_block;
+
+INLINE panel_block panel_decode(enum luma_type t, const uint8_t *blk)
+{
+    legacy_w w = legacy_decode(t, blk);
+    panel_block pb;
+    pb.q = _mm256_add_epi8(w.q, _mm256_set1_epi8((char)panel_zero(t)));
+    pb.qa = panel_signed(t) ? w.absq : pb.q;
+    pb.scale = w.d;
+    pb.offset = legacy_has_min(t) ? w.m : -(float)panel_zero(t) * w.d;
+    return pb;
+}
+
+/* The integer dot of a decoded block with 32 activation bytes, as 8 int32
+ * partial sums. */
+INLINE __m256i panel_block_dot(enum luma_type t, const panel_block *pb, __m256i a)
+{
+    __m256i p = panel_signed(t) ? _mm256_maddubs_epi16(pb->qa, _mm256_sign_epi8(a, pb->q))
+                                : _mm256_maddubs_epi16(pb->qa, a);
+    return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
+}
+
+/* Row i's 32 bytes of a block to their interleaved places. */
+INLINE void panel_put(uint8_t *pb, int i, __m256i q)
+{
+    uint32_t u[8];
+    _mm256_storeu_si256((__m256i *)u, q);
+    for (int k = 0; k < 8; k++) memcpy(pb + 32 * k + 4 * i, &u[k], 4);
+}
+
+INLINE void panel_pack(enum luma_type t, int64_t n, const uint8_t *w, size_t ws, int nr, uint8_t *panel)
+{
+    const int64_t nb = n / LUMA_QK;
+    if (nr < PR) memset(panel, 0, (size_t)nb * PANEL_BLOCK_BYTES);
+    for (int i = 0; i < nr; i++)
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t *pb = panel + (size_t)b * PANEL_BLOCK_BYTES;
+            float *scale = (float *)(pb + 32 * PR), *offset = scale + PR;
+            panel_block x = panel_decode(t, w + (size_t)i * ws + (size_t)b * legacy_block_size(t));
+            panel_put(pb, i, x.q);
+            scale[i] = x.scale;
+            offset[i] = x.offset;
+        }
+}
+
+/* One block's contribution to the lanes' sums: the same operations, in the
+ * same order, in the panel kernel and in the rows kernel below. */
+INLINE __m256 panel_step(enum luma_type t, __m256 acc, __m256i sum, __m256 scale, __m256 offset,
+                         const luma_panel_act *y)
+{
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(scale, _mm256_set1_ps(y->d)), acc);
+    return panel_signed(t) ? acc : _mm256_fmadd_ps(offset, _mm256_set1_ps(y->s), acc);
+}
+
+/* The panel against ta (a constant once inlined) activation rows, each
+ * row's PR results stored at out + r * os. Each activation row finishes a
+ * block before the next starts (the panel's bytes come again from L1):
+ * that keeps its partial sums in few registers. */
+INLINE void panel_tile(enum luma_type t, int ta, int64_t nb, const uint8_t *panel, const uint8_t *a,
+                       size_t as, float *out, size_t os)
+{
+    const int L = panel_sum_len(t);
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[TILE_A];
+    for (int r = 0; r < ta; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *pb = panel + (size_t)b * PANEL_BLOCK_BYTES;
+        const float *scale = (const float *)(pb + 32 * PR), *offset = scale + PR;
+        for (int r = 0; r < ta; r++) {
+            const luma_panel_act *y = (const luma_panel_act *)(a + (size_t)r * as) + b;
+            __m256i s32 = _mm256_setzero_si256();
+            for (int k0 = 0; k0 < 8; k0 += L) {
+                __m256i s16 = _mm256_setzero_si256();
+                for (int k = k0; k < k0 + L; k++) {
+                    __m256i wq = _mm256_loadu_si256((const __m256i *)(pb + 32 * k));
+                    int32_t a4;
+                    memcpy(&a4, y->q + 4 * k, sizeof a4);
+                    __m256i av = _mm256_set1_epi32(a4), p;
+                    if (panel_signed(t)) p = _mm256_maddubs_epi16(_mm256_sign_epi8(wq, wq), _mm256_sign_epi8(av, wq));
+                    else p = _mm256_maddubs_epi16(wq, av);
+                    s16 = k == k0 ? p : _mm256_add_epi16(s16, p);
+                }
+                __m256i p = _mm256_madd_epi16(s16, ones);
+                s32 = k0 == 0 ? p : _mm256_add_epi32(s32, p);
+            }
+            acc[r] = panel_step(t, acc[r], s32, _mm256_loadu_ps(scale), _mm256_loadu_ps(offset), y);
+        }
+    }
+    for (int r = 0; r < ta; r++) _mm256_storeu_ps(out + (size_t)r * os, acc[r]);
+}
+
+INLINE void panel_rows(enum luma_type t, int64_t n, const void *panel, int nr, const void *a, size_t as,
+                       int na, float *out, size_t os)
+{
+    const uint8_t *ab = a;
+    const int64_t nb = n / LUMA_QK;
+    float part[TILE_A * PR];
+    for (int j = 0; j < na;) {
+        int ta = na - j >= TILE_A ? TILE_A : na - j >= 2 ? 2 : 1;
+        const uint8_t *aj = ab + (size_t)j * as;
+        /* a full panel writes its results in place, a partial one through part */
+        float *dst = nr == PR ? out + (size_t)j * os : part;
+        size_t ds = nr == PR ? os : PR;
+        if (ta == TILE_A) panel_tile(t, TILE_A, nb, panel, aj, as, dst, ds);
+        else if (ta == 2) panel_tile(t, 2, nb, panel, aj, as, dst, ds);
+        else panel_tile(t, 1, nb, panel, aj, as, dst, ds);
+        if (nr < PR)
+            for (int r = 0; r < ta; r++)
+                memcpy(out + (size_t)(j + r) * os, part + r * PR, (size_t)nr * sizeof(float));
+        j += ta;
+    }
+}
+
+/* The panel's arithmetic on weight rows as they are stored, for the few
+ * activation rows where packing a panel does not pay (decode). 8 rows at a
+ * time and EXACT_SEG blocks at a time: each row in turn streams its blocks
+ * (as the hardware prefetcher likes), leaving each block's 8 int32 partial
+ * sums, scale and offset; then each block's 8 rows fold into one vector
+ * whose lanes meet the scales and offsets exactly as a panel's lanes do. A
+ * row of activations thus gets the same results, bit for bit, in a panel
+ * among many rows or alone: a prefill gives the logits of its tokens
+ * evaluated one by one. */
+#define EXACT_SEG 32
+
+/* The sums of the 8 int32 lanes of each of 8 vectors, in order. */
+INLINE __m256i hsum8_epi32(const __m256i p[8])
+{
+    __m256i h0 = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+    __m256i h1 = _mm256_hadd_epi32(_mm256_hadd_epi32(p[4], p[5]), _mm256_hadd_epi32(p[6], p[7]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(h0, h1, 0x20), _mm256_permute2x128_si256(h0, h1, 0x31));
+}
+
+INLINE void exact_rows8(enum luma_type t, int64_t n, const uint8_t *w, size_t ws, int nr, const luma_panel_act *y,
+                        float *out)
+{
+    const size_t bs = legacy_block_size(t), dist = prefetch_distance(ws);
+    const int64_t nb = n / LUMA_QK;
+    __m256i part[EXACT_SEG][PR];
+    float scale[EXACT_SEG][PR], offset[EXACT_SEG][PR];
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b0 = 0; b0 < nb; b0 += EXACT_SEG) {
+        const int seg = (int)(nb - b0 < EXACT_SEG ? nb - b0 : EXACT_SEG);
+        for (int i = 0; i < PR; i++) {
+            const uint8_t *row = w + (size_t)i * ws + (size_t)b0 * bs;
+            for (int b = 0; b < seg; b++) {
+                if (i >= nr) {
+                    part[b][i] = _mm256_setzero_si256();
+                    scale[b][i] = offset[b][i] = 0.0f;
+                    continue;
+                }
+                prefetch_ahead(row + (size_t)b * bs, dist, bs);
+                panel_block x = panel_decode(t, row + (size_t)b * bs);
+                part[b][i] = panel_block_dot(t, &x, _mm256_loadu_si256((const __m256i *)y[b0 + b].q));
+                scale[b][i] = x.scale;
+                offset[b][i] = x.offset;
+            }
+        }
+        for (int b = 0; b < seg; b++)
+            acc = panel_step(t, acc, hsum8_epi32(part[b]), _mm256_loadu_ps(scale[b]), _mm256_loadu_ps(offset[b]),
+                             y + b0 + b);
+    }
+    float lanes[PR];
+    _mm256_storeu_ps(lanes, acc);
+    memcpy(out, lanes, (size_t)nr * sizeof(float));
+}
+
+INLINE void exact_rows(enum luma_type t, int64_t n, const void *w, size_t ws, int nr, const void *a, size_t as,
+                       int na, float *out, size_t os)
+{
+    for (int i0 = 0; i0 < nr; i0 += PR)
+        for (int r = 0; r < na; r++)
+            exact_rows8(t, n, (const uint8_t *)w + (size_t)i0 * ws, ws, nr - i0 < PR ? nr - i0 : PR,
+                        (const luma_panel_act *)((const uint8_t *)a + (size_t)r * as), out + (size_t)r * os + i0);
+}
+
+/* Q8_0 activation rows (n elements) to panel blocks: the same int8 values,
+ * the scale as a float, and the scale times the block's sum, which the
+ * weights' offsets meet. */
+void luma_panel_act_avx2(const luma_block_q8_0 *src, int64_t n, luma_panel_act *dst)
+{
+    const __m256i ones8 = _mm256_set1_epi8(1), ones16 = _mm256_set1_epi16(1);
+    for (int64_t b = 0; b < n / LUMA_QK; b++, src++, dst++) {
+        __m256i q = _mm256_loadu_si256((const __m256i *)src->qs);
+        __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, q), ones16);
+        __m128i h = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+        h = _mm_hadd_epi32(h, h);
+        h = _mm_hadd_epi32(h, h);
+        _mm256_storeu_si256((__m256i *)dst->q, q);
+        dst->d = f16(src->d);
+        dst->s = dst->d * (float)_mm_cvtsi128_si32(h);
+    }
+}
+
+#define PANEL_KERNELS(name, type)                                                                \
+    static void pack_##name(int64_t n, const void *w, size_t ws, int nr, void *panel)           \
+    {                                                                                            \
+        panel_pack(type, n, w, ws, nr, panel);                                                   \
+    }                                                                                            \
+    static void panel_dot_##name(int64_t n, const void *panel, int nr, const void *a, size_t as, \
+                                 int na, float *out, size_t os)                                  \
+    {                                                                                            \
+        panel_rows(type, n, panel, nr, a, as, na, out, os);                                      \
+    }                                                                                            \
+    static void exact_##name(int64_t n, const void *w, size_t ws, int nr, const void *a, size_t as, \
+                             int na, float *out, size_t os)                                      \
+    {                                                                                            \
+        exact_rows(type, n, w, ws, nr, a, as, na, out, os);                                      \
+    }                                                                                            \
+    static const luma_panel_ops panel_##name = { PANEL_BLOCK_BYTES, PANEL_MIN_ROWS(type), pack_##name, \
+                                                 panel_dot_##name, exact_##name };
+
+PANEL_KERNELS(q4_0, LUMA_Q4_0)
+PANEL_KERNELS(q4_1, LUMA_Q4_1)
+PANEL_KERNELS(q5_0, LUMA_Q5_0)
+PANEL_KERNELS(q5_1, LUMA_Q5_1)
+PANEL_KERNELS(q8_0, LUMA_Q8_0)
+
+const luma_panel_ops *luma_panel_avx2(enum luma_type t)
+{
+    switch (t) {
+    case LUMA_Q4_0: return &panel_q4_0;
+    case LUMA_Q4_1: return &panel_q4_1;
+    case LUMA_Q5_0: return &panel_q5_0;
+    case LUMA_Q5_1: return &panel_q5_1;
+    case LUMA_Q8_0: return &panel_q8_0;
     default: return NULL;
     }
 }

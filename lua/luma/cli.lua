@@ -142,6 +142,7 @@ function M.generate(args)
     io.flush()
   end
   io.write("\n")
+  io.flush()
   if o.stats then
     io.stderr:write(string.format("prompt %d tokens, generated %d, time to first token %.1f ms, %.2f tokens/s (stop: %s)\n",
       stats.prompt_tokens, stats.tokens, (stats.ttft or 0) * 1000, stats.tokens_per_s or 0, stats.stop))

@@ -61,10 +61,47 @@ static int32_t count_live(const float *x, int32_t n)
 /* The largest live entry; -INFINITY when none is live. */
 static float live_max(const float *x, int32_t n)
 {
+    /* -inf never exceeds m, NaN compares false, +inf is kept out. */
     float m = -INFINITY;
     for (int32_t i = 0; i < n; i++)
-        if (live(x[i]) && x[i] > m) m = x[i];
+        if (x[i] > m && x[i] < INFINITY) m = x[i];
     return m;
+}
+
+/* A vector with few live entries (after top_k, say) is worked on through a
+ * compact copy of them, in id order, so that the filters and the sampler
+ * make one pass over the vocabulary instead of several. The compact copy
+ * gives the same results: entries keep their order, so ties still rank by
+ * id and sums add up in the same order. */
+#define SPARSE_MAX 2048
+
+typedef struct sparse {
+    int32_t n;
+    int32_t ids[SPARSE_MAX];
+    float vals[SPARSE_MAX];
+} sparse;
+
+/* Gathers the live entries of a large vector; false when it is small or has
+ * more than SPARSE_MAX live entries (then the caller works in place). */
+static bool gather(const float *x, int32_t n, sparse *s)
+{
+    if (n <= 4 * SPARSE_MAX) return false;
+    s->n = 0;
+    for (int32_t i = 0; i < n; i++) {
+        if (!live(x[i])) continue;
+        if (s->n == SPARSE_MAX) return false;
+        s->ids[s->n] = i;
+        s->vals[s->n++] = x[i];
+    }
+    return s->n > 0;
+}
+
+/* Writes the compact entries back (the others are masked already). */
+static int scatter(float *x, const sparse *s, int rc)
+{
+    if (rc == 0)
+        for (int32_t j = 0; j < s->n; j++) x[s->ids[j]] = s->vals[j];
+    return rc;
 }
 
 /* Over the live entries, in double: the normalizer *z = sum exp(x_i - m)
@@ -168,7 +205,7 @@ int32_t luma_logits_argmax(const float *x, int32_t n, luma_err *err)
     int32_t best = -1;
     float bv = -INFINITY;
     for (int32_t i = 0; i < n; i++)
-        if (live(x[i]) && (best < 0 || x[i] > bv)) {
+        if (x[i] > bv && x[i] < INFINITY) {
             best = i;
             bv = x[i];
         }
@@ -201,6 +238,11 @@ int luma_logits_temperature(float *x, int32_t n, float t, luma_err *err)
         for (int32_t i = 0; i < n; i++)
             if (i != best) x[i] = -INFINITY;
         return 0;
+    }
+    sparse sp;
+    if (gather(x, n, &sp)) {
+        for (int32_t j = 0; j < sp.n; j++) sp.vals[j] = finite(sp.vals[j] / t);
+        return scatter(x, &sp, 0);
     }
     for (int32_t i = 0; i < n; i++)
         if (live(x[i])) x[i] = finite(x[i] / t);
@@ -340,6 +382,8 @@ static int keep_mass(float *x, int32_t n, double c, double m, mass_goal *g, luma
 int luma_logits_top_p(float *x, int32_t n, float p, int32_t min_keep, luma_err *err)
 {
     if (check_n("top_p", n, err) || check_p("top_p", p, min_keep, err)) return -1;
+    sparse sp;
+    if (gather(x, n, &sp)) return scatter(x, &sp, luma_logits_top_p(sp.vals, sp.n, p, min_keep, err));
     float m = live_max(x, n);
     if (p == 1.0f || m == -INFINITY) return 0;
     mass_goal g = { p, min_keep, false, 0.0 };
@@ -349,6 +393,8 @@ int luma_logits_top_p(float *x, int32_t n, float p, int32_t min_keep, luma_err *
 int luma_logits_min_p(float *x, int32_t n, float p, int32_t min_keep, luma_err *err)
 {
     if (check_n("min_p", n, err) || check_p("min_p", p, min_keep, err)) return -1;
+    sparse sp;
+    if (gather(x, n, &sp)) return scatter(x, &sp, luma_logits_min_p(sp.vals, sp.n, p, min_keep, err));
     float m = live_max(x, n);
     if (m == -INFINITY) return 0;
     /* p_i >= p * p_max  <=>  x_i - max >= log p */
@@ -364,6 +410,8 @@ int luma_logits_min_p(float *x, int32_t n, float p, int32_t min_keep, luma_err *
 int luma_logits_typical(float *x, int32_t n, float p, int32_t min_keep, luma_err *err)
 {
     if (check_n("typical", n, err) || check_p("typical", p, min_keep, err)) return -1;
+    sparse sp;
+    if (gather(x, n, &sp)) return scatter(x, &sp, luma_logits_typical(sp.vals, sp.n, p, min_keep, err));
     float m = live_max(x, n);
     if (p == 1.0f || m == -INFINITY) return 0;
     double z, s;
@@ -502,10 +550,9 @@ int luma_logits_entropy(const float *x, int32_t n, double *h, luma_err *err)
     return 0;
 }
 
-int32_t luma_logits_sample(const float *x, int32_t n, luma_rng *rng, luma_err *err)
+/* The draw for a uniform u in [0, 1). */
+static int32_t sample_at(const float *x, int32_t n, double u, luma_err *err)
 {
-    double u = luma_rng_uniform(rng);
-    if (check_n("sample", n, err)) return -1;
     float m = live_max(x, n);
     if (m == -INFINITY) return luma_errf(err, "sample: every logit is masked");
     double z, s;
@@ -520,4 +567,13 @@ int32_t luma_logits_sample(const float *x, int32_t n, luma_rng *rng, luma_err *e
     }
     /* Rounding left the summed mass a hair below target: the last entry. */
     return last;
+}
+
+int32_t luma_logits_sample(const float *x, int32_t n, luma_rng *rng, luma_err *err)
+{
+    double u = luma_rng_uniform(rng);
+    if (check_n("sample", n, err)) return -1;
+    sparse sp;
+    if (gather(x, n, &sp)) return sp.ids[sample_at(sp.vals, sp.n, u, err)];
+    return sample_at(x, n, u, err);
 }

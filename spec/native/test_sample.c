@@ -319,8 +319,10 @@ static void test_filters(int32_t n)
 {
     luma_err err;
     char name[32];
-    for (int kind = 0; kind < 2; kind++) {
-        make_logits(g_orig, n, 200 + kind, 0.1, kind);
+    /* kind 2 leaves about 0.4% of the entries live (as after a top_k): the
+     * large vector then goes through the compact path of sample.c. */
+    for (int kind = 0; kind < 3; kind++) {
+        make_logits(g_orig, n, 200 + kind, kind == 2 ? 0.996 : 0.1, kind % 2);
         ref_prepare(g_orig, n);
 
         const int32_t ks[] = { 1, 40, 500, n };
@@ -406,6 +408,14 @@ static void test_moves(int32_t n)
     int32_t bad = 0;
     for (int32_t i = 0; i < n; i++) bad += !(g_x[i] == g_orig[i] / 0.7f);
     check(rc == 0 && bad == 0, "temperature 0.7: %d wrong", bad);
+    /* The same on a vector with few live entries (the compact path). */
+    make_logits(g_orig, n, 301, 0.996, 0);
+    memcpy(g_x, g_orig, (size_t)n * sizeof *g_x);
+    rc = luma_logits_temperature(g_x, n, 0.7f, &err);
+    bad = 0;
+    for (int32_t i = 0; i < n; i++) bad += !(g_x[i] == g_orig[i] / 0.7f);
+    check(rc == 0 && bad == 0, "temperature 0.7, few live entries: %d wrong", bad);
+    make_logits(g_orig, n, 300, 0.1, 0);
     memcpy(g_x, g_orig, (size_t)n * sizeof *g_x);
     rc = luma_logits_temperature(g_x, n, 0.0f, &err);
     ref_prepare(g_orig, n);
@@ -487,8 +497,8 @@ static void test_distributions(int32_t n)
 {
     luma_err err;
     char name[32];
-    for (int kind = 0; kind < 2; kind++) {
-        make_logits(g_orig, n, 400 + kind, 0.1, kind);
+    for (int kind = 0; kind < 3; kind++) {
+        make_logits(g_orig, n, 400 + kind, kind == 2 ? 0.996 : 0.1, kind % 2);
         ref_probs(g_orig, n, g_p);
 
         memcpy(g_x, g_orig, (size_t)n * sizeof *g_x);

@@ -529,12 +529,18 @@ static int64_t make_symbols(scratch *s, size_t len, luma_err *err)
     return n;
 }
 
-/* Applies queued merges until none is left; try_add is called for each new
- * pair of neighbours. */
+/* Cuts s->buf[0, n) into symbols, queues every pair of neighbours that
+ * try_add accepts, and applies the queued merges until none is left (try_add
+ * is called again for each new pair). Returns the symbol count, or -1. */
 typedef int (*try_add_fn)(const luma_vocab *v, scratch *s, int32_t left, int32_t right, luma_err *err);
 
-static int merge_all(const luma_vocab *v, scratch *s, try_add_fn try_add, luma_err *err)
+static int64_t merge_symbols(const luma_vocab *v, scratch *s, size_t n, try_add_fn try_add, luma_err *err)
 {
+    int64_t n_syms = make_symbols(s, n, err);
+    if (n_syms < 0) return -1;
+    s->heap_n = 0;
+    for (int32_t i = 1; i < n_syms; i++)
+        if (try_add(v, s, i - 1, i, err)) return -1;
     while (s->heap_n > 0) {
         bigram b = heap_pop(s);
         sym *l = &s->syms[b.left], *r = &s->syms[b.right];
@@ -545,7 +551,7 @@ static int merge_all(const luma_vocab *v, scratch *s, try_add_fn try_add, luma_e
         if (r->next >= 0) s->syms[r->next].prev = b.left;
         if (try_add(v, s, l->prev, b.left, err) || try_add(v, s, b.left, l->next, err)) return -1;
     }
-    return 0;
+    return n_syms;
 }
 
 /* ---- SPM ------------------------------------------------------------------ */
@@ -587,12 +593,8 @@ static int spm_fragment(const luma_vocab *v, scratch *s, const char *text, size_
             s->buf[n++] = text[i];
         }
     }
-    int64_t n_syms = make_symbols(s, n, err);
+    int64_t n_syms = merge_symbols(v, s, n, spm_try_add, err);
     if (n_syms < 0) return -1;
-    s->heap_n = 0;
-    for (int32_t i = 1; i < n_syms; i++)
-        if (spm_try_add(v, s, i - 1, i, err)) return -1;
-    if (merge_all(v, s, spm_try_add, err)) return -1;
     /* A symbol left unmerged that is no token is one UTF-8 unit: bytes. */
     for (int32_t i = n_syms > 0 ? 0 : -1; i >= 0; i = s->syms[i].next) {
         const sym *y = &s->syms[i];
@@ -631,12 +633,8 @@ static int bpe_word(const luma_vocab *v, scratch *s, const char *word, size_t le
         int32_t id = luma_vocab_find(v, s->buf, n);
         if (id >= 0) return push_id(out, id, err);
     }
-    int64_t n_syms = make_symbols(s, n, err);
+    int64_t n_syms = merge_symbols(v, s, n, bpe_try_add, err);
     if (n_syms < 0) return -1;
-    s->heap_n = 0;
-    for (int32_t i = 1; i < n_syms; i++)
-        if (bpe_try_add(v, s, i - 1, i, err)) return -1;
-    if (merge_all(v, s, bpe_try_add, err)) return -1;
     for (int32_t i = n_syms > 0 ? 0 : -1; i >= 0; i = s->syms[i].next) {
         const sym *y = &s->syms[i];
         int32_t id = luma_vocab_find(v, s->buf + y->off, y->n);

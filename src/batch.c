@@ -5,6 +5,7 @@
  * Rows of a pass are the chunks' tokens in order. A chunk longer than the
  * room left in a pass continues in the next one. Logits are computed only for
  * each chunk's last token (or all its tokens when asked), LUMA_LOGIT_ROWS at a time. */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -141,12 +142,21 @@ int luma_model_run(luma_model *m, const luma_chunk *chunks, int32_t n_chunks, fl
     goto done;
 rollback:
     /* Every sequence back to where it started; the message of the first
-     * failure is kept. */
+     * failure is kept. A sequence whose sliding-window blocks an earlier pass
+     * already released cannot go back: it keeps the tokens its cache holds,
+     * and the message says so, so that its history and its cache agree. */
     for (int32_t i = 0; i < n_chunks; i++) {
         luma_seq *s = chunks[i].seq;
         luma_err ignored;
         luma_kv_rewind(m->kv, s->kv, start_len[i], &ignored);
-        if (s->n_tokens > start_len[i]) s->n_tokens = start_len[i];
+        int32_t kept = luma_kv_seq_len(s->kv);
+        if (s->n_tokens > kept) s->n_tokens = kept;
+        if (kept > start_len[i] && err) {
+            size_t used = strlen(err->msg);
+            snprintf(err->msg + used, sizeof err->msg - used,
+                     " (chunk %d keeps %d of its tokens: its sliding-window blocks were released)", i + 1,
+                     kept - start_len[i]);
+        }
     }
 done:
     free(start_len);

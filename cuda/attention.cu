@@ -610,7 +610,7 @@ static void launch(cuda_backend *c, attn_args *a)
  * a multiple of DEC_TILE. */
 static void plan_splits(const cuda_backend *c, attn_args *a)
 {
-    int64_t keys = c->step.dec_max_pos;
+    int64_t keys = c->step.dec_keys_bound;
     if (a->window > 0 && a->window < keys) keys = a->window;
     int64_t ctas = (int64_t)c->step.n_dec * a->n_kv_head * a->n_hchunks;
     int64_t want = (4 * (int64_t)c->n_sm + ctas - 1) / ctas;

@@ -20,6 +20,10 @@
 
 static cuda_backend *cu(luma_backend *be) { return (cuda_backend *)be; }
 
+/* cuBLAS's workspace, given to it so that a recorded step never makes it
+ * allocate (32 MiB, what it asks for on Hopper). */
+#define CUBLAS_WORKSPACE ((size_t)32 << 20)
+
 bool luma_cuda_fail(cuda_backend *c, cudaError_t e, const char *what)
 {
     if (e == cudaSuccess) return false;
@@ -57,6 +61,10 @@ void *luma_cuda_scratch(cuda_backend *c, size_t n)
 {
     if (!LUMA_CUDA_OK(c)) return NULL;
     if (n <= c->scratch_cap) return c->scratch;
+    if (c->capturing) {
+        luma_cuda_failf(c, "matmul scratch must grow while a step is being recorded");
+        return NULL;
+    }
     free_after_stream(c, c->scratch);
     c->scratch = NULL;
     c->scratch_cap = 0;
@@ -182,6 +190,7 @@ static int cuda_weight_load(luma_backend *be, luma_weight *w, luma_err *err)
         return luma_errf(err, "copying a %s weight to the GPU: %s", luma_type_name(w->type),
                          cudaGetErrorString(e));
     }
+    c->buf_gen++;
     cuda_weight_copy *slot = &c->weights[c->n_weights++];
     slot->dev = d;
     slot->f16 = NULL;
@@ -208,6 +217,7 @@ static int cuda_buf_alloc(luma_backend *be, luma_buf *b, int64_t rows, int64_t c
         return luma_errf(err, "no GPU memory for a %lld x %lld activation buffer: %s", (long long)rows,
                          (long long)cols, cudaGetErrorString(e));
     }
+    c->buf_gen++;
     b->data = (float *)d;
     b->rows = rows;
     b->cols = cols;
@@ -217,6 +227,7 @@ static int cuda_buf_alloc(luma_backend *be, luma_buf *b, int64_t rows, int64_t c
 
 static void cuda_buf_free(luma_backend *be, luma_buf *b)
 {
+    cu(be)->buf_gen++;
     free_after_stream(cu(be), b->data);
     memset(b, 0, sizeof *b);
 }
@@ -250,6 +261,7 @@ static int cuda_kv_alloc(luma_backend *be, const luma_kv_layout *l, luma_err *er
         c->kv_block_bytes[p] = 0;
     }
     c->kvl = *l;
+    c->buf_gen++;
     /* K [n_kv_head][block_tokens][head_dim_k] then V, per layer of the pool */
     size_t layer = (size_t)l->n_kv_head * (size_t)l->block_tokens *
                    ((size_t)l->head_dim_k + (size_t)l->head_dim_v) * kv_elem_size(l);
@@ -345,7 +357,7 @@ static int reserve_step(cuda_backend *c, size_t bytes, luma_err *err)
         cudaFreeHost(c->host_stage);
         c->host_stage = NULL;
         c->stage_cap = 0;
-        size_t cap = bytes < 4096 ? 4096 : 2 * bytes;
+        size_t cap = bytes < 65536 ? 65536 : 2 * bytes;
         cudaError_t e = cudaMallocHost(&c->host_stage, cap);
         if (e != cudaSuccess) {
             c->host_stage = NULL;
@@ -452,6 +464,8 @@ static int cuda_step_begin(luma_backend *be, const luma_step *s, luma_err *err)
     cs->dec_rows = d + p.dec_rows;
     cs->tiles = d + p.tiles;
     cs->dec_max_pos = dec_max_pos;
+    cs->dec_keys_bound = 256;
+    while (cs->dec_keys_bound < dec_max_pos) cs->dec_keys_bound *= 2;
     return 0;
 }
 
@@ -473,6 +487,114 @@ const int32_t *luma_cuda_step_array(cuda_backend *c, const int32_t *host, int32_
     return NULL;
 }
 
+/* ---- CUDA graphs of decode steps ------------------------------------------ */
+
+/* The shape of a step whose operations can be recorded: decode rows only
+ * (no prefill tiles), so that every launch depends on (rows, sequences, out
+ * rows, the bucket of context lengths). 0 for a step that runs eagerly. */
+static uint64_t graph_key(const cuda_backend *c)
+{
+    const cuda_step *st = &c->step;
+    if (!c->graphs_on || st->n_tiles > 0 || st->n_rows < 1 || st->n_rows > 4096 || st->n_seqs > 4096 ||
+        st->n_out > 4096)
+        return 0;
+    int lg = 0;
+    while ((1 << lg) < st->dec_keys_bound) lg++;
+    return (uint64_t)st->n_rows | (uint64_t)st->n_seqs << 13 | (uint64_t)st->n_out << 26 |
+           (uint64_t)lg << 39 | (uint64_t)1 << 63;
+}
+
+/* Where the buffers a recording names are: any that moved since makes it stale. */
+static uint64_t graph_where(const cuda_backend *c)
+{
+    uint64_t h = 1469598103934665603ull;
+    uint64_t v[] = { (uint64_t)(uintptr_t)c->step_mem, (uint64_t)(uintptr_t)c->scratch,
+                     (uint64_t)(uintptr_t)c->attn_scratch, c->buf_gen, (uint64_t)c->f16_mode,
+                     (uint64_t)c->n_f16 };
+    for (size_t i = 0; i < sizeof v / sizeof v[0]; i++) h = (h ^ v[i]) * 1099511628211ull;
+    return h;
+}
+
+static void graph_drop(cuda_graph *g)
+{
+    if (g->exec) cudaGraphExecDestroy(g->exec);
+    memset(g, 0, sizeof *g);
+}
+
+/* The slot of key: its own, else a free one, else the least recently used. */
+static cuda_graph *graph_slot(cuda_backend *c, uint64_t key)
+{
+    cuda_graph *lru = &c->graphs[0];
+    for (int i = 0; i < CUDA_GRAPHS; i++) {
+        cuda_graph *g = &c->graphs[i];
+        if (g->key == key) return g;
+        if (g->key == 0 || g->used < lru->used) lru = g;
+        if (g->key == 0) break;
+    }
+    graph_drop(lru);
+    lru->key = key;
+    return lru;
+}
+
+/* Records forward(ctx) into g. On failure nothing has run: the caller runs
+ * the step eagerly. */
+static bool graph_record(cuda_backend *c, cuda_graph *g, int (*forward)(void *, luma_err *), void *ctx)
+{
+    luma_err ignored;
+    uint64_t where = graph_where(c);
+    cudaGraph_t graph = NULL;
+    if (cudaStreamBeginCapture(c->stream, cudaStreamCaptureModeThreadLocal) != cudaSuccess) {
+        cudaGetLastError();
+        return false;
+    }
+    c->capturing = true;
+    int rc = forward(ctx, &ignored);
+    c->capturing = false;
+    cudaError_t e = cudaStreamEndCapture(c->stream, &graph);
+    bool ok = rc == 0 && e == cudaSuccess && LUMA_CUDA_OK(c) && graph_where(c) == where;
+    cudaGraphExec_t exec = NULL;
+    if (ok) ok = cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess;
+    if (graph) cudaGraphDestroy(graph);
+    if (!ok) {
+        cudaGetLastError();
+        c->failure[0] = 0;   /* nothing ran; the eager run reports real failures */
+        return false;
+    }
+    if (g->exec) cudaGraphExecDestroy(g->exec);
+    g->exec = exec;
+    g->where = where;
+    c->n_recorded++;
+    return true;
+}
+
+static int cuda_step_run(luma_backend *be, const luma_step *step, int (*forward)(void *ctx, luma_err *err),
+                         void *ctx, luma_err *err)
+{
+    cuda_backend *c = cu(be);
+    if (c->step.host != step) return luma_errf(err, "step_run: step_begin was not called for this step");
+    uint64_t key = graph_key(c);
+    if (key == 0) return forward(ctx, err);
+    cuda_graph *g = graph_slot(c, key);
+    g->used = ++c->n_steps;
+    if (g->exec && g->where != graph_where(c)) {
+        cudaGraphExecDestroy(g->exec);
+        g->exec = NULL;
+        g->seen = 0;
+    }
+    if (!g->exec) {
+        /* the first step of a shape sizes the scratch buffers */
+        if (g->seen++ == 0 || g->failures >= CUDA_GRAPH_TRIES || !LUMA_CUDA_OK(c)) return forward(ctx, err);
+        if (!graph_record(c, g, forward, ctx)) {
+            g->failures++;
+            return forward(ctx, err);
+        }
+    }
+    if (luma_cuda_fail(c, cudaGraphLaunch(g->exec, c->stream), "replaying a recorded decode step"))
+        return report(c, err);
+    c->n_replays++;
+    return 0;
+}
+
 /* ---- operations kept here ----------------------------------------------- */
 
 static void cuda_matmul(luma_backend *be, const luma_weight *w, const luma_buf *x, luma_buf *y)
@@ -492,6 +614,7 @@ static void cuda_attention(luma_backend *be, const luma_buf *q, const luma_buf *
 static int cuda_sync(luma_backend *be, luma_err *err)
 {
     cuda_backend *c = cu(be);
+    if (c->capturing) return LUMA_CUDA_OK(c) ? 0 : -1;   /* step_run reports it */
     luma_cuda_fail(c, cudaStreamSynchronize(c->stream), "the step's kernels");
     return LUMA_CUDA_OK(c) ? 0 : report(c, err);
 }
@@ -507,6 +630,8 @@ static void cuda_free(luma_backend *be)
         cudaFree(c->weights[i].f16);
     }
     free(c->weights);
+    for (int i = 0; i < CUDA_GRAPHS; i++) graph_drop(&c->graphs[i]);
+    cudaFree(c->cublas_ws);
     for (int p = 0; p < LUMA_KV_MAX_POOLS; p++) cudaFree(c->kv_mem[p]);
     cudaFree(c->step_mem);
     cudaFree(c->scratch);
@@ -528,6 +653,7 @@ static const luma_backend_ops cuda_ops = {
     .buf_read = cuda_buf_read,
     .kv_alloc = cuda_kv_alloc,
     .step_begin = cuda_step_begin,
+    .step_run = cuda_step_run,
     .kv_copy_block = cuda_kv_copy_block,
     .embed = luma_cuda_embed,
     .matmul = cuda_matmul,
@@ -583,6 +709,8 @@ luma_backend *luma_backend_cuda_new(int device, luma_err *err)
     }
     c->base.ops = &cuda_ops;
     c->device = device;
+    const char *graphs = getenv("LUMA_CUDA_GRAPHS");
+    c->graphs_on = !(graphs && strcmp(graphs, "0") == 0);
     const char *what = "selecting the device";
     e = cudaSetDevice(device);
     if (e == cudaSuccess) {
@@ -604,7 +732,14 @@ luma_backend *luma_backend_cuda_new(int device, luma_err *err)
         cuda_free(&c->base);
         return NULL;
     }
-    if (cublasCreate(&c->cublas) != CUBLAS_STATUS_SUCCESS || cublasSetStream(c->cublas, c->stream) != CUBLAS_STATUS_SUCCESS) {
+    if (cudaMalloc(&c->cublas_ws, CUBLAS_WORKSPACE) != cudaSuccess) {
+        cudaGetLastError();
+        luma_errf(err, "CUDA backend: no GPU memory for the cuBLAS workspace");
+        cuda_free(&c->base);
+        return NULL;
+    }
+    if (cublasCreate(&c->cublas) != CUBLAS_STATUS_SUCCESS || cublasSetStream(c->cublas, c->stream) != CUBLAS_STATUS_SUCCESS ||
+        cublasSetWorkspace(c->cublas, c->cublas_ws, CUBLAS_WORKSPACE) != CUBLAS_STATUS_SUCCESS) {
         luma_errf(err, "CUDA backend: could not start cuBLAS");
         cuda_free(&c->base);
         return NULL;

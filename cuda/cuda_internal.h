@@ -35,6 +35,10 @@ typedef struct cuda_step {
     int32_t *dec_rows;         /* [n_dec] */
     int32_t *tiles;            /* [n_tiles][2] */
     int32_t dec_max_pos;       /* the largest position of a decoded row, plus one */
+    /* A power of two >= 256 and >= dec_max_pos: decode launch shapes use it,
+     * so that a step's kernels depend on its context lengths only through
+     * this bucket (a recorded graph replays for every step of the bucket). */
+    int32_t dec_keys_bound;
 } cuda_step;
 
 /* How the tensor-core path gets f16 weights. While RESIDENT, each matrix
@@ -55,6 +59,23 @@ enum cuda_f16_mode {
 typedef struct cuda_weight_copy {
     void *dev, *f16;
 } cuda_weight_copy;
+
+/* A recorded decode step (cudaGraph): every operation the architecture's
+ * forward queued for one step shape, replayed for later steps of the same
+ * shape. A shape is first run eagerly (so that scratch buffers reach their
+ * size), recorded the second time, replayed from then on. A recording stays
+ * valid while the buffers it names stay where they were (`where`). */
+#define CUDA_GRAPHS 32
+#define CUDA_GRAPH_TRIES 3     /* failed recordings of a shape before it runs eagerly for good */
+
+typedef struct cuda_graph {
+    uint64_t key;              /* the step shape; 0: free slot */
+    uint64_t where;            /* fingerprint of the buffers it was recorded with */
+    uint64_t used;             /* the backend's step counter at its last use (LRU) */
+    cudaGraphExec_t exec;      /* NULL until recorded */
+    int32_t seen;              /* steps of this shape run so far */
+    int32_t failures;          /* recordings that failed */
+} cuda_graph;
 
 typedef struct cuda_backend {
     luma_backend base;
@@ -83,6 +104,16 @@ typedef struct cuda_backend {
     float *attn_scratch;       /* split-K partial results of decode attention */
     size_t attn_scratch_cap;
     char failure[LUMA_ERR_SIZE]; /* first failure since the last sync; "" when none */
+    /* CUDA graphs of decode steps (LUMA_CUDA_GRAPHS=0 in the environment
+     * turns them off). While `capturing`, operations are recorded, not run:
+     * nothing may synchronize with the host or allocate. */
+    bool graphs_on, capturing;
+    cuda_graph graphs[CUDA_GRAPHS];
+    uint64_t n_steps;          /* steps run through step_run */
+    uint64_t buf_gen;          /* bumped when a weight, buffer or KV pool is made or freed */
+    void *cublas_ws;           /* cuBLAS workspace: no allocation inside a recording */
+    /* counters for model.info and the benchmarks */
+    uint64_t n_replays, n_recorded;
 } cuda_backend;
 
 /* Records the first failure; every later operation of the step is skipped
@@ -118,6 +149,14 @@ void luma_cuda_matmul(cuda_backend *c, const luma_weight *w, const float *x, int
  * weights; failures are recorded. */
 void luma_cuda_weight_to_f16(cuda_backend *c, const luma_weight *w, __half *out);
 
+/* ---- mmq.cu -------------------------------------------------------------- */
+
+/* Tensor-core product on quantized weights without an f16 copy: y = W x for
+ * m rows, W's tiles dequantized into shared memory and fed to the tensor
+ * cores. Returns false, queuing nothing, when it does not handle w's type or
+ * this m; matmul then takes its other paths. */
+bool luma_cuda_mmq(cuda_backend *c, const luma_weight *w, const float *x, int64_t m, float *y);
+
 /* ---- ops.cu -------------------------------------------------------------- */
 
 /* Embedding rows, norms, RoPE and the elementwise operations, with the
@@ -137,7 +176,7 @@ void luma_cuda_add(luma_backend *be, luma_buf *x, const luma_buf *y);
 
 /* ---- attention.cu -------------------------------------------------------- */
 
-#define LUMA_CUDA_ATTN_TILE 16        /* query rows per prefill CTA */
+#define LUMA_CUDA_ATTN_TILE 64        /* query rows per prefill tile (one tensor-core CTA) */
 #define LUMA_CUDA_PREFILL_MIN_ROWS 8  /* fewer rows of a sequence: decoded row by row */
 
 /* Whether the attention kernels handle this KV layout (head sizes); called

@@ -109,6 +109,15 @@ typedef struct luma_backend_ops {
      * below that take step data (embed's ids, rope's pos, attention's step)
      * are given the same pointers. NULL when a backend needs nothing. */
     int (*step_begin)(luma_backend *be, const luma_step *step, luma_err *err);
+    /* Optional: runs forward(ctx), which queues every operation of the step
+     * that step_begin described (the logits projection not included), so
+     * that a backend may record the operations of a step of this shape once
+     * and replay them (CUDA graphs for decode steps). The operations it
+     * queues must depend on the step only through its shape: the arrays
+     * step_begin uploaded and buffers that stay where they are. NULL: the
+     * caller calls forward itself. */
+    int (*step_run)(luma_backend *be, const luma_step *step, int (*forward)(void *ctx, luma_err *err),
+                    void *ctx, luma_err *err);
     /* The luma_kv copy-on-write callback target. */
     void (*kv_copy_block)(luma_backend *be, int pool, int32_t src, int32_t dst);
 

@@ -72,6 +72,26 @@ static int project_logits(luma_model *m, int32_t n_out, float **dst, luma_err *e
     return 0;
 }
 
+typedef struct forward_call {
+    luma_model *m;
+    const luma_step *step;
+} forward_call;
+
+static int call_forward(void *ctx, luma_err *err)
+{
+    forward_call *f = ctx;
+    return f->m->arch->forward(f->m, f->step, err);
+}
+
+/* The architecture's forward, through the backend's step_run when it has one. */
+static int run_forward(luma_model *m, const luma_step *step, luma_err *err)
+{
+    luma_backend *be = m->be;
+    if (!be->ops->step_run) return m->arch->forward(m, step, err);
+    forward_call f = { m, step };
+    return be->ops->step_run(be, step, call_forward, &f, err);
+}
+
 typedef struct pass {
     luma_step_seq *seqs;
     luma_seq **owners;
@@ -128,7 +148,7 @@ int luma_model_run(luma_model *m, const luma_chunk *chunks, int32_t n_chunks, fl
             }
         }
         if ((m->be->ops->step_begin && m->be->ops->step_begin(m->be, &step, err)) ||
-            m->arch->forward(m, &step, err) ||
+            run_forward(m, &step, err) ||
             project_logits(m, step.n_out, &dst, err) ||
             m->be->ops->sync(m->be, err))
             goto rollback;

@@ -1,0 +1,168 @@
+/* Recorded decode steps (CUDA graphs) against the same steps run eagerly.
+ *
+ * Two copies of one model on the GPU, the second loaded with
+ * LUMA_CUDA_GRAPHS=0, decode the same tokens in lockstep for several batch
+ * sizes; their logits must be equal (the same kernels run with the same
+ * arguments, recorded or not). Synthetic gemma3 and llama models (sliding
+ * windows, GQA, the Q4_K_M mix) are written first, so the test needs no
+ * download; their vocabulary comes from $LUMA_VOCAB, else the shared
+ * llama-spm vocabulary beside the repository. Then times a decode step of
+ * each batch size both ways. */
+#define _POSIX_C_SOURCE 200809L
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "model.h"
+#include "synth.h"
+#include "testutil.h"
+
+static double now_s(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+static luma_model *load(const char *path, bool graphs, luma_err *err)
+{
+    luma_model_params p;
+    luma_model_params_default(&p);
+    p.backend = "cuda";
+    p.n_ctx = 1024;
+    p.max_rows = 64;
+    p.kv_bytes = (int64_t)512 << 20;
+    if (!graphs) setenv("LUMA_CUDA_GRAPHS", "0", 1);
+    luma_model *m = NULL;
+    int rc = luma_model_load(path, &p, &m, err);
+    unsetenv("LUMA_CUDA_GRAPHS");
+    return rc == 0 ? m : NULL;
+}
+
+static int32_t argmax(const float *x, int32_t n)
+{
+    int32_t best = 0;
+    for (int32_t i = 1; i < n; i++)
+        if (x[i] > x[best]) best = i;
+    return best;
+}
+
+#define MAX_B 24
+#define STEPS 40
+
+/* B sequences of different prompt lengths on both models, then STEPS
+ * decode steps in lockstep; returns the largest |difference| of logits. */
+static double lockstep(luma_model *m[2], int B, double *step_ms)
+{
+    luma_err err = { { 0 } };
+    int32_t nv = m[0]->hp.n_vocab;
+    luma_seq *s[2][MAX_B] = { { NULL } };
+    float *lg[2];
+    lg[0] = xmalloc((size_t)B * (size_t)nv * sizeof(float));
+    lg[1] = xmalloc((size_t)B * (size_t)nv * sizeof(float));
+    int32_t tok[MAX_B], prompt[96];
+    double worst = 0.0;
+    luma_chunk c[2][MAX_B];
+    for (int i = 0; i < 96; i++) prompt[i] = 1 + (int32_t)(rnd() % (uint64_t)(nv - 1));
+    for (int k = 0; k < 2; k++) {
+        for (int i = 0; i < B; i++) {
+            if (!(s[k][i] = luma_seq_new(m[k], &err))) {
+                CHECKF(0, "a sequence: %s", err.msg);
+                goto done;
+            }
+            c[k][i] = (luma_chunk){ s[k][i], prompt, 5 + (i * 7) % 90, false };
+        }
+        if (luma_model_run(m[k], c[k], B, lg[k], &err) != 0) {
+            CHECKF(0, "prompts: %s", err.msg);
+            goto done;
+        }
+    }
+    for (int t = 0; t < STEPS; t++) {
+        for (int i = 0; i < B; i++) tok[i] = argmax(lg[0] + (size_t)i * (size_t)nv, nv);
+        for (int k = 0; k < 2; k++) {
+            for (int i = 0; i < B; i++) c[k][i] = (luma_chunk){ s[k][i], &tok[i], 1, false };
+            double t0 = now_s();
+            if (luma_model_run(m[k], c[k], B, lg[k], &err) != 0) {
+                CHECKF(0, "decode step %d of %d sequences (%s): %s", t, B, k ? "eager" : "graphs", err.msg);
+                goto done;
+            }
+            if (t >= STEPS / 2) step_ms[k] += (now_s() - t0) * 1e3 / (STEPS - STEPS / 2);
+        }
+        for (size_t j = 0; j < (size_t)B * (size_t)nv; j++) {
+            double d = fabs((double)lg[0][j] - (double)lg[1][j]);
+            if (!(d <= worst)) worst = d;
+        }
+    }
+done:
+    for (int k = 0; k < 2; k++)
+        for (int i = 0; i < B; i++) luma_seq_free(s[k][i]);
+    free(lg[0]);
+    free(lg[1]);
+    return worst;
+}
+
+static void test_model(const char *preset, const char *vocab)
+{
+    luma_err err = { { 0 } };
+    luma_synth_params sp;
+    char path[256];
+    snprintf(path, sizeof path, "/tmp/luma-graphs-%s-%d.gguf", preset, (int)getpid());
+    if (luma_synth_preset(preset, &sp, &err) != 0) {
+        CHECKF(0, "%s: %s", preset, err.msg);
+        return;
+    }
+    sp.seed = 7;
+    sp.vocab_path = vocab;
+    if (luma_synth_write(&sp, path, &err) != 0) {
+        CHECKF(0, "writing %s: %s", preset, err.msg);
+        return;
+    }
+    luma_model *m[2] = { load(path, true, &err), NULL };
+    if (m[0]) m[1] = load(path, false, &err);
+    if (!m[0] || !m[1]) {
+        CHECKF(0, "loading %s on the GPU: %s", preset, err.msg);
+    } else {
+        static const int sizes[] = { 1, 2, 3, 8, 17, 24 };
+        for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++) {
+            double ms[2] = { 0, 0 };
+            double d = lockstep(m, sizes[i], ms);
+            printf("%s: %2d sequences x %d steps: max |graphs - eager| %.3g; a step %.3f ms recorded, %.3f ms eager\n",
+                   preset, sizes[i], STEPS, d, ms[0], ms[1]);
+            CHECKF(d == 0.0, "%s, %d sequences: recorded and eager steps differ by %g", preset, sizes[i], d);
+        }
+    }
+    luma_model_free(m[0]);
+    luma_model_free(m[1]);
+    remove(path);
+}
+
+int main(void)
+{
+    rnd_seed(0x9e3779b97f4a7c15ULL);
+    if (!luma_backend_cuda_available()) {
+        printf("test_cuda_graphs: no CUDA device, the GPU checks did not run\n");
+        return 0;
+    }
+    const char *vocab = getenv("LUMA_VOCAB");
+    static char shared[1024];
+    if (!vocab) {
+        snprintf(shared, sizeof shared, "%s/../shared/testdata/tokenizer/ggml-vocab-llama-spm.gguf", LUMA_SOURCE_DIR);
+        vocab = shared;
+    }
+    FILE *f = fopen(vocab, "rb");
+    if (!f) {
+        printf("test_cuda_graphs: FAIL: no vocabulary at %s (set LUMA_VOCAB to a GGUF file with a tokenizer)\n", vocab);
+        return 1;
+    }
+    fclose(f);
+    test_model("tiny-gemma3", vocab);
+    test_model("tiny-llama", vocab);
+    if (failures) {
+        printf("test_cuda_graphs: %d failures\n", failures);
+        return 1;
+    }
+    printf("test_cuda_graphs: all checks passed\n");
+    return 0;
+}

@@ -660,6 +660,7 @@ static const luma_backend_ops cuda_ops = {
     .gather = luma_cuda_gather,
     .add_bias = luma_cuda_add_bias,
     .rmsnorm = luma_cuda_rmsnorm,
+    .add_rmsnorm = luma_cuda_add_rmsnorm,
     .rope = luma_cuda_rope,
     .attention = cuda_attention,
     .gelu_mul = luma_cuda_gelu_mul,

@@ -168,6 +168,8 @@ void luma_cuda_gather(luma_backend *be, const luma_buf *x, const int32_t *rows, 
 void luma_cuda_add_bias(luma_backend *be, luma_buf *x, const luma_weight *b);
 void luma_cuda_rmsnorm(luma_backend *be, const luma_buf *x, const luma_weight *g, int64_t group,
                        float eps, luma_buf *out);
+void luma_cuda_add_rmsnorm(luma_backend *be, luma_buf *x, const luma_buf *y, const luma_weight *yg,
+                           const luma_weight *g, float eps, luma_buf *out);
 void luma_cuda_rope(luma_backend *be, luma_buf *x, int32_t head_dim, const int32_t *pos,
                     const luma_rope *r);
 void luma_cuda_gelu_mul(luma_backend *be, luma_buf *gate, const luma_buf *up);

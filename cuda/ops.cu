@@ -268,6 +268,82 @@ void luma_cuda_rmsnorm(luma_backend *be, const luma_buf *x, const luma_weight *g
     luma_cuda_fail(c, cudaGetLastError(), "rmsnorm");
 }
 
+/* ---- residual add + RMSNorm ---------------------------------------------- */
+
+/* 1 / RMS of the row src (cols floats) over the whole block, reduced as
+ * rmsnorm_kernel<THREADS> reduces it, so that both give the same bits. */
+template <bool VEC>
+__device__ static float row_inv_rms(const float *src, int64_t cols, float eps, float *partial)
+{
+    float ss = sum_squares<VEC>(src, cols, threadIdx.x, THREADS);
+    for (int o = 16; o > 0; o /= 2) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    __syncthreads();   /* partial may still be read by an earlier reduction */
+    if (threadIdx.x % 32 == 0) partial[threadIdx.x / 32] = ss;
+    __syncthreads();
+    ss = 0.0f;
+    for (int w = 0; w < THREADS / 32; w++) ss += partial[w];
+    return 1.0f / sqrtf(ss / (float)cols + eps);
+}
+
+/* A block per row: x += (yg ? y * rms(y) * yg : y), out = x * rms(x) * g.
+ * Each thread adds, then scales, the same elements, so it reads back only
+ * its own writes; the row stays in L1 between the passes. */
+template <bool VEC>
+__global__ static void add_rmsnorm_kernel(float *x, const float *y, const float *yg, const float *g, int64_t cols,
+                                          float eps, float *out)
+{
+    __shared__ float partial[THREADS / 32];
+    size_t off = (size_t)blockIdx.x * (size_t)cols;
+    float *xr = x + off, *dst = out + off;
+    const float *yr = y + off;
+    float sy = yg ? row_inv_rms<VEC>(yr, cols, eps, partial) : 1.0f;
+    if (VEC) {
+        for (int64_t k = threadIdx.x; k < cols / 4; k += THREADS) {
+            float4 a = ((float4 *)xr)[k], b = ((const float4 *)yr)[k];
+            if (yg) {
+                float4 w = ((const float4 *)yg)[k];
+                b = make_float4(b.x * sy * w.x, b.y * sy * w.y, b.z * sy * w.z, b.w * sy * w.w);
+            }
+            ((float4 *)xr)[k] = make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w);
+        }
+    } else {
+        for (int64_t k = threadIdx.x; k < cols; k += THREADS) xr[k] += yg ? yr[k] * sy * yg[k] : yr[k];
+    }
+    float sx = row_inv_rms<VEC>(xr, cols, eps, partial);
+    if (VEC) {
+        for (int64_t k = threadIdx.x; k < cols / 4; k += THREADS) {
+            float4 v = ((const float4 *)xr)[k], w = ((const float4 *)g)[k];
+            ((float4 *)dst)[k] = make_float4(v.x * sx * w.x, v.y * sx * w.y, v.z * sx * w.z, v.w * sx * w.w);
+        }
+    } else {
+        for (int64_t k = threadIdx.x; k < cols; k += THREADS) dst[k] = xr[k] * sx * g[k];
+    }
+}
+
+void luma_cuda_add_rmsnorm(luma_backend *be, luma_buf *x, const luma_buf *y, const luma_weight *yg,
+                           const luma_weight *g, float eps, luma_buf *out)
+{
+    cuda_backend *c = cu(be);
+    out->rows = x->rows;
+    out->cols = x->cols;
+    if (!LUMA_CUDA_OK(c) || x->rows * x->cols == 0) return;
+    if (y->rows != x->rows || y->cols != x->cols || g->cols != x->cols || (yg && yg->cols != x->cols)) {
+        luma_cuda_failf(c, "add_rmsnorm: %lld x %lld plus %lld x %lld with gains of %lld", (long long)x->rows,
+                        (long long)x->cols, (long long)y->rows, (long long)y->cols, (long long)g->cols);
+        return;
+    }
+    const float *ygd = yg ? (const float *)yg->dev : NULL, *gd = (const float *)g->dev;
+    bool vec = x->cols % 4 == 0 && aligned16(x->data) && aligned16(y->data) && aligned16(out->data) &&
+               aligned16(gd) && (!ygd || aligned16(ygd));
+    if (vec)
+        add_rmsnorm_kernel<true><<<(unsigned)x->rows, THREADS, 0, c->stream>>>(x->data, y->data, ygd, gd, x->cols, eps,
+                                                                               out->data);
+    else
+        add_rmsnorm_kernel<false><<<(unsigned)x->rows, THREADS, 0, c->stream>>>(x->data, y->data, ygd, gd, x->cols,
+                                                                                eps, out->data);
+    luma_cuda_fail(c, cudaGetLastError(), "add_rmsnorm");
+}
+
 /* ---- RoPE ---------------------------------------------------------------- */
 
 /* The angle of frequency i at position p, as the CPU's tables make it:

@@ -135,6 +135,14 @@ typedef struct luma_backend_ops {
      * unit RMS and multiplied by g (a vector of `group`), into out (may be x). */
     void (*rmsnorm)(luma_backend *be, const luma_buf *x, const luma_weight *g, int64_t group,
                     float eps, luma_buf *out);
+    /* The residual add and the next norm in one pass: x += y, then out =
+     * each row of x scaled to unit RMS times g (a vector of x->cols). When yg
+     * is not NULL, y is first normalized the same way with gain yg (x +=
+     * rmsnorm(y) * yg, Gemma's post-norms; y is left as it was). out is
+     * neither x nor y. Optional: NULL when a backend does not fuse them
+     * (callers use luma_model_residual_norm, which falls back). */
+    void (*add_rmsnorm)(luma_backend *be, luma_buf *x, const luma_buf *y, const luma_weight *yg,
+                        const luma_weight *g, float eps, luma_buf *out);
     /* Rotates each head (head_dim columns) of every row at pos[row]. */
     void (*rope)(luma_backend *be, luma_buf *x, int32_t head_dim, const int32_t *pos,
                  const luma_rope *r);

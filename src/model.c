@@ -196,6 +196,21 @@ void luma_model_attn(const luma_model *m, int il, luma_attn *a)
     a->softcap = hp->attn_softcap;
 }
 
+void luma_model_residual_norm(const luma_model *m, luma_buf *x, luma_buf *y, const luma_weight *yg,
+                              const luma_weight *g, luma_buf *out)
+{
+    luma_backend *b = m->be;
+    const luma_backend_ops *be = b->ops;
+    float eps = m->hp.eps;
+    if (be->add_rmsnorm) {
+        be->add_rmsnorm(b, x, y, yg, g, eps, out);
+        return;
+    }
+    if (yg) be->rmsnorm(b, y, yg, m->hp.n_embd, eps, y);
+    be->add(b, x, y);
+    be->rmsnorm(b, x, g, m->hp.n_embd, eps, out);
+}
+
 /* ---- KV cache and activations ------------------------------------------- */
 
 static void kv_copy(void *ctx, int pool, int32_t src, int32_t dst)

@@ -121,6 +121,11 @@ int luma_model_read_hparams(luma_model *m, float rope_base_default, luma_err *er
 int luma_model_bind_common(luma_model *m, luma_err *err);
 /* The attention parameters of layer il: its KV pool, window and scale. */
 void luma_model_attn(const luma_model *m, int il, luma_attn *a);
+/* x += (yg ? rmsnorm(y) * yg : y), then out = rmsnorm(x) * g: through the
+ * backend's fused add_rmsnorm when it has one, else as separate operations
+ * (which, when yg is given, normalize y in place). */
+void luma_model_residual_norm(const luma_model *m, luma_buf *x, luma_buf *y, const luma_weight *yg,
+                              const luma_weight *g, luma_buf *out);
 /* Reads "<arch>.<suffix>" (e.g. "block_count"), with a default when absent. */
 int luma_model_u32(const luma_model *m, const char *suffix, uint32_t def, uint32_t *out, luma_err *err);
 int luma_model_f32(const luma_model *m, const char *suffix, float def, float *out, luma_err *err);

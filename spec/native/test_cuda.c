@@ -362,6 +362,50 @@ static void test_rmsnorm(void)
     }
 }
 
+/* ---- add_rmsnorm: the fused residual add and norm ----------------------- */
+
+/* Against the CPU's separate operations: y normalized with gain yg (or not),
+ * added to x, x normalized with gain g into out. */
+static void test_add_rmsnorm(void)
+{
+    static const struct { int64_t rows, cols; int post_norm; } cases[] = {
+        { 7, 640, 1 }, { 7, 640, 0 }, { 9, 4096, 0 }, { 5, 4096, 1 }, { 3, 90, 1 }, { 130, 2048, 0 },
+    };
+    for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+        int64_t rows = cases[k].rows, cols = cases[k].cols;
+        float *x = random_floats((size_t)(rows * cols), 2.0f), *y = random_floats((size_t)(rows * cols), 3.0f);
+        float *gains = xmalloc((size_t)(2 * cols) * sizeof(float));
+        for (int64_t i = 0; i < 2 * cols; i++) gains[i] = 1.0f + 0.5f * gaussian();
+        dual xb, yb, ob;
+        dual_new(&xb, rows, cols);
+        dual_new(&yb, rows, cols);
+        dual_new(&ob, rows, cols);
+        dual_set(&xb, x);
+        dual_set(&yb, y);
+        dual_w g, yg;
+        if (dual_weight(&g, LUMA_F32, 1, cols, gains) && dual_weight(&yg, LUMA_F32, 1, cols, gains + cols)) {
+            bool post = cases[k].post_norm;
+            if (post) cpu->ops->rmsnorm(cpu, &yb.c, &yg.c, cols, 1e-6f, &yb.c);
+            cpu->ops->add(cpu, &xb.c, &yb.c);
+            cpu->ops->rmsnorm(cpu, &xb.c, &g.c, cols, 1e-6f, &ob.c);
+            gpu->ops->add_rmsnorm(gpu, &xb.g, &yb.g, post ? &yg.g : NULL, &g.g, 1e-6f, &ob.g);
+            char name[48];
+            snprintf(name, sizeof name, "add_rmsnorm %lldx%lld%s (x)", (long long)rows, (long long)cols,
+                     post ? " post-norm" : "");
+            report(name, dual_err(&xb), 1e-5);
+            snprintf(name, sizeof name, "add_rmsnorm %lldx%lld%s (out)", (long long)rows, (long long)cols,
+                     post ? " post-norm" : "");
+            report(name, dual_err(&ob), 1e-5);
+        }
+        dual_free(&xb);
+        dual_free(&yb);
+        dual_free(&ob);
+        free(x);
+        free(y);
+        free(gains);
+    }
+}
+
 /* ---- rope --------------------------------------------------------------- */
 
 typedef struct rope_ctx {
@@ -902,6 +946,7 @@ static int run_checks(void)
     if (!quick && !cuda_ok(cudaMalloc(&queue_mem, QUEUE_BYTES), "cudaMalloc (timing queue)")) return 1;
     test_embed();
     test_rmsnorm();
+    test_add_rmsnorm();
     test_rope();
     test_elementwise();
     test_bias_gather();

@@ -58,6 +58,7 @@ static int gemma3_forward(luma_model *m, const luma_step *step, luma_err *err)
     int32_t dk = hp->head_dim_k;
 
     be->embed(b, &m->tok_embd, step->tokens, step->n_rows, hp->embd_scale, &a->x);
+    be->rmsnorm(b, &a->x, &m->layers[0].attn_norm, hp->n_embd, hp->eps, &a->h);
     for (int il = 0; il < hp->n_layer; il++) {
         const luma_layer *l = &m->layers[il];
         luma_attn at;
@@ -66,7 +67,7 @@ static int gemma3_forward(luma_model *m, const luma_step *step, luma_err *err)
                            hp->layer_swa[il] ? hp->rope_base_swa : hp->rope_base,
                            hp->layer_swa[il] ? 1.0f : hp->rope_pos_scale, NULL };
 
-        be->rmsnorm(b, &a->x, &l->attn_norm, hp->n_embd, hp->eps, &a->h);
+        /* a->h holds this layer's normalized input */
         be->matmul(b, &l->wq, &a->h, &a->q);
         be->matmul(b, &l->wk, &a->h, &a->k);
         be->matmul(b, &l->wv, &a->h, &a->v);
@@ -76,16 +77,18 @@ static int gemma3_forward(luma_model *m, const luma_step *step, luma_err *err)
         be->rope(b, &a->k, dk, step->pos, &rope);
         be->attention(b, &a->q, &a->k, &a->v, step, &at, &a->attn);
         be->matmul(b, &l->wo, &a->attn, &a->o);
-        be->rmsnorm(b, &a->o, &l->post_attn_norm, hp->n_embd, hp->eps, &a->o);
-        be->add(b, &a->x, &a->o);
+        luma_model_residual_norm(m, &a->x, &a->o, &l->post_attn_norm, &l->ffn_norm, &a->h);
 
-        be->rmsnorm(b, &a->x, &l->ffn_norm, hp->n_embd, hp->eps, &a->h);
         be->matmul(b, &l->gate, &a->h, &a->gate);
         be->matmul(b, &l->up, &a->h, &a->up);
         be->gelu_mul(b, &a->gate, &a->up);
         be->matmul(b, &l->down, &a->gate, &a->o);
-        be->rmsnorm(b, &a->o, &l->post_ffn_norm, hp->n_embd, hp->eps, &a->o);
-        be->add(b, &a->x, &a->o);
+        if (il + 1 < hp->n_layer) {
+            luma_model_residual_norm(m, &a->x, &a->o, &l->post_ffn_norm, &m->layers[il + 1].attn_norm, &a->h);
+        } else {
+            be->rmsnorm(b, &a->o, &l->post_ffn_norm, hp->n_embd, hp->eps, &a->o);
+            be->add(b, &a->x, &a->o);
+        }
     }
     be->gather(b, &a->x, step->out_rows, step->n_out, &a->h);
     be->rmsnorm(b, &a->h, &m->output_norm, hp->n_embd, hp->eps, &a->out_rows);

@@ -56,12 +56,13 @@ static int llama_forward(luma_model *m, const luma_step *step, luma_err *err)
     luma_rope rope = { hp->rope_kind, hp->rope_dims, hp->rope_base, hp->rope_pos_scale, m->rope_freqs };
 
     be->embed(b, &m->tok_embd, step->tokens, step->n_rows, hp->embd_scale, &a->x);
+    be->rmsnorm(b, &a->x, &m->layers[0].attn_norm, hp->n_embd, hp->eps, &a->h);
     for (int il = 0; il < hp->n_layer; il++) {
         const luma_layer *l = &m->layers[il];
         luma_attn at;
         luma_model_attn(m, il, &at);
 
-        be->rmsnorm(b, &a->x, &l->attn_norm, hp->n_embd, hp->eps, &a->h);
+        /* a->h holds this layer's normalized input */
         be->matmul(b, &l->wq, &a->h, &a->q);
         be->matmul(b, &l->wk, &a->h, &a->k);
         be->matmul(b, &l->wv, &a->h, &a->v);
@@ -72,14 +73,14 @@ static int llama_forward(luma_model *m, const luma_step *step, luma_err *err)
         be->rope(b, &a->k, dk, step->pos, &rope);
         be->attention(b, &a->q, &a->k, &a->v, step, &at, &a->attn);
         be->matmul(b, &l->wo, &a->attn, &a->o);
-        be->add(b, &a->x, &a->o);
+        luma_model_residual_norm(m, &a->x, &a->o, NULL, &l->ffn_norm, &a->h);
 
-        be->rmsnorm(b, &a->x, &l->ffn_norm, hp->n_embd, hp->eps, &a->h);
         be->matmul(b, &l->gate, &a->h, &a->gate);
         be->matmul(b, &l->up, &a->h, &a->up);
         be->silu_mul(b, &a->gate, &a->up);
         be->matmul(b, &l->down, &a->gate, &a->o);
-        be->add(b, &a->x, &a->o);
+        if (il + 1 < hp->n_layer) luma_model_residual_norm(m, &a->x, &a->o, NULL, &m->layers[il + 1].attn_norm, &a->h);
+        else be->add(b, &a->x, &a->o);
     }
     be->gather(b, &a->x, step->out_rows, step->n_out, &a->h);
     be->rmsnorm(b, &a->h, &m->output_norm, hp->n_embd, hp->eps, &a->out_rows);

@@ -13,21 +13,32 @@
  *            heads sharing it (each K/V row is read once for the group), and
  *            one split of the row's keys; splits keep the GPU busy when few
  *            rows have long contexts and are merged by a second kernel
- *            (flash-decoding).
- *   prefill  long chunks are cut into tiles of 16 query rows; a CTA takes a
- *            tile and one head and walks its keys 32 at a time with an
- *            online softmax (flash attention): no score matrix is ever
- *            materialized beyond a 16 x 32 tile in shared memory.
- * Both copy K and V rows from the cache to shared memory with 16-byte
+ *            (flash-decoding). The number of splits follows the step's
+ *            dec_keys_bound, not its context lengths, so that a decode step
+ *            recorded as a CUDA graph replays unchanged for every step of
+ *            its bucket: splits past a row's keys leave empty partials.
+ *   prefill  long chunks are cut into tiles of LUMA_CUDA_ATTN_TILE (128)
+ *            query rows, attended with an online softmax (flash attention):
+ *            no score matrix is ever materialized beyond a tile of keys.
+ *            F16 caches with dk = dv in {64, 128, 256} take prefill_tc_kernel
+ *            (tensor cores, mma.sync m16n8k16: f16 operands, f32 sums); the
+ *            others prefill_kernel (CUDA cores, f32 arithmetic, 16 rows of a
+ *            tile per CTA).
+ * All copy K and V rows from the cache to shared memory with 16-byte
  * asynchronous copies (cp.async), a whole pass of keys in flight at once, so
  * a CTA waits for memory once per pass rather than once per key.
  *
  * Napkin math for decode: a context of n keys costs n * n_kv_head *
  * (dk + dv) * 2 bytes (F16) per layer and row; Gemma 3 270M at 4096 keys
- * (one kv head, 256 + 256) reads 4 MiB per layer, ~1.4 us at 3.0 TB/s. The
- * prefill kernel runs its dot products on the CUDA cores (no tensor cores
- * yet): ~4 * n_rows * n_keys * head_dim flops per head. */
+ * (one kv head, 256 + 256) reads 4 MiB per layer, ~1.4 us at 3.0 TB/s.
+ * Prefill is compute-bound: 2 * n_rows * n_keys * (dk + dv) flops per head
+ * (half of n_rows^2 keys when causal); a 7B llama's 4096-token prompt (32
+ * heads of 128) is 137 GFLOP per layer, 0.69 ms at 200 TFLOP/s, while its
+ * whole K and V (16 MiB per layer) stay in the 50 MB L2. cuda/NOTES.md has
+ * the measurements. */
 #include <math.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include "cuda_internal.h"
 
@@ -37,10 +48,16 @@
 #define DEC_TILE 64           /* keys scored per pass of a decode CTA */
 #define DEC_HEADS 8           /* query heads per decode CTA (one kv head's group, or part of it) */
 #define MIN_SPLIT_KEYS 64     /* decode splits hold at least this many keys */
-#define PF_QT LUMA_CUDA_ATTN_TILE  /* query rows per prefill CTA */
+#define PF_QT 16              /* query rows per CUDA-core prefill CTA */
+#define PF_SUB (LUMA_CUDA_ATTN_TILE / PF_QT)   /* its CTAs per tile */
 #define PF_TPR 16             /* prefill threads per query row */
 #define PF_THREADS (PF_QT * PF_TPR)
 #define PF_KT 32              /* keys per pass of a prefill CTA */
+#define TC_WARPS 4            /* warps of a tensor-core prefill CTA */
+#define TC_THREADS (TC_WARPS * 32)
+
+static_assert(LUMA_CUDA_ATTN_TILE % PF_QT == 0 && LUMA_CUDA_ATTN_TILE % (TC_WARPS * 32) == 0,
+              "a prefill tile is whole CUDA-core and tensor-core CTAs");
 
 /* Everything the kernels need: where the layer lives, the shapes, and the
  * step's metadata on the device. */
@@ -52,7 +69,7 @@ typedef struct attn_args {
     size_t block_bytes;        /* one physical block: every layer of the pool */
     size_t layer_off;          /* this layer inside a block */
     size_t v_off;              /* V after K inside the layer */
-    int32_t block_tokens, dk, dv;
+    int32_t block_tokens, bt_shift, dk, dv;   /* block_tokens = 1 << bt_shift */
     int32_t n_head, n_kv_head, group;   /* group = n_head / n_kv_head */
     int32_t heads_per_cta, n_hchunks;   /* decode: query heads of a group per CTA */
     int32_t v_lanes;           /* decode: lanes covering one V row, 8 elements each */
@@ -61,6 +78,7 @@ typedef struct attn_args {
     int32_t n_seqs, pool_index;
     const int32_t *pos, *row_seq, *blocks, *block_off, *seq_row0, *seq_nrows;
     const int32_t *dec_rows, *tiles;
+    int32_t n_tiles;
     int32_t split_len, n_splits;
     float *part;               /* decode partials: [n_dec][n_head][n_splits][dv + 2] */
 } attn_args;
@@ -407,13 +425,13 @@ struct prefill_layout {
     }
 };
 
-/* grid (tiles, query heads). Thread t owns query row t / PF_TPR of the
- * tile; the row's PF_TPR threads split each pass's 32 keys (key kq + PF_TPR j)
- * for the scores and the dv columns (float4 columns kq + PF_TPR j) for the
- * output, so the row's running max and sum stay in registers (shuffles
- * among the row's threads combine them). K and V rows come in
- * through two stages of shared memory: the next pass's copy is in flight
- * while this one computes. */
+/* grid (tiles, query heads, PF_SUB): the CTA takes rows [16 z, 16 z + 16)
+ * of its tile. Thread t owns query row t / PF_TPR of them; the row's PF_TPR
+ * threads split each pass's 32 keys (key kq + PF_TPR j) for the scores and
+ * the dv columns (float4 columns kq + PF_TPR j) for the output, so the
+ * row's running max and sum stay in registers (shuffles among the row's
+ * threads combine them). K and V rows come in through two stages of shared
+ * memory: the next pass's copy is in flight while this one computes. */
 template <typename T, int DMAX>
 __global__ static void __launch_bounds__(PF_THREADS) prefill_kernel(const attn_args a)
 {
@@ -425,8 +443,9 @@ __global__ static void __launch_bounds__(PF_THREADS) prefill_kernel(const attn_a
     float *ps = (float *)(stages + 4 * tile);
     __shared__ int32_t kmin_s, kmax_s;
 
-    int32_t seq = a.tiles[2 * blockIdx.x], t0 = a.tiles[2 * blockIdx.x + 1], h = blockIdx.y;
-    int32_t row0 = a.seq_row0[seq] + t0, nrows = min(PF_QT, a.seq_nrows[seq] - t0);
+    int32_t seq = a.tiles[2 * blockIdx.x], t0 = a.tiles[2 * blockIdx.x + 1] + PF_QT * (int32_t)blockIdx.z;
+    int32_t h = blockIdx.y, row0 = a.seq_row0[seq] + t0, nrows = min(PF_QT, a.seq_nrows[seq] - t0);
+    if (nrows <= 0) return;   /* past the end of a short last tile */
     int32_t kvh = h / a.group;
     const int32_t *tab = block_table(a, seq);
     int tid = threadIdx.x, r = tid / PF_TPR, kq = tid % PF_TPR;
@@ -542,10 +561,373 @@ __global__ static void __launch_bounds__(PF_THREADS) prefill_kernel(const attn_a
     }
 }
 
+/* ---- prefill on the tensor cores ----------------------------------------- */
+
+/* The shape of a tensor-core prefill CTA for heads of D dimensions: 4
+ * warps, each owning MT m16 tiles (16 MT query rows), so that every K or V
+ * fragment read from shared memory feeds 2 MT products (32 rows a warp as
+ * in flash-attention 2; heads of 256 keep 16, their accumulators alone
+ * taking 128 registers); KT keys per pass. Shared memory, in halves: Q
+ * [ROWS][LD], then two stages of K [KT][LD] and V [KT][LD]. Rows are D + 8
+ * halves long: the eight rows an ldmatrix reads sit 16 bytes apart in the
+ * banks, so each 8 x 8 matrix is one conflict-free access. 104 KB at 128
+ * dimensions and 101 KB at 256: two CTAs per SM. */
+template <int D>
+struct tc_layout {
+    static const int MT = D > 128 ? 1 : 2;
+    static const int ROWS = TC_WARPS * 16 * MT;
+    static const int SUB = LUMA_CUDA_ATTN_TILE / ROWS;   /* CTAs per tile */
+    static const int KT = D > 128 ? 32 : 64;
+    static const int LD = D + 8;
+    static size_t bytes(void) { return (size_t)(ROWS + 4 * KT) * LD * sizeof(__half); }
+};
+
+/* Four 8 x 8 matrices of halves: lane l gives the address of row l % 8 of
+ * matrix l / 8 and receives, in r[i], elements (l / 4, 2 (l % 4) + {0, 1})
+ * of matrix i (transposed: (2 (l % 4) + {0, 1}, l / 4)). */
+__device__ static void ldsm4(uint32_t r[4], const __half *p)
+{
+    unsigned s = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(s));
+}
+
+__device__ static void ldsm4_t(uint32_t r[4], const __half *p)
+{
+    unsigned s = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(s));
+}
+
+/* c (16 x 8, f32) += a (16 x 16, f16, row-major) b (16 x 8, f16). With g =
+ * lane / 4, t = lane % 4: a holds rows g, g + 8 at columns 2t + {0, 1} and
+ * 2t + 8 + {0, 1} (a[0] (g, 2t), a[1] (g + 8, 2t), a[2] (g, 2t + 8), a[3]
+ * (g + 8, 2t + 8)); b0 holds rows 2t + {0, 1} of column g, b1 rows 2t + 8 +
+ * {0, 1}; c holds (g, 2t + {0, 1}) in c[0..1] and (g + 8, ...) in c[2..3]. */
+__device__ static void mma16816(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1)
+{
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ static uint32_t pack_half2(float lo, float hi)
+{
+    __half2 h = __floats2half2_rn(lo, hi);
+    return *(uint32_t *)&h;
+}
+
+__device__ static float fast_exp2(float x)
+{
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
+/* Starts copying the K and V rows of kv head h for keys [kb, kb + KT) into
+ * a stage, zeros for keys past kend and for released blocks (they weigh
+ * 0 * finite). D / 8 threads share a row, one 16-byte piece each; a row's
+ * block comes from one look-up (block_tokens is a power of two: shifts). */
+template <int D>
+__device__ static void tc_load(const attn_args &a, const int32_t *tab, int32_t h, int32_t kb, int32_t kend,
+                               __half *ks, __half *vs)
+{
+    typedef tc_layout<D> L;
+    const int pieces = D / 8, rows_per_sweep = TC_THREADS / pieces;
+    int c = threadIdx.x % pieces;
+    const __half *zero = (const __half *)a.pool;
+#pragma unroll
+    for (int j = 0; j < L::KT / rows_per_sweep; j++) {
+        int kk = (int)threadIdx.x / pieces + j * rows_per_sweep;
+        int32_t key = kb + kk, b = key <= kend ? tab[key >> a.bt_shift] : -1;
+        const __half *kr = zero, *vr = zero;
+        if (b >= 0) {
+            const uint8_t *layer = a.pool + (size_t)b * a.block_bytes + a.layer_off;
+            size_t at = ((size_t)h * (size_t)a.block_tokens + (size_t)(key & (a.block_tokens - 1))) * D + c * 8;
+            kr = (const __half *)layer + at;
+            vr = (const __half *)(layer + a.v_off) + at;
+        }
+        cp_async16(ks + kk * L::LD + c * 8, kr, b >= 0);
+        cp_async16(vs + kk * L::LD + c * 8, vr, b >= 0);
+    }
+}
+
+/* The tensor-core state of one warp: for each of its m16 tiles, the output
+ * accumulators (16 x D, as mma C fragments: columns 8 j + 2t + {0, 1} of
+ * rows g and g + 8) and the running maximum and sum (this thread's share)
+ * of its two rows. */
+template <int D>
+struct tc_rows {
+    float o[tc_layout<D>::MT][D / 8][4];
+    float m[tc_layout<D>::MT][2], l[tc_layout<D>::MT][2];
+};
+
+/* Where lane l points its ldmatrix row addresses: A operands (Q) and V run
+ * the four 8 x 8 matrices down then across, K across then down. */
+struct tc_lane {
+    int a_row, a_col, k_row, k_col, t4;
+};
+
+/* One pass of a warp over the KT keys at kb in shared memory (ks, vs):
+ * scores, online softmax, O += P V. CAP: the softcap's tanh (cap_in =
+ * 1 / c, cap_out = c log2(e)); mask: some key of the pass is hidden from
+ * some row, whose keys are [first[r], pos[r]] (pos -1: a row past the
+ * chunk; r = 16 mt + 8 hf from this thread's first row). The mask is
+ * applied by selects, not branches, so that a pass stays one block of
+ * straight-line code for the scheduler (a second, unmasked copy spilled). */
+template <int D, bool CAP>
+__device__ __forceinline__ static void tc_pass(tc_rows<D> &w, const __half *q_warp, const __half *ks,
+                                               const __half *vs, int32_t kb, const tc_lane &ln, bool mask,
+                                               const int32_t *first, const int32_t *pos, float cap_in,
+                                               float cap_out)
+{
+    typedef tc_layout<D> L;
+    const int MT = L::MT, KT = L::KT, LD = L::LD, NJ = KT / 8;
+    float s[MT][NJ][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int j = 0; j < NJ; j++) s[mt][j][0] = s[mt][j][1] = s[mt][j][2] = s[mt][j][3] = 0.0f;
+#pragma unroll
+    for (int kc = 0; kc < D / 16; kc++) {
+        uint32_t qa[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++) ldsm4(qa[mt], q_warp + mt * 16 * LD + kc * 16);
+#pragma unroll
+        for (int jj = 0; jj < KT / 16; jj++) {
+            uint32_t kf[4];
+            ldsm4(kf, ks + (jj * 16 + ln.k_row) * LD + kc * 16 + ln.k_col);
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++) {
+                mma16816(s[mt][2 * jj], qa[mt], kf[0], kf[1]);
+                mma16816(s[mt][2 * jj + 1], qa[mt], kf[2], kf[3]);
+            }
+        }
+    }
+
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++) {
+        float mx[2] = { -INFINITY, -INFINITY };
+        int32_t lo[2], hi[2];
+        if (mask)
+#pragma unroll
+            for (int hf = 0; hf < 2; hf++) {
+                lo[hf] = first[16 * mt + 8 * hf];
+                hi[hf] = pos[16 * mt + 8 * hf];
+            }
+#pragma unroll
+        for (int j = 0; j < NJ; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                float x = s[mt][j][e];
+                if (CAP) x = cap_out * tanhf(x * cap_in);
+                if (mask) {
+                    int32_t key = kb + 8 * j + 2 * ln.t4 + (e & 1);
+                    if (key < lo[e / 2] || key > hi[e / 2]) x = -INFINITY;
+                }
+                s[mt][j][e] = x;
+                mx[e / 2] = fmaxf(mx[e / 2], x);
+            }
+#pragma unroll
+        for (int hf = 0; hf < 2; hf++) {
+            mx[hf] = fmaxf(mx[hf], __shfl_xor_sync(0xffffffffu, mx[hf], 1));
+            mx[hf] = fmaxf(mx[hf], __shfl_xor_sync(0xffffffffu, mx[hf], 2));
+            /* a row that has seen no key yet (max -inf) takes base 0, so its
+             * p and corr are 0; the key of the maximum weighs exactly 1 */
+            float mn = fmaxf(w.m[mt][hf], mx[hf]), base = mn == -INFINITY ? 0.0f : mn;
+            float corr = fast_exp2(w.m[mt][hf] - base), sum = 0.0f;
+            w.m[mt][hf] = mn;
+#pragma unroll
+            for (int j = 0; j < NJ; j++) {
+                s[mt][j][2 * hf] = fast_exp2(s[mt][j][2 * hf] - base);
+                s[mt][j][2 * hf + 1] = fast_exp2(s[mt][j][2 * hf + 1] - base);
+                sum += s[mt][j][2 * hf] + s[mt][j][2 * hf + 1];
+            }
+            w.l[mt][hf] = w.l[mt][hf] * corr + sum;   /* this thread's share; the quad's summed at the end */
+#pragma unroll
+            for (int j = 0; j < D / 8; j++) {
+                w.o[mt][j][2 * hf] *= corr;
+                w.o[mt][j][2 * hf + 1] *= corr;
+            }
+        }
+    }
+
+#pragma unroll
+    for (int kc = 0; kc < KT / 16; kc++) {
+        uint32_t pa[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++) {
+            pa[mt][0] = pack_half2(s[mt][2 * kc][0], s[mt][2 * kc][1]);
+            pa[mt][1] = pack_half2(s[mt][2 * kc][2], s[mt][2 * kc][3]);
+            pa[mt][2] = pack_half2(s[mt][2 * kc + 1][0], s[mt][2 * kc + 1][1]);
+            pa[mt][3] = pack_half2(s[mt][2 * kc + 1][2], s[mt][2 * kc + 1][3]);
+        }
+#pragma unroll
+        for (int nn = 0; nn < D / 16; nn++) {
+            uint32_t vf[4];
+            ldsm4_t(vf, vs + (kc * 16 + ln.a_row) * LD + nn * 16 + ln.a_col);
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++) {
+                mma16816(w.o[mt][2 * nn], pa[mt], vf[0], vf[1]);
+                mma16816(w.o[mt][2 * nn + 1], pa[mt], vf[2], vf[3]);
+            }
+        }
+    }
+}
+
+/* One CTA: ROWS query rows of a tile (sub-tile blockIdx % SUB) and one
+ * query head; warp w owns rows [16 MT w, 16 MT (w + 1)), one m16 tile per
+ * 16. The flat grid runs the tiles from the last (the longest, when causal)
+ * and the heads of a tile side by side, so the heads sharing a kv head read
+ * its K and V through L2 together.
+ *   Q: scaled by a.scale and, without a softcap, by log2(e), rounded to
+ *      f16 into shared memory; scores are kept in base 2 (exp2 is the
+ *      hardware's);
+ *   a pass: K and V rows of KT keys land in one stage while the other is
+ *      consumed (cp.async, two stages);
+ *   S = Q K^T per warp: 16 MT x KT scores in registers, the B operand K
+ *      rows as they lie (ldmatrix);
+ *   online softmax on those registers: each thread holds 2 rows (g, g + 8)
+ *      of each m16 tile and shares them with the 3 other threads of its
+ *      quad; masks (window, causal, rows past the chunk) and the softcap as
+ *      in score();
+ *   O += P V: the scores' accumulator layout is the A operand's, so P goes
+ *      from registers to f16 pairs with no shared memory; V through
+ *      ldmatrix.trans;
+ *   O / l to the output in f32.
+ * A warp whose rows see none of a pass's keys skips its arithmetic. */
+template <int D, bool CAP>
+__global__ static void __launch_bounds__(TC_THREADS, 2) prefill_tc_kernel(const attn_args a)
+{
+    typedef tc_layout<D> L;
+    const int MT = L::MT, ROWS = L::ROWS, KT = L::KT, LD = L::LD;
+    const float L2E = 1.4426950408889634f;
+    /* score() in base 2: s log2(e), the softcap's tanh taken before */
+    float q_scale = CAP ? a.scale : a.scale * L2E;
+    float cap_in = CAP ? 1.0f / a.softcap : 0.0f, cap_out = a.softcap * L2E;
+    extern __shared__ __align__(16) unsigned char tsm[];
+    __half *qs = (__half *)tsm;
+    __half *stages = qs + ROWS * LD;   /* [2][K, V][KT][LD] */
+    __shared__ int32_t kmin_s, kmax_s, from_s, to_s;
+    __shared__ int32_t first_s[L::ROWS], pos_s[L::ROWS];   /* each row's keys; pos -1 past the chunk */
+
+    uint32_t bid = blockIdx.x, sub = bid % L::SUB;
+    int32_t h = (int32_t)(bid / L::SUB % (uint32_t)a.n_head);
+    int32_t ti = a.n_tiles - 1 - (int32_t)(bid / L::SUB / (uint32_t)a.n_head);
+    int32_t seq = a.tiles[2 * ti], t0 = a.tiles[2 * ti + 1] + (int32_t)sub * ROWS;
+    int32_t row0 = a.seq_row0[seq] + t0, nrows = min(ROWS, a.seq_nrows[seq] - t0);
+    if (nrows <= 0) return;   /* past the end of a short last tile */
+    int32_t kvh = h / a.group;
+    const int32_t *tab = block_table(a, seq);
+    int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
+
+    if (tid == 0) {
+        kmin_s = INT32_MAX;
+        kmax_s = -1;
+        from_s = -1;
+        to_s = INT32_MAX;
+    }
+    for (int i = tid; i < ROWS * D / 4; i += TC_THREADS) {
+        int rr = i / (D / 4), c = i % (D / 4) * 4;
+        float4 x = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (rr < nrows)
+            x = *(const float4 *)(a.q + (size_t)(row0 + rr) * (size_t)a.q_cols + (size_t)h * D + c);
+        __half2 *dst = (__half2 *)(qs + rr * LD + c);
+        dst[0] = __floats2half2_rn(x.x * q_scale, x.y * q_scale);
+        dst[1] = __floats2half2_rn(x.z * q_scale, x.w * q_scale);
+    }
+    __syncthreads();
+    for (int i = tid; i < ROWS; i += TC_THREADS) {
+        int32_t p = i < nrows ? a.pos[row0 + i] : -1, f = p >= 0 ? first_key(a, p) : 0;
+        first_s[i] = f;
+        pos_s[i] = p;
+        if (p >= 0) {
+            atomicMin(&kmin_s, f);
+            atomicMax(&kmax_s, p);
+            atomicMax(&from_s, f);
+            atomicMin(&to_s, p);
+        }
+    }
+    /* this thread's rows: 16 MT w + 16 mt + g + 8 hf; the warp's key range
+     * is its live rows' union */
+    int32_t wp = -1, wf = INT32_MAX;
+    for (int i = lane; i < 16 * MT; i += 32) {
+        int32_t r = warp * 16 * MT + i, p = r < nrows ? a.pos[row0 + r] : -1;
+        wp = max(wp, p);
+        if (p >= 0) wf = min(wf, first_key(a, p));
+    }
+    for (int sh = 16; sh > 0; sh /= 2) {
+        wp = max(wp, __shfl_xor_sync(0xffffffffu, wp, sh));
+        wf = min(wf, __shfl_xor_sync(0xffffffffu, wf, sh));
+    }
+    __syncthreads();
+    /* keys [kmin, kmax] cover the CTA; every live row sees [all_from, all_to] */
+    int32_t kmin = kmin_s, kmax = kmax_s, all_from = from_s, all_to = to_s;
+    int32_t n_pass = (kmax - kmin + KT) / KT;
+
+    tc_rows<D> w;
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++) {
+#pragma unroll
+        for (int j = 0; j < D / 8; j++) w.o[mt][j][0] = w.o[mt][j][1] = w.o[mt][j][2] = w.o[mt][j][3] = 0.0f;
+        w.m[mt][0] = w.m[mt][1] = -INFINITY;
+        w.l[mt][0] = w.l[mt][1] = 0.0f;
+    }
+    tc_lane ln = { lane % 8 + 8 * (lane / 8 % 2), 8 * (lane / 16), lane % 8 + 8 * (lane / 16), 8 * (lane / 8 % 2),
+                   t4 };
+    const __half *q_warp = qs + (warp * 16 * MT + ln.a_row) * LD + ln.a_col;
+    const int32_t *first = first_s + warp * 16 * MT + g, *pos = pos_s + warp * 16 * MT + g;
+
+    tc_load<D>(a, tab, kvh, kmin, kmax, stages, stages + KT * LD);
+    cp_async_commit();
+    for (int32_t it = 0; it < n_pass; it++) {
+        int32_t kb = kmin + it * KT;
+        if (it + 1 < n_pass) {
+            __half *next = stages + ((it + 1) & 1) * 2 * KT * LD;
+            tc_load<D>(a, tab, kvh, kb + KT, kmax, next, next + KT * LD);
+        }
+        cp_async_commit();
+        cp_async_wait<1>();
+        __syncthreads();
+        const __half *ks = stages + (it & 1) * 2 * KT * LD, *vs = ks + KT * LD;
+
+        if (kb <= wp && kb + KT - 1 >= wf) {
+            bool mask = kb < all_from || kb + KT - 1 > all_to;
+            tc_pass<D, CAP>(w, q_warp, ks, vs, kb, ln, mask, first, pos, cap_in, cap_out);
+        }
+        __syncthreads();
+    }
+
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int hf = 0; hf < 2; hf++) {
+            float sum = w.l[mt][hf];
+            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+            sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+            if (pos[16 * mt + 8 * hf] < 0) continue;
+            float inv = 1.0f / sum;
+            int32_t r = warp * 16 * MT + mt * 16 + g + 8 * hf;
+            float *dst = a.out + (size_t)(row0 + r) * (size_t)a.out_cols + (size_t)h * D + 2 * t4;
+#pragma unroll
+            for (int j = 0; j < D / 8; j++)
+                *(float2 *)(dst + 8 * j) = make_float2(w.o[mt][j][2 * hf] * inv, w.o[mt][j][2 * hf + 1] * inv);
+        }
+}
+
 /* ---- host side ----------------------------------------------------------- */
+
+/* LUMA_CUDA_ATTN_PREFILL=cores when the KV cache is allocated keeps prefill
+ * on the CUDA-core kernel: for measuring the two kernels on one shape. */
+static bool prefill_on_cores;
 
 int luma_cuda_attention_setup(const luma_kv_layout *l, luma_err *err)
 {
+    const char *path = getenv("LUMA_CUDA_ATTN_PREFILL");
+    prefill_on_cores = path && strcmp(path, "cores") == 0;
     if (l->head_dim_k < 8 || l->head_dim_k > HEAD_MAX || l->head_dim_k % 8 != 0 || l->head_dim_v < 8 ||
         l->head_dim_v > HEAD_MAX || l->head_dim_v % 8 != 0)
         return luma_errf(err, "attention heads of %d (keys) and %d (values) dimensions: the CUDA backend "
@@ -559,6 +941,12 @@ int luma_cuda_attention_setup(const luma_kv_layout *l, luma_err *err)
         { (const void *)prefill_kernel<float, 128>, prefill_layout<float, 128>::bytes() },
         { (const void *)prefill_kernel<__half, HEAD_MAX>, prefill_layout<__half, HEAD_MAX>::bytes() },
         { (const void *)prefill_kernel<float, HEAD_MAX>, prefill_layout<float, HEAD_MAX>::bytes() },
+        { (const void *)prefill_tc_kernel<64, false>, tc_layout<64>::bytes() },
+        { (const void *)prefill_tc_kernel<64, true>, tc_layout<64>::bytes() },
+        { (const void *)prefill_tc_kernel<128, false>, tc_layout<128>::bytes() },
+        { (const void *)prefill_tc_kernel<128, true>, tc_layout<128>::bytes() },
+        { (const void *)prefill_tc_kernel<256, false>, tc_layout<256>::bytes() },
+        { (const void *)prefill_tc_kernel<256, true>, tc_layout<256>::bytes() },
     };
     for (size_t i = 0; i < sizeof kernels / sizeof kernels[0]; i++) {
         cudaError_t e = cudaFuncSetAttribute(kernels[i].fn, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -584,8 +972,27 @@ static float *attn_scratch(cuda_backend *c, size_t bytes)
     return c->attn_scratch;
 }
 
+/* Whether prefill_tc_kernel handles this layer: F16 cache, dk = dv of 64,
+ * 128 or 256, blocks of a power of two positions (luma_kv's), q rows
+ * readable as float4 and out rows as float2. */
+static bool tc_covers(const luma_kv_layout *l, const attn_args *a)
+{
+    return !prefill_on_cores && l->type == LUMA_F16 && a->dk == a->dv && a->block_tokens == 1 << a->bt_shift &&
+           (a->dk == 64 || a->dk == 128 || a->dk == 256) && a->q_cols % 4 == 0 && (uintptr_t)a->q % 16 == 0 &&
+           a->out_cols % 2 == 0 && (uintptr_t)a->out % 8 == 0;
+}
+
+/* prefill_tc_kernel over `tiles` (tile, head) pairs, SUB CTAs each. */
+template <int D>
+static void launch_tc(const attn_args *a, unsigned tiles, cudaStream_t s)
+{
+    typedef tc_layout<D> L;
+    if (a->softcap > 0.0f) prefill_tc_kernel<D, true><<<tiles * L::SUB, TC_THREADS, L::bytes(), s>>>(*a);
+    else prefill_tc_kernel<D, false><<<tiles * L::SUB, TC_THREADS, L::bytes(), s>>>(*a);
+}
+
 template <typename T>
-static void launch(cuda_backend *c, attn_args *a)
+static void launch(cuda_backend *c, attn_args *a, bool tc)
 {
     const cuda_step *st = &c->step;
     cudaStream_t s = c->stream;
@@ -596,8 +1003,13 @@ static void launch(cuda_backend *c, attn_args *a)
         if (a->n_splits > 1)
             combine_kernel<<<dim3((unsigned)st->n_dec, (unsigned)a->n_head), 128, 2 * a->n_splits * sizeof(float), s>>>(*a);
     }
-    if (st->n_tiles > 0) {
-        dim3 grid((unsigned)st->n_tiles, (unsigned)a->n_head);
+    if (st->n_tiles > 0 && tc) {
+        unsigned tiles = (unsigned)st->n_tiles * (unsigned)a->n_head;
+        if (a->dk == 64) launch_tc<64>(a, tiles, s);
+        else if (a->dk == 128) launch_tc<128>(a, tiles, s);
+        else launch_tc<256>(a, tiles, s);
+    } else if (st->n_tiles > 0) {
+        dim3 grid((unsigned)st->n_tiles, (unsigned)a->n_head, PF_SUB);
         if (a->dk <= 128 && a->dv <= 128)
             prefill_kernel<T, 128><<<grid, PF_THREADS, prefill_layout<T, 128>::bytes(), s>>>(*a);
         else
@@ -607,7 +1019,9 @@ static void launch(cuda_backend *c, attn_args *a)
 
 /* Splits of each decode row's keys: enough CTAs for every SM to hold
  * several (their copies overlap), none shorter than MIN_SPLIT_KEYS, lengths
- * a multiple of DEC_TILE. */
+ * a multiple of DEC_TILE. Planned for dec_keys_bound keys (the step's
+ * shape), not its longest context: the splits past a row's keys find no key
+ * and leave m = -inf, l = 0, which combine_kernel weighs 0. */
 static void plan_splits(const cuda_backend *c, attn_args *a)
 {
     int64_t keys = c->step.dec_keys_bound;
@@ -658,6 +1072,8 @@ void luma_cuda_attention(cuda_backend *c, const luma_buf *q, const luma_buf *k, 
     a.layer_off = (size_t)at->layer * (a.v_off + (size_t)l->n_kv_head * (size_t)l->block_tokens *
                                                   (size_t)l->head_dim_v * es);
     a.block_tokens = l->block_tokens;
+    a.bt_shift = 0;
+    while ((1 << a.bt_shift) < a.block_tokens) a.bt_shift++;
     a.dk = at->head_dim_k;
     a.dv = at->head_dim_v;
     a.n_head = at->n_head;
@@ -680,6 +1096,7 @@ void luma_cuda_attention(cuda_backend *c, const luma_buf *q, const luma_buf *k, 
     a.seq_nrows = st->seq_nrows;
     a.dec_rows = st->dec_rows;
     a.tiles = st->tiles;
+    a.n_tiles = st->n_tiles;
     a.split_len = 0;
     a.n_splits = 1;
     a.part = NULL;
@@ -691,7 +1108,12 @@ void luma_cuda_attention(cuda_backend *c, const luma_buf *q, const luma_buf *k, 
             if (!a.part) return;
         }
     }
-    if (l->type == LUMA_F16) launch<__half>(c, &a);
-    else launch<float>(c, &a);
+    bool tc = tc_covers(l, &a);
+    if (tc && (int64_t)st->n_tiles * a.n_head * (LUMA_CUDA_ATTN_TILE / (TC_WARPS * 16)) > INT32_MAX) {
+        luma_cuda_failf(c, "attention: %d tiles of %d heads are too many CTAs", st->n_tiles, a.n_head);
+        return;
+    }
+    if (l->type == LUMA_F16) launch<__half>(c, &a, tc);
+    else launch<float>(c, &a, tc);
     luma_cuda_fail(c, cudaGetLastError(), "attention");
 }

@@ -178,7 +178,7 @@ void luma_cuda_add(luma_backend *be, luma_buf *x, const luma_buf *y);
 
 /* ---- attention.cu -------------------------------------------------------- */
 
-#define LUMA_CUDA_ATTN_TILE 64        /* query rows per prefill tile (one tensor-core CTA) */
+#define LUMA_CUDA_ATTN_TILE 128       /* query rows per prefill tile: 1 or 2 tensor-core CTAs, 8 CUDA-core ones */
 #define LUMA_CUDA_PREFILL_MIN_ROWS 8  /* fewer rows of a sequence: decoded row by row */
 
 /* Whether the attention kernels handle this KV layout (head sizes); called

@@ -10,10 +10,20 @@
  *     reference value stays under each op's tolerance (0 for the exact ones);
  *   - attention over the paged KV cache, each backend through its own
  *     kv_alloc and the same luma_kv block tables: gemma's shape (4 heads over
- *     1 kv head of 256, two pools, window 512), llama's (32 over 8 of 128) and
- *     an odd one (14 over 2, keys of 96, values of 80, softcap), F16 and F32
- *     caches; decode steps at contexts up to ~3000 (split over the keys), a
- *     long prefill chunk and a mixed step, with window 0 and 512;
+ *     1 kv head of 256, two pools, window 512), llama's (32 over 8 of 128),
+ *     an odd one (14 over 2, keys of 96, values of 80, softcap), heads of 64
+ *     without grouping and 16 heads over 2 of 128 with a softcap (groups 1,
+ *     4 and 8 of dimensions 64, 128 and 256 for the tensor-core prefill), F16
+ *     and F32 caches; decode steps at contexts up to ~3000 (split over the
+ *     keys), a long prefill chunk (300 rows: not a whole number of 64-row
+ *     tiles), three sequences prefilling together (70, 129 and 8 rows, the
+ *     first at ~3000 keys) and a mixed step, with window 0 and 512. The
+ *     tensor-core prefill rounds q and the softmax weights to f16: its steps
+ *     are held to 2e-3 (numpy's model of that rounding gives 2e-4 to 7e-4
+ *     on these shapes), the f32 kernels to 1e-4 (F16 cache) and 2e-5 (F32);
+ *   - a 4096-row causal prefill on the 7B llama shape (32 heads over 8 of
+ *     128) and on gemma's, each timed on the CUDA-core and the tensor-core
+ *     kernel (LUMA_CUDA_ATTN_PREFILL=cores), the two outputs compared;
  *   - a failure inside a step (ids that are not the step's) comes back from
  *     sync as a message and the backend keeps working;
  *   - the default model on both backends: the logits of a 64-token prompt
@@ -24,7 +34,10 @@
  * so launch gaps are not timed) with the bandwidth it implies.
  * Built with the CUDA backend only; without a device it says so and passes.
  * LUMA_CUDA_QUICK=1 runs smaller cases and neither the model nor the timings
- * (for compute-sanitizer). */
+ * (for compute-sanitizer); LUMA_CUDA_ONLY=attention runs the attention
+ * checks and timings alone, LUMA_CUDA_ONLY=prefill-timing the prefill
+ * timings alone (for a profiler). */
+#define _POSIX_C_SOURCE 200809L   /* setenv */
 #include "backend.h"
 #include "kv.h"
 #include "model.h"
@@ -61,7 +74,7 @@ typedef struct result {
     double us, gbps;           /* GPU time per call and bandwidth; 0: not timed */
 } result;
 
-static result results[160];
+static result results[200];
 static int n_results;
 
 static void report(const char *op, double err, double tol)
@@ -653,6 +666,27 @@ static void attn_call(void *p)
 
 enum { UNTIMED, TIMED, TIMED_BYTES };
 
+/* Whether the GPU runs part of the step on the tensor-core prefill: F16
+ * cache, keys and values of one size among 64, 128, 256, and a chunk of at
+ * least 8 rows (LUMA_CUDA_PREFILL_MIN_ROWS in cuda/cuda_internal.h). */
+static bool tensor_core_step(enum luma_type type, const luma_step *s, const luma_attn *a)
+{
+    if (type != LUMA_F16 || a->head_dim_k != a->head_dim_v ||
+        (a->head_dim_k != 64 && a->head_dim_k != 128 && a->head_dim_k != 256))
+        return false;
+    for (int32_t i = 0; i < s->n_seqs; i++)
+        if (s->seqs[i].n_rows >= 8) return true;
+    return false;
+}
+
+/* f16 q and softmax weights on the tensor cores; f32 arithmetic otherwise,
+ * over f16 or f32 keys and values. */
+static double attn_tol(enum luma_type type, const luma_step *s, const luma_attn *a)
+{
+    if (tensor_core_step(type, s, a)) return 2e-3;
+    return type == LUMA_F16 ? 1e-4 : 2e-5;
+}
+
 /* Runs attention of layer a on both backends over fresh random q, k, v for
  * the step's rows; n_head may be fewer than the shape's (filling). Returns
  * the error, and reports it as `label` when label is set; TIMED_BYTES also
@@ -675,7 +709,7 @@ static double attend(kv_env *e, const luma_step *s, const luma_attn *a, const ch
     cpu->ops->attention(cpu, &q.c, &k.c, &v.c, s, a, &o.c);
     gpu->ops->attention(gpu, &q.g, &k.g, &v.g, s, a, &o.g);
     double err = dual_err(&o);
-    if (label) report(label, err, e->type == LUMA_F16 ? 1e-4 : 2e-5);
+    if (label) report(label, err, attn_tol(e->type, s, a));
     if (label && timing != UNTIMED) {
         double bytes = 0.0, es = e->type == LUMA_F16 ? 2.0 : 4.0;
         for (int32_t r = 0; r < s->n_rows && timing == TIMED_BYTES; r++) {
@@ -726,7 +760,9 @@ static void test_attention_shape(const attn_shape *sh, enum luma_type type)
     luma_err err = { { 0 } };
     int32_t lens[3] = { quick ? 600 : 3000, quick ? 200 : 700, 37 };
     int32_t prefill = quick ? 64 : 300, mixed = quick ? 20 : 100;
-    int32_t n_blocks = (lens[0] + lens[1] + lens[2] + prefill + mixed) / BLOCK_TOKENS + 16;
+    static const int32_t together[3] = { 70, 129, 8 };   /* rows of "prefill x3" */
+    int32_t n_blocks =
+        (lens[0] + lens[1] + lens[2] + prefill + mixed + together[0] + together[1] + together[2]) / BLOCK_TOKENS + 16;
     luma_kv_layout l = { .n_pools = sh->n_pools, .block_tokens = BLOCK_TOKENS, .n_kv_head = sh->n_kv,
                          .head_dim_k = sh->dk, .head_dim_v = sh->dv, .type = type };
     luma_kv_params kp = { .n_pools = sh->n_pools, .block_tokens = BLOCK_TOKENS, .copy = copy_both };
@@ -756,12 +792,14 @@ static void test_attention_shape(const attn_shape *sh, enum luma_type type)
         { "decode short", 1, { 2 }, { 1 }, UNTIMED },
         { "prefill", 1, { 2 }, { 0 }, TIMED },
         { "mixed", 3, { 0, 1, 2 }, { 1, 0, 5 }, UNTIMED },
+        { "prefill x3", 3, { 0, 1, 2 }, { 0, 0, 0 }, UNTIMED },
     };
     for (size_t k = 0; k < sizeof steps / sizeof steps[0]; k++) {
         int32_t rows[3];
         memcpy(rows, steps[k].rows, sizeof rows);
         if (k == 2) rows[0] = prefill;
         if (k == 3) rows[1] = mixed;
+        if (k == 4) memcpy(rows, together, sizeof rows);
         attn_step as;
         if (build_step(&e, &as, steps[k].seqs, rows, steps[k].n)) {
             char label[48];
@@ -782,11 +820,111 @@ static void test_attention(void)
         { "gemma 4/1x256", 4, 1, 256, 256, 2, 0.0f },
         { "llama 32/8x128", 32, 8, 128, 128, 1, 0.0f },
         { "odd 14/2x96/80", 14, 2, 96, 80, 1, 30.0f },
+        { "mha 8/8x64", 8, 8, 64, 64, 1, 0.0f },
+        { "cap 16/2x128", 16, 2, 128, 128, 1, 10.0f },
     };
     for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++) {
         test_attention_shape(&shapes[i], LUMA_F16);
         if (!quick || i == 0) test_attention_shape(&shapes[i], LUMA_F32);
     }
+}
+
+/* ---- prefill: CUDA cores against tensor cores --------------------------- */
+
+/* A causal prefill of n rows from position 0 in one sequence, on the
+ * CUDA-core kernel (LUMA_CUDA_ATTN_PREFILL=cores when the cache is made)
+ * and on the tensor cores: the outputs compared, each timed, at 4 n^2 / 2 *
+ * dk * heads flops (QK^T and PV over half the keys). */
+static void time_prefill(const attn_shape *sh, int32_t n)
+{
+    luma_err err = { { 0 } };
+    luma_kv_layout l = { .n_pools = 1, .block_tokens = BLOCK_TOKENS, .n_kv_head = sh->n_kv,
+                         .head_dim_k = sh->dk, .head_dim_v = sh->dv, .type = LUMA_F16 };
+    luma_kv_params kp = { .n_pools = 1, .block_tokens = BLOCK_TOKENS, .copy = copy_both };
+    l.n_blocks[0] = kp.n_blocks[0] = n / BLOCK_TOKENS + 1;
+    l.n_layers[0] = 1;
+    kv_env e = { .sh = sh, .type = LUMA_F16 };
+    if (luma_kv_new(&kp, &e.kv, &err) != 0) {
+        CHECKF(0, "KV cache for the %s prefill timing: %s", sh->name, err.msg);
+        return;
+    }
+    e.seq[0] = luma_kv_seq_new(e.kv);
+    luma_attn a = { 0, 0, sh->n_head, sh->n_kv, sh->dk, sh->dv, 0, 1.0f / sqrtf((float)sh->dk), sh->softcap };
+    int64_t qc = (int64_t)sh->n_head * sh->dk, kc = (int64_t)sh->n_kv * sh->dk, vc = (int64_t)sh->n_kv * sh->dv;
+    int64_t oc = (int64_t)sh->n_head * sh->dv;
+    dual q, k, v, o;
+    memset(&q, 0, sizeof q);
+    memset(&k, 0, sizeof k);
+    memset(&v, 0, sizeof v);
+    memset(&o, 0, sizeof o);
+    float *hq = random_floats((size_t)(n * qc), 2.0f), *hk = random_floats((size_t)(n * kc), 1.0f);
+    float *hv = random_floats((size_t)(n * vc), 1.0f);
+    float *out[2] = { xmalloc((size_t)(n * oc) * sizeof(float)), xmalloc((size_t)(n * oc) * sizeof(float)) };
+    double us[2] = { 0.0, 0.0 };
+    attn_step as;
+    memset(&as, 0, sizeof as);
+    int seq0 = 0;
+    if (gpu->ops->buf_alloc(gpu, &q.g, n, qc, &err) != 0 || gpu->ops->buf_alloc(gpu, &k.g, n, kc, &err) != 0 ||
+        gpu->ops->buf_alloc(gpu, &v.g, n, vc, &err) != 0 || gpu->ops->buf_alloc(gpu, &o.g, n, oc, &err) != 0) {
+        CHECKF(0, "buffers for the %s prefill timing: %s", sh->name, err.msg);
+        goto done;
+    }
+    if (!cuda_ok(cudaMemcpy(q.g.data, hq, (size_t)(n * qc) * sizeof(float), cudaMemcpyHostToDevice), "upload") ||
+        !cuda_ok(cudaMemcpy(k.g.data, hk, (size_t)(n * kc) * sizeof(float), cudaMemcpyHostToDevice), "upload") ||
+        !cuda_ok(cudaMemcpy(v.g.data, hv, (size_t)(n * vc) * sizeof(float), cudaMemcpyHostToDevice), "upload"))
+        goto done;
+    for (int kernel = 0; kernel < 2; kernel++) {
+        /* the kernel is chosen when the cache is made, and the step's block
+         * tables follow the cache's layout: the step comes after */
+        if (kernel == 0) setenv("LUMA_CUDA_ATTN_PREFILL", "cores", 1);
+        else unsetenv("LUMA_CUDA_ATTN_PREFILL");
+        if (gpu->ops->kv_alloc(gpu, &l, &err) != 0) {
+            CHECKF(0, "kv_alloc for the %s prefill timing: %s", sh->name, err.msg);
+            goto done;
+        }
+        if (!(kernel == 0 ? build_step(&e, &as, &seq0, &n, 1) : step_begin(&as.t))) goto done;
+        gpu->ops->attention(gpu, &q.g, &k.g, &v.g, &as.t.s, &a, &o.g);
+        if (!gpu_sync("prefill timing")) goto done;
+        if (gpu->ops->buf_read(gpu, &o.g, out[kernel], &err) != 0) {
+            CHECKF(0, "reading the %s prefill: %s", sh->name, err.msg);
+            goto done;
+        }
+        attn_ctx c = { &q, &k, &v, &o, &as.t.s, &a };
+        us[kernel] = gpu_us(attn_call, &c);
+    }
+    char label[48];
+    snprintf(label, sizeof label, "attn %s prefill %d tc vs cores", sh->name, n);
+    report(label, rel_err(out[1], out[0], (size_t)(n * oc)), 2e-3);
+    results[n_results - 1].us = us[1];
+    double flops = 4.0 * (double)n * (double)n / 2.0 * sh->dk * sh->n_head;
+    printf("attn %s F16 causal prefill of %d rows: CUDA cores %.3f ms (%.1f TFLOP/s), tensor cores %.3f ms "
+           "(%.1f TFLOP/s), %.1fx\n",
+           sh->name, n, us[0] / 1e3, us[0] > 0.0 ? flops / (us[0] * 1e6) : 0.0, us[1] / 1e3,
+           us[1] > 0.0 ? flops / (us[1] * 1e6) : 0.0, us[1] > 0.0 ? us[0] / us[1] : 0.0);
+done:
+    unsetenv("LUMA_CUDA_ATTN_PREFILL");
+    step_free(&as.t);
+    gpu->ops->buf_free(gpu, &q.g);
+    gpu->ops->buf_free(gpu, &k.g);
+    gpu->ops->buf_free(gpu, &v.g);
+    gpu->ops->buf_free(gpu, &o.g);
+    free(hq);
+    free(hk);
+    free(hv);
+    free(out[0]);
+    free(out[1]);
+    luma_kv_seq_free(e.kv, e.seq[0]);
+    luma_kv_free(e.kv);
+}
+
+static void test_prefill_timing(void)
+{
+    static const attn_shape shapes[] = {
+        { "llama 32/8x128", 32, 8, 128, 128, 1, 0.0f },
+        { "gemma 4/1x256", 4, 1, 256, 256, 1, 0.0f },
+    };
+    if (quick) return;
+    for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++) time_prefill(&shapes[i], 4096);
 }
 
 /* ---- failures ----------------------------------------------------------- */
@@ -943,19 +1081,26 @@ static int run_checks(void)
         printf("test_cuda: FAIL: creating the backends: %s\n", err.msg);
         return 1;
     }
+    const char *only = getenv("LUMA_CUDA_ONLY");
+    bool timing_only = only && strcmp(only, "prefill-timing") == 0;
+    bool attention_only = timing_only || (only && strcmp(only, "attention") == 0);
     if (!quick && !cuda_ok(cudaMalloc(&queue_mem, QUEUE_BYTES), "cudaMalloc (timing queue)")) return 1;
-    test_embed();
-    test_rmsnorm();
-    test_add_rmsnorm();
-    test_rope();
-    test_elementwise();
-    test_bias_gather();
-    test_failure();   /* before any KV layout: its step has no block tables */
-    test_attention();
+    if (!attention_only) {
+        test_embed();
+        test_rmsnorm();
+        test_add_rmsnorm();
+        test_rope();
+        test_elementwise();
+        test_bias_gather();
+        test_failure();   /* before any KV layout: its step has no block tables */
+    }
+    if (!timing_only) test_attention();
+    test_prefill_timing();
     cpu->ops->free(cpu);
     gpu->ops->free(gpu);
     if (queue_mem) cudaFree(queue_mem);
-    if (quick) printf("model: not run (LUMA_CUDA_QUICK)\n");
+    if (attention_only) printf("model: not run (LUMA_CUDA_ONLY=%s)\n", only);
+    else if (quick) printf("model: not run (LUMA_CUDA_QUICK)\n");
     else test_model();
     print_table();
     return 0;

@@ -666,6 +666,13 @@ static const luma_backend_ops cuda_ops = {
     .gelu_mul = luma_cuda_gelu_mul,
     .silu_mul = luma_cuda_silu_mul,
     .add = luma_cuda_add,
+    .logits_alloc = luma_cuda_logits_alloc,
+    .logits_free = luma_cuda_logits_free,
+    .logits_argmax = luma_cuda_logits_argmax,
+    .logits_topk = luma_cuda_logits_topk,
+    .logits_edit = luma_cuda_logits_edit,
+    .logits_temperature = luma_cuda_logits_temperature,
+    .logits_sample = luma_cuda_logits_sample,
     .sync = cuda_sync,
 };
 

@@ -101,8 +101,9 @@ typedef struct cuda_backend {
     size_t kv_block_bytes[LUMA_KV_MAX_POOLS];
     void *scratch;             /* matmul scratch: quantized activations, dequantized tiles */
     size_t scratch_cap;
-    float *attn_scratch;       /* split-K partial results of decode attention */
+    float *attn_scratch;       /* decode attention: arrival counters, then the splits' partial results */
     size_t attn_scratch_cap;
+    size_t attn_counters;      /* int32 counters at the start of attn_scratch, zero between calls */
     char failure[LUMA_ERR_SIZE]; /* first failure since the last sync; "" when none */
     /* CUDA graphs of decode steps (LUMA_CUDA_GRAPHS=0 in the environment
      * turns them off). While `capturing`, operations are recorded, not run:
@@ -114,6 +115,9 @@ typedef struct cuda_backend {
     void *cublas_ws;           /* cuBLAS workspace: no allocation inside a recording */
     /* counters for model.info and the benchmarks */
     uint64_t n_replays, n_recorded;
+    /* luma_cuda_mmq's choice: 0 its measured rule, 1 every product it can
+     * take, -1 none (luma_cuda_mmq_policy sets it, for measuring) */
+    int mmq_policy;
 } cuda_backend;
 
 /* Records the first failure; every later operation of the step is skipped
@@ -186,5 +190,18 @@ void luma_cuda_add(luma_backend *be, luma_buf *x, const luma_buf *y);
 int luma_cuda_attention_setup(const luma_kv_layout *l, luma_err *err);
 void luma_cuda_attention(cuda_backend *c, const luma_buf *q, const luma_buf *k, const luma_buf *v,
                          const luma_step *step, const luma_attn *a, luma_buf *out);
+
+/* ---- logits.cu ----------------------------------------------------------- */
+
+/* The logits operations of luma_backend_ops (backend.h), for its table. */
+int luma_cuda_logits_alloc(luma_backend *be, luma_buf *b, int64_t rows, int64_t cols, luma_err *err);
+void luma_cuda_logits_free(luma_backend *be, luma_buf *b);
+int luma_cuda_logits_argmax(luma_backend *be, const luma_buf *b, int64_t row0, int64_t n, int32_t *ids,
+                            luma_err *err);
+int32_t luma_cuda_logits_topk(luma_backend *be, const luma_buf *b, int64_t row, int32_t k, int32_t *ids,
+                              float *vals, luma_err *err);
+int luma_cuda_logits_edit(luma_backend *be, luma_buf *b, int64_t row, const luma_logits_edit *e, luma_err *err);
+int luma_cuda_logits_temperature(luma_backend *be, luma_buf *b, int64_t row, float t, luma_err *err);
+int32_t luma_cuda_logits_sample(luma_backend *be, const luma_buf *b, int64_t row, double u, luma_err *err);
 
 #endif

@@ -106,3 +106,115 @@ describe("CUDA backend against the CPU backend", function()
     end
   end)
 end)
+
+-- Logits stay on the GPU after a step: the operations that run there
+-- (argmax, topk, top_k, penalize, bias, mask, temperature, sample) against
+-- the same operations on a host copy of the same real logits.
+describe("logits on the GPU against the same operations on a host copy", function()
+  local gpu, ids
+  local P = require "luma.policy"
+
+  setup(function()
+    gpu = luma.load(fetch.default_model(), { backend = "cuda", kv_mb = 256 })
+    ids = gpu:tokenize(PROMPTS[1])
+  end)
+
+  teardown(function() if gpu then gpu:close() end end)
+
+  -- A Logits fresh from a step (its row on the device) and a host copy.
+  local seq
+  local function fresh(i)
+    if seq then seq:close() end
+    seq = gpu:sequence()
+    local l = seq:eval({ table.unpack(ids, 1, 8 + (i or 0)) })
+    return l, l:copy()
+  end
+
+  local function assert_same_row(d, h, what)
+    local bad = 0
+    for id = 0, #d - 1 do if d[id] ~= h[id] then bad = bad + 1 end end
+    assert(bad == 0, string.format("%s: %d entries differ", what, bad))
+  end
+
+  it("argmax: every sequence of a batch in one pass, and an edited row alone", function()
+    local seqs, batch = {}, gpu:batch()
+    for i = 1, 8 do
+      seqs[i] = gpu:sequence()
+      batch:add(seqs[i], { table.unpack(ids, 1, 4 + i) })
+    end
+    local out = batch:run()
+    for i = 1, 8 do
+      local l = out[seqs[i]]
+      local h = l:copy()
+      assert.are.equal(h:argmax(), l:argmax())
+      l:mask{ h:argmax() }
+      h:mask{ h:argmax() }
+      assert.are.equal(h:argmax(), l:argmax())
+      seqs[i]:close()
+    end
+  end)
+
+  it("topk and top_k: the same ids and values", function()
+    for _, k in ipairs{ 1, 40, 2048 } do
+      local d, h = fresh(k % 5)
+      assert.are.same({ h:topk(k) }, { d:topk(k) })
+      d:top_k(k)
+      h:top_k(k)
+      assert_same_row(d, h, "top_k " .. k)
+    end
+  end)
+
+  it("penalize, bias, mask and temperature: the same floats", function()
+    local d, h = fresh(1)
+    local hist = { table.unpack(ids, 1, 20) }
+    for _, l in ipairs{ d, h } do
+      l:penalize(hist, { repeat_ = 1.3, frequency = 0.2, presence = 0.1, last_n = 16 })
+       :bias{ [hist[3]] = 1.5, [100] = -math.huge, [200] = 2 }:mask{ hist[4], 7 }:temperature(0.8)
+    end
+    assert.are.equal(h:argmax(), d:argmax())
+    assert.are.same({ h:topk(100) }, { d:topk(100) })
+    assert_same_row(d, h, "edited")
+    d, h = fresh(2)
+    d:temperature(0)
+    h:temperature(0)
+    assert_same_row(d, h, "temperature 0")
+  end)
+
+  it("sample: the same draws for the same seed", function()
+    local d, h = fresh(3)
+    d:temperature(1.2)
+    h:temperature(1.2)
+    local rd, rh, same = luma.rng(5), luma.rng(5), 0
+    for _ = 1, 100 do if d:sample(rd) == h:sample(rh) then same = same + 1 end end
+    print(string.format("\n  device sampling: %d of 100 draws equal the host's", same))
+    assert.is_true(same >= 99)
+  end)
+
+  it("a policy chain picks the same tokens as on a host copy", function()
+    local chain = P.chain{ P.penalties{ repeat_ = 1.1, last_n = 64 }, P.top_k(40), P.top_p(0.95), P.temperature(0.8) }
+    for step = 0, 9 do
+      local d, h = fresh(step)
+      local state = { tokens = ids, step = step }
+      state.rng = luma.rng(step)
+      local a = chain(d, state)
+      state.rng = luma.rng(step)
+      assert.are.equal(chain(h, state), a)
+    end
+  end)
+
+  it("keeps many live Logits unchanged, and usable after the model closes", function()
+    local m = luma.load(fetch.default_model(), { backend = "cuda", kv_mb = 64 })
+    local s = m:sequence()
+    local l = s:eval(ids)
+    local kept, want = {}, {}
+    for i = 1, 40 do
+      kept[i] = l
+      want[i] = { l:argmax(), { l:topk(3) } }
+      l = s:eval(want[i][1])
+    end
+    for i = 1, 40 do assert.are.same(want[i], { kept[i]:argmax(), { kept[i]:topk(3) } }) end
+    local last = { l:argmax(), l[ids[2]] }
+    m:close()
+    assert.are.same(last, { l:argmax(), l[ids[2]] })
+  end)
+end)

@@ -89,6 +89,23 @@ typedef struct luma_attn {
     float softcap;             /* 0: none; c: c * tanh(s / c) */
 } luma_attn;
 
+/* An edit of listed entries of a row of logits (logits_edit): the device
+ * side of luma_logits_penalize (once the caller has counted the history with
+ * luma_logits_penalty_counts), luma_logits_bias and luma_logits_mask. */
+enum luma_logits_edit_kind { LUMA_EDIT_PENALIZE, LUMA_EDIT_BIAS, LUMA_EDIT_MASK };
+
+typedef struct luma_logits_edit {
+    enum luma_logits_edit_kind kind;
+    int32_t n;
+    const int32_t *ids;        /* [n] in [0, cols); distinct for PENALIZE and BIAS */
+    const float *values;       /* [n] PENALIZE: each id's count; BIAS: the value added
+                                * (-INFINITY masks); MASK: unused */
+    float repeat, frequency, presence;   /* PENALIZE */
+} luma_logits_edit;
+
+/* The largest k of logits_topk. */
+#define LUMA_TOPK_MAX 2048
+
 typedef struct luma_backend luma_backend;
 
 typedef struct luma_backend_ops {
@@ -155,6 +172,41 @@ typedef struct luma_backend_ops {
     void (*silu_mul)(luma_backend *be, luma_buf *gate, const luma_buf *up);
     /* x += y */
     void (*add)(luma_backend *be, luma_buf *x, const luma_buf *y);
+
+    /* ---- logits that stay on the device ---------------------------------
+     * Logits sets (luma_logits_set, src/model.h) live in buffers made by
+     * logits_alloc: rows x cols floats, a row a vocabulary. The operations
+     * below work on one row (or every row) where it lies, so that only their
+     * small results cross to the host; each has the semantics of the
+     * src/sample.h function it names, to the bit unless said otherwise
+     * (the same ids, the same floats, ties by lower id). They run between
+     * steps, never while a forward is queued or recorded: each waits for its
+     * own work and returns failures as values (-1 with err set), naming the
+     * operation. A backend whose buffers are host memory (the CPU) leaves
+     * all of them NULL: sets are then made by buf_alloc, and callers run the
+     * host functions on b->data. */
+    /* Like buf_alloc, plus a small work area after the b->cap floats for
+     * the operations below; it never moves buffers a step has recorded.
+     * Freed by logits_free, which waits for queued work. */
+    int (*logits_alloc)(luma_backend *be, luma_buf *b, int64_t rows, int64_t cols, luma_err *err);
+    void (*logits_free)(luma_backend *be, luma_buf *b);
+    /* ids[i] = luma_logits_argmax of row row0 + i, for n rows in one pass;
+     * -1 for a row whose entries are all masked (not an error). */
+    int (*logits_argmax)(luma_backend *be, const luma_buf *b, int64_t row0, int64_t n, int32_t *ids,
+                         luma_err *err);
+    /* luma_logits_topk of one row, k in [1, LUMA_TOPK_MAX]: the count. */
+    int32_t (*logits_topk)(luma_backend *be, const luma_buf *b, int64_t row, int32_t k, int32_t *ids,
+                           float *vals, luma_err *err);
+    /* Applies e to one row (ids checked by the caller). */
+    int (*logits_edit)(luma_backend *be, luma_buf *b, int64_t row, const luma_logits_edit *e,
+                       luma_err *err);
+    /* luma_logits_temperature of one row for t > 0 (finite). */
+    int (*logits_temperature)(luma_backend *be, luma_buf *b, int64_t row, float t, luma_err *err);
+    /* The id luma_logits_sample draws from one row when its uniform is u:
+     * the same id, except where the sums, added in another order, round
+     * across a boundary. -1 with err set when every entry is masked. */
+    int32_t (*logits_sample)(luma_backend *be, const luma_buf *b, int64_t row, double u, luma_err *err);
+
     /* Waits for the step's work and reports any failure it met. */
     int (*sync)(luma_backend *be, luma_err *err);
 } luma_backend_ops;

@@ -4,12 +4,21 @@
  *
  * Rows of a pass are the chunks' tokens in order. A chunk longer than the
  * room left in a pass continues in the next one. Logits are computed only for
- * each chunk's last token (or all its tokens when asked), LUMA_LOGIT_ROWS at a time. */
+ * each chunk's last token (or all its tokens when asked), LUMA_LOGIT_ROWS at a
+ * time, into host memory or into a logits set that stays with the backend.
+ *
+ * Sets come from a small pool per model: a decode loop that releases each
+ * step's set reuses its allocation instead of making one per step. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "model.h"
+#include "sample.h"
+
+/* Released sets kept for reuse, at most this many and this many bytes. */
+#define POOL_SETS 4
+#define POOL_BYTES ((int64_t)256 << 20)
 
 
 int64_t luma_model_out_rows(const luma_chunk *chunks, int32_t n_chunks)
@@ -57,17 +66,30 @@ static int append_tokens(luma_seq *s, const int32_t *ids, int32_t n, luma_err *e
     return 0;
 }
 
-/* Projects the pass's out rows to logits, appended at *dst. */
-static int project_logits(luma_model *m, int32_t n_out, float **dst, luma_err *err)
+/* Where a run's logits go: host memory, or the rows of a set. */
+typedef struct logits_dst {
+    float *host;               /* the next row, or NULL */
+    luma_buf *set;             /* when host is NULL */
+    int64_t row;               /* the next row of set */
+} logits_dst;
+
+/* Projects the pass's out rows to logits, appended at dst. */
+static int project_logits(luma_model *m, int32_t n_out, logits_dst *dst, luma_err *err)
 {
     luma_backend *be = m->be;
     const luma_weight *w = m->output.host ? &m->output : &m->tok_embd;
     for (int32_t r0 = 0; r0 < n_out; r0 += LUMA_LOGIT_ROWS) {
         int32_t n = n_out - r0 < LUMA_LOGIT_ROWS ? n_out - r0 : LUMA_LOGIT_ROWS;
         luma_buf rows = luma_buf_rows(&m->acts.out_rows, r0, n);
+        if (!dst->host) {
+            luma_buf y = luma_buf_rows(dst->set, dst->row, n);
+            be->ops->matmul(be, w, &rows, &y);
+            dst->row += n;
+            continue;
+        }
         be->ops->matmul(be, w, &rows, &m->acts.logits);
-        if (be->ops->buf_read(be, &m->acts.logits, *dst, err)) return -1;
-        *dst += (size_t)n * (size_t)m->hp.n_vocab;
+        if (be->ops->buf_read(be, &m->acts.logits, dst->host, err)) return -1;
+        dst->host += (size_t)n * (size_t)m->hp.n_vocab;
     }
     return 0;
 }
@@ -98,10 +120,10 @@ typedef struct pass {
     int32_t *tokens, *pos, *out_rows;
 } pass;
 
-int luma_model_run(luma_model *m, const luma_chunk *chunks, int32_t n_chunks, float *logits,
-                   luma_err *err)
+/* The chunks, checked, as passes; logits to dst. */
+static int run_chunks(luma_model *m, const luma_chunk *chunks, int32_t n_chunks, logits_dst *dst,
+                      luma_err *err)
 {
-    if (check_chunks(m, chunks, n_chunks, err)) return -1;
     int32_t R = m->max_rows;
     pass p = { 0 };
     int32_t *start_len = malloc((size_t)n_chunks * sizeof(int32_t));
@@ -117,7 +139,6 @@ int luma_model_run(luma_model *m, const luma_chunk *chunks, int32_t n_chunks, fl
     }
     for (int32_t i = 0; i < n_chunks; i++) start_len[i] = chunks[i].seq->n_tokens;
 
-    float *dst = logits;
     int32_t ci = 0, off = 0;   /* next token: chunks[ci].ids[off] */
     while (ci < n_chunks) {
         luma_step step = { .tokens = p.tokens, .pos = p.pos, .seqs = p.seqs, .out_rows = p.out_rows };
@@ -149,7 +170,7 @@ int luma_model_run(luma_model *m, const luma_chunk *chunks, int32_t n_chunks, fl
         }
         if ((m->be->ops->step_begin && m->be->ops->step_begin(m->be, &step, err)) ||
             run_forward(m, &step, err) ||
-            project_logits(m, step.n_out, &dst, err) ||
+            project_logits(m, step.n_out, dst, err) ||
             m->be->ops->sync(m->be, err))
             goto rollback;
         for (int32_t i = 0; i < step.n_seqs; i++) {
@@ -186,4 +207,180 @@ done:
     free(p.pos);
     free(p.out_rows);
     return rc;
+}
+
+int luma_model_run(luma_model *m, const luma_chunk *chunks, int32_t n_chunks, float *logits,
+                   luma_err *err)
+{
+    if (check_chunks(m, chunks, n_chunks, err)) return -1;
+    logits_dst dst = { logits, NULL, 0 };
+    return run_chunks(m, chunks, n_chunks, &dst, err);
+}
+
+/* ---- logits sets ---------------------------------------------------------- */
+
+static int64_t set_bytes(const luma_logits_set *s)
+{
+    return s->buf.cap * (int64_t)sizeof(float);
+}
+
+static void list_remove(luma_logits_set **first, luma_logits_set **last, luma_logits_set *s)
+{
+    if (s->prev) s->prev->next = s->next;
+    else *first = s->next;
+    if (s->next) s->next->prev = s->prev;
+    else if (last) *last = s->prev;
+    s->prev = s->next = NULL;
+}
+
+static void set_free(luma_logits_set *s)
+{
+    luma_backend *be = s->model->be;
+    if (be->ops->logits_free) be->ops->logits_free(be, &s->buf);
+    else be->ops->buf_free(be, &s->buf);
+    free(s->argmax);
+    free(s);
+}
+
+void luma_model_logits_drain(luma_model *m)
+{
+    while (m->sets_pool) {
+        luma_logits_set *s = m->sets_pool;
+        list_remove(&m->sets_pool, NULL, s);
+        set_free(s);
+    }
+    m->n_pooled = 0;
+    m->pooled_bytes = 0;
+}
+
+/* A pooled allocation of at least need floats (the smallest), else a new
+ * one; the set comes back held, with rows x n_vocab. */
+static luma_logits_set *set_get(luma_model *m, int64_t rows, luma_err *err)
+{
+    int64_t n_vocab = m->hp.n_vocab;
+    size_t need;
+    if (rows < 1 || luma_mul_size((size_t)rows, (size_t)n_vocab, &need) || need > (size_t)INT64_MAX / sizeof(float)) {
+        luma_errf(err, "%lld rows of logits are too many", (long long)rows);
+        return NULL;
+    }
+    luma_logits_set *s = NULL;
+    for (luma_logits_set *p = m->sets_pool; p; p = p->next)
+        if (p->buf.cap >= (int64_t)need && (!s || p->buf.cap < s->buf.cap)) s = p;
+    if (s) {
+        list_remove(&m->sets_pool, NULL, s);
+        m->n_pooled--;
+        m->pooled_bytes -= set_bytes(s);
+        free(s->argmax);
+        s->argmax = NULL;
+    } else {
+        s = calloc(1, sizeof *s);
+        if (!s) {
+            luma_errf(err, "out of memory for a logits set");
+            return NULL;
+        }
+        s->model = m;
+        luma_backend *be = m->be;
+        int (*alloc)(luma_backend *, luma_buf *, int64_t, int64_t, luma_err *) =
+            be->ops->logits_alloc ? be->ops->logits_alloc : be->ops->buf_alloc;
+        /* The pool's memory may be what is missing. */
+        if (alloc(be, &s->buf, rows, n_vocab, err)) {
+            luma_model_logits_drain(m);
+            if (alloc(be, &s->buf, rows, n_vocab, err)) {
+                free(s);
+                return NULL;
+            }
+        }
+    }
+    s->buf.rows = rows;
+    s->buf.cols = n_vocab;
+    s->refs = 1;
+    s->holders = NULL;
+    s->prev = m->sets_last;
+    s->next = NULL;
+    if (m->sets_last) m->sets_last->next = s;
+    else m->sets = s;
+    m->sets_last = s;
+    m->n_sets++;
+    m->set_bytes += set_bytes(s);
+    return s;
+}
+
+void luma_logits_set_release(luma_logits_set *s)
+{
+    if (!s || --s->refs > 0) return;
+    luma_model *m = s->model;
+    list_remove(&m->sets, &m->sets_last, s);
+    m->n_sets--;
+    m->set_bytes -= set_bytes(s);
+    s->next = m->sets_pool;
+    if (m->sets_pool) m->sets_pool->prev = s;
+    m->sets_pool = s;
+    m->n_pooled++;
+    m->pooled_bytes += set_bytes(s);
+    /* The least recently released go first. */
+    while (m->n_pooled > POOL_SETS || m->pooled_bytes > POOL_BYTES) {
+        luma_logits_set *old = m->sets_pool;
+        while (old->next) old = old->next;
+        list_remove(&m->sets_pool, NULL, old);
+        m->n_pooled--;
+        m->pooled_bytes -= set_bytes(old);
+        set_free(old);
+    }
+}
+
+int luma_model_run_set(luma_model *m, const luma_chunk *chunks, int32_t n_chunks,
+                       luma_logits_set **out, luma_err *err)
+{
+    *out = NULL;
+    if (check_chunks(m, chunks, n_chunks, err)) return -1;
+    luma_logits_set *s = set_get(m, luma_model_out_rows(chunks, n_chunks), err);
+    if (!s) return -1;
+    logits_dst dst = { NULL, &s->buf, 0 };
+    if (run_chunks(m, chunks, n_chunks, &dst, err)) {
+        luma_logits_set_release(s);
+        return -1;
+    }
+    *out = s;
+    return 0;
+}
+
+float *luma_logits_set_host(const luma_logits_set *s, int64_t row)
+{
+    if (s->model->be->ops->logits_argmax) return NULL;
+    return s->buf.data + row * s->buf.cols;
+}
+
+int luma_logits_set_read(const luma_logits_set *s, int64_t row, float *dst, luma_err *err)
+{
+    if (row < 0 || row >= s->buf.rows)
+        return luma_errf(err, "logits set: row %lld of %lld", (long long)row, (long long)s->buf.rows);
+    luma_backend *be = s->model->be;
+    luma_buf one = luma_buf_rows(&s->buf, row, 1);
+    return be->ops->buf_read(be, &one, dst, err);
+}
+
+int32_t luma_logits_set_argmax(luma_logits_set *s, int64_t row, bool cached, luma_err *err)
+{
+    if (row < 0 || row >= s->buf.rows)
+        return luma_errf(err, "logits set: row %lld of %lld", (long long)row, (long long)s->buf.rows);
+    luma_backend *be = s->model->be;
+    int32_t n = (int32_t)s->buf.cols;
+    if (!be->ops->logits_argmax) return luma_logits_argmax(s->buf.data + row * s->buf.cols, n, err);
+    int32_t id;
+    if (!cached) {
+        if (be->ops->logits_argmax(be, &s->buf, row, 1, &id, err)) return -1;
+    } else {
+        if (!s->argmax) {
+            int32_t *ids = malloc((size_t)s->buf.rows * sizeof *ids);
+            if (!ids) return luma_errf(err, "argmax: out of memory for %lld rows", (long long)s->buf.rows);
+            if (be->ops->logits_argmax(be, &s->buf, 0, s->buf.rows, ids, err)) {
+                free(ids);
+                return -1;
+            }
+            s->argmax = ids;
+        }
+        id = s->argmax[row];
+    }
+    if (id < 0) return luma_errf(err, "argmax: every logit is masked");
+    return id;
 }

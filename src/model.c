@@ -396,6 +396,7 @@ void luma_model_free(luma_model *m)
 {
     if (!m) return;
     if (m->be) {
+        luma_model_logits_drain(m);
         free_acts(m);
         m->be->ops->free(m->be);
     }

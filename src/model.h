@@ -49,6 +49,7 @@ typedef struct luma_layer {
 } luma_layer;
 
 typedef struct luma_model luma_model;
+typedef struct luma_logits_set luma_logits_set;
 
 /* One architecture: how to read its hyper-parameters and tensors, and its
  * forward pass written against the backend interface. */
@@ -98,6 +99,11 @@ struct luma_model {
     /* Loading progress: bytes of tensors bound so far, of all in the file. */
     const luma_model_params *loading;
     int64_t load_done, load_total;
+    /* Logits sets (batch.c): the held ones, oldest first, and the released
+     * ones kept for reuse. */
+    luma_logits_set *sets, *sets_last, *sets_pool;
+    int32_t n_sets, n_pooled;
+    int64_t set_bytes, pooled_bytes;
 };
 
 void luma_model_params_default(luma_model_params *p);
@@ -163,5 +169,42 @@ int luma_model_run(luma_model *m, const luma_chunk *chunks, int32_t n_chunks, fl
                    luma_err *err);
 /* Rows of logits luma_model_run writes for these chunks. */
 int64_t luma_model_out_rows(const luma_chunk *chunks, int32_t n_chunks);
+
+/* ---- logits that stay with the backend ---------------------------------- */
+
+/* The logits of one run left where the backend keeps its buffers (device
+ * memory on a GPU, host memory on the CPU) instead of copied out: rows x
+ * n_vocab floats, rows in the order luma_model_run writes them. Holders
+ * share a set by reference count; the last release puts its memory in the
+ * model's pool, for the next run to reuse. Its rows are read and worked on
+ * through the backend's logits operations (backend.h); a backend without
+ * them keeps buf.data in host memory, where the src/sample.h functions
+ * apply. Every set must be released, and the pool drained, before the
+ * model is freed. */
+struct luma_logits_set {
+    luma_model *model;
+    luma_buf buf;              /* rows x n_vocab (buf.cap may be more: a reused allocation) */
+    int32_t refs;
+    int32_t *argmax;           /* every row's argmax, once luma_logits_set_argmax cached it */
+    void *holders;             /* the holders' own list (the Lua binding's Logits of the set) */
+    luma_logits_set *prev, *next;   /* in the model's held sets, or in its pool */
+};
+
+/* luma_model_run into a new set, whose one reference is the caller's. The
+ * sequences are left as they were when it fails. */
+int luma_model_run_set(luma_model *m, const luma_chunk *chunks, int32_t n_chunks,
+                       luma_logits_set **out, luma_err *err);
+void luma_logits_set_release(luma_logits_set *s);
+/* Frees the pool of released sets; held sets stay. */
+void luma_model_logits_drain(luma_model *m);
+/* Row `row` in host memory where the backend keeps its buffers there; NULL
+ * on a device. */
+float *luma_logits_set_host(const luma_logits_set *s, int64_t row);
+/* Copies row `row` (n_vocab floats) to dst. */
+int luma_logits_set_read(const luma_logits_set *s, int64_t row, float *dst, luma_err *err);
+/* luma_logits_argmax of row `row` (-1 with err set when every entry is
+ * masked). cached: the first such call finds every row's argmax in one pass
+ * and keeps them, for rows unchanged since the run. */
+int32_t luma_logits_set_argmax(luma_logits_set *s, int64_t row, bool cached, luma_err *err);
 
 #endif

@@ -73,7 +73,7 @@ static float live_max(const float *x, int32_t n)
  * make one pass over the vocabulary instead of several. The compact copy
  * gives the same results: entries keep their order, so ties still rank by
  * id and sums add up in the same order. */
-#define SPARSE_MAX 2048
+#define SPARSE_MAX LUMA_SPARSE_MAX
 
 typedef struct sparse {
     int32_t n;
@@ -430,9 +430,9 @@ static int id_cmp(const void *pa, const void *pb)
     return (a > b) - (a < b);
 }
 
-int luma_logits_penalize(float *x, int32_t n, const int32_t *hist, int32_t n_hist,
-                         int32_t last_n, float repeat, float frequency, float presence,
-                         luma_err *err)
+int32_t luma_logits_penalty_counts(int32_t n, const int32_t *hist, int32_t n_hist, int32_t last_n,
+                                   float repeat, float frequency, float presence, int32_t *ids,
+                                   int32_t *counts, luma_err *err)
 {
     if (check_n("penalize", n, err)) return -1;
     if (n_hist < 0) return luma_errf(err, "penalize: n_hist must be >= 0 (got %d)", (int)n_hist);
@@ -448,25 +448,45 @@ int luma_logits_penalize(float *x, int32_t n, const int32_t *hist, int32_t n_his
                              (int)hist[i], (int)i, (int)n);
     int32_t w = last_n > 0 && last_n < n_hist ? last_n : n_hist;
     if (w == 0 || (repeat == 1.0f && frequency == 0.0f && presence == 0.0f)) return 0;
-
     /* Sorted, the window's ids form one run per distinct id. */
-    int32_t *ids = malloc((size_t)w * sizeof *ids);
-    if (!ids) return luma_errf(err, "penalize: out of memory for a window of %d ids", (int)w);
     memcpy(ids, hist + (n_hist - w), (size_t)w * sizeof *ids);
     qsort(ids, (size_t)w, sizeof *ids, id_cmp);
+    int32_t k = 0;
     for (int32_t j = 0; j < w;) {
         int32_t id = ids[j], count = 0;
         while (j < w && ids[j] == id) {
             j++;
             count++;
         }
-        float v = x[id];
+        ids[k] = id;
+        counts[k++] = count;
+    }
+    return k;
+}
+
+void luma_logits_penalize_counted(float *x, const int32_t *ids, const int32_t *counts, int32_t k,
+                                  float repeat, float frequency, float presence)
+{
+    for (int32_t j = 0; j < k; j++) {
+        float v = x[ids[j]];
         if (!live(v)) continue;
         v = v <= 0.0f ? v * repeat : v / repeat;
-        x[id] = finite(v - ((float)count * frequency + presence));
+        x[ids[j]] = finite(v - ((float)counts[j] * frequency + presence));
     }
+}
+
+int luma_logits_penalize(float *x, int32_t n, const int32_t *hist, int32_t n_hist,
+                         int32_t last_n, float repeat, float frequency, float presence,
+                         luma_err *err)
+{
+    size_t room = (size_t)(n_hist > 0 ? n_hist : 1);
+    int32_t *ids = malloc(2 * room * sizeof *ids);
+    if (!ids) return luma_errf(err, "penalize: out of memory for a window of %d ids", (int)n_hist);
+    int32_t k = luma_logits_penalty_counts(n, hist, n_hist, last_n, repeat, frequency, presence, ids,
+                                           ids + room, err);
+    if (k > 0) luma_logits_penalize_counted(x, ids, ids + room, k, repeat, frequency, presence);
     free(ids);
-    return 0;
+    return k < 0 ? -1 : 0;
 }
 
 int luma_logits_bias(float *x, int32_t n, const int32_t *ids, const float *values,

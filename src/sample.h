@@ -22,6 +22,14 @@
 #include "err.h"
 #include "rng.h"
 
+/* A vector of more than 4 * LUMA_SPARSE_MAX entries with at most
+ * LUMA_SPARSE_MAX live ones (after a top_k, say) is worked on through a
+ * compact copy of its live entries in id order: the filters, the choosers and
+ * the reductions give the same results on that copy (n = its length) as on
+ * the whole vector, which lets a caller that holds only the live entries (the
+ * Lua binding after a top-k on the GPU) call these functions on them. */
+#define LUMA_SPARSE_MAX 2048
+
 /* The id of the largest entry; -1 when every entry is masked. */
 int32_t luma_logits_argmax(const float *x, int32_t n, luma_err *err);
 /* The k (>= 1) largest unmasked entries, largest first, into ids[0..k) and
@@ -54,6 +62,18 @@ int luma_logits_typical(float *x, int32_t n, float p, int32_t min_keep, luma_err
 int luma_logits_penalize(float *x, int32_t n, const int32_t *hist, int32_t n_hist,
                          int32_t last_n, float repeat, float frequency, float presence,
                          luma_err *err);
+/* luma_logits_penalize in two halves, for a caller whose logits are
+ * elsewhere (on a GPU, or compact). The first checks the arguments as
+ * luma_logits_penalize does and counts the window: its distinct ids in
+ * increasing order into ids, how often each appears into counts (both with
+ * room for n_hist entries); returns how many, 0 when the penalties change
+ * nothing, -1 on a bad argument. The second applies counted penalties to x
+ * (ids distinct and in range of x). */
+int32_t luma_logits_penalty_counts(int32_t n, const int32_t *hist, int32_t n_hist, int32_t last_n,
+                                   float repeat, float frequency, float presence, int32_t *ids,
+                                   int32_t *counts, luma_err *err);
+void luma_logits_penalize_counted(float *x, const int32_t *ids, const int32_t *counts, int32_t k,
+                                  float repeat, float frequency, float presence);
 /* x[ids[i]] += values[i] for i in [0, count). A value may be -INFINITY (which
  * masks) but not NaN or +INFINITY. */
 int luma_logits_bias(float *x, int32_t n, const int32_t *ids, const float *values,

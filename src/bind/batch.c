@@ -5,9 +5,6 @@
  * A batch is emptied by run and can be filled again. The pending chunks live
  * in the user value: an array of {seq, ids, n, all}, ids a userdata holding
  * a checked copy of the n token ids. */
-#include <stdlib.h>
-#include <string.h>
-
 #include "bind/bind.h"
 
 typedef struct lbatch {
@@ -98,32 +95,30 @@ static int batch_run(lua_State *L)
         lua_pop(L, 5);
     }
     int64_t rows = luma_model_out_rows(chunks, n);
-    float *out = malloc((size_t)rows * (size_t)m->hp.n_vocab * sizeof(float));
-    if (!out) return luaL_error(L, "out of memory for logits");
-    luma_err err;
-    int rc = luma_model_run(m, chunks, n, out, &err);
-    if (rc) {
-        free(out);
-        return luma_bind_error(L, &err);
-    }
+    luma_bind_logits_budget(L, m, rows);
+    /* The results exist before the run, so that nothing can fail between
+     * the run and handing its rows out; slots lists them in row order. */
+    llogits **slots = lua_newuserdatauv(L, (size_t)rows * sizeof *slots, 0);
     lua_newtable(L);
     int res = lua_gettop(L);
-    const float *src = out;
+    int64_t row = 0;
     for (int i = 0; i < n; i++) {
         lua_rawgeti(L, pending, i + 1);
         lua_rawgeti(L, -1, 1);
         int32_t r = chunks[i].all_logits ? chunks[i].n : 1;
         if (chunks[i].all_logits) lua_createtable(L, r, 0);
         for (int32_t j = 0; j < r; j++) {
-            llogits *lg = luma_bind_newlogits(L, m->hp.n_vocab);
-            memcpy(lg->x, src, (size_t)m->hp.n_vocab * sizeof(float));
-            src += m->hp.n_vocab;
+            slots[row++] = luma_bind_newlogits(L, m->hp.n_vocab);
             if (chunks[i].all_logits) lua_rawseti(L, -2, j + 1);
         }
         lua_rawset(L, res);
         lua_pop(L, 1);
     }
-    free(out);
+    luma_logits_set *set;
+    luma_err err;
+    if (luma_model_run_set(m, chunks, n, &set, &err)) return luma_bind_error(L, &err);
+    for (int64_t r = 0; r < rows; r++) luma_bind_logits_hold(slots[r], set, r);
+    luma_logits_set_release(set);
     lua_settop(L, res);
     return 1;
 }

@@ -32,10 +32,29 @@ struct lseq {
     lseq *prev, *next;
 };
 
-/* Logits of one position: n floats stored inline. */
+/* Logits of one position (n entries, a vocabulary), in one of three places:
+ *   - a row of a logits set (set, row), where the step left it: device
+ *     memory on a GPU (x NULL), or host memory on the CPU (x points into
+ *     the set);
+ *   - the whole row on the host, x malloc'd: a copy, or a set's row
+ *     downloaded the first time a method without a device version needs it;
+ *   - compact (after a top_k on the device): only the n_live entries
+ *     ids[] (increasing) / vals[] are live, every other entry is masked;
+ *     the functions of src/sample.h work on them as on the whole row.
+ * A Logits holding a set is linked into the set's list of holders. */
 typedef struct llogits {
     int32_t n;
-    float x[];
+    float *x;
+    bool x_owned;              /* x was malloc'd (else it is the set's own row) */
+    bool compact;
+    bool edited;               /* the set's row was changed since the step */
+    luma_logits_set *set;      /* holds a reference, or NULL */
+    int64_t row;
+    int32_t n_live;
+    int32_t *ids;              /* compact: [n_live] ids, increasing, then vals */
+    float *vals;
+    const char *lost;          /* why the row is gone, when a release could not save it */
+    struct llogits *prev, *next;   /* the holders of set */
 } llogits;
 
 /* Raises the message of err as a Lua error. */
@@ -48,8 +67,20 @@ luma_seq *luma_bind_seq(lua_State *L, int i);       /* open, or an error */
 llogits *luma_bind_checklogits(lua_State *L, int i);
 luma_rng *luma_bind_checkrng(lua_State *L, int i);
 
-/* A new Logits userdata of n entries, left on the stack. */
+/* A new Logits userdata of n entries, with no row yet (luma_bind_logits_hold
+ * gives it one), left on the stack. */
 llogits *luma_bind_newlogits(lua_State *L, int32_t n);
+/* Gives lg row `row` of s (taking a reference). */
+void luma_bind_logits_hold(llogits *lg, luma_logits_set *s, int64_t row);
+/* Keeps a model's held logits sets within a budget before a run adds rows
+ * more: runs a full garbage collection when they are many or large, and if
+ * they still are, gives the holders of the oldest host copies of their rows
+ * and releases those sets. */
+void luma_bind_logits_budget(lua_State *L, luma_model *m, int64_t rows);
+/* Gives every Logits of m's held sets a host copy of its row, releases the
+ * sets and drains m's pool: called when m's last sequence closes, so that a
+ * closed model leaves no device memory behind (and its Logits usable). */
+void luma_bind_logits_release_model(luma_model *m);
 /* Reads a Lua array of token ids at index i (ids checked against n_vocab
  * when n_vocab > 0) into a buffer that lives as a userdata on the stack top. */
 int32_t *luma_bind_checkids(lua_State *L, int i, int32_t n_vocab, int32_t *count);

@@ -1,12 +1,31 @@
 /* Logits userdata: one float per vocabulary entry, indexed by token id from
  * 0 (logits[model.eos]); #logits is the vocabulary size. Transforms edit in
  * place and return the object, so they chain:
- *   logits:penalize(hist, {repeat_ = 1.1}):top_k(40):top_p(0.95):temperature(0.8):sample(rng) */
+ *   logits:penalize(hist, {repeat_ = 1.1}):top_k(40):top_p(0.95):temperature(0.8):sample(rng)
+ *
+ * Where the row lives (llogits, bind.h): a step leaves it in a logits set of
+ * the backend. On a GPU, argmax, topk, top_k, penalize, bias, mask,
+ * temperature and sample run there and only their small results come back;
+ * any other method downloads the row once and goes on on the host. On the
+ * CPU the set is host memory and every method works on it directly. On
+ * both, top_k (k <= LUMA_SPARSE_MAX) leaves the compact form (the k
+ * survivors on the host), on which the rest of a policy chain runs as the
+ * host functions would on the whole row, without passes over it.
+ *
+ * Lua's collector does not see the sets' memory, so a run first keeps the
+ * held sets within a budget (luma_bind_logits_budget), and a model whose
+ * last sequence closes hands its Logits host copies (the model may be
+ * closed next; its Logits stay usable). */
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "bind/bind.h"
 #include "sample.h"
+
+/* Held sets past either of these make a run collect garbage first. */
+#define BUDGET_SETS 8
+#define BUDGET_BYTES ((int64_t)256 << 20)
 
 llogits *luma_bind_checklogits(lua_State *L, int i)
 {
@@ -15,11 +34,222 @@ llogits *luma_bind_checklogits(lua_State *L, int i)
 
 llogits *luma_bind_newlogits(lua_State *L, int32_t n)
 {
-    llogits *lg = lua_newuserdatauv(L, sizeof *lg + (size_t)n * sizeof(float), 0);
+    llogits *lg = lua_newuserdatauv(L, sizeof *lg, 0);
+    memset(lg, 0, sizeof *lg);
     lg->n = n;
     luaL_setmetatable(L, LUMA_LOGITS_MT);
     return lg;
 }
+
+/* ---- where the row is ---------------------------------------------------- */
+
+void luma_bind_logits_hold(llogits *lg, luma_logits_set *s, int64_t row)
+{
+    lg->set = s;
+    lg->row = row;
+    s->refs++;
+    lg->prev = NULL;
+    lg->next = s->holders;
+    if (lg->next) lg->next->prev = lg;
+    s->holders = lg;
+    lg->x = luma_logits_set_host(s, row);
+    lg->x_owned = false;
+}
+
+/* Lets go of the set (x, if it pointed into it, goes too). */
+static void unhold(llogits *lg)
+{
+    luma_logits_set *s = lg->set;
+    if (!s) return;
+    if (lg->prev) lg->prev->next = lg->next;
+    else s->holders = lg->next;
+    if (lg->next) lg->next->prev = lg->prev;
+    lg->prev = lg->next = NULL;
+    lg->set = NULL;
+    if (!lg->x_owned) lg->x = NULL;
+    luma_logits_set_release(s);
+}
+
+static bool on_device(const llogits *lg)
+{
+    return lg->set && !lg->x;
+}
+
+static luma_backend *backend(const llogits *lg)
+{
+    return lg->set->model->be;
+}
+
+/* Gives lg its own host copy of the row and lets go of the set; on failure
+ * lg is left as it was. */
+static int detach(llogits *lg, luma_err *err)
+{
+    if (!lg->set) return 0;
+    float *x = malloc((size_t)lg->n * sizeof *x);
+    if (!x) return luma_errf(err, "logits: out of memory for a copy of %d entries", (int)lg->n);
+    if (lg->x) {
+        memcpy(x, lg->x, (size_t)lg->n * sizeof *x);
+    } else if (luma_logits_set_read(lg->set, lg->row, x, err)) {
+        free(x);
+        return -1;
+    }
+    lg->x = x;
+    lg->x_owned = true;
+    unhold(lg);
+    return 0;
+}
+
+/* detach where no error can be raised: a failure loses the row, and a later
+ * use of lg says why. */
+static void save(llogits *lg)
+{
+    luma_err err;
+    if (detach(lg, &err) == 0) return;
+    lg->lost = "its row could not be copied out of its logits set when the set was released";
+    unhold(lg);
+}
+
+/* Detaches every holder of s; s itself may be gone afterwards. */
+static void save_holders(luma_logits_set *s)
+{
+    for (llogits *h = s->holders, *next; h; h = next) {
+        next = h->next;
+        save(h);
+    }
+}
+
+void luma_bind_logits_budget(lua_State *L, luma_model *m, int64_t rows)
+{
+    int64_t add = rows * m->hp.n_vocab * (int64_t)sizeof(float);
+    /* Room for the set a caller still holds from the last step and the new one. */
+    int64_t limit = 2 * add > BUDGET_BYTES ? 2 * add : BUDGET_BYTES;
+    if (m->n_sets < BUDGET_SETS && m->set_bytes + add <= limit) return;
+    lua_gc(L, LUA_GCCOLLECT);
+    while (m->sets && m->sets->holders && (m->n_sets >= BUDGET_SETS || m->set_bytes + add > limit))
+        save_holders(m->sets);
+}
+
+void luma_bind_logits_release_model(luma_model *m)
+{
+    while (m->sets && m->sets->holders) save_holders(m->sets);
+    luma_model_logits_drain(m);
+}
+
+/* The whole row on the host: downloaded, or expanded from the compact form,
+ * the first time a method needs it. */
+static float *host_row(lua_State *L, llogits *lg)
+{
+    if (lg->x) return lg->x;
+    if (lg->lost) luaL_error(L, "logits: %s", lg->lost);
+    luma_err err;
+    if (lg->set) {
+        if (detach(lg, &err)) luma_bind_error(L, &err);
+    } else if (lg->compact) {
+        float *x = malloc((size_t)lg->n * sizeof *x);
+        if (!x) luaL_error(L, "logits: out of memory for %d entries", (int)lg->n);
+        for (int32_t i = 0; i < lg->n; i++) x[i] = -INFINITY;
+        for (int32_t j = 0; j < lg->n_live; j++) x[lg->ids[j]] = lg->vals[j];
+        free(lg->ids);
+        lg->ids = NULL;
+        lg->vals = NULL;
+        lg->compact = false;
+        lg->x = x;
+        lg->x_owned = true;
+    } else {
+        luaL_error(L, "logits: no values (the run that was to make them failed)");
+    }
+    /* The copy is memory the collector does not see: it pays for it here. */
+    lua_gc(L, LUA_GCSTEP, (int)(lg->n / 256));
+    return lg->x;
+}
+
+/* Whether the compact form stands for the row in a src/sample.h function
+ * (which needs at least one entry; a row with none goes the whole way). */
+static bool use_compact(const llogits *lg)
+{
+    return lg->compact && lg->n_live > 0;
+}
+
+/* The place of id in the compact form, or -1 when it is masked there. */
+static int32_t compact_find(const llogits *lg, int32_t id)
+{
+    int32_t lo = 0, hi = lg->n_live;
+    while (lo < hi) {
+        int32_t mid = lo + (hi - lo) / 2;
+        if (lg->ids[mid] < id) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo < lg->n_live && lg->ids[lo] == id ? lo : -1;
+}
+
+/* Replaces the listed ids by their places in the compact form, dropping
+ * those masked there (which no edit changes) with their counts or values;
+ * returns how many stay. */
+static int32_t to_compact(const llogits *lg, int32_t *ids, int32_t *counts, float *values, int32_t n)
+{
+    int32_t k = 0;
+    for (int32_t i = 0; i < n; i++) {
+        int32_t j = compact_find(lg, ids[i]);
+        if (j < 0) continue;
+        ids[k] = j;
+        if (counts) counts[k] = counts[i];
+        if (values) values[k] = values[i];
+        k++;
+    }
+    return k;
+}
+
+typedef struct entry {
+    int32_t id;
+    float v;
+} entry;
+
+static int entry_cmp(const void *pa, const void *pb)
+{
+    const entry *a = pa, *b = pb;
+    return (a->id > b->id) - (a->id < b->id);
+}
+
+/* The k best entries become the compact form, found on the device or on
+ * the host row, and the row is let go: what luma_logits_top_k leaves of the
+ * row, held as its live entries. */
+static void keep_top_compact(lua_State *L, llogits *lg, int32_t k)
+{
+    entry *e = lua_newuserdatauv(L, (size_t)k * sizeof *e, 0);
+    const float *x = on_device(lg) ? NULL : host_row(L, lg);
+    int32_t *ids = malloc((size_t)k * (sizeof(int32_t) + sizeof(float)));
+    if (!ids) luaL_error(L, "top_k: out of memory for %d entries", (int)k);
+    float *vals = (float *)(ids + k);
+    luma_err err;
+    int32_t got;
+    if (x) {
+        got = luma_logits_topk(x, lg->n, k, ids, vals, &err);
+    } else {
+        luma_backend *be = backend(lg);
+        got = be->ops->logits_topk(be, &lg->set->buf, lg->row, k, ids, vals, &err);
+    }
+    if (got < 0) {
+        free(ids);
+        luma_bind_error(L, &err);
+    }
+    for (int32_t j = 0; j < got; j++) e[j] = (entry){ ids[j], vals[j] };
+    qsort(e, (size_t)got, sizeof *e, entry_cmp);
+    for (int32_t j = 0; j < got; j++) {
+        ids[j] = e[j].id;
+        vals[j] = e[j].v;
+    }
+    unhold(lg);
+    if (lg->x_owned) free(lg->x);
+    lg->x = NULL;
+    lg->x_owned = false;
+    lg->compact = true;
+    lg->ids = ids;
+    lg->vals = vals;
+    lg->n_live = got;
+    lua_pop(L, 1);
+}
+
+/* ---- indexing ------------------------------------------------------------ */
 
 static int32_t check_index(lua_State *L, const llogits *lg, int i)
 {
@@ -33,7 +263,13 @@ static int logits_index(lua_State *L)
 {
     llogits *lg = luma_bind_checklogits(L, 1);
     if (lua_type(L, 2) == LUA_TNUMBER) {
-        lua_pushnumber(L, lg->x[check_index(L, lg, 2)]);
+        int32_t id = check_index(L, lg, 2);
+        if (lg->compact) {
+            int32_t j = compact_find(lg, id);
+            lua_pushnumber(L, j < 0 ? -INFINITY : lg->vals[j]);
+        } else {
+            lua_pushnumber(L, host_row(L, lg)[id]);
+        }
         return 1;
     }
     lua_pushvalue(L, 2);
@@ -45,7 +281,8 @@ static int logits_newindex(lua_State *L)
 {
     llogits *lg = luma_bind_checklogits(L, 1);
     int32_t id = check_index(L, lg, 2);
-    lg->x[id] = (float)luaL_checknumber(L, 3);
+    float v = (float)luaL_checknumber(L, 3);
+    host_row(L, lg)[id] = v;
     return 0;
 }
 
@@ -61,6 +298,21 @@ static int logits_tostring(lua_State *L)
     return 1;
 }
 
+static int logits_gc(lua_State *L)
+{
+    llogits *lg = luma_bind_checklogits(L, 1);
+    unhold(lg);
+    if (lg->x_owned) free(lg->x);
+    lg->x = NULL;
+    lg->x_owned = false;
+    free(lg->ids);
+    lg->ids = NULL;
+    lg->vals = NULL;
+    lg->compact = false;
+    lg->n_live = 0;
+    return 0;
+}
+
 /* Returns self, for chaining, after a transform that returned rc. */
 static int chain(lua_State *L, int rc, const luma_err *err)
 {
@@ -69,11 +321,22 @@ static int chain(lua_State *L, int rc, const luma_err *err)
     return 1;
 }
 
+/* ---- reductions ---------------------------------------------------------- */
+
 static int logits_argmax(lua_State *L)
 {
     llogits *lg = luma_bind_checklogits(L, 1);
     luma_err err;
-    int32_t id = luma_logits_argmax(lg->x, lg->n, &err);
+    int32_t id;
+    if (on_device(lg)) {
+        id = luma_logits_set_argmax(lg->set, lg->row, !lg->edited, &err);
+        if (id < 0) return luma_bind_error(L, &err);
+    } else if (use_compact(lg)) {
+        id = luma_logits_argmax(lg->vals, lg->n_live, &err);
+        if (id >= 0) id = lg->ids[id];
+    } else {
+        id = luma_logits_argmax(host_row(L, lg), lg->n, &err);
+    }
     if (id < 0) return luaL_error(L, "argmax: every entry is masked");
     lua_pushinteger(L, id);
     return 1;
@@ -88,7 +351,16 @@ static int logits_topk(lua_State *L)
     int32_t *ids = lua_newuserdatauv(L, (size_t)k * sizeof(int32_t), 0);
     float *vals = lua_newuserdatauv(L, (size_t)k * sizeof(float), 0);
     luma_err err;
-    int32_t got = luma_logits_topk(lg->x, lg->n, (int32_t)k, ids, vals, &err);
+    int32_t got;
+    if (on_device(lg) && k <= LUMA_TOPK_MAX) {
+        luma_backend *be = backend(lg);
+        got = be->ops->logits_topk(be, &lg->set->buf, lg->row, (int32_t)k, ids, vals, &err);
+    } else if (use_compact(lg)) {
+        got = luma_logits_topk(lg->vals, lg->n_live, (int32_t)k, ids, vals, &err);
+        for (int32_t i = 0; i < got; i++) ids[i] = lg->ids[ids[i]];
+    } else {
+        got = luma_logits_topk(host_row(L, lg), lg->n, (int32_t)k, ids, vals, &err);
+    }
     if (got < 0) return luma_bind_error(L, &err);
     lua_createtable(L, got, 0);
     lua_createtable(L, got, 0);
@@ -101,11 +373,60 @@ static int logits_topk(lua_State *L)
     return 2;
 }
 
-static int logits_temperature(lua_State *L)
+static int logits_entropy(lua_State *L)
 {
     llogits *lg = luma_bind_checklogits(L, 1);
     luma_err err;
-    return chain(L, luma_logits_temperature(lg->x, lg->n, (float)luaL_checknumber(L, 2), &err), &err);
+    double h;
+    int rc = use_compact(lg) ? luma_logits_entropy(lg->vals, lg->n_live, &h, &err)
+                             : luma_logits_entropy(host_row(L, lg), lg->n, &h, &err);
+    if (rc) return luma_bind_error(L, &err);
+    lua_pushnumber(L, h);
+    return 1;
+}
+
+static int logits_sample(lua_State *L)
+{
+    llogits *lg = luma_bind_checklogits(L, 1);
+    luma_rng *rng = luma_bind_checkrng(L, 2);
+    luma_err err;
+    int32_t id;
+    if (on_device(lg)) {
+        luma_backend *be = backend(lg);
+        id = be->ops->logits_sample(be, &lg->set->buf, lg->row, luma_rng_uniform(rng), &err);
+    } else if (use_compact(lg)) {
+        id = luma_logits_sample(lg->vals, lg->n_live, rng, &err);
+        if (id >= 0) id = lg->ids[id];
+    } else {
+        id = luma_logits_sample(host_row(L, lg), lg->n, rng, &err);
+    }
+    if (id < 0) return luma_bind_error(L, &err);
+    lua_pushinteger(L, id);
+    return 1;
+}
+
+/* ---- transforms ---------------------------------------------------------- */
+
+static int logits_temperature(lua_State *L)
+{
+    llogits *lg = luma_bind_checklogits(L, 1);
+    float t = (float)luaL_checknumber(L, 2);
+    if (!(t >= 0.0f) || isinf(t))
+        return luaL_error(L, "temperature: t must be finite and >= 0 (got %f)", (double)t);
+    luma_err err;
+    if (on_device(lg)) {
+        /* Greedy keeps the argmax alone: the top 1. */
+        if (t == 0.0f) {
+            keep_top_compact(L, lg, 1);
+            lua_settop(L, 1);
+            return 1;
+        }
+        luma_backend *be = backend(lg);
+        lg->edited = true;
+        return chain(L, be->ops->logits_temperature(be, &lg->set->buf, lg->row, t, &err), &err);
+    }
+    if (use_compact(lg)) return chain(L, luma_logits_temperature(lg->vals, lg->n_live, t, &err), &err);
+    return chain(L, luma_logits_temperature(host_row(L, lg), lg->n, t, &err), &err);
 }
 
 static int logits_top_k(lua_State *L)
@@ -115,7 +436,14 @@ static int logits_top_k(lua_State *L)
     if (k < 1) return luaL_argerror(L, 2, "k must be at least 1");
     if (k > lg->n) k = lg->n;
     luma_err err;
-    return chain(L, luma_logits_top_k(lg->x, lg->n, (int32_t)k, &err), &err);
+    /* A few survivors are kept compact, wherever the row is. */
+    if (!lg->compact && k <= LUMA_SPARSE_MAX && k <= LUMA_TOPK_MAX) {
+        keep_top_compact(L, lg, (int32_t)k);
+        lua_settop(L, 1);
+        return 1;
+    }
+    if (use_compact(lg)) return chain(L, luma_logits_top_k(lg->vals, lg->n_live, (int32_t)k, &err), &err);
+    return chain(L, luma_logits_top_k(host_row(L, lg), lg->n, (int32_t)k, &err), &err);
 }
 
 static int32_t check_min_keep(lua_State *L, int i)
@@ -125,25 +453,41 @@ static int32_t check_min_keep(lua_State *L, int i)
     return (int32_t)k;
 }
 
-static int logits_top_p(lua_State *L)
+typedef int (*mass_filter)(float *x, int32_t n, float p, int32_t min_keep, luma_err *err);
+
+/* top_p, min_p, typical: on the compact form or the whole row. */
+static int filter(lua_State *L, mass_filter f)
 {
     llogits *lg = luma_bind_checklogits(L, 1);
+    float p = (float)luaL_checknumber(L, 2);
+    int32_t min_keep = check_min_keep(L, 3);
     luma_err err;
-    return chain(L, luma_logits_top_p(lg->x, lg->n, (float)luaL_checknumber(L, 2), check_min_keep(L, 3), &err), &err);
+    if (use_compact(lg)) return chain(L, f(lg->vals, lg->n_live, p, min_keep, &err), &err);
+    return chain(L, f(host_row(L, lg), lg->n, p, min_keep, &err), &err);
+}
+
+static int logits_top_p(lua_State *L)
+{
+    return filter(L, luma_logits_top_p);
 }
 
 static int logits_min_p(lua_State *L)
 {
-    llogits *lg = luma_bind_checklogits(L, 1);
-    luma_err err;
-    return chain(L, luma_logits_min_p(lg->x, lg->n, (float)luaL_checknumber(L, 2), check_min_keep(L, 3), &err), &err);
+    return filter(L, luma_logits_min_p);
 }
 
 static int logits_typical(lua_State *L)
 {
-    llogits *lg = luma_bind_checklogits(L, 1);
+    return filter(L, luma_logits_typical);
+}
+
+/* Applies an edit of listed entries on the device; lg stays there. */
+static int device_edit(lua_State *L, llogits *lg, const luma_logits_edit *e)
+{
+    luma_backend *be = backend(lg);
     luma_err err;
-    return chain(L, luma_logits_typical(lg->x, lg->n, (float)luaL_checknumber(L, 2), check_min_keep(L, 3), &err), &err);
+    lg->edited = true;
+    return chain(L, be->ops->logits_edit(be, &lg->set->buf, lg->row, e, &err), &err);
 }
 
 /* logits:penalize(history, {repeat_ =, frequency =, presence =, last_n =}) */
@@ -157,8 +501,27 @@ static int logits_penalize(lua_State *L)
     int32_t n;
     int32_t *hist = luma_bind_checkids(L, 2, lg->n, &n);
     if (last_n > INT32_MAX || last_n < INT32_MIN) return luaL_error(L, "option 'last_n' out of range");
+    /* ids, counts, and the counts as floats for the device */
+    size_t room = (size_t)(n > 0 ? n : 1);
+    int32_t *ids = lua_newuserdatauv(L, room * (2 * sizeof(int32_t) + sizeof(float)), 0);
+    int32_t *counts = ids + room;
     luma_err err;
-    return chain(L, luma_logits_penalize(lg->x, lg->n, hist, n, (int32_t)last_n, rep, freq, pres, &err), &err);
+    int32_t k = luma_logits_penalty_counts(lg->n, hist, n, (int32_t)last_n, rep, freq, pres, ids, counts, &err);
+    if (k <= 0) return chain(L, k, &err);
+    if (on_device(lg)) {
+        float *values = (float *)(counts + room);
+        for (int32_t j = 0; j < k; j++) values[j] = (float)counts[j];
+        luma_logits_edit e = { LUMA_EDIT_PENALIZE, k, ids, values, rep, freq, pres };
+        return device_edit(L, lg, &e);
+    }
+    if (lg->compact) {
+        k = to_compact(lg, ids, counts, NULL, k);
+        luma_logits_penalize_counted(lg->vals, ids, counts, k, rep, freq, pres);
+    } else {
+        luma_logits_penalize_counted(host_row(L, lg), ids, counts, k, rep, freq, pres);
+    }
+    lua_settop(L, 1);
+    return 1;
 }
 
 /* logits:bias({[id] = value, ...}) */
@@ -166,7 +529,16 @@ static int logits_bias(lua_State *L)
 {
     llogits *lg = luma_bind_checklogits(L, 1);
     luaL_checktype(L, 2, LUA_TTABLE);
-    luma_err err;
+    int32_t count = 0;
+    lua_pushnil(L);
+    while (lua_next(L, 2)) {
+        count++;
+        lua_pop(L, 1);
+    }
+    size_t room = (size_t)(count > 0 ? count : 1);
+    int32_t *ids = lua_newuserdatauv(L, room * (sizeof(int32_t) + sizeof(float)), 0);
+    float *values = (float *)(ids + room);
+    int32_t k = 0;
     lua_pushnil(L);
     while (lua_next(L, 2)) {
         int isint, isnum;
@@ -175,13 +547,24 @@ static int logits_bias(lua_State *L)
         if (!isint || !isnum) return luaL_argerror(L, 2, "expected {[token id] = number}");
         if (id < 0 || id >= lg->n)
             return luaL_argerror(L, 2, lua_pushfstring(L, "token id %I out of range [0, %d)", id, (int)lg->n));
-        int32_t i32 = (int32_t)id;
         float f = (float)v;
-        if (luma_logits_bias(lg->x, lg->n, &i32, &f, 1, &err) < 0) return luma_bind_error(L, &err);
+        if (isnan(f) || f == INFINITY)
+            return luaL_error(L, "bias: value %f for token id %I is NaN or +inf", (double)f, id);
+        ids[k] = (int32_t)id;
+        values[k++] = f;
         lua_pop(L, 1);
     }
-    lua_settop(L, 1);
-    return 1;
+    luma_err err;
+    if (on_device(lg)) {
+        luma_logits_edit e = { LUMA_EDIT_BIAS, k, ids, values, 1.0f, 0.0f, 0.0f };
+        return device_edit(L, lg, &e);
+    }
+    if (lg->compact) {
+        k = to_compact(lg, ids, NULL, values, k);
+        if (k == 0) return chain(L, 0, &err);
+        return chain(L, luma_logits_bias(lg->vals, lg->n_live, ids, values, k, &err), &err);
+    }
+    return chain(L, luma_logits_bias(host_row(L, lg), lg->n, ids, values, k, &err), &err);
 }
 
 /* Reads a set of ids: a Lua array {id, ...} or a set {[id] = true, ...}. */
@@ -203,7 +586,7 @@ static int32_t *check_idset(lua_State *L, int i, int32_t n_vocab, int32_t *count
         lua_Integer id = lua_tointegerx(L, -2, &isint);
         if (!isint || id < 0 || id >= n_vocab)
             luaL_argerror(L, i, lua_pushfstring(L, "expected token ids in [0, %d)", (int)n_vocab));
-        if (lua_toboolean(L, -1)) ids[k++] = (int32_t)id;
+        if (lua_toboolean(L, -1) && k < n) ids[k++] = (int32_t)id;
         lua_pop(L, 1);
     }
     *count = k;
@@ -216,7 +599,16 @@ static int logits_mask(lua_State *L)
     int32_t n;
     int32_t *ids = check_idset(L, 2, lg->n, &n);
     luma_err err;
-    return chain(L, luma_logits_mask(lg->x, lg->n, ids, n, &err), &err);
+    if (on_device(lg)) {
+        luma_logits_edit e = { LUMA_EDIT_MASK, n, ids, NULL, 1.0f, 0.0f, 0.0f };
+        return device_edit(L, lg, &e);
+    }
+    if (lg->compact) {
+        n = to_compact(lg, ids, NULL, NULL, n);
+        if (n == 0) return chain(L, 0, &err);
+        return chain(L, luma_logits_mask(lg->vals, lg->n_live, ids, n, &err), &err);
+    }
+    return chain(L, luma_logits_mask(host_row(L, lg), lg->n, ids, n, &err), &err);
 }
 
 static int logits_allow(lua_State *L)
@@ -225,49 +617,54 @@ static int logits_allow(lua_State *L)
     int32_t n;
     int32_t *ids = check_idset(L, 2, lg->n, &n);
     luma_err err;
-    return chain(L, luma_logits_allow(lg->x, lg->n, ids, n, &err), &err);
+    return chain(L, luma_logits_allow(host_row(L, lg), lg->n, ids, n, &err), &err);
 }
 
 static int logits_softmax(lua_State *L)
 {
     llogits *lg = luma_bind_checklogits(L, 1);
     luma_err err;
-    return chain(L, luma_logits_softmax(lg->x, lg->n, &err), &err);
+    return chain(L, luma_logits_softmax(host_row(L, lg), lg->n, &err), &err);
 }
 
 static int logits_log_softmax(lua_State *L)
 {
     llogits *lg = luma_bind_checklogits(L, 1);
     luma_err err;
-    return chain(L, luma_logits_log_softmax(lg->x, lg->n, &err), &err);
+    if (use_compact(lg)) return chain(L, luma_logits_log_softmax(lg->vals, lg->n_live, &err), &err);
+    return chain(L, luma_logits_log_softmax(host_row(L, lg), lg->n, &err), &err);
 }
 
-static int logits_entropy(lua_State *L)
-{
-    llogits *lg = luma_bind_checklogits(L, 1);
-    luma_err err;
-    double h;
-    if (luma_logits_entropy(lg->x, lg->n, &h, &err)) return luma_bind_error(L, &err);
-    lua_pushnumber(L, h);
-    return 1;
-}
-
-static int logits_sample(lua_State *L)
-{
-    llogits *lg = luma_bind_checklogits(L, 1);
-    luma_rng *rng = luma_bind_checkrng(L, 2);
-    luma_err err;
-    int32_t id = luma_logits_sample(lg->x, lg->n, rng, &err);
-    if (id < 0) return luma_bind_error(L, &err);
-    lua_pushinteger(L, id);
-    return 1;
-}
-
+/* A copy on the host (compact when the source is); the source stays where
+ * it is. */
 static int logits_copy(lua_State *L)
 {
     llogits *lg = luma_bind_checklogits(L, 1);
+    const float *src = lg->compact || on_device(lg) ? NULL : host_row(L, lg);
     llogits *c = luma_bind_newlogits(L, lg->n);
-    memcpy(c->x, lg->x, (size_t)lg->n * sizeof(float));
+    int32_t live = lg->n_live > 0 ? lg->n_live : 1;
+    size_t bytes = lg->compact ? (size_t)live * (sizeof(int32_t) + sizeof(float)) : (size_t)lg->n * sizeof(float);
+    void *mem = malloc(bytes);
+    if (!mem) return luaL_error(L, "logits: out of memory for a copy");
+    if (lg->compact) {
+        c->compact = true;
+        c->n_live = lg->n_live;
+        c->ids = mem;
+        c->vals = (float *)(c->ids + live);
+        memcpy(c->ids, lg->ids, (size_t)lg->n_live * sizeof(int32_t));
+        memcpy(c->vals, lg->vals, (size_t)lg->n_live * sizeof(float));
+        return 1;
+    }
+    luma_err err;
+    if (src) {
+        memcpy(mem, src, bytes);
+    } else if (luma_logits_set_read(lg->set, lg->row, mem, &err)) {
+        free(mem);
+        return luma_bind_error(L, &err);
+    }
+    c->x = mem;
+    c->x_owned = true;
+    lua_gc(L, LUA_GCSTEP, (int)(lg->n / 256));
     return 1;
 }
 
@@ -275,6 +672,7 @@ static const luaL_Reg meta[] = {
     { "__newindex", logits_newindex },
     { "__len", logits_len },
     { "__tostring", logits_tostring },
+    { "__gc", logits_gc },
     { NULL, NULL },
 };
 

@@ -1,9 +1,6 @@
 /* Sequence userdata: a KV-cache sequence of a model. It keeps its model
  * alive (user value 1) and is linked into the model's list so that closing
  * the model closes it too. */
-#include <stdlib.h>
-#include <string.h>
-
 #include "bind/bind.h"
 
 lseq *luma_bind_checkseq(lua_State *L, int i)
@@ -21,6 +18,7 @@ luma_seq *luma_bind_seq(lua_State *L, int i)
 void luma_bind_seq_release(lseq *q)
 {
     if (!q->s) return;
+    luma_model *m = q->s->model;
     luma_seq_free(q->s);
     q->s = NULL;
     lmodel *lm = q->owner;
@@ -28,6 +26,9 @@ void luma_bind_seq_release(lseq *q)
     else lm->seqs = q->next;
     if (q->next) q->next->prev = q->prev;
     q->prev = q->next = NULL;
+    /* No run can make logits now: the model's sets are let go (its Logits
+     * keep host copies), so closing the model leaves no memory behind. */
+    if (!lm->seqs) luma_bind_logits_release_model(m);
 }
 
 /* Wraps s in a userdata owned by the model userdata at index mi. */
@@ -80,20 +81,28 @@ static int seq_eval(lua_State *L)
     }
     luma_chunk c = { s, ids, n, all };
     int32_t rows = all ? n : 1;
-    float *out = malloc((size_t)rows * (size_t)m->hp.n_vocab * sizeof(float));
-    if (!out) return luaL_error(L, "out of memory for logits");
+    luma_bind_logits_budget(L, m, rows);
+    /* The results exist before the run, so that nothing can fail between
+     * the run and handing its rows out. */
+    if (all) {
+        lua_createtable(L, rows, 0);
+        for (int32_t r = 0; r < rows; r++) {
+            luma_bind_newlogits(L, m->hp.n_vocab);
+            lua_rawseti(L, -2, r + 1);
+        }
+    } else {
+        luma_bind_newlogits(L, m->hp.n_vocab);
+    }
+    int res = lua_gettop(L);
+    luma_logits_set *set;
     luma_err err;
-    if (luma_model_run(m, &c, 1, out, &err)) {
-        free(out);
-        return luma_bind_error(L, &err);
-    }
-    if (all) lua_createtable(L, rows, 0);
+    if (luma_model_run_set(m, &c, 1, &set, &err)) return luma_bind_error(L, &err);
     for (int32_t r = 0; r < rows; r++) {
-        llogits *lg = luma_bind_newlogits(L, m->hp.n_vocab);
-        memcpy(lg->x, out + (size_t)r * (size_t)m->hp.n_vocab, (size_t)m->hp.n_vocab * sizeof(float));
-        if (all) lua_rawseti(L, -2, r + 1);
+        if (all) lua_rawgeti(L, res, r + 1);
+        luma_bind_logits_hold(lua_touserdata(L, -1), set, r);
+        if (all) lua_pop(L, 1);
     }
-    free(out);
+    luma_logits_set_release(set);
     return 1;
 }
 

@@ -1,0 +1,738 @@
+/* Logits that stay on the device: the backend's logits operations
+ * (backend.h) over rows of a logits set, each a kernel whose small result is
+ * copied back, checked against the host functions of src/sample.c by
+ * spec/native/test_cuda_logits.c.
+ *
+ * Ranking: an entry's key is the 64-bit (order(value) << 32) | (0xffffffff -
+ * id), order() a monotone map of the finite floats onto unsigned integers
+ * that takes -0 as +0. A larger key ranks first (larger value, or equal value
+ * and lower id, as src/sample.c ranks) and keys are distinct, so the k best
+ * entries are exactly the keys >= the k-th key. Masked entries (-inf, and
+ * NaN or +inf, which count as masked) have no key; 0 means none.
+ *
+ * Rooflines (H100, ~3.3 TB/s of HBM): argmax over 128 rows of 262144 reads
+ * 128 MiB, ~40 us. A single row is 1 MiB (~0.3 us of bandwidth), so the
+ * one-row operations are bound by latency (launches, a small copy back, the
+ * wait): they spread their reading over many blocks where they can (top-k
+ * of small k, sampling); top-k of large k reads the row a few times with
+ * one block (from L2 after the first time).
+ *
+ * Each set's allocation carries a work area after its b->cap floats (the
+ * argmax keys, the top-k results), so the operations need no other device
+ * memory and never move a buffer a recorded step uses. */
+#include <float.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cuda_internal.h"
+
+#define WORK_ALIGN 256
+#define WORK_MIN ((size_t)64 << 10)
+
+static cuda_backend *cu(luma_backend *be) { return (cuda_backend *)be; }
+
+/* The work area: after the floats, room for 8 bytes a row and at least
+ * WORK_MIN (top-k's 2 x LUMA_TOPK_MAX results and count). */
+static size_t work_offset(const luma_buf *b)
+{
+    return ((size_t)b->cap * sizeof(float) + WORK_ALIGN - 1) / WORK_ALIGN * WORK_ALIGN;
+}
+
+static size_t work_size(const luma_buf *b)
+{
+    size_t rows = b->cols > 0 ? (size_t)(b->cap / b->cols) : 0;
+    return rows * 8 > WORK_MIN ? rows * 8 : WORK_MIN;
+}
+
+static void *work(const luma_buf *b)
+{
+    return (char *)b->data + work_offset(b);
+}
+
+/* ---- keys and block reductions ------------------------------------------ */
+
+__device__ __forceinline__ bool is_live(float v)
+{
+    return fabsf(v) <= FLT_MAX;
+}
+
+__device__ __forceinline__ unsigned long long rank_key(float v, int64_t id)
+{
+    unsigned int b = __float_as_uint(v == 0.0f ? 0.0f : v);
+    b = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+    return ((unsigned long long)b << 32) | (0xffffffffu - (unsigned int)id);
+}
+
+__device__ __forceinline__ int32_t key_id(unsigned long long k)
+{
+    return (int32_t)(0xffffffffu - (unsigned int)k);
+}
+
+/* Clamps into the finite floats, as src/sample.c's finite(). */
+__device__ __forceinline__ float finite_f(float v)
+{
+    return v > FLT_MAX ? FLT_MAX : v < -FLT_MAX ? -FLT_MAX : v;
+}
+
+__device__ __forceinline__ unsigned long long warp_max_u64(unsigned long long v)
+{
+    for (int o = 16; o > 0; o >>= 1) {
+        unsigned long long w = __shfl_xor_sync(0xffffffffu, v, o);
+        v = w > v ? w : v;
+    }
+    return v;
+}
+
+/* The largest v of the block (blockDim.x a multiple of 32), for every thread. */
+__device__ unsigned long long block_max_u64(unsigned long long v, unsigned long long *sh)
+{
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    v = warp_max_u64(v);
+    if (lane == 0) sh[warp] = v;
+    __syncthreads();
+    v = threadIdx.x < blockDim.x / 32 ? sh[threadIdx.x] : 0;
+    if (warp == 0) v = warp_max_u64(v);
+    if (threadIdx.x == 0) sh[0] = v;
+    __syncthreads();
+    v = sh[0];
+    __syncthreads();
+    return v;
+}
+
+/* Sorts a[0..n) (n a power of two) largest first: a bitonic network. */
+__device__ void block_sort_desc(unsigned long long *a, int n)
+{
+    for (int size = 2; size <= n; size <<= 1) {
+        for (int stride = size >> 1; stride > 0; stride >>= 1) {
+            for (int i = threadIdx.x; i < n / 2; i += blockDim.x) {
+                int lo = 2 * i - (i & (stride - 1)), hi = lo + stride;
+                bool desc = (lo & size) == 0;
+                unsigned long long x = a[lo], y = a[hi];
+                if ((x < y) == desc) {
+                    a[lo] = y;
+                    a[hi] = x;
+                }
+            }
+            __syncthreads();
+        }
+    }
+}
+
+/* ---- argmax of many rows ------------------------------------------------- */
+
+#define ARGMAX_THREADS 256
+#define ARGMAX_MIN_CHUNK 4096   /* entries a block reads at least */
+
+/* Row blockIdx.y, entries [blockIdx.x * chunk, +chunk): the block's best key
+ * joins best[row] (zeroed before). */
+__global__ void __launch_bounds__(ARGMAX_THREADS)
+argmax_kernel(const float *__restrict__ x, int64_t cols, int64_t chunk, unsigned long long *best)
+{
+    __shared__ unsigned long long sh[32];
+    const float *row = x + (int64_t)blockIdx.y * cols;
+    int64_t lo = (int64_t)blockIdx.x * chunk, hi = lo + chunk < cols ? lo + chunk : cols;
+    unsigned long long m = 0;
+    for (int64_t i0 = lo + threadIdx.x; i0 < hi; i0 += 4 * ARGMAX_THREADS) {
+        float v[4];
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            int64_t i = i0 + j * ARGMAX_THREADS;
+            v[j] = i < hi ? row[i] : -INFINITY;
+        }
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+            if (is_live(v[j])) {
+                unsigned long long k = rank_key(v[j], i0 + j * ARGMAX_THREADS);
+                m = k > m ? k : m;
+            }
+    }
+    m = block_max_u64(m, sh);
+    if (threadIdx.x == 0 && m) atomicMax(&best[blockIdx.y], m);
+}
+
+/* ---- top-k of one row ---------------------------------------------------- */
+
+#define TOPK_THREADS 1024
+#define TOPK_CAP 4096          /* candidates sorted in shared memory */
+#define TOPK_BITS 12           /* radix digit */
+#define TOPK_BINS (1 << TOPK_BITS)
+/* where the blocks' keys of the two-stage top-k go in the work area: after
+ * the results, 2 x LUMA_TOPK_MAX + 1 words (TOPK_CAP keys fit before WORK_MIN) */
+#define TOPK_CAND_OFFSET (32 << 10)
+
+/* Calls f(key) for every live entry of x[0..n), four loads in flight a thread. */
+template <typename F> __device__ __forceinline__ void for_each_key(const float *__restrict__ x, int64_t n, F f)
+{
+    for (int64_t i0 = threadIdx.x; i0 < n; i0 += 4 * TOPK_THREADS) {
+        float v[4];
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            int64_t i = i0 + j * TOPK_THREADS;
+            v[j] = i < n ? x[i] : -INFINITY;
+        }
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+            if (is_live(v[j])) f(rank_key(v[j], i0 + j * TOPK_THREADS));
+    }
+}
+
+/* Sum of v over the threads after this one (by index), for every thread. */
+__device__ unsigned int block_suffix_excl(unsigned int v, unsigned int *sh)
+{
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x / 32;
+    unsigned int s = v;
+    for (int o = 1; o < 32; o <<= 1) {
+        unsigned int t = __shfl_down_sync(0xffffffffu, s, o);
+        if (lane + o < 32) s += t;
+    }
+    if (lane == 0) sh[warp] = s;
+    __syncthreads();
+    unsigned int after = 0;
+    for (int w = warp + 1; w < nw; w++) after += sh[w];
+    __syncthreads();
+    return after + s - v;
+}
+
+/* The k best live entries of x[0..n), best first, into ids/vals; their
+ * number into *count (k, or fewer when fewer are live).
+ *   1. A floor: with k <= TOPK_THREADS, the k-th best of the threads' own
+ *      best keys; at least k entries reach it, so none below can be in.
+ *   2. The keys at or above the floor are gathered; usually they fit.
+ *   3. Otherwise radix passes over 12-bit digits, from the top, narrow a
+ *      prefix that the k-th key has until the keys at or above it fit.
+ *   4. The candidates are sorted and the first k written. */
+__global__ void __launch_bounds__(TOPK_THREADS)
+topk_kernel(const float *__restrict__ x, int64_t n, int32_t k, int32_t *out_ids, float *out_vals,
+            int32_t *out_count)
+{
+    __shared__ union {
+        unsigned int hist[TOPK_BINS];
+        unsigned long long cand[TOPK_CAP];
+    } sm;
+    __shared__ unsigned int scan[32];
+    __shared__ unsigned int s_count, s_bin, s_cum, s_above;
+    const int tid = threadIdx.x;
+
+    unsigned long long floor_key = 1;
+    if (k <= TOPK_THREADS) {
+        unsigned long long best = 0;
+        for_each_key(x, n, [&](unsigned long long key) { best = key > best ? key : best; });
+        sm.cand[tid] = best;
+        __syncthreads();
+        block_sort_desc(sm.cand, TOPK_THREADS);
+        if (sm.cand[k - 1] > floor_key) floor_key = sm.cand[k - 1];
+        __syncthreads();
+    }
+
+    if (tid == 0) s_count = 0;
+    __syncthreads();
+    for_each_key(x, n, [&](unsigned long long key) {
+        if (key < floor_key) return;
+        unsigned int at = atomicAdd(&s_count, 1u);
+        if (at < TOPK_CAP) sm.cand[at] = key;
+    });
+    __syncthreads();
+    unsigned int count = s_count;
+
+    if (count > TOPK_CAP) {
+        unsigned long long prefix = 0;
+        int bits = 0;
+        unsigned int above = 0;
+        for (;;) {
+            int dbits = 64 - bits < TOPK_BITS ? 64 - bits : TOPK_BITS, shift = 64 - bits - dbits;
+            unsigned long long digit_mask = (1ull << dbits) - 1;
+            for (int b = tid; b < TOPK_BINS; b += TOPK_THREADS) sm.hist[b] = 0;
+            __syncthreads();
+            for_each_key(x, n, [&](unsigned long long key) {
+                if (key < floor_key || (bits > 0 && (key >> (64 - bits)) != prefix)) return;
+                atomicAdd(&sm.hist[(key >> shift) & digit_mask], 1u);
+            });
+            __syncthreads();
+            /* Each thread owns 4 bins; walking down from the top bin, the
+             * boundary is where the count of keys above reaches k. */
+            const int per = TOPK_BINS / TOPK_THREADS;
+            unsigned int own = 0;
+            for (int j = 0; j < per; j++) own += sm.hist[tid * per + j];
+            unsigned int cum = above + block_suffix_excl(own, scan);
+            for (int j = per - 1; j >= 0; j--) {
+                unsigned int h = sm.hist[tid * per + j];
+                if (cum < (unsigned int)k && cum + h >= (unsigned int)k) {
+                    s_bin = tid * per + j;
+                    s_cum = cum + h;
+                    s_above = cum;
+                }
+                cum += h;
+            }
+            __syncthreads();
+            prefix = (prefix << dbits) | s_bin;
+            bits += dbits;
+            above = s_above;
+            if (s_cum <= TOPK_CAP || bits == 64) break;
+            __syncthreads();
+        }
+        unsigned long long thresh = bits == 64 ? prefix : prefix << (64 - bits);
+        if (thresh < floor_key) thresh = floor_key;
+        __syncthreads();
+        if (tid == 0) s_count = 0;
+        __syncthreads();
+        for_each_key(x, n, [&](unsigned long long key) {
+            if (key < thresh) return;
+            unsigned int at = atomicAdd(&s_count, 1u);
+            if (at < TOPK_CAP) sm.cand[at] = key;
+        });
+        __syncthreads();
+        count = s_count < TOPK_CAP ? s_count : TOPK_CAP;
+    }
+
+    int p = 1;
+    while (p < (int)count) p <<= 1;
+    for (int j = (int)count + tid; j < p; j += TOPK_THREADS) sm.cand[j] = 0;
+    __syncthreads();
+    block_sort_desc(sm.cand, p);
+    int32_t got = (int32_t)count < k ? (int32_t)count : k;
+    for (int j = tid; j < got; j += TOPK_THREADS) {
+        int32_t id = key_id(sm.cand[j]);
+        out_ids[j] = id;
+        out_vals[j] = x[id];
+    }
+    if (tid == 0) *out_count = got;
+}
+
+/* Small k, two stages: each block of TOPK_PART_THREADS finds the k best of
+ * its TOPK_PART_CHUNK entries (all of them held as keys in shared memory),
+ * then one block sorts the blocks' k best together. The best k overall are
+ * among the blocks' best k, so the result is exact; many SMs share the
+ * reading. */
+#define TOPK_PART_THREADS 256
+#define TOPK_PART_CHUNK 4096
+#define TOPK_PART_FEW 512      /* keys at or above a block's floor sorted alone */
+
+/* The k best keys of entries [blockIdx.x * TOPK_PART_CHUNK, +chunk) of x
+ * (0 for missing ones) into out[blockIdx.x * k ...]; k <= TOPK_PART_THREADS.
+ * As in topk_kernel, the k-th best of the threads' own best keys is a floor
+ * below which no key can be in; the keys above it are usually few and
+ * sorted alone, else (many ties) the whole chunk is sorted. */
+__global__ void __launch_bounds__(TOPK_PART_THREADS)
+topk_part_kernel(const float *__restrict__ x, int64_t n, int32_t k, unsigned long long *out)
+{
+    __shared__ unsigned long long keys[TOPK_PART_CHUNK];
+    __shared__ unsigned long long few[TOPK_PART_FEW];
+    __shared__ unsigned long long maxima[TOPK_PART_THREADS];
+    __shared__ unsigned int s_count;
+    const int tid = threadIdx.x;
+    const int64_t lo = (int64_t)blockIdx.x * TOPK_PART_CHUNK;
+    unsigned long long best = 0;
+    for (int j = tid; j < TOPK_PART_CHUNK; j += TOPK_PART_THREADS) {
+        int64_t i = lo + j;
+        float v = i < n ? x[i] : -INFINITY;
+        unsigned long long key = is_live(v) ? rank_key(v, i) : 0;
+        keys[j] = key;
+        best = key > best ? key : best;
+    }
+    maxima[tid] = best;
+    if (tid == 0) s_count = 0;
+    __syncthreads();
+    block_sort_desc(maxima, TOPK_PART_THREADS);
+    unsigned long long floor_key = maxima[k - 1] > 1 ? maxima[k - 1] : 1;
+    for (int j = tid; j < TOPK_PART_CHUNK; j += TOPK_PART_THREADS) {
+        unsigned long long key = keys[j];
+        if (key < floor_key) continue;
+        unsigned int at = atomicAdd(&s_count, 1u);
+        if (at < TOPK_PART_FEW) few[at] = key;
+    }
+    __syncthreads();
+    unsigned int count = s_count;
+    unsigned long long *sorted = few;
+    if (count <= TOPK_PART_FEW) {
+        for (int j = (int)count + tid; j < TOPK_PART_FEW; j += TOPK_PART_THREADS) few[j] = 0;
+        __syncthreads();
+        block_sort_desc(few, TOPK_PART_FEW);
+    } else {
+        block_sort_desc(keys, TOPK_PART_CHUNK);
+        sorted = keys;
+    }
+    for (int j = tid; j < k; j += TOPK_PART_THREADS) out[(int64_t)blockIdx.x * k + j] = sorted[j];
+}
+
+/* The k best of the m blocks' keys (m <= TOPK_CAP), as topk_kernel writes them. */
+__global__ void __launch_bounds__(TOPK_THREADS)
+topk_merge_kernel(const float *__restrict__ x, const unsigned long long *cand, int32_t m, int32_t k, int32_t *out_ids,
+                  float *out_vals, int32_t *out_count)
+{
+    __shared__ unsigned long long sm[TOPK_CAP];
+    __shared__ unsigned int s_live;
+    const int tid = threadIdx.x;
+    int p = 1;
+    while (p < m) p <<= 1;
+    if (tid == 0) s_live = 0;
+    for (int j = tid; j < p; j += TOPK_THREADS) sm[j] = j < m ? cand[j] : 0;
+    __syncthreads();
+    block_sort_desc(sm, p);
+    for (int j = tid; j < k; j += TOPK_THREADS)
+        if (sm[j]) atomicAdd(&s_live, 1u);
+    __syncthreads();
+    int32_t got = (int32_t)s_live;
+    for (int j = tid; j < got; j += TOPK_THREADS) {
+        int32_t id = key_id(sm[j]);
+        out_ids[j] = id;
+        out_vals[j] = x[id];
+    }
+    if (tid == 0) *out_count = got;
+}
+
+/* ---- edits, temperature -------------------------------------------------- */
+
+#define EDIT_CHUNK 256         /* listed entries a launch takes as its argument */
+
+typedef struct edit_chunk {
+    int32_t n;
+    int32_t ids[EDIT_CHUNK];
+    float values[EDIT_CHUNK];
+} edit_chunk;
+
+/* The per-entry arithmetic of luma_logits_penalize_counted, luma_logits_bias
+ * and luma_logits_mask, each operation rounded alone (no fused multiply-add)
+ * as the host rounds it. */
+__global__ void edit_kernel(float *x, int kind, edit_chunk e, float repeat, float frequency, float presence)
+{
+    int j = threadIdx.x;
+    if (j >= e.n) return;
+    int32_t id = e.ids[j];
+    float v = x[id];
+    if (kind == LUMA_EDIT_MASK) {
+        x[id] = -INFINITY;
+        return;
+    }
+    if (!is_live(v)) return;
+    if (kind == LUMA_EDIT_BIAS) {
+        x[id] = e.values[j] == -INFINITY ? -INFINITY : finite_f(__fadd_rn(v, e.values[j]));
+        return;
+    }
+    v = v <= 0.0f ? __fmul_rn(v, repeat) : __fdiv_rn(v, repeat);
+    x[id] = finite_f(__fsub_rn(v, __fadd_rn(__fmul_rn(e.values[j], frequency), presence)));
+}
+
+__global__ void temperature_kernel(float *x, int64_t n, float t)
+{
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+        float v = x[i];
+        if (is_live(v)) x[i] = finite_f(__fdiv_rn(v, t));
+    }
+}
+
+/* ---- sampling from the softmax ------------------------------------------- */
+
+/* The draw of luma_logits_sample for uniform u: with m the largest live
+ * entry and mass_i = exp(x_i - m) in double, the first id (in id order)
+ * where the running mass passes u * (total mass). Three launches: the
+ * largest key (argmax_kernel), the mass of every chunk of `ch` entries (a
+ * warp each, over many SMs), then one block finds the chunk where the
+ * target falls and a warp walks it in order. The sums are added in another
+ * order than the host's, so the id differs only where the target sits on a
+ * boundary within rounding. */
+#define SAMPLE_CHUNKS_MAX 2048
+#define SAMPLE_THREADS 1024
+
+__global__ void sample_sums_kernel(const float *__restrict__ x, int64_t n, int64_t ch, int32_t nch,
+                                   const unsigned long long *best, double *sums)
+{
+    int32_t c = (int32_t)(((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32);
+    int lane = threadIdx.x & 31;
+    if (c >= nch) return;
+    double s = 0.0;
+    if (*best) {
+        double m = (double)x[key_id(*best)];
+        int64_t lo = (int64_t)c * ch, hi = lo + ch < n ? lo + ch : n;
+        for (int64_t i = lo + lane; i < hi; i += 32) {
+            float v = x[i];
+            if (is_live(v)) s += exp((double)v - m);
+        }
+    }
+    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    if (lane == 0) sums[c] = s;
+}
+
+__global__ void __launch_bounds__(SAMPLE_THREADS)
+sample_walk_kernel(const float *__restrict__ x, int64_t n, int64_t ch, int32_t nch,
+                   const unsigned long long *best, const double *sums, double u, int32_t *out)
+{
+    __shared__ double incl[SAMPLE_CHUNKS_MAX];
+    __shared__ double wsum[32];
+    __shared__ int s_first, s_last;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    if (*best == 0) {
+        if (tid == 0) *out = -1;
+        return;
+    }
+    const double m = (double)x[key_id(*best)];
+    /* inclusive prefix sums of the chunks' masses: each thread two chunks */
+    int c0 = 2 * tid;
+    double a = c0 < nch ? sums[c0] : 0.0, b = c0 + 1 < nch ? sums[c0 + 1] : 0.0;
+    double t = a + b, scan = t;
+    for (int o = 1; o < 32; o <<= 1) {
+        double v = __shfl_up_sync(0xffffffffu, scan, o);
+        if (lane >= o) scan += v;
+    }
+    if (lane == 31) wsum[warp] = scan;
+    if (tid == 0) {
+        s_first = nch;
+        s_last = -1;
+    }
+    __syncthreads();
+    double before = 0.0;
+    for (int w = 0; w < warp; w++) before += wsum[w];
+    double z = 0.0;
+    for (int w = 0; w < SAMPLE_THREADS / 32; w++) z += wsum[w];
+    double excl = before + scan - t;
+    if (c0 < nch) incl[c0] = excl + a;
+    if (c0 + 1 < nch) incl[c0 + 1] = excl + a + b;
+    const double target = u * z;
+    if (c0 < nch && target < excl + a && a > 0.0) atomicMin(&s_first, c0);
+    else if (c0 + 1 < nch && target < excl + a + b && b > 0.0) atomicMin(&s_first, c0 + 1);
+    if (c0 < nch && a > 0.0) atomicMax(&s_last, c0);
+    if (c0 + 1 < nch && b > 0.0) atomicMax(&s_last, c0 + 1);
+    __syncthreads();
+    /* Rounding left the target past the total: the last chunk with mass. */
+    int c = s_first < nch ? s_first : s_last;
+    if (warp != 0) return;
+    double base = c > 0 ? incl[c - 1] : 0.0;
+    /* The walk: lanes take consecutive pieces of the chunk; the lane where
+     * the running mass passes the target walks its piece; failing that
+     * (rounding), the chunk's last live entry. */
+    int64_t lo = (int64_t)c * ch, hi = lo + ch < n ? lo + ch : n, per = ch / 32;
+    int64_t first = lo + lane * per;
+    double own = 0.0;
+    int64_t last_live = -1;
+    for (int64_t i = first; i < first + per && i < hi; i++)
+        if (is_live(x[i])) {
+            own += exp((double)x[i] - m);
+            last_live = i;
+        }
+    double lincl = own;
+    for (int o = 1; o < 32; o <<= 1) {
+        double v = __shfl_up_sync(0xffffffffu, lincl, o);
+        if (lane >= o) lincl += v;
+    }
+    unsigned int hit = __ballot_sync(0xffffffffu, target < base + lincl && own > 0.0);
+    int64_t found = -1;
+    if (hit && lane == __ffs(hit) - 1) {
+        double mass = base + lincl - own;
+        for (int64_t i = first; i < first + per && i < hi && found < 0; i++)
+            if (is_live(x[i])) {
+                mass += exp((double)x[i] - m);
+                if (target < mass) found = i;
+            }
+        if (found < 0) found = last_live;
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+        int64_t f = __shfl_xor_sync(0xffffffffu, found, o);
+        found = f > found ? f : found;
+        int64_t l = __shfl_xor_sync(0xffffffffu, last_live, o);
+        last_live = l > last_live ? l : last_live;
+    }
+    if (lane == 0) *out = (int32_t)(found >= 0 ? found : last_live);
+}
+
+/* ---- the operations ------------------------------------------------------ */
+
+/* Checks shared by the operations; a failure an earlier step left is
+ * reported first. */
+static int op_begin(cuda_backend *c, const char *op, const luma_buf *b, int64_t row, luma_err *err)
+{
+    if (!LUMA_CUDA_OK(c)) {
+        luma_errf(err, "%s", c->failure);
+        c->failure[0] = 0;
+        return -1;
+    }
+    if (b->cols < 1 || b->cols > INT32_MAX) return luma_errf(err, "%s: rows of %lld logits", op, (long long)b->cols);
+    if (row < 0 || row >= b->rows)
+        return luma_errf(err, "%s: row %lld of a set of %lld", op, (long long)row, (long long)b->rows);
+    return 0;
+}
+
+/* Waits for the operation's work: any CUDA error since op_begin is its. */
+static int op_end(cuda_backend *c, const char *op, cudaError_t e, luma_err *err)
+{
+    if (e == cudaSuccess) e = cudaGetLastError();
+    if (e == cudaSuccess) e = cudaStreamSynchronize(c->stream);
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        return luma_errf(err, "%s on the GPU: %s", op, cudaGetErrorString(e));
+    }
+    return 0;
+}
+
+int luma_cuda_logits_alloc(luma_backend *be, luma_buf *b, int64_t rows, int64_t cols, luma_err *err)
+{
+    cuda_backend *c = cu(be);
+    size_t n, total;
+    luma_buf t = { NULL, rows, cols, 0 };
+    if (rows < 1 || cols < 1 || luma_mul_size((size_t)rows, (size_t)cols, &n) || n > SIZE_MAX / 2 / sizeof(float))
+        return luma_errf(err, "a logits set of %lld x %lld is too large", (long long)rows, (long long)cols);
+    t.cap = (int64_t)n;
+    if (luma_add_size(work_offset(&t), work_size(&t), &total))
+        return luma_errf(err, "a logits set of %lld x %lld is too large", (long long)rows, (long long)cols);
+    void *d = NULL;
+    cudaError_t e = cudaSetDevice(c->device);
+    if (e == cudaSuccess) e = cudaMalloc(&d, total);
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        return luma_errf(err, "no GPU memory for %lld rows of logits (%zu MiB): %s", (long long)rows, total >> 20,
+                         cudaGetErrorString(e));
+    }
+    b->data = (float *)d;
+    b->rows = rows;
+    b->cols = cols;
+    b->cap = (int64_t)n;
+    return 0;
+}
+
+void luma_cuda_logits_free(luma_backend *be, luma_buf *b)
+{
+    cuda_backend *c = cu(be);
+    if (b->data) {
+        cudaStreamSynchronize(c->stream);
+        cudaFree(b->data);
+    }
+    memset(b, 0, sizeof *b);
+}
+
+/* Queues the best key of each of n rows from row0 into keys (zeroed
+ * first): enough blocks to fill the device, each reading
+ * ARGMAX_MIN_CHUNK entries at least. */
+static cudaError_t queue_argmax(cuda_backend *c, const luma_buf *b, int64_t row0, int64_t n,
+                                unsigned long long *keys)
+{
+    int64_t cols = b->cols, want = 4 * (int64_t)c->n_sm;
+    int64_t per_row = (want + n - 1) / n, most = (cols + ARGMAX_MIN_CHUNK - 1) / ARGMAX_MIN_CHUNK;
+    if (per_row > most) per_row = most;
+    if (per_row < 1) per_row = 1;
+    int64_t chunk = (cols + per_row - 1) / per_row;
+    cudaError_t e = cudaMemsetAsync(keys, 0, (size_t)n * sizeof *keys, c->stream);
+    for (int64_t r0 = 0; r0 < n && e == cudaSuccess; r0 += 65535) {
+        int64_t rows = n - r0 < 65535 ? n - r0 : 65535;
+        dim3 grid((unsigned)per_row, (unsigned)rows);
+        argmax_kernel<<<grid, ARGMAX_THREADS, 0, c->stream>>>(b->data + (row0 + r0) * cols, cols, chunk, keys + r0);
+        e = cudaGetLastError();
+    }
+    return e;
+}
+
+int luma_cuda_logits_argmax(luma_backend *be, const luma_buf *b, int64_t row0, int64_t n, int32_t *ids,
+                            luma_err *err)
+{
+    cuda_backend *c = cu(be);
+    if (op_begin(c, "argmax", b, row0, err)) return -1;
+    if (n < 1 || n > b->rows - row0)
+        return luma_errf(err, "argmax: rows [%lld, +%lld) of a set of %lld", (long long)row0, (long long)n,
+                         (long long)b->rows);
+    unsigned long long *keys = (unsigned long long *)work(b);
+    unsigned long long *host = (unsigned long long *)malloc((size_t)n * sizeof *host);
+    if (!host) return luma_errf(err, "argmax: out of memory for %lld rows", (long long)n);
+    cudaError_t e = queue_argmax(c, b, row0, n, keys);
+    if (e == cudaSuccess) e = cudaMemcpyAsync(host, keys, (size_t)n * sizeof *host, cudaMemcpyDeviceToHost, c->stream);
+    int rc = op_end(c, "argmax", e, err);
+    if (rc == 0)
+        for (int64_t i = 0; i < n; i++) ids[i] = host[i] ? (int32_t)(0xffffffffu - (unsigned int)host[i]) : -1;
+    free(host);
+    return rc;
+}
+
+int32_t luma_cuda_logits_topk(luma_backend *be, const luma_buf *b, int64_t row, int32_t k, int32_t *ids,
+                              float *vals, luma_err *err)
+{
+    cuda_backend *c = cu(be);
+    if (op_begin(c, "top-k", b, row, err)) return -1;
+    if (k < 1 || k > LUMA_TOPK_MAX) return luma_errf(err, "top-k: k must be in [1, %d] (got %d)", LUMA_TOPK_MAX, (int)k);
+    /* ids [k], values [k], count: one copy back */
+    static_assert(sizeof(int32_t) == sizeof(float), "ids and values pack alike");
+    size_t words = 2 * (size_t)k + 1;
+    int32_t *host = (int32_t *)malloc(words * sizeof *host);
+    if (!host) return luma_errf(err, "top-k: out of memory");
+    int32_t *d_ids = (int32_t *)work(b);
+    const float *x = b->data + row * b->cols;
+    int64_t parts = (b->cols + TOPK_PART_CHUNK - 1) / TOPK_PART_CHUNK;
+    if (k <= TOPK_PART_THREADS && parts * k <= TOPK_CAP) {
+        /* the blocks' keys after the results (2 x LUMA_TOPK_MAX + 1 words) */
+        unsigned long long *cand = (unsigned long long *)((char *)d_ids + TOPK_CAND_OFFSET);
+        topk_part_kernel<<<(unsigned)parts, TOPK_PART_THREADS, 0, c->stream>>>(x, b->cols, k, cand);
+        topk_merge_kernel<<<1, TOPK_THREADS, 0, c->stream>>>(x, cand, (int32_t)(parts * k), k, d_ids,
+                                                             (float *)(d_ids + k), d_ids + 2 * k);
+    } else {
+        topk_kernel<<<1, TOPK_THREADS, 0, c->stream>>>(x, b->cols, k, d_ids, (float *)(d_ids + k), d_ids + 2 * k);
+    }
+    cudaError_t e = cudaGetLastError();
+    if (e == cudaSuccess) e = cudaMemcpyAsync(host, d_ids, words * sizeof *host, cudaMemcpyDeviceToHost, c->stream);
+    int32_t got = -1;
+    if (op_end(c, "top-k", e, err) == 0) {
+        got = host[2 * k];
+        memcpy(ids, host, (size_t)got * sizeof *ids);
+        memcpy(vals, host + k, (size_t)got * sizeof *vals);
+    }
+    free(host);
+    return got;
+}
+
+int luma_cuda_logits_edit(luma_backend *be, luma_buf *b, int64_t row, const luma_logits_edit *e, luma_err *err)
+{
+    static const char *const names[] = { "penalize", "bias", "mask" };
+    cuda_backend *c = cu(be);
+    if (e->kind < LUMA_EDIT_PENALIZE || e->kind > LUMA_EDIT_MASK) return luma_errf(err, "logits edit: unknown kind");
+    const char *op = names[e->kind];
+    if (op_begin(c, op, b, row, err)) return -1;
+    if (e->n < 0) return luma_errf(err, "%s: %d entries", op, (int)e->n);
+    for (int32_t i = 0; i < e->n; i++)
+        if (e->ids[i] < 0 || e->ids[i] >= b->cols)
+            return luma_errf(err, "%s: id %d (at index %d) is not in [0, %lld)", op, (int)e->ids[i], (int)i,
+                             (long long)b->cols);
+    float *x = b->data + row * b->cols;
+    cudaError_t ce = cudaSuccess;
+    for (int32_t i0 = 0; i0 < e->n && ce == cudaSuccess; i0 += EDIT_CHUNK) {
+        edit_chunk ch;
+        ch.n = e->n - i0 < EDIT_CHUNK ? e->n - i0 : EDIT_CHUNK;
+        memcpy(ch.ids, e->ids + i0, (size_t)ch.n * sizeof(int32_t));
+        if (e->values) memcpy(ch.values, e->values + i0, (size_t)ch.n * sizeof(float));
+        else memset(ch.values, 0, sizeof ch.values);
+        edit_kernel<<<1, EDIT_CHUNK, 0, c->stream>>>(x, (int)e->kind, ch, e->repeat, e->frequency, e->presence);
+        ce = cudaGetLastError();
+    }
+    return op_end(c, op, ce, err);
+}
+
+int luma_cuda_logits_temperature(luma_backend *be, luma_buf *b, int64_t row, float t, luma_err *err)
+{
+    cuda_backend *c = cu(be);
+    if (op_begin(c, "temperature", b, row, err)) return -1;
+    if (!(t > 0.0f) || isinf(t)) return luma_errf(err, "temperature: t must be finite and > 0 (got %g)", (double)t);
+    int64_t blocks = (b->cols + 255) / 256, most = 4 * (int64_t)c->n_sm;
+    temperature_kernel<<<(unsigned)(blocks < most ? blocks : most), 256, 0, c->stream>>>(b->data + row * b->cols,
+                                                                                      b->cols, t);
+    return op_end(c, "temperature", cudaSuccess, err);
+}
+
+int32_t luma_cuda_logits_sample(luma_backend *be, const luma_buf *b, int64_t row, double u, luma_err *err)
+{
+    cuda_backend *c = cu(be);
+    if (op_begin(c, "sample", b, row, err)) return -1;
+    if (!(u >= 0.0 && u < 1.0)) return luma_errf(err, "sample: the uniform %g is not in [0, 1)", u);
+    /* at most SAMPLE_CHUNKS_MAX chunks of a multiple of 32 entries, 256 at least */
+    int64_t n = b->cols, ch = (n + SAMPLE_CHUNKS_MAX - 1) / SAMPLE_CHUNKS_MAX;
+    ch = ch < 256 ? 256 : (ch + 31) / 32 * 32;
+    int32_t nch = (int32_t)((n + ch - 1) / ch);
+    /* work: the best key, the id drawn, then the chunks' sums */
+    unsigned long long *best = (unsigned long long *)work(b);
+    int32_t *d_out = (int32_t *)(best + 1), id = -1;
+    double *sums = (double *)((char *)work(b) + 256);
+    cudaError_t e = queue_argmax(c, b, row, 1, best);
+    if (e == cudaSuccess) {
+        sample_sums_kernel<<<(unsigned)((nch + 7) / 8), 256, 0, c->stream>>>(b->data + row * n, n, ch, nch, best, sums);
+        sample_walk_kernel<<<1, SAMPLE_THREADS, 0, c->stream>>>(b->data + row * n, n, ch, nch, best, sums, u, d_out);
+        e = cudaGetLastError();
+    }
+    if (e == cudaSuccess) e = cudaMemcpyAsync(&id, d_out, sizeof id, cudaMemcpyDeviceToHost, c->stream);
+    if (op_end(c, "sample", e, err)) return -1;
+    if (id < 0) return luma_errf(err, "sample: every logit is masked");
+    return id;
+}

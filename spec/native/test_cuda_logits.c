@@ -1,0 +1,537 @@
+/* The CUDA backend's logits operations (cuda/logits.cu) against the host
+ * functions of src/sample.c, on random rows of 32000 and 262144 logits:
+ *   - argmax of every row in one call, and of one row: the same id
+ *     (ties by lower id, -1 for a row with every entry masked);
+ *   - topk for k = 1, 40, 64, 256, 2048 (both of its kernels): the same
+ *     count, ids and values;
+ *   - temperature, penalize (counted on the host), bias and mask: the
+ *     same floats, bit for bit;
+ *   - sample for 200 uniforms a row (60 on the large vocabulary): the
+ *     same id, except where the target sits within rounding of a boundary
+ *     (each such draw is checked to be);
+ * on rows with distinct values, many ties, masked entries (-inf, NaN and
+ * +inf, which count as masked), fewer live entries than k, none live, all
+ * equal, signed zeros, and values near FLT_MAX; and bad arguments come back
+ * as errors that leave the backend working. Then a synthetic model's run
+ * into a logits set against the same run copied to the host, the set's
+ * cached argmax, and the pool. Ends with timings: argmax of 128 rows x
+ * 262144 (with the bandwidth it implies), top-k 40 and 2048, sample,
+ * temperature and penalize of one row (each call waits for its result).
+ * Built with the CUDA backend only; without a device it says so and passes. */
+#define _POSIX_C_SOURCE 200809L
+#include <float.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "backend.h"
+#include "model.h"
+#include "rng.h"
+#include "sample.h"
+#include "synth.h"
+#include "testutil.h"
+
+/* Built only with the CUDA backend, whose link dependencies bring the
+ * runtime's headers. */
+#include <cuda_runtime.h>
+
+#define ROWS 10
+
+static luma_backend *gpu;
+
+static double now_s(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+/* Row r of the test rows: each a different kind of trouble. */
+static void make_row(float *x, int32_t n, int r)
+{
+    for (int32_t i = 0; i < n; i++) {
+        float g = gaussian();
+        switch (r) {
+        case 0: x[i] = 3.0f * g; break;                              /* distinct */
+        case 1: x[i] = roundf(2.0f * g) * 0.25f; break;              /* many ties */
+        case 2: {                                                    /* masked */
+            uint64_t u = rnd() % 100;
+            x[i] = u < 30 ? -INFINITY : u == 30 ? NAN : u == 31 ? INFINITY : 4.0f * g;
+            break;
+        }
+        case 3: x[i] = i % (n / 30) == 7 ? g : -INFINITY; break;     /* ~30 live */
+        case 4: x[i] = -INFINITY; break;                             /* none live */
+        case 5: x[i] = 1.5f; break;                                  /* all equal */
+        case 6: x[i] = (rnd() & 1) ? -0.0f : (rnd() & 1) ? 0.0f : -fabsf(g); break;  /* signed zeros */
+        case 7: x[i] = g * 3e38f; break;                             /* near FLT_MAX */
+        case 8: x[i] = 10.0f + 0.5f * g - (float)(i % 1000) * 0.01f; break;   /* a trend */
+        default: x[i] = (rnd() % 1000 == 0) ? 20.0f + g : g; break;  /* a few high */
+        }
+    }
+}
+
+static bool same_float(float a, float b)
+{
+    return memcmp(&a, &b, sizeof a) == 0 || (isnan(a) && isnan(b));
+}
+
+static void upload(luma_buf *b, const float *x, int64_t rows)
+{
+    CHECK(cudaMemcpy(b->data, x, (size_t)rows * (size_t)b->cols * sizeof(float), cudaMemcpyHostToDevice) ==
+          cudaSuccess);
+}
+
+static void download_row(const luma_buf *b, int64_t row, float *x)
+{
+    CHECK(cudaMemcpy(x, b->data + row * b->cols, (size_t)b->cols * sizeof(float), cudaMemcpyDeviceToHost) ==
+          cudaSuccess);
+}
+
+/* ---- argmax, topk ----------------------------------------------------------- */
+
+static void test_argmax(luma_buf *b, const float *rows, int32_t n)
+{
+    luma_err err;
+    int32_t ids[ROWS], one;
+    int bad = 0;
+    CHECKF(gpu->ops->logits_argmax(gpu, b, 0, ROWS, ids, &err) == 0, "argmax: %s", err.msg);
+    for (int r = 0; r < ROWS; r++) {
+        int32_t want = luma_logits_argmax(rows + (size_t)r * n, n, NULL);
+        CHECKF(gpu->ops->logits_argmax(gpu, b, r, 1, &one, &err) == 0, "argmax of row %d: %s", r, err.msg);
+        bad += ids[r] != want || one != want;
+        CHECKF(ids[r] == want && one == want, "argmax row %d (n %d): %d and %d, host %d", r, n, ids[r], one, want);
+    }
+    printf("argmax    n %6d: %d rows in one call and one by one, %d differ\n", n, ROWS, bad);
+}
+
+static void test_topk(luma_buf *b, const float *rows, int32_t n)
+{
+    /* two-stage below 64 (n 262144) or 256 (n 32000), one block above */
+    static const int32_t ks[] = { 1, 40, 64, 256, 2048 };
+    int32_t *gi = xmalloc(LUMA_TOPK_MAX * sizeof *gi), *hi = xmalloc(LUMA_TOPK_MAX * sizeof *hi);
+    float *gv = xmalloc(LUMA_TOPK_MAX * sizeof *gv), *hv = xmalloc(LUMA_TOPK_MAX * sizeof *hv);
+    luma_err err;
+    for (size_t ki = 0; ki < sizeof ks / sizeof ks[0]; ki++) {
+        int32_t k = ks[ki];
+        int bad = 0;
+        for (int r = 0; r < ROWS; r++) {
+            int32_t want = luma_logits_topk(rows + (size_t)r * n, n, k, hi, hv, &err);
+            int32_t got = gpu->ops->logits_topk(gpu, b, r, k, gi, gv, &err);
+            CHECKF(got == want, "topk %d row %d (n %d): %d entries, host %d (%s)", k, r, n, got, want,
+                   got < 0 ? err.msg : "");
+            int row_bad = got != want;
+            for (int32_t j = 0; j < want && got == want; j++) row_bad |= gi[j] != hi[j] || !same_float(gv[j], hv[j]);
+            CHECKF(!row_bad, "topk %d row %d (n %d): the entries differ from the host's", k, r, n);
+            bad += row_bad;
+        }
+        printf("topk      n %6d: k %4d on %d rows, %d differ\n", n, k, ROWS, bad);
+    }
+    free(gi);
+    free(hi);
+    free(gv);
+    free(hv);
+}
+
+/* ---- in-place edits ------------------------------------------------------ */
+
+/* Applies op to row r on the device and host_op to a host copy; compares
+ * every float. */
+typedef int (*device_op)(luma_buf *b, int64_t row, void *ctx, luma_err *err);
+typedef int (*host_op)(float *x, int32_t n, void *ctx, luma_err *err);
+
+static int compare_edit(const char *name, luma_buf *b, const float *rows, int32_t n, device_op dop, host_op hop,
+                        void *ctx)
+{
+    float *want = xmalloc((size_t)n * sizeof *want), *got = xmalloc((size_t)n * sizeof *got);
+    luma_err err;
+    int bad_rows = 0;
+    upload(b, rows, ROWS);
+    for (int r = 0; r < ROWS; r++) {
+        memcpy(want, rows + (size_t)r * n, (size_t)n * sizeof *want);
+        CHECKF(hop(want, n, ctx, &err) == 0, "%s on the host: %s", name, err.msg);
+        CHECKF(dop(b, r, ctx, &err) == 0, "%s row %d: %s", name, r, err.msg);
+        download_row(b, r, got);
+        int32_t diff = 0;
+        for (int32_t i = 0; i < n; i++) diff += !same_float(got[i], want[i]);
+        CHECKF(diff == 0, "%s row %d (n %d): %d entries differ from the host's", name, r, n, diff);
+        bad_rows += diff != 0;
+    }
+    free(want);
+    free(got);
+    return bad_rows;
+}
+
+static int dev_temperature(luma_buf *b, int64_t row, void *ctx, luma_err *err)
+{
+    return gpu->ops->logits_temperature(gpu, b, row, *(float *)ctx, err);
+}
+
+static int host_temperature(float *x, int32_t n, void *ctx, luma_err *err)
+{
+    return luma_logits_temperature(x, n, *(float *)ctx, err);
+}
+
+typedef struct penalty {
+    const int32_t *hist;
+    int32_t n_hist, last_n;
+    float repeat, frequency, presence;
+} penalty;
+
+static int dev_penalize(luma_buf *b, int64_t row, void *ctx, luma_err *err)
+{
+    penalty *p = ctx;
+    int32_t *ids = xmalloc(2 * (size_t)p->n_hist * sizeof *ids);
+    float *counts = xmalloc((size_t)p->n_hist * sizeof *counts);
+    int32_t k = luma_logits_penalty_counts((int32_t)b->cols, p->hist, p->n_hist, p->last_n, p->repeat, p->frequency,
+                                           p->presence, ids, ids + p->n_hist, err);
+    for (int32_t j = 0; j < k; j++) counts[j] = (float)ids[p->n_hist + j];
+    luma_logits_edit e = { LUMA_EDIT_PENALIZE, k, ids, counts, p->repeat, p->frequency, p->presence };
+    int rc = k < 0 ? -1 : gpu->ops->logits_edit(gpu, b, row, &e, err);
+    free(ids);
+    free(counts);
+    return rc;
+}
+
+static int host_penalize(float *x, int32_t n, void *ctx, luma_err *err)
+{
+    penalty *p = ctx;
+    return luma_logits_penalize(x, n, p->hist, p->n_hist, p->last_n, p->repeat, p->frequency, p->presence, err);
+}
+
+typedef struct listed {
+    const int32_t *ids;
+    const float *values;
+    int32_t n;
+    bool mask;
+} listed;
+
+static int dev_listed(luma_buf *b, int64_t row, void *ctx, luma_err *err)
+{
+    listed *l = ctx;
+    luma_logits_edit e = { l->mask ? LUMA_EDIT_MASK : LUMA_EDIT_BIAS, l->n, l->ids, l->values, 1.0f, 0.0f, 0.0f };
+    return gpu->ops->logits_edit(gpu, b, row, &e, err);
+}
+
+static int host_listed(float *x, int32_t n, void *ctx, luma_err *err)
+{
+    listed *l = ctx;
+    return l->mask ? luma_logits_mask(x, n, l->ids, l->n, err) : luma_logits_bias(x, n, l->ids, l->values, l->n, err);
+}
+
+static void test_edits(luma_buf *b, const float *rows, int32_t n)
+{
+    static const float ts[] = { 0.7f, 1.3f, 1e-30f };
+    for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++) {
+        float t = ts[i];
+        int bad = compare_edit("temperature", b, rows, n, dev_temperature, host_temperature, &t);
+        printf("temperature n %6d: t %g on %d rows, %d differ\n", n, (double)t, ROWS, bad);
+    }
+    /* a history over few ids (repeats) and some of the top ones */
+    int32_t hist[300];
+    for (int i = 0; i < 300; i++) hist[i] = i % 3 == 0 ? (int32_t)(rnd() % 40) : (int32_t)(rnd() % (uint64_t)n);
+    penalty ps[] = { { hist, 300, 64, 1.1f, 0.0f, 0.0f }, { hist, 300, 0, 1.3f, 0.25f, 0.5f },
+                     { hist, 300, 200, 0.8f, -0.1f, 0.3f } };
+    for (size_t i = 0; i < sizeof ps / sizeof ps[0]; i++) {
+        int bad = compare_edit("penalize", b, rows, n, dev_penalize, host_penalize, &ps[i]);
+        printf("penalize  n %6d: last_n %3d repeat %.1f frequency %.2f presence %.1f on %d rows, %d differ\n", n,
+               ps[i].last_n, (double)ps[i].repeat, (double)ps[i].frequency, (double)ps[i].presence, ROWS, bad);
+    }
+    /* 600 distinct ids (three launches), values including -inf and huge ones */
+    int32_t *ids = xmalloc(600 * sizeof *ids);
+    float *vals = xmalloc(600 * sizeof *vals);
+    for (int32_t i = 0; i < 600; i++) {
+        ids[i] = (int32_t)(((int64_t)i * 7919) % n);
+        vals[i] = i % 50 == 0 ? -INFINITY : i % 77 == 0 ? 3e38f : 2.0f * gaussian();
+    }
+    listed bias = { ids, vals, 600, false }, mask = { ids, NULL, 600, true };
+    int bad = compare_edit("bias", b, rows, n, dev_listed, host_listed, &bias);
+    printf("bias      n %6d: 600 ids on %d rows, %d differ\n", n, ROWS, bad);
+    bad = compare_edit("mask", b, rows, n, dev_listed, host_listed, &mask);
+    printf("mask      n %6d: 600 ids on %d rows, %d differ\n", n, ROWS, bad);
+    free(ids);
+    free(vals);
+    upload(b, rows, ROWS);
+}
+
+/* ---- sampling ------------------------------------------------------------ */
+
+/* Whether target u * z sits within rounding of the boundary between ids a
+ * and b of x: the running mass just past the smaller id is about the target. */
+static bool near_boundary(const float *x, int32_t n, double u, int32_t a, int32_t b)
+{
+    float m = -INFINITY;
+    for (int32_t i = 0; i < n; i++)
+        if (x[i] > m && x[i] < INFINITY) m = x[i];
+    double z = 0.0;
+    for (int32_t i = 0; i < n; i++)
+        if (isfinite(x[i])) z += exp((double)x[i] - m);
+    int32_t lo = a < b ? a : b, hi = a < b ? b : a;
+    double mass = 0.0, at_lo = 0.0;
+    for (int32_t i = 0; i <= hi; i++) {
+        if (!isfinite(x[i])) continue;
+        if (i < hi) mass += exp((double)x[i] - m);
+        if (i == lo) at_lo = mass;
+    }
+    double t = u * z;
+    /* every entry strictly between them carries no mass above rounding */
+    return fabs(t - at_lo) <= 1e-9 * z && fabs(mass - at_lo) <= 1e-9 * z;
+}
+
+static void test_sample(luma_buf *b, const float *rows, int32_t n)
+{
+    luma_err err;
+    int draws = 0, differ = 0, unexplained = 0, per_row = n > 100000 ? 60 : 200;
+    for (int r = 0; r < ROWS; r++) {
+        const float *x = rows + (size_t)r * n;
+        luma_rng host_rng, dev_rng;
+        luma_rng_seed(&host_rng, 1000 + (uint64_t)r);
+        luma_rng_seed(&dev_rng, 1000 + (uint64_t)r);
+        for (int d = 0; d < per_row; d++) {
+            double u = luma_rng_uniform(&dev_rng);
+            int32_t want = luma_logits_sample(x, n, &host_rng, NULL);
+            int32_t got = gpu->ops->logits_sample(gpu, b, r, u, &err);
+            draws++;
+            if (want == got) continue;
+            differ++;
+            bool ok = want >= 0 && got >= 0 && near_boundary(x, n, u, want, got);
+            unexplained += !ok;
+            CHECKF(ok, "sample row %d (n %d) u %.17g: %d, host %d", r, n, u, got, want);
+        }
+    }
+    printf("sample    n %6d: %d draws, %d differ from the host's (%d not at a rounding boundary)\n", n, draws,
+           differ, unexplained);
+}
+
+/* ---- bad arguments --------------------------------------------------------- */
+
+static void test_errors(luma_buf *b, const float *rows, int32_t n)
+{
+    luma_err err;
+    int32_t ids[4];
+    float vals[4];
+    CHECK(gpu->ops->logits_topk(gpu, b, 0, 0, ids, vals, &err) < 0 && strstr(err.msg, "k must be"));
+    CHECK(gpu->ops->logits_topk(gpu, b, 0, LUMA_TOPK_MAX + 1, ids, vals, &err) < 0);
+    CHECK(gpu->ops->logits_topk(gpu, b, ROWS, 4, ids, vals, &err) < 0 && strstr(err.msg, "row"));
+    CHECK(gpu->ops->logits_argmax(gpu, b, ROWS - 1, 2, ids, &err) < 0);
+    int32_t bad_id = n;
+    luma_logits_edit e = { LUMA_EDIT_MASK, 1, &bad_id, NULL, 1.0f, 0.0f, 0.0f };
+    CHECK(gpu->ops->logits_edit(gpu, b, 0, &e, &err) < 0 && strstr(err.msg, "mask"));
+    CHECK(gpu->ops->logits_temperature(gpu, b, 0, 0.0f, &err) < 0);
+    CHECK(gpu->ops->logits_sample(gpu, b, 0, 1.0, &err) < 0);
+    CHECK(gpu->ops->logits_sample(gpu, b, 4, 0.5, &err) < 0 && strstr(err.msg, "masked"));
+    luma_buf huge;
+    CHECK(gpu->ops->logits_alloc(gpu, &huge, (int64_t)1 << 40, 262144, &err) < 0);
+    /* still working */
+    CHECK(gpu->ops->logits_argmax(gpu, b, 0, 1, ids, &err) == 0 && ids[0] == luma_logits_argmax(rows, n, NULL));
+    printf("errors    n %6d: bad k, rows, ids, t, u and sizes refused; the backend keeps working\n", n);
+}
+
+static void test_vocab(int32_t n)
+{
+    luma_err err;
+    luma_buf b;
+    if (gpu->ops->logits_alloc(gpu, &b, ROWS, n, &err)) {
+        CHECKF(0, "logits_alloc: %s", err.msg);
+        return;
+    }
+    float *rows = xmalloc((size_t)ROWS * (size_t)n * sizeof *rows);
+    for (int r = 0; r < ROWS; r++) make_row(rows + (size_t)r * n, n, r);
+    upload(&b, rows, ROWS);
+    test_argmax(&b, rows, n);
+    test_topk(&b, rows, n);
+    test_sample(&b, rows, n);
+    test_edits(&b, rows, n);
+    test_errors(&b, rows, n);
+    gpu->ops->logits_free(gpu, &b);
+    free(rows);
+}
+
+/* ---- a model's run into a set ----------------------------------------------- */
+
+static void test_model(const char *vocab)
+{
+    luma_err err = { { 0 } };
+    luma_synth_params sp;
+    char path[256];
+    snprintf(path, sizeof path, "/tmp/luma-logits-%d.gguf", (int)getpid());
+    if (luma_synth_preset("tiny-gemma3", &sp, &err)) {
+        CHECKF(0, "tiny-gemma3: %s", err.msg);
+        return;
+    }
+    sp.seed = 5;
+    sp.vocab_path = vocab;
+    if (luma_synth_write(&sp, path, &err)) {
+        CHECKF(0, "writing a synthetic model: %s", err.msg);
+        return;
+    }
+    luma_model_params p;
+    luma_model_params_default(&p);
+    p.backend = "cuda";
+    p.n_ctx = 256;
+    p.max_rows = 16;
+    p.kv_bytes = (int64_t)64 << 20;
+    luma_model *m = NULL;
+    if (luma_model_load(path, &p, &m, &err)) {
+        CHECKF(0, "loading the synthetic model: %s", err.msg);
+        remove(path);
+        return;
+    }
+    int32_t nv = m->hp.n_vocab, prompt[40];
+    for (int i = 0; i < 40; i++) prompt[i] = 1 + (int32_t)(rnd() % (uint64_t)(nv - 1));
+    luma_seq *a[3], *h[3];
+    luma_chunk ca[3], ch[3];
+    for (int i = 0; i < 3; i++) {
+        a[i] = luma_seq_new(m, &err);
+        h[i] = luma_seq_new(m, &err);
+        /* a prompt of 40 over 16-row passes, and all of one chunk's rows */
+        ca[i] = (luma_chunk){ a[i], prompt, 10 + 15 * i, i == 1 };
+        ch[i] = (luma_chunk){ h[i], prompt, 10 + 15 * i, i == 1 };
+    }
+    int64_t rows = luma_model_out_rows(ca, 3);
+    float *want = xmalloc((size_t)rows * (size_t)nv * sizeof *want), *got = xmalloc((size_t)nv * sizeof *got);
+    luma_logits_set *s = NULL;
+    double worst = 0.0;
+    int argmax_bad = 0;
+    if (luma_model_run(m, ch, 3, want, &err) || luma_model_run_set(m, ca, 3, &s, &err)) {
+        CHECKF(0, "the runs: %s", err.msg);
+    } else {
+        CHECK(s->buf.rows == rows && m->n_sets == 1);
+        for (int64_t r = 0; r < rows; r++) {
+            CHECK(luma_logits_set_read(s, r, got, &err) == 0);
+            for (int32_t i = 0; i < nv; i++) {
+                double d = fabs((double)got[i] - (double)want[(size_t)r * nv + i]);
+                if (!(d <= worst)) worst = d;
+            }
+            argmax_bad += luma_logits_set_argmax(s, r, true, &err) != luma_logits_argmax(got, nv, NULL);
+        }
+        luma_logits_set_release(s);
+        CHECK(m->n_sets == 0 && m->n_pooled == 1);
+        /* decode steps reuse the pooled allocation */
+        int32_t tok[3] = { 5, 6, 7 };
+        for (int t = 0; t < 5; t++) {
+            for (int i = 0; i < 3; i++) ca[i] = (luma_chunk){ a[i], &tok[i], 1, false };
+            CHECK(luma_model_run_set(m, ca, 3, &s, &err) == 0);
+            for (int i = 0; i < 3 && s; i++) tok[i] = luma_logits_set_argmax(s, i, true, &err);
+            luma_logits_set_release(s);
+        }
+        CHECK(m->n_sets == 0 && m->n_pooled == 1);
+    }
+    /* the same kernels on the same rows: equal, up to any nondeterminism of the GPU's sums */
+    CHECKF(worst <= 1e-3, "a run into a set differs from the run copied out by %g", worst);
+    CHECKF(argmax_bad == 0, "%d cached argmax differ", argmax_bad);
+    printf("model: %lld rows run into a set equal the run copied out (max |diff| %g), cached argmax %d differ; "
+           "decode steps reuse one pooled allocation\n", (long long)rows, worst, argmax_bad);
+    luma_model_logits_drain(m);
+    CHECK(m->n_pooled == 0 && m->pooled_bytes == 0);
+    for (int i = 0; i < 3; i++) {
+        luma_seq_free(a[i]);
+        luma_seq_free(h[i]);
+    }
+    free(want);
+    free(got);
+    luma_model_free(m);
+    remove(path);
+}
+
+/* ---- timings --------------------------------------------------------------- */
+
+static void timings(void)
+{
+    const int32_t n = 262144, R = 128;
+    luma_err err;
+    luma_buf b;
+    if (gpu->ops->logits_alloc(gpu, &b, R, n, &err)) {
+        CHECKF(0, "logits_alloc for the timings: %s", err.msg);
+        return;
+    }
+    float *x = xmalloc((size_t)R * (size_t)n * sizeof *x);
+    for (size_t i = 0; i < (size_t)R * (size_t)n; i++) x[i] = uniform(-8.0f, 8.0f);
+    upload(&b, x, R);
+    int32_t *ids = xmalloc(LUMA_TOPK_MAX * sizeof *ids);
+    float *vals = xmalloc(LUMA_TOPK_MAX * sizeof *vals);
+    double t0, us[6];
+    int reps = 50;
+    gpu->ops->logits_argmax(gpu, &b, 0, R, ids, &err);
+    t0 = now_s();
+    for (int i = 0; i < reps; i++) gpu->ops->logits_argmax(gpu, &b, 0, R, ids, &err);
+    us[0] = (now_s() - t0) / reps * 1e6;
+    t0 = now_s();
+    for (int i = 0; i < reps; i++) gpu->ops->logits_topk(gpu, &b, i % R, 40, ids, vals, &err);
+    us[1] = (now_s() - t0) / reps * 1e6;
+    t0 = now_s();
+    for (int i = 0; i < reps; i++) gpu->ops->logits_topk(gpu, &b, i % R, 2048, ids, vals, &err);
+    us[2] = (now_s() - t0) / reps * 1e6;
+    t0 = now_s();
+    for (int i = 0; i < reps; i++) gpu->ops->logits_sample(gpu, &b, i % R, 0.5, &err);
+    us[3] = (now_s() - t0) / reps * 1e6;
+    t0 = now_s();
+    for (int i = 0; i < reps; i++) gpu->ops->logits_temperature(gpu, &b, i % R, 1.0f, &err);
+    us[4] = (now_s() - t0) / reps * 1e6;
+    int32_t pid[64];
+    float pc[64];
+    for (int j = 0; j < 64; j++) {
+        pid[j] = j * 101;
+        pc[j] = 1.0f;
+    }
+    luma_logits_edit e = { LUMA_EDIT_PENALIZE, 64, pid, pc, 1.1f, 0.0f, 0.0f };
+    t0 = now_s();
+    for (int i = 0; i < reps; i++) gpu->ops->logits_edit(gpu, &b, i % R, &e, &err);
+    us[5] = (now_s() - t0) / reps * 1e6;
+    /* host references, one row */
+    t0 = now_s();
+    for (int i = 0; i < 5; i++) luma_logits_topk(x + (size_t)i * n, n, 40, ids, vals, &err);
+    double host_topk = (now_s() - t0) / 5 * 1e6;
+    printf("timing (wall clock, each call waits for its result; n = 262144):\n");
+    printf("  argmax of %d rows      %8.1f us  %6.0f GB/s (reads %d MiB)\n", R, us[0],
+           (double)R * n * 4 / (us[0] * 1e-6) / 1e9, R);
+    printf("  top-k 40 of one row    %8.1f us  (host heap: %.0f us)\n", us[1], host_topk);
+    printf("  top-k 2048 of one row  %8.1f us\n", us[2]);
+    printf("  sample one row         %8.1f us\n", us[3]);
+    printf("  temperature one row    %8.1f us\n", us[4]);
+    printf("  penalize 64 ids        %8.1f us\n", us[5]);
+    free(x);
+    free(ids);
+    free(vals);
+    gpu->ops->logits_free(gpu, &b);
+}
+
+int main(void)
+{
+    rnd_seed(0x5eed10617ULL);
+    if (!luma_backend_cuda_available()) {
+        printf("test_cuda_logits: no CUDA device, the GPU checks did not run\n");
+        return 0;
+    }
+    luma_err err;
+    gpu = luma_backend_cuda_new(0, &err);
+    if (!gpu) {
+        printf("test_cuda_logits: FAIL: %s\n", err.msg);
+        return 1;
+    }
+    test_vocab(32000);
+    test_vocab(262144);
+    const char *vocab = getenv("LUMA_VOCAB");
+    static char shared[1024];
+    if (!vocab) {
+        snprintf(shared, sizeof shared, "%s/../shared/testdata/tokenizer/ggml-vocab-llama-spm.gguf", LUMA_SOURCE_DIR);
+        vocab = shared;
+    }
+    FILE *f = fopen(vocab, "rb");
+    if (f) {
+        fclose(f);
+        test_model(vocab);
+    } else {
+        CHECKF(0, "no vocabulary at %s for the synthetic model (set LUMA_VOCAB to a GGUF file with a tokenizer)", vocab);
+    }
+    timings();
+    gpu->ops->free(gpu);
+    if (failures) {
+        printf("test_cuda_logits: %d failures\n", failures);
+        return 1;
+    }
+    printf("test_cuda_logits: all checks passed\n");
+    return 0;
+}

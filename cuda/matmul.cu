@@ -11,10 +11,15 @@
  *   32 (scale d = max|x| / 127 and the float sum of the block, like GGML's
  *   Q8_1); each weight block is decoded to int8 lanes in registers and one
  *   __dp4a does four multiply-adds. Float weights (F32, F16, BF16) meet the
- *   f32 activations directly. One warp owns one or two weight rows; its lanes
- *   split the row's blocks (lpb lanes to a block), accumulate, and reduce with
- *   shuffles at the end. Activations are read through L1, where every warp of
- *   the SM finds them (m x cols bytes of int8: 32 KB for 8 rows of 4096).
+ *   f32 activations directly. Activations are read through L1, where every
+ *   warp of the SM finds them (m x cols bytes of int8: 32 KB for 8 rows of
+ *   4096). Two kernels, chosen per weight (mmv_launch): the direct one, where
+ *   a warp owns one or two weight rows and loads their blocks straight into
+ *   registers, one block ahead of its use, and the staged one, where each
+ *   warp copies pieces of its rows into shared memory with bulk copies
+ *   (cp.async.bulk, a whole piece per instruction) and several warps may
+ *   split a row; in both, lpb lanes share a block, accumulate, and reduce
+ *   with shuffles at the end.
  *
  * - larger m (prefill, big batches): tensor cores through cuBLAS. The
  *   weights in f16 (the same values as luma_dequantize_row, rounded to f16)
@@ -22,9 +27,9 @@
  *   copies of all matrices (luma_weight.dev_f16), or else a panel of weight
  *   rows dequantized into scratch on every call; the activations are
  *   converted to f16 once, and cublasGemmEx multiplies them with f32
- *   accumulation and f32 output. mm_tensor is the one place to add another
- *   way of doing this (an mma/wgmma kernel reading dequantized
- *   shared-memory tiles). */
+ *   accumulation and f32 output. Before it, luma_cuda_mmq (mmq.cu: the
+ *   quantized blocks dequantized in registers straight into mma.sync, no f16
+ *   copy) takes the (type, m) for which it measured faster. */
 #include "cuda_internal.h"
 
 #include <limits.h>
@@ -41,7 +46,11 @@
 #endif
 #define MMV_MAX_M_F16 2
 #define MMV_PASS_M 8           /* activation rows per matrix-vector kernel */
-#define MMV_WARPS 4            /* warps per CTA of the matrix-vector kernel */
+#define MMV_DIRECT_WARPS 4     /* warps per CTA of the direct matrix-vector kernel */
+#define MMV_STAGED_WARPS 8     /* and of the staged one */
+#define MMV_PIECE_BYTES 4096   /* weight bytes a warp of the staged kernel copies at once, at most */
+#define MMV_STAGED_MAX_ROWS 1024   /* matrices of at most this many rows take the staged kernel */
+#define MMV_SMEM_MAX (200 << 10)   /* the staged kernel's dynamic shared memory, at most */
 #define DEQ_THREADS 256
 /* Weight elements dequantized per GEMM call: bounds the f16 scratch at
  * 128 MB (a 262144 x 640 output matrix takes three panels). */
@@ -800,19 +809,29 @@ static __global__ void quantize_act(const float *__restrict__ x, int64_t groups,
     if (lane == 0) ds[g] = make_float2(d, sum);
 }
 
+/* Weight rows per warp (direct kernel) or row group (staged kernel): two
+ * when there are several activation rows, so that one activation load
+ * serves both. */
+static constexpr __host__ __device__ int mmv_rows(int maxm)
+{
+    return maxm == 1 ? 1 : 2;
+}
+
+/* -- the direct kernel: weights loaded straight into registers ------------- */
+
 /* y[j * rows + r] = W[r] . x[j] for the m <= MAXM activation rows; each warp
  * owns ROWS consecutive weight rows and keeps ROWS x MAXM sums. A lane
  * takes blocks ib0, ib0 + stride, ...; the raw bytes of its next block are
  * fetched before the current one is decoded and used, so that a load is in
  * flight while the lane computes. */
 template <class T, int MAXM, int ROWS>
-static __global__ void __launch_bounds__(MMV_WARPS * 32)
-mmv_kernel(const uint8_t *__restrict__ w, size_t row_bytes, int64_t rows, int nb, act_rows a, int m,
+static __global__ void __launch_bounds__(MMV_DIRECT_WARPS * 32)
+mmv_direct(const uint8_t *__restrict__ w, size_t row_bytes, int64_t rows, int nb, act_rows a, int m,
            float *__restrict__ y)
 {
     constexpr int stride = 32 / T::lpb;  /* blocks of a row covered by the warp at once */
     const int lane = threadIdx.x % 32, p = lane % T::lpb;
-    const int64_t r0 = ((int64_t)blockIdx.x * MMV_WARPS + threadIdx.x / 32) * ROWS;
+    const int64_t r0 = ((int64_t)blockIdx.x * MMV_DIRECT_WARPS + threadIdx.x / 32) * ROWS;
     if (r0 >= rows) return;
     const uint8_t *wr[ROWS];
 #pragma unroll
@@ -850,33 +869,364 @@ mmv_kernel(const uint8_t *__restrict__ w, size_t row_bytes, int64_t rows, int nb
         }
 }
 
+/* -- the staged kernel: weights through shared memory by bulk copies -------- */
+
+/* Bulk copies into shared memory (sm_90) complete on an mbarrier, whose
+ * phase ends when all the bytes announced for it have landed. */
+static __device__ __forceinline__ uint32_t smem_addr(const void *p)
+{
+    return (uint32_t)__cvta_generic_to_shared(p);
+}
+
+static __device__ __forceinline__ void mbar_init(uint64_t *bar)
+{
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(bar)) : "memory");
+}
+
+/* Orders this thread's earlier shared-memory accesses before the bulk
+ * copies that follow (the copy engine is another proxy). */
+static __device__ __forceinline__ void fence_proxy_async()
+{
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+static __device__ __forceinline__ void mbar_expect(uint64_t *bar, uint32_t bytes)
+{
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes)
+                 : "memory");
+}
+
+static __device__ __forceinline__ void bulk_copy(void *dst, const void *src, uint32_t bytes, uint64_t *bar)
+{
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar))
+                 : "memory");
+}
+
+static __device__ __forceinline__ void mbar_wait(uint64_t *bar, uint32_t parity)
+{
+    uint32_t done;
+    do {
+        asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+                     : "=r"(done)
+                     : "r"(smem_addr(bar)), "r"(parity)
+                     : "memory");
+    } while (!done);
+}
+
+static __device__ __forceinline__ void team_barrier(int id, int threads)
+{
+    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+/* How the staged kernel walks its weight (set by mmv_staged_launch). A CTA
+ * has MMV_STAGED_WARPS warps; ks consecutive warps form a team, which owns
+ * one row group (ROWS rows) at a time, each warp a slice of `slice` blocks
+ * of every row of the group. The teams of the grid, which is sized to stay
+ * resident, take the row groups in turn. Each warp has one shared-memory
+ * buffer and streams its slices through it, `piece` blocks of each row of
+ * the group at a time: the copy of the next piece starts as soon as the
+ * warp has used the last one, and lands while the warp sums up its row
+ * group or waits for its team. Shared memory: one mbarrier per warp, the
+ * teams' partial sums, then the buffers. */
+struct mmv_plan {
+    const uint8_t *w;
+    size_t row_bytes;
+    size_t end16;              /* rows x row_bytes rounded down to 16: bulk copies stop there */
+    int64_t rows, groups;
+    int nb, ks, slice, piece;
+    int stride;                /* bytes of a buffer per row: piece blocks, alignment slack, padding */
+    int buf_off;               /* shared-memory offset of the first warp's buffer */
+};
+
+/* Byte offset of block kb of row r of group g; rows past the end (an odd
+ * last group) read the last row again and write nothing. */
+template <class T, int ROWS>
+static __device__ __forceinline__ size_t mmv_offset(const mmv_plan &pl, int64_t g, int r, int kb)
+{
+    int64_t row = min(g * ROWS + r, pl.rows - 1);
+    return (size_t)row * pl.row_bytes + (size_t)kb * T::bytes;
+}
+
+/* Starts the copy of blocks [kb, kb + n) of the rows of group g into buf,
+ * row r at buf + r * stride. Bulk copies need 16-byte aligned ends, so each
+ * row's piece is copied from its 16-byte boundary below (its data then
+ * starts at offset % 16 of its place) to the one above, except past the
+ * weight's last 16-byte boundary, where the lanes copy the few bytes
+ * themselves. */
+template <class T, int ROWS>
+static __device__ void mmv_issue(const mmv_plan &pl, uint8_t *buf, uint64_t *bar, int64_t g, int kb, int n, int lane)
+{
+    size_t from[ROWS];
+    uint32_t len[ROWS], total = 0;
+#pragma unroll
+    for (int r = 0; r < ROWS; r++) {
+        size_t off = mmv_offset<T, ROWS>(pl, g, r, kb), end = off + (size_t)n * T::bytes;
+        size_t to = min((end + 15) & ~(size_t)15, pl.end16);
+        from[r] = off & ~(size_t)15;
+        len[r] = to > from[r] ? (uint32_t)(to - from[r]) : 0;
+        total += len[r];
+        if (end > to && lane < (int)(end - to)) {
+            buf[r * pl.stride + (to - from[r]) + lane] = pl.w[to + lane];
+            fence_proxy_async();
+        }
+    }
+    if (lane == 0) {
+        fence_proxy_async();
+        mbar_expect(bar, total);
+#pragma unroll
+        for (int r = 0; r < ROWS; r++)
+            if (len[r]) bulk_copy(buf + r * pl.stride, pl.w + from[r], len[r], bar);
+    }
+}
+
+/* A warp's next piece to copy: piece jp of its gi-th row group. */
+struct mmv_cursor {
+    int gi, jp;
+    __device__ void next(int np)
+    {
+        if (++jp == np) {
+            jp = 0;
+            gi++;
+        }
+    }
+};
+
+/* y[j * rows + row] = W[row] . x[j] for the m <= MAXM activation rows; see
+ * mmv_plan for who reads what. Each warp's first copy is on its way before
+ * the kernel waits for the quantizer (programmatic dependent launch). */
+template <class T, int MAXM>
+static __global__ void __launch_bounds__(MMV_STAGED_WARPS * 32)
+mmv_staged(const mmv_plan pl, act_rows a, int m, float *__restrict__ y)
+{
+    constexpr int ROWS = mmv_rows(MAXM), BPI = 32 / T::lpb;
+    extern __shared__ __align__(16) uint8_t smem[];
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, p = lane % T::lpb;
+    const int teams = MMV_STAGED_WARPS / pl.ks, team = warp / pl.ks, part = warp % pl.ks;
+    uint64_t *bar = (uint64_t *)smem + warp;
+    float *red = (float *)(smem + MMV_STAGED_WARPS * sizeof(uint64_t));   /* [2][warps][ROWS * MAXM] */
+    uint8_t *buf = smem + pl.buf_off + warp * ROWS * pl.stride;
+
+    const int k0 = min(part * pl.slice, pl.nb), k1 = min(k0 + pl.slice, pl.nb);
+    const int np = (k1 - k0 + pl.piece - 1) / pl.piece;
+    const int team0 = blockIdx.x * teams + team, nteams = gridDim.x * teams;
+    const int ngroups = team0 < pl.groups ? (int)((pl.groups - 1 - team0) / nteams + 1) : 0;
+
+    if (lane == 0) {
+        mbar_init(bar);
+        fence_proxy_async();
+    }
+    __syncwarp();
+    mmv_cursor next = { 0, 0 };
+    if (np > 0 && ngroups > 0) {
+        int kb = k0;
+        mmv_issue<T, ROWS>(pl, buf, bar, team0, kb, min(pl.piece, k1 - kb), lane);
+        next.next(np);
+    }
+    wait_for_previous_kernel();
+
+    uint32_t phase = 0;
+    for (int gi = 0; gi < ngroups; gi++) {
+        const int64_t g = team0 + (int64_t)gi * nteams;
+        float acc[ROWS][MAXM] = {};
+        for (int jp = 0; jp < np; jp++) {
+            mbar_wait(bar, phase);
+            phase ^= 1;
+            __syncwarp();   /* the lanes' own bytes of the piece */
+            const int kb = k0 + jp * pl.piece, n = min(pl.piece, k1 - kb);
+            const uint8_t *src[ROWS];
+#pragma unroll
+            for (int r = 0; r < ROWS; r++)
+                src[r] = buf + r * pl.stride + (mmv_offset<T, ROWS>(pl, g, r, kb) & 15);
+            for (int ib = lane / T::lpb; ib < n; ib += BPI) {
+                typename T::w_t wv[ROWS];
+#pragma unroll
+                for (int r = 0; r < ROWS; r++) {
+                    typename T::raw_t raw;
+                    T::fetch(src[r] + ib * T::bytes, p, raw);
+                    T::decode(raw, p, wv[r]);
+                }
+#pragma unroll
+                for (int j = 0; j < MAXM; j++) {
+                    if (j < m) {
+                        typename T::x_t xv;
+                        T::loadx(a, j, kb + ib, p, xv);
+#pragma unroll
+                        for (int r = 0; r < ROWS; r++) acc[r][j] += T::dot(wv[r], xv);
+                    }
+                }
+            }
+            __syncwarp();   /* every lane is done with the buffer */
+            if (next.gi < ngroups) {
+                int kb2 = k0 + next.jp * pl.piece;
+                mmv_issue<T, ROWS>(pl, buf, bar, team0 + (int64_t)next.gi * nteams, kb2, min(pl.piece, k1 - kb2),
+                                   lane);
+                next.next(np);
+            }
+        }
+
+        /* the row group's sums: straight out of a lone warp, or through the
+         * team's slots of red (two sets, so that a warp may write the next
+         * group's while the first warp still reads this one's) */
+        float *mine = red + ((gi & 1) * MMV_STAGED_WARPS + warp) * ROWS * MAXM;
+#pragma unroll
+        for (int r = 0; r < ROWS; r++)
+#pragma unroll
+            for (int j = 0; j < MAXM; j++) {
+                float v = j < m ? warp_sum(acc[r][j]) : 0.0f;
+                int64_t row = g * ROWS + r;
+                if (pl.ks == 1 && lane == 0 && j < m && row < pl.rows) y[(int64_t)j * pl.rows + row] = v;
+                else if (pl.ks > 1 && lane == 0) mine[r * MAXM + j] = v;
+            }
+        if (pl.ks == 1) continue;
+        team_barrier(1 + team, pl.ks * 32);
+        if (part == 0 && lane < ROWS * MAXM) {
+            const float *v = red + ((gi & 1) * MMV_STAGED_WARPS + warp) * ROWS * MAXM + lane;
+            float sum = 0.0f;
+            for (int q = 0; q < pl.ks; q++) sum += v[q * ROWS * MAXM];
+            int j = lane % MAXM;
+            int64_t row = g * ROWS + lane / MAXM;
+            if (j < m && row < pl.rows) y[(int64_t)j * pl.rows + row] = sum;
+        }
+    }
+}
+
+/* The device's limits the staged kernels are planned with, read at the
+ * first use of each (which runs eagerly: a step's first run is never
+ * recorded), after raising its shared-memory limit. */
+struct mmv_limits {
+    cudaError_t e;
+    cudaFuncAttributes fa;     /* registers, static shared memory */
+    int sm_threads, sm_regs, sm_smem, cta_reserved;
+};
+
+static mmv_limits mmv_setup(const void *fn)
+{
+    mmv_limits l = {};
+    int dev = 0;
+    l.e = cudaGetDevice(&dev);
+    if (l.e == cudaSuccess) l.e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, MMV_SMEM_MAX);
+    if (l.e == cudaSuccess) l.e = cudaFuncGetAttributes(&l.fa, fn);
+    if (l.e == cudaSuccess) l.e = cudaDeviceGetAttribute(&l.sm_threads, cudaDevAttrMaxThreadsPerMultiProcessor, dev);
+    if (l.e == cudaSuccess) l.e = cudaDeviceGetAttribute(&l.sm_regs, cudaDevAttrMaxRegistersPerMultiprocessor, dev);
+    if (l.e == cudaSuccess)
+        l.e = cudaDeviceGetAttribute(&l.sm_smem, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev);
+    if (l.e == cudaSuccess)
+        l.e = cudaDeviceGetAttribute(&l.cta_reserved, cudaDevAttrReservedSharedMemoryPerBlock, dev);
+    return l;
+}
+
+/* CTAs of a staged kernel an SM holds with smem bytes of dynamic shared
+ * memory each (registers are allocated 256 to a warp); computed here rather
+ * than asked of the runtime, which a recording stream may not allow. */
+static int mmv_occupancy(const mmv_limits &l, size_t smem)
+{
+    const int threads = MMV_STAGED_WARPS * 32;
+    int by_threads = l.sm_threads / threads;
+    int warp_regs = (l.fa.numRegs * 32 + 255) / 256 * 256;
+    int by_regs = warp_regs > 0 ? l.sm_regs / warp_regs / MMV_STAGED_WARPS : by_threads;
+    size_t per_cta = smem + l.fa.sharedSizeBytes + (size_t)l.cta_reserved;
+    int by_smem = smem > MMV_SMEM_MAX ? 0 : (int)((size_t)l.sm_smem / per_cta);
+    int n = by_threads < by_regs ? by_threads : by_regs;
+    return n < by_smem ? n : by_smem;
+}
+
+/* Plans and launches one staged kernel. A piece is at most MMV_PIECE_BYTES
+ * of a row group. One activation row keeps a warp to each row group (ks = 1:
+ * splitting rows measured slower); several split the rows between warps
+ * until the row groups give every resident warp two. */
+template <class T, int MAXM>
+static void mmv_staged_launch(cuda_backend *c, const luma_weight *w, const act_rows &a, int m, float *y)
+{
+    constexpr int ROWS = mmv_rows(MAXM), BPI = 32 / T::lpb;
+    static const mmv_limits lim = mmv_setup((const void *)mmv_staged<T, MAXM>);
+    if (luma_cuda_fail(c, lim.e, "matmul (matrix-vector kernel setup)")) return;
+    mmv_plan pl;
+    pl.w = (const uint8_t *)w->dev;
+    pl.row_bytes = luma_row_size(w->type, w->cols);
+    pl.end16 = pl.row_bytes * (size_t)w->rows & ~(size_t)15;
+    pl.rows = w->rows;
+    pl.groups = (w->rows + ROWS - 1) / ROWS;
+    pl.nb = (int)(w->cols / T::qk);
+    pl.buf_off = (MMV_STAGED_WARPS * (int)sizeof(uint64_t) + 2 * MMV_STAGED_WARPS * ROWS * MAXM * (int)sizeof(float) +
+                  127) & ~127;
+    int iters = (pl.nb + BPI - 1) / BPI;   /* of a warp over a whole row */
+    int piece_iters = MMV_PIECE_BYTES / ROWS / (BPI * T::bytes);
+    if (piece_iters < 1) piece_iters = 1;
+    /* ks from the occupancy of whole-row pieces, then the occupancy of its own pieces */
+    int ks = 1, occ = 0;
+    size_t smem = 0;
+    for (int pass = 0; pass < 2; pass++) {
+        int slice_iters = (iters + ks - 1) / ks;
+        pl.ks = ks;
+        pl.slice = slice_iters * BPI;
+        pl.piece = (piece_iters < slice_iters ? piece_iters : slice_iters) * BPI;
+        pl.stride = (pl.piece * T::bytes + 32 + 15) & ~15;
+        smem = (size_t)pl.buf_off + (size_t)MMV_STAGED_WARPS * ROWS * pl.stride;
+        occ = mmv_occupancy(lim, smem);
+        if (occ < 1) {
+            luma_cuda_failf(c, "matmul: the matrix-vector kernel does not fit an SM (%zu bytes of shared memory)",
+                            smem);
+            return;
+        }
+        int64_t resident = (int64_t)c->n_sm * occ * MMV_STAGED_WARPS;
+        if (MAXM > 1)
+            while (ks < MMV_STAGED_WARPS && 2 * ks <= iters && pl.groups * ks < 2 * resident) ks *= 2;
+        if (ks == pl.ks) break;
+    }
+    int64_t teams = MMV_STAGED_WARPS / pl.ks, want = (pl.groups + teams - 1) / teams, most = (int64_t)c->n_sm * occ;
+
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3((unsigned)(want < most ? want : most));
+    cfg.blockDim = dim3(MMV_STAGED_WARPS * 32);
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = c->stream;
+    cudaLaunchAttribute at;
+    at.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    at.val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = &at;
+    cfg.numAttrs = 1;
+    luma_cuda_fail(c, cudaLaunchKernelEx(&cfg, mmv_staged<T, MAXM>, pl, a, m, y), "matmul (matrix-vector kernel)");
+}
+
 /* Launched as a programmatic dependent of the quantizer (see
  * wait_for_previous_kernel). */
 template <class T, int MAXM>
-static void mmv_launch(cuda_backend *c, const luma_weight *w, size_t row_bytes, const act_rows &a, int m,
-                       float *y)
+static void mmv_direct_launch(cuda_backend *c, const luma_weight *w, const act_rows &a, int m, float *y)
 {
-    constexpr int rows_per_warp = MAXM == 1 ? 1 : 2;
-    int64_t warps = (w->rows + rows_per_warp - 1) / rows_per_warp;
+    constexpr int ROWS = mmv_rows(MAXM);
+    int64_t warps = (w->rows + ROWS - 1) / ROWS;
     cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3((unsigned)((warps + MMV_WARPS - 1) / MMV_WARPS));
-    cfg.blockDim = dim3(MMV_WARPS * 32);
+    cfg.gridDim = dim3((unsigned)((warps + MMV_DIRECT_WARPS - 1) / MMV_DIRECT_WARPS));
+    cfg.blockDim = dim3(MMV_DIRECT_WARPS * 32);
     cfg.stream = c->stream;
     cudaLaunchAttribute attr;
     attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr.val.programmaticStreamSerializationAllowed = 1;
     cfg.attrs = &attr;
     cfg.numAttrs = 1;
-    luma_cuda_fail(c, cudaLaunchKernelEx(&cfg, mmv_kernel<T, MAXM, rows_per_warp>, (const uint8_t *)w->dev,
-                                         row_bytes, w->rows, (int)(w->cols / T::qk), a, m, y),
+    luma_cuda_fail(c, cudaLaunchKernelEx(&cfg, mmv_direct<T, MAXM, ROWS>, (const uint8_t *)w->dev,
+                                         luma_row_size(w->type, w->cols), w->rows, (int)(w->cols / T::qk), a, m, y),
                    "matmul (matrix-vector kernel)");
+}
+
+/* Which kernel a weight takes (cuda/NOTES.md has the measurements): the
+ * staged one where the direct one loses, that is Q8_0 (its 34-byte blocks
+ * allow only 2-byte loads from device memory) and matrices of few rows
+ * (the direct kernel gives them few warps, each with one block in flight);
+ * the direct one elsewhere, which measured faster at m = 1 on the other
+ * types (at m = 2 to 8 neither wins everywhere). */
+template <class T, int MAXM>
+static void mmv_launch(cuda_backend *c, const luma_weight *w, const act_rows &a, int m, float *y)
+{
+    if (w->type == LUMA_Q8_0 || w->rows <= MMV_STAGED_MAX_ROWS) mmv_staged_launch<T, MAXM>(c, w, a, m, y);
+    else mmv_direct_launch<T, MAXM>(c, w, a, m, y);
 }
 
 /* Passes of up to MMV_PASS_M activation rows, each on the kernel sized for it. */
 template <class T>
 static void mmv_run(cuda_backend *c, const luma_weight *w, const act_rows &a, int64_t m, float *y)
 {
-    size_t row_bytes = luma_row_size(w->type, w->cols);
     for (int64_t j0 = 0; j0 < m && LUMA_CUDA_OK(c); j0 += MMV_PASS_M) {
         int n = (int)(m - j0 < MMV_PASS_M ? m - j0 : MMV_PASS_M);
         act_rows aj = a;
@@ -886,10 +1236,10 @@ static void mmv_run(cuda_backend *c, const luma_weight *w, const act_rows &a, in
             aj.ds += j0 * a.ds_stride;
         }
         float *yj = y + j0 * w->rows;
-        if (n == 1) mmv_launch<T, 1>(c, w, row_bytes, aj, n, yj);
-        else if (n == 2) mmv_launch<T, 2>(c, w, row_bytes, aj, n, yj);
-        else if (n <= 4) mmv_launch<T, 4>(c, w, row_bytes, aj, n, yj);
-        else mmv_launch<T, 8>(c, w, row_bytes, aj, n, yj);
+        if (n == 1) mmv_launch<T, 1>(c, w, aj, n, yj);
+        else if (n == 2) mmv_launch<T, 2>(c, w, aj, n, yj);
+        else if (n <= 4) mmv_launch<T, 4>(c, w, aj, n, yj);
+        else mmv_launch<T, 8>(c, w, aj, n, yj);
     }
 }
 
@@ -904,7 +1254,8 @@ static bool is_float_type(enum luma_type t)
 }
 
 /* Whether the matrix-vector kernels can read this weight and these
- * activations: float weights need whole 16-byte loads. */
+ * activations: float weights need whole 16-byte loads, and the staged
+ * kernel's bulk copies a 16-byte aligned weight. */
 static bool mmv_fits(const luma_weight *w, const float *x)
 {
     if (!is_float_type(w->type)) return ((uintptr_t)w->dev & 15) == 0;
@@ -1111,5 +1462,5 @@ void luma_cuda_matmul(cuda_backend *c, const luma_weight *w, const float *x, int
         return;
     }
     if (m <= (w->type == LUMA_F16 ? MMV_MAX_M_F16 : LUMA_MMV_MAX_M) && mmv_fits(w, x)) mm_vec(c, w, x, m, y);
-    else mm_tensor(c, w, x, m, y);
+    else if (!luma_cuda_mmq(c, w, x, m, y)) mm_tensor(c, w, x, m, y);   /* mmq.cu: where it measured faster */
 }

@@ -2,24 +2,27 @@
  * interface, against a double-precision CPU reference built from
  * luma_dequantize_row and the f32 activations:
  *   - every weight type, random blocks with sane half scales (random_weights
- *     of testutil.h), shapes from gemma's 640 columns and odd row counts to
- *     llama-8B's 4096 x 4096 and 14336 x 4096, and m = 1, 2, 3, 8
- *     (matrix-vector kernels: int8 activations for the block formats) and
- *     16, 64, 512 (f16 tensor-core path), the large m twice: with the
- *     resident f16 copy weight_load made (luma_weight.dev_f16) and with the
- *     weight dequantized per call (the same weight, dev_f16 cleared): each
- *     output's error relative to sum |w x| stays under the tolerance of its
- *     number format;
+ *     of testutil.h), shapes from gemma's 640 columns and odd row counts
+ *     (weights that end off a 16-byte boundary among them) to llama-8B's
+ *     4096 x 4096, 14336 x 4096, 4096 x 14336 and 1024 x 4096, and m = 1,
+ *     2, 3, 8 (matrix-vector kernels, direct and staged: int8 activations
+ *     for the block formats) and 16, 64, 512 (f16 tensor-core path), the
+ *     large m twice: with the resident f16 copy weight_load made
+ *     (luma_weight.dev_f16) and with the weight dequantized per call (the
+ *     same weight, dev_f16 cleared): each output's error relative to
+ *     sum |w x| stays under the tolerance of its number format;
  *   - weight_load keeps an f16 copy of every matrix but the F16 ones (the
  *     test's few GB are far inside the copies' budget);
- *   - then a timing table for the two big shapes (cudaEvent, best of several
- *     calls queued behind a long memset so that launch gaps are not timed,
- *     weights rotated through copies larger than L2): GB/s of weights for
- *     m = 1 and 8, with the fraction of the H100's 3000 GB/s, and ms per call
- *     and TFLOP/s for m = 512 with the resident copy and dequantizing per
- *     call, side by side.
+ *   - then a timing table for the big shapes (cudaEvent around 16 calls
+ *     queued back to back behind a long memset, so that the host's launches
+ *     are not timed, on weight copies that are cold in L2): m = 1 and 8 both
+ *     eagerly and recorded as a CUDA graph by the backend's step_run (as
+ *     decode steps run), GB/s of weights and the fraction of the H100's
+ *     3000 GB/s; m = 512 (on the first two shapes) with the resident copy
+ *     and dequantizing per call, ms per call and TFLOP/s side by side.
  * Without a CUDA device it says so and passes. LUMA_CUDA_QUICK=1 keeps to the
- * small shapes and skips the timing (for compute-sanitizer runs).
+ * small shapes and skips the timing (for compute-sanitizer runs);
+ * LUMA_CUDA_TIME_TYPES=Q4_K,Q6_K times only the types it names.
  *
  * The events and the memset go to the legacy default stream, which orders
  * itself against the backend's stream as long as that one is a blocking
@@ -49,11 +52,17 @@ static const enum luma_type types[] = {
 };
 #define N_TYPES (int)(sizeof types / sizeof types[0])
 
-/* rows x cols; the big ones are timed. 1024 x 640 has gemma's width (no K
- * format fits it), 333 x 1002 leaves float rows without whole 16-byte loads. */
+/* rows x cols; the big ones are timed: TIME_ALL at m = 1, 8 and 512,
+ * TIME_DECODE at m = 1 and 8 only (llama-8B's ffn_down and its attn_k and
+ * attn_v with 8 KV heads). 1024 x 640 has gemma's width (no K format fits
+ * it), 333 x 1002 leaves float rows without whole 16-byte loads; 999 x 1312
+ * and 333 x 768 end their weights off a 16-byte boundary (rows of 41 and 3
+ * blocks), which the matrix-vector kernels' bulk copies cannot reach. */
+enum { TIME_NONE, TIME_ALL, TIME_DECODE };
 static const struct shape { int64_t rows, cols; int big; } shapes[] = {
-    { 640, 1024, 0 }, { 999, 2048, 0 }, { 1024, 640, 0 }, { 333, 1002, 0 },
-    { 4096, 4096, 1 }, { 14336, 4096, 1 },
+    { 640, 1024, TIME_NONE }, { 999, 2048, TIME_NONE }, { 1024, 640, TIME_NONE }, { 333, 1002, TIME_NONE },
+    { 999, 1312, TIME_NONE }, { 333, 768, TIME_NONE },
+    { 4096, 4096, TIME_ALL }, { 14336, 4096, TIME_ALL }, { 4096, 14336, TIME_DECODE }, { 1024, 4096, TIME_DECODE },
 };
 #define N_SHAPES (int)(sizeof shapes / sizeof shapes[0])
 
@@ -71,7 +80,8 @@ static const int ms[] = { 1, 2, 3, 8, 16, 64, 512 };
 
 #define SAMPLE_ROWS 32   /* weight rows checked per shape */
 #define SAMPLE_ACTS 64   /* activation rows checked per m */
-#define TIME_REPS 8
+#define TIME_CALLS 16    /* calls per timed batch */
+#define TIME_BATCHES 3   /* batches timed, the best kept */
 #define L2_DEFEAT_BYTES ((size_t)192 << 20)   /* well over the H100's 50 MB of L2 */
 #define QUEUE_BYTES ((size_t)1 << 30)         /* memset that keeps the GPU busy while calls queue */
 #define HBM_GBS 3000.0
@@ -98,11 +108,29 @@ static int cuda_ok(cudaError_t e, const char *what)
 typedef struct ctx {
     luma_backend *be;
     int quick;
+    const char *time_types;    /* LUMA_CUDA_TIME_TYPES: the types to time ("Q4_K,Q6_K"), NULL for all */
+    int graphs;                /* the backend records steps (step_run): time replays too */
     void *queue;               /* QUEUE_BYTES of device memory for the memset */
 } ctx;
 
+/* Whether type t is timed: never in quick mode, else when LUMA_CUDA_TIME_TYPES
+ * is unset or names it. */
+static int timed(const ctx *cx, enum luma_type t)
+{
+    if (cx->quick) return 0;
+    if (!cx->time_types) return 1;
+    const char *name = luma_type_name(t), *p = cx->time_types;
+    size_t n = strlen(name);
+    for (;;) {
+        if (strncmp(p, name, n) == 0 && (p[n] == ',' || p[n] == 0)) return 1;
+        p = strchr(p, ',');
+        if (!p) return 0;
+        p++;
+    }
+}
+
 typedef struct timing {
-    double us[4];              /* m = 1, 8, 512 resident, 512 per call; 0 when not timed */
+    double us[6];              /* m = 1, 8 eager; m = 1, 8 replayed; 512 resident, 512 per call; 0: not timed */
 } timing;
 
 /* y = W x on the device for m rows of x; 0 on success. y is m x rows. */
@@ -161,11 +189,53 @@ static double max_rel_error(const float *wref, const int64_t *rows_s, int ns, co
     return worst;
 }
 
-/* Best time of TIME_REPS calls of y = W x, in microseconds: the calls queue
- * behind a long memset, each between two events, and cycle through enough
- * copies of W (its f16 copy too, when it has one: that is what the GEMM
- * reads) that none is still in L2 when its turn comes. */
-static double time_matmul(ctx *cx, const luma_weight *w, size_t wbytes, int64_t m)
+/* The calls of one timed batch, queued by queue_calls: eagerly, or recorded
+ * by the backend's step_run and replayed as a CUDA graph. */
+typedef struct batch {
+    ctx *cx;
+    const luma_weight *wc;
+    int copies;
+    luma_buf *xb, *yb;
+} batch;
+
+static int queue_calls(void *p, luma_err *err)
+{
+    batch *b = p;
+    (void)err;
+    for (int i = 0; i < TIME_CALLS; i++)
+        b->cx->be->ops->matmul(b->cx->be, &b->wc[(i + 1) % b->copies], b->xb, b->yb);
+    return 0;
+}
+
+/* A one-row decode step with no KV cache: the vehicle for step_run. */
+static const int32_t step_token = 0, step_pos = 0, step_out = 0;
+static const luma_step_seq step_seq = { .row0 = 0, .n_rows = 1, .pos0 = 0 };
+static const luma_step graph_step = { 1, &step_token, &step_pos, 1, &step_seq, 1, &step_out };
+
+/* Queues one batch (graph: through step_begin and step_run, which records
+ * the calls on its second run and replays them from the third). */
+static int run_batch(batch *b, int graph)
+{
+    const luma_backend_ops *ops = b->cx->be->ops;
+    luma_err err = { { 0 } };
+    if (!graph) return queue_calls(b, &err);
+    if (ops->step_begin(b->cx->be, &graph_step, &err) != 0 ||
+        ops->step_run(b->cx->be, &graph_step, queue_calls, b, &err) != 0) {
+        CHECKF(0, "step_run: %s", err.msg);
+        return -1;
+    }
+    return 0;
+}
+
+/* Time per call of y = W x in a stream of TIME_CALLS calls queued back to
+ * back (as a decode step runs them), in microseconds: the best of
+ * TIME_BATCHES batches, each queued behind a long memset (so that the host's
+ * launches are not timed, and which also flushes L2) between two events.
+ * The calls cycle through enough copies of W (its f16 copy too, when it has
+ * one: that is what the GEMM reads) that none is still in L2 when its turn
+ * comes again. Timing each call alone would add the two events' crossings
+ * between the legacy stream and the backend's, a few microseconds. */
+static double time_matmul(ctx *cx, const luma_weight *w, size_t wbytes, int64_t m, int graph)
 {
     const luma_backend_ops *ops = cx->be->ops;
     luma_err err = { { 0 } };
@@ -173,13 +243,14 @@ static double time_matmul(ctx *cx, const luma_weight *w, size_t wbytes, int64_t 
     size_t f16_bytes = (size_t)w->rows * (size_t)w->cols * 2;
     size_t read = w->dev_f16 ? f16_bytes : wbytes;
     int copies = (int)((L2_DEFEAT_BYTES + read - 1) / read);
-    if (copies > TIME_REPS) copies = TIME_REPS;
-    luma_weight wc[TIME_REPS];
+    if (copies > TIME_CALLS) copies = TIME_CALLS;
+    if (copies < 2) copies = 2;
+    luma_weight wc[TIME_CALLS];
     memset(wc, 0, sizeof wc);   /* a copy's pointers stay NULL until allocated */
-    cudaEvent_t ev[2 * TIME_REPS];
+    cudaEvent_t ev[2 * TIME_BATCHES];
     int n_ev = 0;
     double best = 0.0;
-    for (; n_ev < 2 * TIME_REPS; n_ev++)
+    for (; n_ev < 2 * TIME_BATCHES; n_ev++)
         if (!cuda_ok(cudaEventCreate(&ev[n_ev]), "cudaEventCreate")) goto done;
     for (int i = 0; i < copies; i++) {
         luma_weight *c = &wc[i];
@@ -197,27 +268,48 @@ static double time_matmul(ctx *cx, const luma_weight *w, size_t wbytes, int64_t 
         CHECKF(0, "buf_alloc: %s", err.msg);
         goto done;
     }
-    if (!cuda_ok(cudaMemset(xb.data, 0, (size_t)(m * w->cols) * sizeof(float)), "clear x")) goto done;
-    ops->matmul(cx->be, &wc[0], &xb, &yb);   /* grows the scratch before the timed calls */
-    if (ops->sync(cx->be, &err) != 0) {
-        CHECKF(0, "timing warm-up: %s", err.msg);
-        goto done;
-    }
-    if (!cuda_ok(cudaMemsetAsync(cx->queue, 1, QUEUE_BYTES, 0), "queue memset")) goto done;
-    for (int i = 0; i < TIME_REPS; i++) {
-        cudaEventRecord(ev[2 * i], 0);
-        ops->matmul(cx->be, &wc[(i + 1) % copies], &xb, &yb);
-        cudaEventRecord(ev[2 * i + 1], 0);
+    /* activations of unit spread: quantizing zeros would take shortcuts */
+    float *xh = xmalloc((size_t)(m * w->cols) * sizeof(float));
+    for (int64_t k = 0; k < m * w->cols; k++) xh[k] = bell();
+    int up = cuda_ok(cudaMemcpy(xb.data, xh, (size_t)(m * w->cols) * sizeof(float), cudaMemcpyHostToDevice),
+                     "upload x");
+    free(xh);
+    if (!up) goto done;
+    batch bt = { cx, wc, copies, &xb, &yb };
+    /* grows the scratch before the timed calls; a graph's first two runs
+     * (eager, then recorded) */
+    for (int warm = 0; warm < (graph ? 2 : 1); warm++)
+        if (run_batch(&bt, graph) != 0 || ops->sync(cx->be, &err) != 0) {
+            CHECKF(0, "timing warm-up: %s", err.msg);
+            goto done;
+        }
+    for (int b = 0; b < TIME_BATCHES; b++) {
+        if (graph && ops->step_begin(cx->be, &graph_step, &err) != 0) {
+            CHECKF(0, "step_begin: %s", err.msg);
+            goto done;
+        }
+        if (!cuda_ok(cudaMemsetAsync(cx->queue, 1, QUEUE_BYTES, 0), "queue memset")) goto done;
+        cudaEventRecord(ev[2 * b], 0);
+        if (graph) {
+            if (ops->step_run(cx->be, &graph_step, queue_calls, &bt, &err) != 0) {
+                CHECKF(0, "step_run: %s", err.msg);
+                goto done;
+            }
+        } else {
+            queue_calls(&bt, &err);
+        }
+        cudaEventRecord(ev[2 * b + 1], 0);
     }
     if (ops->sync(cx->be, &err) != 0) {
         CHECKF(0, "timing: %s", err.msg);
         goto done;
     }
-    if (!cuda_ok(cudaEventSynchronize(ev[2 * TIME_REPS - 1]), "cudaEventSynchronize")) goto done;
-    for (int i = 0; i < TIME_REPS; i++) {
+    if (!cuda_ok(cudaEventSynchronize(ev[2 * TIME_BATCHES - 1]), "cudaEventSynchronize")) goto done;
+    for (int b = 0; b < TIME_BATCHES; b++) {
         float ms_ = 0.0f;
-        if (!cuda_ok(cudaEventElapsedTime(&ms_, ev[2 * i], ev[2 * i + 1]), "cudaEventElapsedTime")) goto done;
-        if (best == 0.0 || ms_ * 1e3 < best) best = ms_ * 1e3;
+        if (!cuda_ok(cudaEventElapsedTime(&ms_, ev[2 * b], ev[2 * b + 1]), "cudaEventElapsedTime")) goto done;
+        double us = ms_ * 1e3 / TIME_CALLS;
+        if (best == 0.0 || us < best) best = us;
     }
 done:
     for (int i = 0; i < n_ev; i++) cudaEventDestroy(ev[i]);
@@ -289,11 +381,15 @@ static void check_shape(ctx *cx, enum luma_type t, const struct shape *sh, timin
     if (tol_small != TOL_F16) printf("%s  (tol %.0e; %.0e for m > %d)\n", line, tol_small, TOL_F16, MMV_MAX_M);
     else printf("%s  (tol %.0e)\n", line, TOL_F16);
 
-    if (sh->big && !cx->quick) {
-        tm->us[0] = time_matmul(cx, &per_call, bytes, 1);
-        tm->us[1] = time_matmul(cx, &per_call, bytes, 8);
-        tm->us[2] = time_matmul(cx, &w, bytes, 512);
-        if (w.dev_f16) tm->us[3] = time_matmul(cx, &per_call, bytes, 512);
+    if (sh->big != TIME_NONE && timed(cx, t)) {
+        tm->us[0] = time_matmul(cx, &per_call, bytes, 1, 0);
+        tm->us[1] = time_matmul(cx, &per_call, bytes, 8, 0);
+        if (cx->graphs) {
+            tm->us[2] = time_matmul(cx, &per_call, bytes, 1, 1);
+            tm->us[3] = time_matmul(cx, &per_call, bytes, 8, 1);
+        }
+        if (sh->big == TIME_ALL) tm->us[4] = time_matmul(cx, &w, bytes, 512, 0);
+        if (sh->big == TIME_ALL && w.dev_f16) tm->us[5] = time_matmul(cx, &per_call, bytes, 512, 0);
         /* over 20 TB/s: the events did not wait for the backend's stream */
         CHECKF(tm->us[0] > (double)bytes / 2e7, "%s %lldx%lld m=1 timed at %.2f us: implausible", tr->name,
                (long long)rows, (long long)cols, tm->us[0]);
@@ -312,13 +408,21 @@ static double tflops(const struct shape *sh, double us)
 static void print_timing(enum luma_type t, const struct shape *sh, const timing *tm)
 {
     size_t bytes = luma_row_size(t, sh->cols) * (size_t)sh->rows;
-    double gb1 = tm->us[0] > 0 ? (double)bytes / (tm->us[0] * 1e3) : 0.0;
-    double gb8 = tm->us[1] > 0 ? (double)bytes / (tm->us[1] * 1e3) : 0.0;
-    printf("%-5s %5lldx%-5lld %7.1f MB | %7.1f us %6.0f GB/s %3.0f%% | %7.1f us %6.0f GB/s %3.0f%% | %7.3f ms %6.1f TFLOP/s",
-           luma_type_name(t), (long long)sh->rows, (long long)sh->cols, (double)bytes / 1e6, tm->us[0], gb1,
-           100.0 * gb1 / HBM_GBS, tm->us[1], gb8, 100.0 * gb8 / HBM_GBS, tm->us[2] / 1e3, tflops(sh, tm->us[2]));
-    if (tm->us[3] > 0 && tm->us[2] > 0)
-        printf(" | %7.3f ms %6.1f TFLOP/s %5.2fx\n", tm->us[3] / 1e3, tflops(sh, tm->us[3]), tm->us[3] / tm->us[2]);
+    printf("%-5s %5lldx%-5lld %6.1f MB", luma_type_name(t), (long long)sh->rows, (long long)sh->cols,
+           (double)bytes / 1e6);
+    /* m = 1 and 8: eager us, replayed us, the bandwidth of the better */
+    for (int k = 0; k < 2; k++) {
+        double e = tm->us[k], g = tm->us[2 + k], best = g > 0 && g < e ? g : e;
+        double gbs = best > 0 ? (double)bytes / (best * 1e3) : 0.0;
+        printf(" | %6.1f %6.1f us %5.0f GB/s %3.0f%%", e, g, gbs, 100.0 * gbs / HBM_GBS);
+    }
+    if (sh->big != TIME_ALL) {
+        printf(" |   (decode shape: m <= 8 only)\n");
+        return;
+    }
+    printf(" | %7.3f ms %6.1f TFLOP/s", tm->us[4] / 1e3, tflops(sh, tm->us[4]));
+    if (tm->us[5] > 0 && tm->us[4] > 0)
+        printf(" | %7.3f ms %6.1f TFLOP/s %5.2fx\n", tm->us[5] / 1e3, tflops(sh, tm->us[5]), tm->us[5] / tm->us[4]);
     else
         printf(" |   %s\n", t == LUMA_F16 ? "(F16 weights: no copy)" : "(not timed)");
 }
@@ -329,11 +433,14 @@ static int run_checks(void)
     ctx cx = { 0 };
     const char *q = getenv("LUMA_CUDA_QUICK");
     cx.quick = q && *q && strcmp(q, "0") != 0;
+    cx.time_types = getenv("LUMA_CUDA_TIME_TYPES");
+    if (cx.time_types && !*cx.time_types) cx.time_types = NULL;
     cx.be = luma_backend_cuda_new(0, &err);
     if (!cx.be) {
         printf("test_cuda_matmul: FAIL: a CUDA device is present but the backend did not start: %s\n", err.msg);
         return 1;
     }
+    cx.graphs = cx.be->ops->step_begin && cx.be->ops->step_run;
     if (!cx.quick && !cuda_ok(cudaMalloc(&cx.queue, QUEUE_BYTES), "cudaMalloc (queue)")) cx.quick = 1;
 
     static timing tms[N_TYPES][N_SHAPES];
@@ -341,19 +448,22 @@ static int run_checks(void)
     for (int ti = 0; ti < N_TYPES; ti++)
         for (int si = 0; si < N_SHAPES; si++) {
             const struct shape *sh = &shapes[si];
-            if (sh->cols % luma_type_get(types[ti])->block_size != 0 || (cx.quick && sh->big)) continue;
+            if (sh->cols % luma_type_get(types[ti])->block_size != 0 || (cx.quick && sh->big != TIME_NONE)) continue;
             check_shape(&cx, types[ti], sh, &tms[ti][si]);
             checked++;
         }
     printf("matmul: %d weight matrices checked%s\n", checked, cx.quick ? " (quick: small shapes only)" : "");
 
     if (!cx.quick) {
-        printf("\ntiming (best of %d, weights cold in L2; %% of %.0f GB/s):\n", TIME_REPS, HBM_GBS);
-        printf("type  shape       weights |  m=1: time   bandwidth  |  m=8: time   bandwidth  |  m=512, resident "
-               "f16: time  throughput | m=512, dequantized per call: time  throughput  resident's speedup\n");
+        printf("\ntiming (per call in a stream of %d, best of %d; weights cold in L2; %% of %.0f GB/s):\n", TIME_CALLS,
+               TIME_BATCHES, HBM_GBS);
+        printf("type  shape       weights | m=1: eager, graph  bandwidth  | m=8: eager, graph  bandwidth  | "
+               "m=512, resident f16: time  throughput | m=512, dequantized per call: time  throughput  resident's "
+               "speedup\n");
         for (int ti = 0; ti < N_TYPES; ti++)
             for (int si = 0; si < N_SHAPES; si++)
-                if (shapes[si].big && shapes[si].cols % luma_type_get(types[ti])->block_size == 0)
+                if (shapes[si].big != TIME_NONE && timed(&cx, types[ti]) &&
+                    shapes[si].cols % luma_type_get(types[ti])->block_size == 0)
                     print_timing(types[ti], &shapes[si], &tms[ti][si]);
     }
     if (cx.queue) cudaFree(cx.queue);

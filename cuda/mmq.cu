@@ -1,0 +1,804 @@
+/* Tensor-core products on quantized weights: y[i] = W x[i] for the m
+ * activation rows of a step, reading W's blocks (luma_weight.dev, as in the
+ * file) rather than an f16 copy. cuda/NOTES.md ("Own tensor-core GEMM") has
+ * the napkin math and the measurements behind luma_cuda_mmq's rule.
+ *
+ * Two kernels:
+ *   mmq_x_to_f16  the activations (m x cols, f32) to f16 in scratch, as the
+ *                 cuBLAS path converts them (beyond 65504: infinity);
+ *   mmq_kernel    one CTA of 8 warps computes a tile of 64 or 128 weight
+ *                 rows x BM activation rows over a range of k. Each k-step
+ *                 is 256 elements (one K super-block, or eight 32-blocks):
+ *                 the tile's raw weight blocks and its f16 activations are
+ *                 copied to shared memory with cp.async, up to 4 steps in
+ *                 flight. Each warp owns 32 weight rows (two m16 tiles of
+ *                 mma.sync.m16n8k16, f16 x f16 -> f32) and a share of each
+ *                 k-step: its threads dequantize their own A-fragment
+ *                 elements straight from the raw blocks into registers (f32
+ *                 arithmetic as src/quant.c, rounded once to f16), so
+ *                 dequantized weights never touch memory. B fragments come
+ *                 from the shared activation tile.
+ *
+ * The k order inside an mma is free (the dot product does not care) as long
+ * as A and B agree, so each 32-element group a of a k-step is laid over the
+ * mma chunks 2a and 2a + 1 such that thread t of a quad (lane % 4) holds
+ * elements 32a + 8t .. 32a + 8t + 7: chunk 2a gets the first four, chunk
+ * 2a + 1 the last four, in the A slots (k = 2t, 2t + 1, 2t + 8, 2t + 9) of
+ * m16n8k16. Those eight elements sit in one 8-byte piece of every block
+ * format, and the matching activations are 16 contiguous bytes of the
+ * natural f16 row: one shared-memory load gives the B fragments of both
+ * chunks.
+ *
+ * Small m leaves few tiles (4096 rows are 64 tiles of 64), so k is split
+ * over a cluster of up to 8 CTAs (gridDim.z) sized to fill the GPU; the
+ * cluster's partial tiles meet in distributed shared memory and each CTA
+ * sums a slice of the tile in the fixed order of the splits, so results do
+ * not depend on timing. Every launch parameter depends on (m, rows, cols)
+ * only, and nothing allocates or synchronizes once the scratch has grown:
+ * the product can be recorded into a CUDA graph. */
+#include "cuda_internal.h"
+
+#include <cooperative_groups.h>
+
+namespace cg = cooperative_groups;
+
+#define MMQ_THREADS 256         /* 8 warps */
+#define MMQ_K 256               /* elements per k-step */
+/* Shared memory a CTA may take so that two fit on an SM (228 KB, 1 KB of
+ * which each CTA reserves). */
+#define MMQ_SMEM_BUDGET (112 * 1024)
+/* A CTA's first loads and final reduction, in k-steps, for choosing splits. */
+#define MMQ_FILL 2
+#define LOW4 0x0F0F0F0Fu
+
+/* ---- small helpers ------------------------------------------------------- */
+
+static __device__ __forceinline__ float f16_bits(uint32_t h)
+{
+    return __half2float(__ushort_as_half((unsigned short)h));
+}
+
+/* Eight bytes at a 2-aligned shared address (blocks of 34 and 210 bytes). */
+static __device__ __forceinline__ uint2 ld8_a2(const uint8_t *p)
+{
+    const uint16_t *h = (const uint16_t *)p;
+    return make_uint2((uint32_t)h[0] | (uint32_t)h[1] << 16, (uint32_t)h[2] | (uint32_t)h[3] << 16);
+}
+
+static __device__ __forceinline__ uint32_t pack_h2(float lo, float hi)
+{
+    __half2 h = __floats2half2_rn(lo, hi);
+    return *(const uint32_t *)&h;
+}
+
+/* Bits 0..3 of b to bit 4 of bytes 0..3: the fifth bit of four Q5 values. */
+static __device__ __forceinline__ uint32_t bits4_to_bytes(uint32_t b)
+{
+    return (b & 1) << 4 | (b & 2) << 11 | (b & 4) << 18 | (b & 8) << 25;
+}
+
+/* Q4_K and Q5_K scale and minimum of sub-block s (src/quant.c
+ * scale_min_k4) from the three words of the 12 scale bytes. */
+static __device__ __forceinline__ void scale_min_k4(int s, uint32_t w1, uint32_t w2, uint32_t w3, int &sc, int &m)
+{
+    if (s < 4) {
+        sc = (w1 >> 8 * s) & 63;
+        m = (w2 >> 8 * s) & 63;
+    } else {
+        int b = 8 * (s - 4);
+        sc = ((w3 >> b) & 0xF) | ((w1 >> (b + 6)) & 3) << 4;
+        m = ((w3 >> (b + 4)) & 0xF) | ((w2 >> (b + 6)) & 3) << 4;
+    }
+}
+
+static __device__ __forceinline__ void cp_async16(void *dst, const void *src, int src_bytes)
+{
+    unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(src_bytes) : "memory");
+}
+
+static __device__ __forceinline__ void cp_async_commit()
+{
+    asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+template <int N>
+static __device__ __forceinline__ void cp_async_wait()
+{
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+/* Programmatic dependent launch (as in matmul.cu): the GEMM starts while the
+ * activation conversion runs, fetches its first weight blocks, and waits
+ * here before it reads the converted activations. */
+static __device__ __forceinline__ void wait_for_previous_kernel()
+{
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+}
+
+static __device__ __forceinline__ void let_next_kernel_start()
+{
+    asm volatile("griddepcontrol.launch_dependents;");
+}
+
+/* c += A B for one m16n8k16 tile: a holds the A fragment (rows g, g + 8;
+ * k slots 2t, 2t + 1 and 2t + 8, 2t + 9), b0 and b1 the B fragment. */
+static __device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1)
+{
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+/* ---- block formats ----------------------------------------------------------
+ *
+ * One struct per weight type, describing a k-step's span of a weight row:
+ *   span     bytes of the blocks that hold 256 elements;
+ *   slot     bytes a row's span takes in shared memory: the span, its offset
+ *            from 16-byte alignment (0 for spans that are multiples of 16 at
+ *            16-aligned rows, at most 14 for Q6_K), rounded so that 8 rows
+ *            of 8-byte reads spread over the banks (slot = 32 or 96 mod 128);
+ *   off      the bias of the raw values;
+ *   math     how the values are computed (deq_math);
+ *   group(b, t, a, w0, w1, d, mn)
+ *            elements 32a + 8t .. 32a + 8t + 7 of the span at b as eight
+ *            biased bytes (w0: the first four, low byte first), their scale
+ *            d and minimum mn: element = d * (byte - off) - mn, the value
+ *            src/quant.c computes in f32, rounded once to f16. */
+
+/* Each way below gives exactly quant.c's f32 result rounded to f16:
+ *   DEQ_HALF  d * (byte - off), d an f16 and no minimum (Q4_0, Q5_0, Q8_0):
+ *             the product has at most 19 significant bits, so f32 holds it
+ *             exactly and one f16 multiplication (HMUL2, two values at
+ *             once) rounds it the same way;
+ *   DEQ_MUL   the same with d = f16 x int8 scale (Q6_K): still exact in
+ *             f32, one FMUL, then rounded to f16;
+ *   DEQ_FMA   d * byte - mn (Q4_K, Q5_K: d and mn are f16 x 6-bit): the
+ *             product is exact in f32, so one fused multiply-add rounds
+ *             like quant.c's multiply then subtract. */
+enum deq_math { DEQ_HALF, DEQ_MUL, DEQ_FMA };
+
+/* Q4_K: sub-block a is the low (a even) or high nibbles of qs[32 (a / 2) ..]. */
+struct mmq_q4_K {
+    static constexpr int span = 144, slot = 160, off = 0, math = DEQ_FMA;
+    static __device__ __forceinline__ void group(const uint8_t *b, int t, int a, uint32_t &w0, uint32_t &w1,
+                                                 float &d, float &mn)
+    {
+        uint4 hdr = *(const uint4 *)b;
+        uint2 q = *(const uint2 *)(b + 16 + 32 * (a / 2) + 8 * t);
+        int sh = 4 * (a % 2), sc, m;
+        w0 = (q.x >> sh) & LOW4;
+        w1 = (q.y >> sh) & LOW4;
+        scale_min_k4(a, hdr.y, hdr.z, hdr.w, sc, m);
+        d = __fmul_rn(f16_bits(hdr.x & 0xffff), (float)sc);
+        mn = __fmul_rn(f16_bits(hdr.x >> 16), (float)m);
+    }
+};
+
+/* Q5_K: Q4_K plus the fifth bit of element l of sub-block a: bit a of qh[l]. */
+struct mmq_q5_K {
+    static constexpr int span = 176, slot = 224, off = 0, math = DEQ_FMA;
+    static __device__ __forceinline__ void group(const uint8_t *b, int t, int a, uint32_t &w0, uint32_t &w1,
+                                                 float &d, float &mn)
+    {
+        uint4 hdr = *(const uint4 *)b;
+        uint2 h = *(const uint2 *)(b + 16 + 8 * t);
+        uint2 q = *(const uint2 *)(b + 48 + 32 * (a / 2) + 8 * t);
+        int sh = 4 * (a % 2), sc, m;
+        w0 = ((q.x >> sh) & LOW4) | ((h.x >> a) & 0x01010101u) << 4;
+        w1 = ((q.y >> sh) & LOW4) | ((h.y >> a) & 0x01010101u) << 4;
+        scale_min_k4(a, hdr.y, hdr.z, hdr.w, sc, m);
+        d = __fmul_rn(f16_bits(hdr.x & 0xffff), (float)sc);
+        mn = __fmul_rn(f16_bits(hdr.x >> 16), (float)m);
+    }
+};
+
+/* Q6_K: group a = 4c + k holds elements 128c + 32k + l; low 4 bits in
+ * ql[64c + 32 (k % 2) + l] (high nibble for k >= 2), top 2 bits at bit 2k
+ * of qh[32c + l], scale scales[8c + 2k + l / 16] (l / 16 = t / 2 here). */
+struct mmq_q6_K {
+    static constexpr int span = 210, slot = 224, off = 32, math = DEQ_MUL;
+    static __device__ __forceinline__ void group(const uint8_t *b, int t, int a, uint32_t &w0, uint32_t &w1,
+                                                 float &d, float &mn)
+    {
+        int c = a / 4, k = a % 4;
+        uint2 ql = ld8_a2(b + 64 * c + 32 * (k % 2) + 8 * t), qh = ld8_a2(b + 128 + 32 * c + 8 * t);
+        int sl = 4 * (k / 2), sh = 2 * k;
+        w0 = ((ql.x >> sl) & LOW4) | ((qh.x >> sh) & 0x03030303u) << 4;
+        w1 = ((ql.y >> sl) & LOW4) | ((qh.y >> sh) & 0x03030303u) << 4;
+        d = __fmul_rn(f16_bits(*(const uint16_t *)(b + 208)), (float)(int8_t)b[192 + 8 * c + 2 * k + t / 2]);
+        mn = 0.0f;
+    }
+};
+
+/* Q8_0: group a is block a (34 bytes); int8 values biased by 128. */
+struct mmq_q8_0 {
+    static constexpr int span = 272, slot = 288, off = 128, math = DEQ_HALF;
+    static __device__ __forceinline__ void group(const uint8_t *b, int t, int a, uint32_t &w0, uint32_t &w1,
+                                                 float &d, float &mn)
+    {
+        const uint8_t *blk = b + 34 * a;
+        uint2 q = ld8_a2(blk + 2 + 8 * t);
+        w0 = q.x ^ 0x80808080u;
+        w1 = q.y ^ 0x80808080u;
+        d = f16_bits(*(const uint16_t *)blk);
+        mn = 0.0f;
+    }
+};
+
+/* Q4_0: group a is block a (18 bytes): elements 0..15 the low nibbles of
+ * qs[0..15], 16..31 the high ones. */
+struct mmq_q4_0 {
+    static constexpr int span = 144, slot = 160, off = 8, math = DEQ_HALF;
+    static __device__ __forceinline__ void group(const uint8_t *b, int t, int a, uint32_t &w0, uint32_t &w1,
+                                                 float &d, float &mn)
+    {
+        const uint8_t *blk = b + 18 * a;
+        uint2 q = ld8_a2(blk + 2 + 8 * (t % 2));
+        int sh = 4 * (t / 2);
+        w0 = (q.x >> sh) & LOW4;
+        w1 = (q.y >> sh) & LOW4;
+        d = f16_bits(*(const uint16_t *)blk);
+        mn = 0.0f;
+    }
+};
+
+/* Q5_0: Q4_0 plus the fifth bit of element e: bit e of qh. */
+struct mmq_q5_0 {
+    static constexpr int span = 176, slot = 224, off = 16, math = DEQ_HALF;
+    static __device__ __forceinline__ void group(const uint8_t *b, int t, int a, uint32_t &w0, uint32_t &w1,
+                                                 float &d, float &mn)
+    {
+        const uint8_t *blk = b + 22 * a;
+        const uint16_t *h = (const uint16_t *)(blk + 2);
+        uint32_t qh = (uint32_t)h[0] | (uint32_t)h[1] << 16;
+        uint2 q = ld8_a2(blk + 6 + 8 * (t % 2));
+        int sh = 4 * (t / 2);
+        w0 = ((q.x >> sh) & LOW4) | bits4_to_bytes(qh >> (8 * t));
+        w1 = ((q.y >> sh) & LOW4) | bits4_to_bytes(qh >> (8 * t + 4));
+        d = f16_bits(*(const uint16_t *)blk);
+        mn = 0.0f;
+    }
+};
+
+/* Byte i of w (a value biased by T::off) as the float d * (byte - off) - mn
+ * (DEQ_MUL, DEQ_FMA): 0x4B0000bb is the float 2^23 + bb, so one subtraction
+ * gives byte - off exactly, with no integer-to-float conversion. */
+template <class T>
+static __device__ __forceinline__ float deq_byte(uint32_t w, int i, float d, float mn)
+{
+    float q = __uint_as_float(__byte_perm(w, 0x4B000000u, 0x7440 + i)) - (8388608.0f + (float)T::off);
+    return T::math == DEQ_FMA ? __fmaf_rn(d, q, -mn) : __fmul_rn(d, q);
+}
+
+/* Two values at once (DEQ_HALF): bytes sel & 0xF and sel >> 8 & 0xF of w
+ * under 0x64 high bytes are the f16 pair 1024 + byte, minus 1024 + off
+ * exactly, times d. */
+template <class T>
+static __device__ __forceinline__ uint32_t deq_half2(uint32_t w, uint32_t sel, __half2 d)
+{
+    uint32_t h = __byte_perm(w, 0x64646464u, sel);
+    __half2 q = __hsub2(*(const __half2 *)&h, __float2half2_rn(1024.0f + (float)T::off));
+    __half2 v = __hmul2(q, d);
+    return *(const uint32_t *)&v;
+}
+
+/* The eight values of a group as the A-fragment registers of its two
+ * chunks: a[0] = values 0, 1, a[1] = 2, 3 (chunk 2a); a[2], a[3] likewise
+ * for values 4..7 (chunk 2a + 1). */
+template <class T>
+static __device__ __forceinline__ void deq_group(uint32_t w0, uint32_t w1, float d, float mn, uint32_t (&a)[4])
+{
+    if constexpr (T::math == DEQ_HALF) {
+        __half2 d2 = __float2half2_rn(d);   /* d came from an f16: exact */
+        a[0] = deq_half2<T>(w0, 0x4140, d2);
+        a[1] = deq_half2<T>(w0, 0x4342, d2);
+        a[2] = deq_half2<T>(w1, 0x4140, d2);
+        a[3] = deq_half2<T>(w1, 0x4342, d2);
+    } else {
+        a[0] = pack_h2(deq_byte<T>(w0, 0, d, mn), deq_byte<T>(w0, 1, d, mn));
+        a[1] = pack_h2(deq_byte<T>(w0, 2, d, mn), deq_byte<T>(w0, 3, d, mn));
+        a[2] = pack_h2(deq_byte<T>(w1, 0, d, mn), deq_byte<T>(w1, 1, d, mn));
+        a[3] = pack_h2(deq_byte<T>(w1, 2, d, mn), deq_byte<T>(w1, 3, d, mn));
+    }
+}
+
+/* ---- the GEMM kernel ------------------------------------------------------- */
+
+/* A CTA's 8 warps: rw along the weight rows (32 rows each) times kw along
+ * a k-step's eight groups (8 / kw groups each), so that every warp has a
+ * short stretch of dequantization and the SM many warps to hide its
+ * latency. Small activation tiles take 64 rows per CTA (more tiles for the
+ * GPU), larger ones 128 (fewer activation reads per weight row). The kw
+ * partial results are added in a fixed order at the end. */
+template <int BM>
+struct mmq_warps {
+    static constexpr int rw = BM <= 32 ? 2 : 4;
+    static constexpr int kw = 8 / rw;
+    static constexpr int rows = 32 * rw;          /* weight rows per CTA */
+    static constexpr int row_threads = 32 * rw;   /* threads of one k-warp set */
+    /* two CTAs per SM (registers capped at 128) while the accumulators are small */
+    static constexpr int min_ctas = BM <= 32 ? 2 : 1;
+};
+
+/* Shared memory of one pipeline stage: the tile's raw spans, then BM rows
+ * of 256 f16 activations (512 bytes each, their 16-byte pieces swizzled by
+ * row parity so that a quad's loads of rows g and g + 1 use all banks).
+ * After the main loop the same memory holds the partial results. */
+template <class T, int BM>
+struct mmq_shape {
+    typedef mmq_warps<BM> W;
+    static constexpr int raw = W::rows * T::slot;
+    static constexpr int xt = BM * MMQ_K * 2;
+    static constexpr int stage = raw + xt;
+    static constexpr int budget = W::min_ctas == 2 ? MMQ_SMEM_BUDGET : 2 * MMQ_SMEM_BUDGET;
+    static constexpr int stages = 4 * stage <= budget ? 4 : 3 * stage <= budget ? 3 : 2;
+    static constexpr int smem = stages * stage;
+    static_assert((W::kw - 1) * W::row_threads * BM * 4 <= smem, "the partial results fit");
+};
+
+/* What a CTA needs to find its data. */
+struct mmq_args {
+    const uint8_t *w;           /* the weight rows, row_bytes apart */
+    const uint8_t *w_end;       /* one past the last weight byte */
+    size_t row_bytes;
+    int64_t rows, m, cols;
+    int nkb;                    /* k-steps per row: cols / 256 */
+    const __half *xh;           /* m x cols */
+    float *y;                   /* m x rows */
+};
+
+/* Where row rr of the tile's k-step kb starts in global memory. */
+template <class T>
+static __device__ __forceinline__ const uint8_t *span_at(const mmq_args &p, int64_t r0, int rr, int kb)
+{
+    int64_t r = r0 + rr < p.rows ? r0 + rr : p.rows - 1;   /* rows past the end repeat the last */
+    return p.w + (size_t)r * p.row_bytes + (size_t)kb * T::span;
+}
+
+/* Queues the raw spans of k-step kb: 16-byte pieces from the span's
+ * aligned start, the last one clipped at the end of the weights. Spans of
+ * whole 16-byte pieces start aligned (16-aligned weights, rows of whole
+ * spans) and are copied as they are. */
+template <class T, int ROWS>
+static __device__ __forceinline__ void load_raw(uint8_t *dst, const mmq_args &p, int64_t r0, int kb)
+{
+    constexpr bool aligned = T::span % 16 == 0;
+    constexpr int pieces = aligned ? T::span / 16 : T::slot / 16;
+    for (int i = threadIdx.x; i < ROWS * pieces; i += MMQ_THREADS) {
+        int rr = i / pieces, k = i % pieces;
+        const uint8_t *span = span_at<T>(p, r0, rr, kb);
+        if (aligned) {
+            cp_async16(dst + rr * T::slot + 16 * k, span + 16 * k, 16);
+            continue;
+        }
+        const uint8_t *src = (const uint8_t *)((uintptr_t)span & ~(uintptr_t)15) + 16 * k;
+        if (src < span + T::span) {
+            ptrdiff_t left = p.w_end - src;
+            cp_async16(dst + rr * T::slot + 16 * k, src, left < 16 ? (int)left : 16);
+        }
+    }
+}
+
+/* Queues the activations of k-step kb, rows n0 .. n0 + BM - 1 (zeros past m). */
+template <int BM>
+static __device__ __forceinline__ void load_x(uint8_t *dst, const mmq_args &p, int64_t n0, int kb)
+{
+    for (int i = threadIdx.x; i < BM * 32; i += MMQ_THREADS) {
+        int nn = i / 32, k = i % 32;
+        int64_t n = n0 + nn < p.m ? n0 + nn : p.m - 1;
+        const __half *src = p.xh + n * p.cols + (int64_t)kb * MMQ_K + 8 * k;
+        cp_async16(dst + nn * 512 + ((k ^ ((nn & 1) << 2)) * 16), src, n0 + nn < p.m ? 16 : 0);
+    }
+}
+
+/* acc += this warp's share of the stage's k-step: its 32 weight rows, the
+ * groups a of k-warp KW, the BM activation rows. Thread (g = lane / 4,
+ * t = lane % 4) dequantizes rows g, g + 8, g + 16, g + 24 of the warp,
+ * elements 32a + 8t .. + 7 of each group. */
+template <class T, int BM, int KW>
+static __device__ __forceinline__ void mma_groups(const uint8_t *stage, const mmq_args &p, int64_t r0, int kb,
+                                                  float (&acc)[2][BM / 8][4])
+{
+    typedef mmq_warps<BM> W;
+    constexpr int groups = 8 / W::kw, a0 = KW * groups;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const int rw = warp % W::rw;
+    const uint8_t *blk[4];
+#pragma unroll
+    for (int q = 0; q < 4; q++) {
+        int rr = rw * 32 + g + 8 * q;
+        blk[q] = stage + rr * T::slot + (T::span % 16 == 0 ? 0 : (uintptr_t)span_at<T>(p, r0, rr, kb) & 15);
+    }
+    const uint8_t *xs = stage + mmq_shape<T, BM>::raw;
+#pragma unroll
+    for (int ai = 0; ai < groups; ai++) {
+        const int a = a0 + ai;
+        uint32_t af[2][2][4];   /* [m16 tile][chunk 2a + u][register] */
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            uint32_t w0, w1;
+            float d, mn;
+            uint32_t v[4];
+            T::group(blk[q], t, a, w0, w1, d, mn);
+            deq_group<T>(w0, w1, d, mn, v);
+            int mt = q / 2, h = q % 2;
+            af[mt][0][h] = v[0];
+            af[mt][0][2 + h] = v[1];
+            af[mt][1][h] = v[2];
+            af[mt][1][2 + h] = v[3];
+        }
+#pragma unroll
+        for (int nt = 0; nt < BM / 8; nt++) {
+            uint4 b = *(const uint4 *)(xs + (8 * nt + g) * 512 + (((4 * a + t) ^ ((g & 1) << 2)) * 16));
+            mma16816(acc[0][nt], af[0][0], b.x, b.y);
+            mma16816(acc[1][nt], af[1][0], b.x, b.y);
+            mma16816(acc[0][nt], af[0][1], b.z, b.w);
+            mma16816(acc[1][nt], af[1][1], b.z, b.w);
+        }
+    }
+}
+
+/* The warp's k-warp index as a compile-time constant, so that every group
+ * number, shift and scale index in the dequantization is one. */
+template <class T, int BM>
+static __device__ __forceinline__ void mma_step(const uint8_t *stage, const mmq_args &p, int64_t r0, int kb,
+                                                float (&acc)[2][BM / 8][4])
+{
+    typedef mmq_warps<BM> W;
+    switch (threadIdx.x / 32 / W::rw) {
+    case 0: mma_groups<T, BM, 0>(stage, p, r0, kb, acc); break;
+    case 1: mma_groups<T, BM, 1>(stage, p, r0, kb, acc); break;
+    case 2: if (W::kw > 2) mma_groups<T, BM, 2 % W::kw>(stage, p, r0, kb, acc); break;
+    default: if (W::kw > 3) mma_groups<T, BM, 3 % W::kw>(stage, p, r0, kb, acc); break;
+    }
+}
+
+/* The output of accumulator (mt, nt, c) of row thread th (= row warp * 32
+ * + lane): its weight row and activation row inside the tile. */
+static __device__ __forceinline__ void acc_at(int th, int mt, int nt, int c, int &rr, int &nn)
+{
+    int warp = th / 32, g = th % 32 / 4, t = th % 4;
+    rr = warp * 32 + 16 * mt + g + 8 * (c / 2);
+    nn = 8 * nt + 2 * t + c % 2;
+}
+
+/* Grid: (activation tiles, weight-row tiles, splits of k); the splits of a
+ * tile form one cluster. */
+template <class T, int BM>
+static __global__ void __launch_bounds__(MMQ_THREADS, mmq_warps<BM>::min_ctas) mmq_kernel(mmq_args p)
+{
+    typedef mmq_shape<T, BM> S;
+    typedef mmq_warps<BM> W;
+    constexpr int E = BM;   /* accumulators per thread: 2 m16 tiles x BM / 8 n8 tiles x 4 */
+    extern __shared__ __align__(16) uint8_t smem[];
+    const int64_t n0 = (int64_t)blockIdx.x * BM, r0 = (int64_t)blockIdx.y * W::rows;
+    const int splits = gridDim.z, split = blockIdx.z;
+    const int kb0 = (int)((int64_t)split * p.nkb / splits), kb1 = (int)((int64_t)(split + 1) * p.nkb / splits);
+    const int nk = kb1 - kb0;
+
+    /* The weights do not depend on the previous kernel: their first stages
+     * are fetched before waiting for it. The first commit group then holds
+     * all of them with stage 0's activations. */
+    for (int s = 0; s < S::stages - 1; s++)
+        if (s < nk) load_raw<T, W::rows>(smem + s * S::stage, p, r0, kb0 + s);
+    wait_for_previous_kernel();
+    for (int s = 0; s < S::stages - 1; s++) {
+        if (s < nk) load_x<BM>(smem + s * S::stage + S::raw, p, n0, kb0 + s);
+        cp_async_commit();
+    }
+
+    float acc[2][BM / 8][4];
+#pragma unroll
+    for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+        for (int nt = 0; nt < BM / 8; nt++)
+#pragma unroll
+            for (int c = 0; c < 4; c++) acc[mt][nt][c] = 0.0f;
+
+    for (int i = 0; i < nk; i++) {
+        cp_async_wait<S::stages - 2>();
+        __syncthreads();   /* step i has landed, and every warp is done with step i - 1's buffer */
+        int next = i + S::stages - 1;
+        if (next < nk) {
+            uint8_t *st = smem + (next % S::stages) * S::stage;
+            load_raw<T, W::rows>(st, p, r0, kb0 + next);
+            load_x<BM>(st + S::raw, p, n0, kb0 + next);
+        }
+        cp_async_commit();
+        mma_step<T, BM>(smem + (i % S::stages) * S::stage, p, r0, kb0 + i, acc);
+    }
+
+    /* The k-warps' partial results meet in shared memory as
+     * red[k-warp - 1][e][row thread], e = (mt, nt, c); k-warp 0 adds them
+     * to its own in k-warp order. */
+    cp_async_wait<0>();
+    __syncthreads();
+    float *red = (float *)smem;
+    const int kw = threadIdx.x / W::row_threads, th = threadIdx.x % W::row_threads;
+    if (kw > 0)
+#pragma unroll
+        for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+            for (int nt = 0; nt < BM / 8; nt++)
+#pragma unroll
+                for (int c = 0; c < 4; c++)
+                    red[((kw - 1) * E + (mt * (BM / 8) + nt) * 4 + c) * W::row_threads + th] = acc[mt][nt][c];
+    __syncthreads();
+    if (kw == 0)
+        for (int k = 1; k < W::kw; k++)
+#pragma unroll
+            for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+                for (int nt = 0; nt < BM / 8; nt++)
+#pragma unroll
+                    for (int c = 0; c < 4; c++)
+                        acc[mt][nt][c] += red[((k - 1) * E + (mt * (BM / 8) + nt) * 4 + c) * W::row_threads + th];
+
+    if (splits == 1) {
+        if (kw == 0)
+#pragma unroll
+            for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+                for (int nt = 0; nt < BM / 8; nt++)
+#pragma unroll
+                    for (int c = 0; c < 4; c++) {
+                        int rr, nn;
+                        acc_at(th, mt, nt, c, rr, nn);
+                        if (r0 + rr < p.rows && n0 + nn < p.m) p.y[(n0 + nn) * p.rows + r0 + rr] = acc[mt][nt][c];
+                    }
+        return;
+    }
+
+    /* Split k: the CTA's tile goes to red[e][row thread]; rank k of the
+     * cluster then sums its slice of every CTA's red, in rank order. */
+    __syncthreads();
+    if (kw == 0)
+#pragma unroll
+        for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+            for (int nt = 0; nt < BM / 8; nt++)
+#pragma unroll
+                for (int c = 0; c < 4; c++) red[((mt * (BM / 8) + nt) * 4 + c) * W::row_threads + th] = acc[mt][nt][c];
+    cg::cluster_group cluster = cg::this_cluster();
+    cluster.sync();
+    constexpr int units = W::row_threads * E / 4;   /* float4s of the tile */
+    const int rank = (int)cluster.block_rank();
+    const int u1 = (rank + 1) * units / splits;
+    for (int u = rank * units / splits + (int)threadIdx.x; u < u1; u += MMQ_THREADS) {
+        float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        for (int k = 0; k < splits; k++) {
+            float4 v = ((const float4 *)cluster.map_shared_rank(red, k))[u];
+            sum.x += v.x;
+            sum.y += v.y;
+            sum.z += v.z;
+            sum.w += v.w;
+        }
+        /* the four floats are row threads 4j .. 4j + 3 of one element e:
+         * one quad, t = 0..3 */
+        int e = 4 * u / W::row_threads, th0 = 4 * u % W::row_threads;
+        int c = e % 4, nt = e / 4 % (BM / 8), mt = e / 4 / (BM / 8);
+        float s[4] = { sum.x, sum.y, sum.z, sum.w };
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            int rr, nn;
+            acc_at(th0 + j, mt, nt, c, rr, nn);
+            if (r0 + rr < p.rows && n0 + nn < p.m) p.y[(n0 + nn) * p.rows + r0 + rr] = s[j];
+        }
+    }
+    cluster.sync();   /* no CTA leaves while another still reads its memory */
+}
+
+/* m x cols activations to f16, 8 per thread (cols is a multiple of 256). */
+static __global__ void mmq_x_to_f16(const float *__restrict__ x, int64_t n8, __half *__restrict__ xh)
+{
+    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    let_next_kernel_start();
+    if (i >= n8) return;
+    float4 a = ((const float4 *)x)[2 * i], b = ((const float4 *)x)[2 * i + 1];
+    ((uint4 *)xh)[i] = make_uint4(pack_h2(a.x, a.y), pack_h2(a.z, a.w), pack_h2(b.x, b.y), pack_h2(b.z, b.w));
+}
+
+/* ---- host side ---------------------------------------------------------------- */
+
+/* How many CTAs, and clusters of 2, 4 and 8 CTAs, of one kernel fit on the
+ * GPU at once, found at its first launch on a device (after raising its
+ * shared-memory limit there: the limit belongs to the device's context). */
+typedef struct mmq_fit {
+    uint64_t ready;            /* devices (bit = ordinal) set up */
+    int clusters[4];           /* [log2 of the cluster size]; [0]: single CTAs */
+} mmq_fit;
+
+template <class T, int BM>
+static const mmq_fit *mmq_setup(cuda_backend *c)
+{
+    static mmq_fit fit;
+    uint64_t bit = c->device < 64 ? (uint64_t)1 << c->device : 0;
+    if (bit && (fit.ready & bit)) return &fit;
+    const void *fn = (const void *)mmq_kernel<T, BM>;
+    int smem = mmq_shape<T, BM>::smem, per_sm = 0;
+    if (luma_cuda_fail(c, cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
+                       "matmul (mmq shared memory limit)") ||
+        luma_cuda_fail(c, cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fn, MMQ_THREADS, (size_t)smem),
+                       "matmul (mmq occupancy)"))
+        return NULL;
+    fit.clusters[0] = per_sm * c->n_sm;
+    for (int l = 1; l < 4; l++) {
+        cudaLaunchConfig_t cfg = {};
+        cudaLaunchAttribute attr;
+        cfg.gridDim = dim3(1, 1, 1u << l);
+        cfg.blockDim = dim3(MMQ_THREADS);
+        cfg.dynamicSmemBytes = (size_t)smem;
+        attr.id = cudaLaunchAttributeClusterDimension;
+        attr.val.clusterDim.x = 1;
+        attr.val.clusterDim.y = 1;
+        attr.val.clusterDim.z = 1u << l;
+        cfg.attrs = &attr;
+        cfg.numAttrs = 1;
+        int n = 0;
+        if (luma_cuda_fail(c, cudaOccupancyMaxActiveClusters(&n, fn, &cfg), "matmul (mmq cluster occupancy)"))
+            return NULL;
+        fit.clusters[l] = n;
+    }
+    fit.ready |= bit;
+    return &fit;
+}
+
+/* The splits of k (1, 2, 4, 8: the portable cluster size) with the least
+ * estimated time: waves of clusters x (k-steps per CTA + MMQ_FILL). */
+static int mmq_splits(const mmq_fit *fit, int64_t tiles, int nkb)
+{
+    int best = 1;
+    int64_t best_cost = INT64_MAX;
+    for (int l = 0; l < 4; l++) {
+        int s = 1 << l;
+        if (s > nkb || fit->clusters[l] <= 0) continue;
+        int64_t waves = (tiles + fit->clusters[l] - 1) / fit->clusters[l];
+        int64_t cost = waves * ((nkb + s - 1) / s + MMQ_FILL);
+        if (cost < best_cost) {
+            best = s;
+            best_cost = cost;
+        }
+    }
+    return best;
+}
+
+template <class T, int BM>
+static void mmq_launch(cuda_backend *c, const luma_weight *w, const __half *xh, int64_t m, float *y)
+{
+    typedef mmq_warps<BM> W;
+    const mmq_fit *fit = mmq_setup<T, BM>(c);
+    if (!fit) return;
+    mmq_args p;
+    p.row_bytes = luma_row_size(w->type, w->cols);
+    p.w = (const uint8_t *)w->dev;
+    p.w_end = p.w + p.row_bytes * (size_t)w->rows;
+    p.rows = w->rows;
+    p.m = m;
+    p.cols = w->cols;
+    p.nkb = (int)(w->cols / MMQ_K);
+    p.xh = xh;
+    p.y = y;
+    int64_t n_tiles = (m + BM - 1) / BM, row_tiles = (w->rows + W::rows - 1) / W::rows;
+    int splits = mmq_splits(fit, n_tiles * row_tiles, p.nkb);
+
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3((unsigned)n_tiles, (unsigned)row_tiles, (unsigned)splits);
+    cfg.blockDim = dim3(MMQ_THREADS);
+    cfg.dynamicSmemBytes = mmq_shape<T, BM>::smem;
+    cfg.stream = c->stream;
+    cudaLaunchAttribute attr[2];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    attr[1].id = cudaLaunchAttributeClusterDimension;
+    attr[1].val.clusterDim.x = 1;
+    attr[1].val.clusterDim.y = 1;
+    attr[1].val.clusterDim.z = (unsigned)splits;
+    cfg.attrs = attr;
+    cfg.numAttrs = splits > 1 ? 2 : 1;
+    luma_cuda_fail(c, cudaLaunchKernelEx(&cfg, mmq_kernel<T, BM>, p), "matmul (mmq kernel)");
+}
+
+/* Activation tiles of 8, 16, 32 or 64 rows; a larger m takes several tiles
+ * of 64, each reading the weights again (from L2 when they run together). */
+template <class T>
+static void mmq_run(cuda_backend *c, const luma_weight *w, const __half *xh, int64_t m, float *y)
+{
+    if (m <= 8) mmq_launch<T, 8>(c, w, xh, m, y);
+    else if (m <= 16) mmq_launch<T, 16>(c, w, xh, m, y);
+    else if (m <= 32) mmq_launch<T, 32>(c, w, xh, m, y);
+    else mmq_launch<T, 64>(c, w, xh, m, y);
+}
+
+static bool mmq_supports(enum luma_type t)
+{
+    switch (t) {
+    case LUMA_Q4_0: case LUMA_Q5_0: case LUMA_Q8_0: case LUMA_Q4_K: case LUMA_Q5_K: case LUMA_Q6_K:
+        return true;
+    default:
+        return false;
+    }
+}
+
+/* Whether the kernels can take this product: weights on the device, k-steps
+ * of whole 256-element spans, 16-byte aligned weights and activations, grid
+ * limits. */
+static bool mmq_fits(const luma_weight *w, const float *x, int64_t m)
+{
+    return mmq_supports(w->type) && m >= 1 && w->rows >= 1 && w->cols >= MMQ_K && w->cols % MMQ_K == 0 &&
+           w->cols / MMQ_K <= INT32_MAX && (w->rows + 63) / 64 <= 65535 && m <= INT32_MAX &&
+           w->dev && ((uintptr_t)w->dev & 15) == 0 && ((uintptr_t)x & 15) == 0;
+}
+
+/* The measured rule (cuda/NOTES.md, spec/native/test_cuda_mmq's table on
+ * the H100): per type, the m for which this kernel beat matmul's other path
+ * on all three of llama-8B's matrices timed (4096 x 4096, 14336 x 4096,
+ * 4096 x 14336). That path is the matrix-vector kernels up to m = 8, then
+ * cuBLAS on the weight's resident f16 copy when the backend keeps one, or
+ * cuBLAS after dequantizing the weight per call. A bound between two
+ * measured m where the kernel won at both is taken to hold in between. */
+static const struct mmq_rule {
+    enum luma_type type;
+    int16_t lo, hi_res, hi_pc;   /* lo <= m <= hi_res with a resident copy, hi_pc without */
+} mmq_rules[] = {
+    { LUMA_Q4_K, 8, 16, 128 },
+    { LUMA_Q5_K, 8, 16, 128 },
+    { LUMA_Q6_K, 8, 8, 128 },
+    { LUMA_Q8_0, 2, 32, 128 },
+    { LUMA_Q4_0, 4, 32, 128 },
+    { LUMA_Q5_0, 8, 16, 128 },
+};
+
+static bool mmq_wins(const cuda_backend *c, const luma_weight *w, int64_t m)
+{
+    bool resident = c->f16_mode == CUDA_F16_RESIDENT && w->dev_f16;
+    for (size_t i = 0; i < sizeof mmq_rules / sizeof mmq_rules[0]; i++) {
+        const struct mmq_rule *r = &mmq_rules[i];
+        if (r->type == w->type) return m >= r->lo && m <= (resident ? r->hi_res : r->hi_pc);
+    }
+    return false;
+}
+
+bool luma_cuda_mmq(cuda_backend *c, const luma_weight *w, const float *x, int64_t m, float *y)
+{
+    if (c->mmq_policy < 0 || !mmq_fits(w, x, m)) return false;
+    if (c->mmq_policy == 0 && !mmq_wins(c, w, m)) return false;
+    if (!LUMA_CUDA_OK(c)) return true;
+    size_t elems, bytes;
+    if (luma_mul_size((size_t)m, (size_t)w->cols, &elems) || luma_mul_size(elems, sizeof(__half), &bytes)) {
+        luma_cuda_failf(c, "matmul: %lld x %lld activations are too large", (long long)m, (long long)w->cols);
+        return true;
+    }
+    __half *xh = (__half *)luma_cuda_scratch(c, bytes);
+    if (!xh) return true;
+    int64_t n8 = (int64_t)(elems / 8);
+    mmq_x_to_f16<<<(unsigned)((n8 + 255) / 256), 256, 0, c->stream>>>(x, n8, xh);
+    if (luma_cuda_fail(c, cudaGetLastError(), "matmul (mmq activations to f16)")) return true;
+    switch (w->type) {
+    case LUMA_Q4_0: mmq_run<mmq_q4_0>(c, w, xh, m, y); break;
+    case LUMA_Q5_0: mmq_run<mmq_q5_0>(c, w, xh, m, y); break;
+    case LUMA_Q8_0: mmq_run<mmq_q8_0>(c, w, xh, m, y); break;
+    case LUMA_Q4_K: mmq_run<mmq_q4_K>(c, w, xh, m, y); break;
+    case LUMA_Q5_K: mmq_run<mmq_q5_K>(c, w, xh, m, y); break;
+    case LUMA_Q6_K: mmq_run<mmq_q6_K>(c, w, xh, m, y); break;
+    default: break;
+    }
+    return true;
+}
+
+/* ---- for measuring (spec/native/test_cuda_mmq.c) ------------------------------ */
+
+extern "C" void luma_cuda_mmq_policy(luma_backend *be, int policy)
+{
+    ((cuda_backend *)be)->mmq_policy = policy < 0 ? -1 : policy > 0 ? 1 : 0;
+}
+
+extern "C" bool luma_cuda_mmq_matmul(luma_backend *be, const luma_weight *w, const luma_buf *x, luma_buf *y)
+{
+    cuda_backend *c = (cuda_backend *)be;
+    if (!luma_cuda_mmq(c, w, x->data, x->rows, y->data)) return false;
+    y->rows = x->rows;
+    y->cols = w->rows;
+    return true;
+}

@@ -1,0 +1,466 @@
+/* The tensor-core product on quantized weights (cuda/mmq.cu), forced on
+ * through luma_cuda_mmq_policy, against a double-precision CPU reference
+ * built from luma_dequantize_row and the f32 activations:
+ *   - Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K weights (random blocks with sane
+ *     half scales: random_weights of testutil.h), llama-8B's shapes
+ *     4096 x 4096, 14336 x 4096 and 4096 x 14336 and small ones that leave
+ *     partial tiles (333 rows, 130 rows, one k-step of 256 columns, one
+ *     row tile over 14336 columns), m from 1 to 512, multiples of the
+ *     activation tiles and not: each output's error relative to sum |w x|
+ *     stays under TOL (f16 operands, f32 accumulation);
+ *   - the same product twice gives the same bits (split-k partial tiles are
+ *     summed in a fixed order);
+ *   - the policy: -1 declines everything, 1 takes every supported product;
+ *     types it does not cover and widths that are not whole 256-element
+ *     steps are declined whatever the policy;
+ *   - then a timing table for the three big shapes and m = 1 .. 512
+ *     (cudaEvent, best of TIME_REPS calls queued behind a long memset,
+ *     weights rotated through copies larger than L2): this kernel against
+ *     matmul's own paths with mmq turned off: the matrix-vector kernels
+ *     (m <= 8) or cuBLAS on the resident f16 copy, and cuBLAS after
+ *     dequantizing per call. The last columns say what luma_cuda_mmq's
+ *     measured rule (policy 0) picks with a resident f16 copy and without.
+ * Without a CUDA device it says so and passes. LUMA_CUDA_QUICK=1 keeps to the
+ * small shapes and skips the timing. */
+#include "backend.h"
+#include "quant.h"
+#include "testutil.h"
+
+#include <math.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifdef LUMA_HAVE_CUDA
+#include <cuda_runtime.h>
+
+/* cuda/mmq.cu's entry points for measuring, with C linkage (the backend's
+ * internal header is C++). be must be a CUDA backend. */
+void luma_cuda_mmq_policy(luma_backend *be, int policy);
+bool luma_cuda_mmq_matmul(luma_backend *be, const luma_weight *w, const luma_buf *x, luma_buf *y);
+
+static const enum luma_type types[] = { LUMA_Q4_K, LUMA_Q6_K, LUMA_Q8_0, LUMA_Q5_K, LUMA_Q4_0, LUMA_Q5_0 };
+#define N_TYPES (int)(sizeof types / sizeof types[0])
+
+static const struct shape { int64_t rows, cols; int big; } shapes[] = {
+    { 333, 512, 0 }, { 130, 256, 0 }, { 1000, 768, 0 }, { 128, 14336, 0 },
+    { 4096, 4096, 1 }, { 14336, 4096, 1 }, { 4096, 14336, 1 },
+};
+#define N_SHAPES (int)(sizeof shapes / sizeof shapes[0])
+
+static const int check_ms[] = { 1, 2, 3, 8, 9, 16, 17, 32, 40, 64, 100, 128, 256, 300, 512 };
+#define N_CHECK_MS (int)(sizeof check_ms / sizeof check_ms[0])
+static const int time_ms[] = { 1, 2, 4, 8, 16, 32, 64, 128, 256, 512 };
+#define N_TIME_MS (int)(sizeof time_ms / sizeof time_ms[0])
+#define M_MAX 512
+
+/* f16 operands lose at most 2^-11 of each factor; f32 sums of up to 14336
+ * products add little to that. */
+#define TOL 2e-3
+
+#define SAMPLE_ROWS 32   /* weight rows checked per product */
+#define SAMPLE_ACTS 48   /* activation rows checked per product */
+#define TIME_REPS 8
+#define N_COPIES 8                            /* quantized copies timed in rotation */
+#define L2_DEFEAT_BYTES ((size_t)192 << 20)   /* well over the H100's 50 MB of L2 */
+#define QUEUE_BYTES ((size_t)1 << 30)         /* memset that keeps the GPU busy while calls queue */
+
+/* A cheap bell-shaped value in (-2, 2) with unit-ish spread. */
+static float bell(void)
+{
+    uint64_t r = rnd();
+    float a = (float)(r & 0xffffff) / (float)(1 << 24), b = (float)((r >> 24) & 0xffffff) / (float)(1 << 24);
+    return 2.0f * (a + b - 1.0f);
+}
+
+static int cuda_ok(cudaError_t e, const char *what)
+{
+    if (e == cudaSuccess) return 1;
+    CHECKF(0, "%s: %s", what, cudaGetErrorString(e));
+    return 0;
+}
+
+typedef struct ctx {
+    luma_backend *be;
+    int quick;
+    void *queue;               /* QUEUE_BYTES of device memory for the memset */
+    luma_buf x, y;             /* M_MAX rows of the current shape */
+} ctx;
+
+/* The ways of computing y = W x that are timed. */
+enum path { MMQ, MATMUL_RESIDENT, MATMUL_PER_CALL, N_PATHS };
+
+/* One timed (type, shape, m): microseconds per path (0: not timed) and
+ * whether policy 0 takes the product, with and without an f16 copy. */
+typedef struct timing {
+    double us[N_PATHS];
+    bool rule_res, rule_pc;
+} timing;
+
+/* ---- running one product ------------------------------------------------ */
+
+/* y = W x for the first m rows of cx->x, by the path: 0 on success. */
+static int run_path(ctx *cx, enum path pt, const luma_weight *w, int64_t m)
+{
+    luma_buf xv = luma_buf_rows(&cx->x, 0, m), yv = luma_buf_rows(&cx->y, 0, m);
+    yv.cols = w->rows;
+    if (pt == MMQ) {
+        luma_cuda_mmq_policy(cx->be, 1);
+        bool took = luma_cuda_mmq_matmul(cx->be, w, &xv, &yv);
+        CHECKF(took, "%s %lldx%lld m=%lld: mmq declined a product it supports", luma_type_name(w->type),
+               (long long)w->rows, (long long)w->cols, (long long)m);
+        return took ? 0 : -1;
+    }
+    luma_cuda_mmq_policy(cx->be, -1);
+    cx->be->ops->matmul(cx->be, w, &xv, &yv);
+    return 0;
+}
+
+/* Runs the product and reads y back (m x rows floats); 0 on success. */
+static int product(ctx *cx, enum path pt, const luma_weight *w, int64_t m, float *y)
+{
+    luma_err err = { { 0 } };
+    if (run_path(cx, pt, w, m) != 0) return -1;
+    if (cx->be->ops->sync(cx->be, &err) != 0) {
+        CHECKF(0, "%s %lldx%lld m=%lld: %s", luma_type_name(w->type), (long long)w->rows, (long long)w->cols,
+               (long long)m, err.msg);
+        return -1;
+    }
+    luma_buf yv = luma_buf_rows(&cx->y, 0, m);
+    yv.cols = w->rows;
+    if (cx->be->ops->buf_read(cx->be, &yv, y, &err) != 0) {
+        CHECKF(0, "buf_read: %s", err.msg);
+        return -1;
+    }
+    return 0;
+}
+
+/* Largest error of the sampled outputs relative to sum |w x|; wref holds
+ * the dequantized sampled rows. A non-finite output counts as infinite. */
+static double max_rel_error(const float *wref, const int64_t *rows_s, int ns, const float *x, int64_t m,
+                            int64_t cols, const float *y, int64_t rows)
+{
+    double worst = 0.0;
+    int64_t step = m <= SAMPLE_ACTS ? 1 : m / SAMPLE_ACTS;
+    for (int64_t j = 0; j < m; j += step)
+        for (int s = 0; s < ns; s++) {
+            const float *wr = wref + (size_t)s * (size_t)cols, *xr = x + (size_t)j * (size_t)cols;
+            double ref = 0.0, mag = 0.0;
+            for (int64_t k = 0; k < cols; k++) {
+                double p = (double)wr[k] * (double)xr[k];
+                ref += p;
+                mag += fabs(p);
+            }
+            double got = y[(size_t)j * (size_t)rows + (size_t)rows_s[s]];
+            double e = isfinite(got) ? fabs(got - ref) / (mag > 0.0 ? mag : 1.0) : INFINITY;
+            if (!(e <= worst)) worst = e;
+        }
+    return worst;
+}
+
+/* ---- timing --------------------------------------------------------------- */
+
+/* Copies of one weight for timing in rotation: quantized copies for mmq,
+ * the matrix-vector kernels and the per-call path, f16 copies (each paired
+ * with a quantized one) for the resident path. */
+typedef struct copies {
+    luma_weight q[N_COPIES], f[N_COPIES];
+    int nq, nf;
+} copies;
+
+static void copies_free(copies *cp)
+{
+    for (int i = 0; i < cp->nq; i++) cudaFree(cp->q[i].dev);
+    for (int i = 0; i < cp->nf; i++) cudaFree(cp->f[i].dev_f16);
+    cp->nq = cp->nf = 0;
+}
+
+static int copies_make(copies *cp, const luma_weight *w, size_t qbytes)
+{
+    size_t fbytes = (size_t)w->rows * (size_t)w->cols * 2;
+    int nf = (int)((L2_DEFEAT_BYTES + fbytes - 1) / fbytes);
+    if (nf > N_COPIES) nf = N_COPIES;
+    memset(cp, 0, sizeof *cp);
+    for (int i = 0; i < N_COPIES; i++) {
+        luma_weight *c = &cp->q[i];
+        *c = *w;
+        c->dev = c->dev_f16 = NULL;
+        if (!cuda_ok(cudaMalloc(&c->dev, qbytes), "cudaMalloc (weight copy)")) goto fail;
+        cp->nq++;
+        if (!cuda_ok(cudaMemcpy(c->dev, w->dev, qbytes, cudaMemcpyDeviceToDevice), "copy weights")) goto fail;
+    }
+    for (int i = 0; i < nf && w->dev_f16; i++) {
+        luma_weight *c = &cp->f[i];
+        *c = cp->q[i];
+        if (!cuda_ok(cudaMalloc(&c->dev_f16, fbytes), "cudaMalloc (f16 weight copy)")) goto fail;
+        cp->nf++;
+        if (!cuda_ok(cudaMemcpy(c->dev_f16, w->dev_f16, fbytes, cudaMemcpyDeviceToDevice), "copy f16 weights"))
+            goto fail;
+    }
+    return 0;
+fail:
+    copies_free(cp);
+    return -1;
+}
+
+/* Best time of TIME_REPS calls in microseconds, 0 on failure: the calls
+ * queue behind a long memset, each between two events on the legacy stream
+ * (which orders itself against the backend's blocking stream), each on the
+ * next copy of the weight. */
+static double time_path(ctx *cx, enum path pt, const copies *cp, int64_t m)
+{
+    const luma_weight *ws = pt == MATMUL_RESIDENT ? cp->f : cp->q;
+    int n = pt == MATMUL_RESIDENT ? cp->nf : cp->nq;
+    luma_err err = { { 0 } };
+    cudaEvent_t ev[2 * TIME_REPS];
+    int n_ev = 0;
+    double best = 0.0;
+    if (n == 0) return 0.0;
+    for (; n_ev < 2 * TIME_REPS; n_ev++)
+        if (!cuda_ok(cudaEventCreate(&ev[n_ev]), "cudaEventCreate")) goto done;
+    if (run_path(cx, pt, &ws[0], m) != 0 || cx->be->ops->sync(cx->be, &err) != 0) {   /* grows scratch */
+        CHECKF(0, "timing warm-up: %s", err.msg);
+        goto done;
+    }
+    if (!cuda_ok(cudaMemsetAsync(cx->queue, 1, QUEUE_BYTES, 0), "queue memset")) goto done;
+    for (int i = 0; i < TIME_REPS; i++) {
+        cudaEventRecord(ev[2 * i], 0);
+        run_path(cx, pt, &ws[(i + 1) % n], m);
+        cudaEventRecord(ev[2 * i + 1], 0);
+    }
+    if (cx->be->ops->sync(cx->be, &err) != 0) {
+        CHECKF(0, "timing: %s", err.msg);
+        goto done;
+    }
+    if (!cuda_ok(cudaEventSynchronize(ev[2 * TIME_REPS - 1]), "cudaEventSynchronize")) goto done;
+    for (int i = 0; i < TIME_REPS; i++) {
+        float ms_ = 0.0f;
+        if (!cuda_ok(cudaEventElapsedTime(&ms_, ev[2 * i], ev[2 * i + 1]), "cudaEventElapsedTime")) goto done;
+        if (best == 0.0 || ms_ * 1e3 < best) best = ms_ * 1e3;
+    }
+done:
+    for (int i = 0; i < n_ev; i++) cudaEventDestroy(ev[i]);
+    return best;
+}
+
+/* ---- one weight matrix ---------------------------------------------------- */
+
+/* Checks mmq for every m against the reference (and twice for the same
+ * bits), prints one line of the largest errors, and times the big shapes. */
+static void check_shape(ctx *cx, enum luma_type t, const struct shape *sh, timing tm[N_TIME_MS])
+{
+    const luma_backend_ops *ops = cx->be->ops;
+    int64_t rows = sh->rows, cols = sh->cols;
+    size_t row_bytes = luma_row_size(t, cols), bytes = row_bytes * (size_t)rows;
+    uint8_t *host = xmalloc(bytes);
+    random_weights(t, rows * cols, host);
+    luma_weight w = { .type = t, .rows = rows, .cols = cols, .host = host };
+    luma_err err = { { 0 } };
+    if (ops->weight_load(cx->be, &w, &err) != 0) {
+        CHECKF(0, "weight_load %s %lldx%lld: %s", luma_type_name(t), (long long)rows, (long long)cols, err.msg);
+        free(host);
+        return;
+    }
+    int m_max = cx->quick ? 128 : M_MAX;
+    if (ops->buf_alloc(cx->be, &cx->x, m_max, cols, &err) != 0 ||
+        ops->buf_alloc(cx->be, &cx->y, m_max, rows, &err) != 0) {
+        CHECKF(0, "buf_alloc: %s", err.msg);
+        goto out;
+    }
+
+    int64_t rows_s[SAMPLE_ROWS];
+    int ns = rows < SAMPLE_ROWS ? (int)rows : SAMPLE_ROWS;
+    for (int s = 0; s < ns; s++) rows_s[s] = ns == 1 ? 0 : (int64_t)s * (rows - 1) / (ns - 1);
+    float *wref = xmalloc((size_t)ns * (size_t)cols * sizeof(float));
+    for (int s = 0; s < ns; s++)
+        luma_dequantize_row(t, host + (size_t)rows_s[s] * row_bytes, wref + (size_t)s * (size_t)cols, cols);
+    float *x = xmalloc((size_t)m_max * (size_t)cols * sizeof(float));
+    float *y = xmalloc((size_t)m_max * (size_t)rows * sizeof(float));
+    float *y2 = xmalloc((size_t)m_max * (size_t)rows * sizeof(float));
+    for (int64_t k = 0; k < m_max * cols; k++) x[k] = bell();
+    if (!cuda_ok(cudaMemcpy(cx->x.data, x, (size_t)(m_max * cols) * sizeof(float), cudaMemcpyHostToDevice),
+                 "upload x"))
+        goto free_all;
+
+    char line[768];
+    int len = snprintf(line, sizeof line, "%-5s %5lldx%-5lld", luma_type_name(t), (long long)rows, (long long)cols);
+    for (int i = 0; i < N_CHECK_MS; i++) {
+        int64_t m = check_ms[i];
+        if (m > m_max) continue;
+        for (int64_t k = 0; k < m * rows; k++) y[k] = NAN;
+        if (product(cx, MMQ, &w, m, y) != 0) continue;
+        double e = max_rel_error(wref, rows_s, ns, x, m, cols, y, rows);
+        CHECKF(e <= TOL, "%s %lldx%lld m=%lld: max relative error %.3g > %.0e", luma_type_name(t), (long long)rows,
+               (long long)cols, (long long)m, e, TOL);
+        if (len < (int)sizeof line)
+            len += snprintf(line + len, sizeof line - (size_t)len, " %lld:%.0e", (long long)m, e);
+        if (m != 16 && m != 100) continue;
+        if (product(cx, MMQ, &w, m, y2) != 0) continue;
+        CHECKF(memcmp(y, y2, (size_t)(m * rows) * sizeof(float)) == 0,
+               "%s %lldx%lld m=%lld: two runs of the same product differ", luma_type_name(t), (long long)rows,
+               (long long)cols, (long long)m);
+    }
+    printf("%s  (m:error, tol %.0e)\n", line, TOL);
+
+    if (sh->big && !cx->quick) {
+        copies cp;
+        if (copies_make(&cp, &w, bytes) == 0) {
+            for (int i = 0; i < N_TIME_MS; i++) {
+                int64_t m = time_ms[i];
+                tm[i].us[MMQ] = time_path(cx, MMQ, &cp, m);
+                tm[i].us[MATMUL_RESIDENT] = time_path(cx, MATMUL_RESIDENT, &cp, m);
+                tm[i].us[MATMUL_PER_CALL] = m > 8 ? time_path(cx, MATMUL_PER_CALL, &cp, m) : 0.0;
+                luma_buf xv = luma_buf_rows(&cx->x, 0, m), yv = luma_buf_rows(&cx->y, 0, m);
+                luma_weight per_call = w;
+                per_call.dev_f16 = NULL;
+                luma_cuda_mmq_policy(cx->be, 0);
+                tm[i].rule_res = luma_cuda_mmq_matmul(cx->be, &w, &xv, &yv);
+                tm[i].rule_pc = luma_cuda_mmq_matmul(cx->be, &per_call, &xv, &yv);
+                if (ops->sync(cx->be, &err) != 0) CHECKF(0, "policy 0: %s", err.msg);
+            }
+            copies_free(&cp);
+        }
+    }
+free_all:
+    free(x);
+    free(y);
+    free(y2);
+    free(wref);
+out:
+    if (cx->x.data) ops->buf_free(cx->be, &cx->x);
+    if (cx->y.data) ops->buf_free(cx->be, &cx->y);
+    memset(&cx->x, 0, sizeof cx->x);
+    memset(&cx->y, 0, sizeof cx->y);
+    free(host);
+}
+
+/* The policy: -1 declines, 1 takes what mmq supports; unsupported types and
+ * widths are declined. The weights are never multiplied (m = 16 rows of
+ * a buffer that is never read). */
+static void check_policy(ctx *cx)
+{
+    const luma_backend_ops *ops = cx->be->ops;
+    struct { enum luma_type t; int64_t cols; bool supported; } cases[] = {
+        { LUMA_Q4_K, 512, true }, { LUMA_Q8_0, 640, false }, { LUMA_Q2_K, 512, false },
+        { LUMA_Q4_1, 512, false }, { LUMA_F16, 512, false },
+    };
+    luma_err err = { { 0 } };
+    int n = (int)(sizeof cases / sizeof cases[0]), checked = 0;
+    for (int i = 0; i < n; i++) {
+        int64_t rows = 64, cols = cases[i].cols;
+        size_t bytes = luma_row_size(cases[i].t, cols) * (size_t)rows;
+        uint8_t *host = xmalloc(bytes);
+        random_weights(cases[i].t, rows * cols, host);
+        luma_weight w = { .type = cases[i].t, .rows = rows, .cols = cols, .host = host };
+        luma_buf xb = { 0 }, yb = { 0 };
+        if (ops->weight_load(cx->be, &w, &err) != 0 || ops->buf_alloc(cx->be, &xb, 16, cols, &err) != 0 ||
+            ops->buf_alloc(cx->be, &yb, 16, rows, &err) != 0) {
+            CHECKF(0, "policy check setup: %s", err.msg);
+        } else {
+            cudaMemset(xb.data, 0, (size_t)(16 * cols) * sizeof(float));
+            luma_cuda_mmq_policy(cx->be, -1);
+            CHECKF(!luma_cuda_mmq_matmul(cx->be, &w, &xb, &yb), "policy -1 took a %s product",
+                   luma_type_name(cases[i].t));
+            luma_cuda_mmq_policy(cx->be, 1);
+            bool took = luma_cuda_mmq_matmul(cx->be, &w, &xb, &yb);
+            CHECKF(took == cases[i].supported, "policy 1 %s a %s product of %lld columns",
+                   took ? "took" : "declined", luma_type_name(cases[i].t), (long long)cols);
+            if (ops->sync(cx->be, &err) != 0) CHECKF(0, "policy check: %s", err.msg);
+            checked++;
+        }
+        if (xb.data) ops->buf_free(cx->be, &xb);
+        if (yb.data) ops->buf_free(cx->be, &yb);
+        free(host);
+    }
+    luma_cuda_mmq_policy(cx->be, 0);
+    printf("policy: %d cases checked\n", checked);
+}
+
+static void print_timing(enum luma_type t, const struct shape *sh, int64_t m, const timing *tm)
+{
+    double flop = 2.0 * (double)m * (double)sh->rows * (double)sh->cols;
+    double qbytes = (double)(luma_row_size(t, sh->cols) * (size_t)sh->rows);
+    double fbytes = 2.0 * (double)sh->rows * (double)sh->cols;
+    const double *us = tm->us;
+    double res_bytes = m <= 8 ? qbytes : fbytes;
+    printf("%-5s %5lldx%-5lld %4lld | %8.1f %6.1f %6.0f | %8.1f %6.1f %6.0f |", luma_type_name(t),
+           (long long)sh->rows, (long long)sh->cols, (long long)m, us[MMQ], us[MMQ] > 0 ? flop / (us[MMQ] * 1e6) : 0.0,
+           us[MMQ] > 0 ? qbytes / (us[MMQ] * 1e3) : 0.0, us[MATMUL_RESIDENT],
+           us[MATMUL_RESIDENT] > 0 ? flop / (us[MATMUL_RESIDENT] * 1e6) : 0.0,
+           us[MATMUL_RESIDENT] > 0 ? res_bytes / (us[MATMUL_RESIDENT] * 1e3) : 0.0);
+    if (us[MATMUL_PER_CALL] > 0)
+        printf(" %8.1f %6.1f |", us[MATMUL_PER_CALL], flop / (us[MATMUL_PER_CALL] * 1e6));
+    else
+        printf(" %8s %6s |", "-", "-");
+    double vs_res = us[MMQ] > 0 ? us[MATMUL_RESIDENT] / us[MMQ] : 0.0;
+    double vs_pc = us[MMQ] > 0 && us[MATMUL_PER_CALL] > 0 ? us[MATMUL_PER_CALL] / us[MMQ] : 0.0;
+    printf(" %5.2fx %-4s", vs_res, vs_res > 1.0 ? "mmq" : m <= 8 ? "mmv" : "cuBLAS");
+    if (vs_pc > 0) printf(" %5.2fx %-6s", vs_pc, vs_pc > 1.0 ? "mmq" : "cuBLAS");
+    else printf(" %6s %-6s", "-", "");
+    printf(" %-3s %s\n", tm->rule_res ? "mmq" : "-", tm->rule_pc ? "mmq" : "-");
+}
+
+static int run_checks(void)
+{
+    luma_err err = { { 0 } };
+    ctx cx = { 0 };
+    const char *q = getenv("LUMA_CUDA_QUICK");
+    cx.quick = q && *q && strcmp(q, "0") != 0;
+    cx.be = luma_backend_cuda_new(0, &err);
+    if (!cx.be) {
+        printf("test_cuda_mmq: FAIL: a CUDA device is present but the backend did not start: %s\n", err.msg);
+        return 1;
+    }
+    if (!cx.quick && !cuda_ok(cudaMalloc(&cx.queue, QUEUE_BYTES), "cudaMalloc (queue)")) cx.quick = 1;
+
+    check_policy(&cx);
+    static timing tms[N_TYPES][N_SHAPES][N_TIME_MS];
+    int checked = 0;
+    for (int ti = 0; ti < N_TYPES; ti++)
+        for (int si = 0; si < N_SHAPES; si++) {
+            if (cx.quick && shapes[si].big) continue;
+            check_shape(&cx, types[ti], &shapes[si], tms[ti][si]);
+            checked++;
+        }
+    printf("mmq: %d weight matrices checked%s\n", checked, cx.quick ? " (quick: small shapes only)" : "");
+
+    if (!cx.quick) {
+        printf("\ntiming (best of %d, weights cold in L2): microseconds, TFLOP/s, GB/s of the weights each path "
+               "reads\n", TIME_REPS);
+        printf("type  shape          m |      mmq: us TFLOP/s  GB/s | matmul resident f16 (mmv for m <= 8): us "
+               "TFLOP/s GB/s | per call: us TFLOP/s | mmq vs resident | vs per call | rule: resident, per call\n");
+        for (int ti = 0; ti < N_TYPES; ti++)
+            for (int si = 0; si < N_SHAPES; si++)
+                if (shapes[si].big)
+                    for (int i = 0; i < N_TIME_MS; i++)
+                        print_timing(types[ti], &shapes[si], time_ms[i], &tms[ti][si][i]);
+    }
+    if (cx.queue) cudaFree(cx.queue);
+    cx.be->ops->free(cx.be);
+    return 0;
+}
+
+#endif
+
+int main(void)
+{
+    rnd_seed(0x13198a2e03707344ULL);
+    if (!luma_backend_cuda_available()) {
+        printf("test_cuda_mmq: no CUDA device, the GPU checks did not run\n");
+        return 0;
+    }
+#ifdef LUMA_HAVE_CUDA
+    if (run_checks() != 0) return 1;
+#else
+    printf("test_cuda_mmq: FAIL: the library has a CUDA backend but this test was compiled without LUMA_HAVE_CUDA\n");
+    return 1;
+#endif
+    if (failures) {
+        printf("test_cuda_mmq: %d failures\n", failures);
+        return 1;
+    }
+    printf("test_cuda_mmq: all checks passed\n");
+    return 0;
+}

@@ -11,7 +11,9 @@
 # Lua is not needed: without it the binding is not built, only the library
 # and the native tests. The model comes from $LUMA_MODEL, else
 # ~/.cache/luma/models/gemma-3-270m-q4_k_m.gguf (test_cuda fails without it).
-# BUILD (build-cuda) and JOBS (all cores) may be set in the environment.
+# BUILD (build-cuda), JOBS (all cores) and LUMA_CMAKE_ARGS (extra arguments
+# for cmake, e.g. where Lua is) may be set in the environment; test_cuda_graphs
+# reads its vocabulary from LUMA_VOCAB or ../shared.
 set -u
 cd "$(dirname "$0")/.."
 BUILD=${BUILD:-build-cuda}
@@ -44,7 +46,8 @@ step() {
 }
 
 configure() {
-    local common=(-S . -B "$BUILD" -DLUMA_CUDA=ON -DCMAKE_BUILD_TYPE=Release)
+    # shellcheck disable=SC2206 # LUMA_CMAKE_ARGS: extra arguments, split on spaces
+    local common=(-S . -B "$BUILD" -DLUMA_CUDA=ON -DCMAKE_BUILD_TYPE=Release ${LUMA_CMAKE_ARGS:-})
     if cmake "${common[@]}"; then
         return 0
     fi

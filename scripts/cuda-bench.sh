@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# The CUDA backend's speed on one GPU, the measures of cuda/NOTES.md:
+#   1. a Release build with CUDA and Lua into $BUILD (build-cuda);
+#   2. a synthetic model of the 7B llama shape (`luma synth -p llama-7b`,
+#      Q4_K_M, the llama-spm vocabulary from $LUMA_VOCAB or ../shared);
+#   3. `luma bench` on it: prefill of 512 and 4096 tokens, decode at batch
+#      1, aggregate decode of 1, 8, 32 and 128 sequences (128-token prompts,
+#      128 new tokens each), with recorded decode steps (CUDA graphs) and,
+#      for comparison, without (LUMA_CUDA_GRAPHS=0);
+#   4. the same on the default model when it is present ($LUMA_MODEL or
+#      ~/.cache/luma/models/), with the Lua policy chain;
+# then every table, and a summary of the lines that matter last.
+# PEAK_GBS (3000: an H100's measured copy bandwidth) sets the roofline;
+# LUMA_CMAKE_ARGS passes extra arguments to cmake (where Lua is).
+set -u
+cd "$(dirname "$0")/.."
+BUILD=${BUILD:-build-cuda}
+JOBS=${JOBS:-$(nproc)}
+PEAK_GBS=${PEAK_GBS:-3000}
+VOCAB=${LUMA_VOCAB:-../shared/testdata/tokenizer/ggml-vocab-llama-spm.gguf}
+MODEL7=${MODEL7:-/tmp/luma-llama-7b.gguf}
+DEFAULT=${LUMA_MODEL:-$HOME/.cache/luma/models/gemma-3-270m-q4_k_m.gguf}
+export PATH="$PATH:/usr/local/cuda/bin"
+out=$(mktemp -d)
+
+# shellcheck disable=SC2086 # LUMA_CMAKE_ARGS: extra arguments, split on spaces
+cmake -S . -B "$BUILD" -DLUMA_CUDA=ON -DCMAKE_BUILD_TYPE=Release ${LUMA_CMAKE_ARGS:-} >/dev/null || exit 1
+cmake --build "$BUILD" -j "$JOBS" --target luma_cli 2>&1 | grep -E "error|warning" 
+[ -x "$BUILD/luma" ] || { echo "cuda-bench: $BUILD/luma was not built"; exit 1; }
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null
+
+if [ ! -f "$MODEL7" ]; then
+    "$BUILD/luma" synth -p llama-7b --vocab "$VOCAB" -o "$MODEL7" >/dev/null || exit 1
+fi
+common=(--backend cuda -r 2 -n 128 -b 1,8,32,128 --batch-prompt 128 --peak-gbs "$PEAK_GBS")
+echo "==== llama 7B shape, recorded decode steps"
+"$BUILD/luma" bench -m "$MODEL7" "${common[@]}" -p 512,4096 --max-rows 4096 --kv-mb 20000 --ctx 8192 |
+    tee "$out/l7"
+echo "==== llama 7B shape, LUMA_CUDA_GRAPHS=0"
+LUMA_CUDA_GRAPHS=0 "$BUILD/luma" bench -m "$MODEL7" "${common[@]}" -p 512 --max-rows 4096 --kv-mb 20000 \
+    --ctx 8192 | tee "$out/l7-eager"
+if [ -f "$DEFAULT" ]; then
+    echo "==== default model, recorded decode steps"
+    "$BUILD/luma" bench -m "$DEFAULT" "${common[@]}" -p 512,4096 --max-rows 4096 --kv-mb 8000 --ctx 8192 \
+        --policy | tee "$out/gemma"
+else
+    echo "==== the default model is not at $DEFAULT: its benchmark did not run"
+fi
+
+echo
+echo "==== summary"
+for f in l7 l7-eager gemma; do
+    [ -f "$out/$f" ] || continue
+    echo "-- $f"
+    grep -E "^(prefill|time to first|decode|fraction|aggregate|Lua policy cost)" "$out/$f"
+done
+rm -rf "$out"

@@ -6,17 +6,24 @@
  * [n_kv_head][block_tokens][head_dim_v], in F16 or F32. A query at position
  * p sees the keys first <= k <= p, first = window ? max(0, p - window + 1) : 0.
  *
- * Three steps per call:
- *   store    the step's k and v rows go to their positions' slots;
+ * Per call:
+ *   store    the k and v rows of prefill chunks go to their positions'
+ *            slots (store_kernel, only when the step has such chunks);
  *   decode   rows of short chunks (decode tokens) are computed one query row
- *            at a time: a CTA takes one row, one kv head and all the query
- *            heads sharing it (each K/V row is read once for the group), and
- *            one split of the row's keys; splits keep the GPU busy when few
- *            rows have long contexts and are merged by a second kernel
- *            (flash-decoding). The number of splits follows the step's
- *            dec_keys_bound, not its context lengths, so that a decode step
- *            recorded as a CUDA graph replays unchanged for every step of
- *            its bucket: splits past a row's keys leave empty partials.
+ *            at a time (decode_kernel): a CTA takes one row, one kv head and
+ *            all the query heads sharing it (each K/V row is read once for
+ *            the group), and one split of the row's keys; its warps each
+ *            stream their own tiles of 16 keys through a ring of cp.async
+ *            stages, scores and p V on the tensor cores (F16 caches). The
+ *            kernel stores the decode rows' own k and v itself and reads the
+ *            keys a step stores from the step, not the cache: a decode-only
+ *            step is one kernel. Splits keep the GPU busy when few rows have
+ *            long contexts; the last split of a row merges the others' partial
+ *            results (flash-decoding), or combine_kernel when they are many.
+ *            The number of splits follows the step's dec_keys_bound, not its
+ *            context lengths, so that a decode step recorded as a CUDA graph
+ *            replays unchanged for every step of its bucket: splits past a
+ *            row's keys return at once.
  *   prefill  long chunks are cut into tiles of LUMA_CUDA_ATTN_TILE (128)
  *            query rows, attended with an online softmax (flash attention):
  *            no score matrix is ever materialized beyond a tile of keys.
@@ -25,8 +32,8 @@
  *            others prefill_kernel (CUDA cores, f32 arithmetic, 16 rows of a
  *            tile per CTA).
  * All copy K and V rows from the cache to shared memory with 16-byte
- * asynchronous copies (cp.async), a whole pass of keys in flight at once, so
- * a CTA waits for memory once per pass rather than once per key.
+ * asynchronous copies (cp.async), whole tiles of keys in flight at once, so
+ * that a CTA waits for memory once per tile rather than once per key.
  *
  * Napkin math for decode: a context of n keys costs n * n_kv_head *
  * (dk + dv) * 2 bytes (F16) per layer and row; Gemma 3 270M at 4096 keys
@@ -37,17 +44,18 @@
  * whole K and V (16 MiB per layer) stay in the 50 MB L2. cuda/NOTES.md has
  * the measurements. */
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "cuda_internal.h"
 
 #define HEAD_MAX 256          /* largest head_dim_k / head_dim_v handled */
-#define DEC_THREADS 256
-#define DEC_WARPS (DEC_THREADS / 32)
-#define DEC_TILE 64           /* keys scored per pass of a decode CTA */
-#define DEC_HEADS 8           /* query heads per decode CTA (one kv head's group, or part of it) */
-#define MIN_SPLIT_KEYS 64     /* decode splits hold at least this many keys */
+#define DEC_MAX_WARPS 8       /* warps of a decode CTA at most */
+#define DEC_MAX_STAGES 4      /* stages of a decode warp's ring at most */
+#define DEC_HEADS 8           /* query heads per decode CTA: a kv head's group or part of it (4 when dv > 128) */
+#define DEC_MAX_SPLITS 256    /* splits of a decode row's keys at most */
+#define DEC_P_SCALE 16384.0f  /* softmax weights (<= 1) times this on the tensor cores: f16 stays normal longer */
 #define PF_QT 16              /* query rows per CUDA-core prefill CTA */
 #define PF_SUB (LUMA_CUDA_ATTN_TILE / PF_QT)   /* its CTAs per tile */
 #define PF_TPR 16             /* prefill threads per query row */
@@ -72,15 +80,19 @@ typedef struct attn_args {
     int32_t block_tokens, bt_shift, dk, dv;   /* block_tokens = 1 << bt_shift */
     int32_t n_head, n_kv_head, group;   /* group = n_head / n_kv_head */
     int32_t heads_per_cta, n_hchunks;   /* decode: query heads of a group per CTA */
-    int32_t v_lanes;           /* decode: lanes covering one V row, 8 elements each */
     float scale, softcap;
     int32_t window;
     int32_t n_seqs, pool_index;
-    const int32_t *pos, *row_seq, *blocks, *block_off, *seq_row0, *seq_nrows;
+    const int32_t *pos, *row_seq, *blocks, *block_off, *seq_row0, *seq_nrows, *seq_pos0;
     const int32_t *dec_rows, *tiles;
     int32_t n_tiles;
     int32_t split_len, n_splits;
-    float *part;               /* decode partials: [n_dec][n_head][n_splits][dv + 2] */
+    int32_t dec_tk, dec_warps, dec_stages;   /* decode: keys per tile, warps per CTA, stages per warp */
+    int32_t ldk, ldv, stage_elems;   /* decode: K and V row strides and a stage in a warp's ring, in elements */
+    float *part;               /* decode partial sums: [n_dec][n_head][n_splits][dv] */
+    float *part_ml;            /* their (m, l): [n_dec][n_head][n_splits][2] */
+    int32_t *counters;         /* decode: [n_dec][kv heads x head chunks] splits arrived */
+    int32_t merge_here;        /* decode: the last split of a row merges the partials (no combine_kernel) */
 } attn_args;
 
 /* ---- element access ------------------------------------------------------ */
@@ -107,6 +119,16 @@ __device__ static void load8(const float *p, float v[8])
     v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
     v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
 }
+
+/* Four consecutive elements (8-byte aligned for F16, 16 for F32) as floats. */
+__device__ static float4 load4(const __half *p)
+{
+    uint2 u = *(const uint2 *)p;
+    float2 a = __half22float2(*(const __half2 *)&u.x), b = __half22float2(*(const __half2 *)&u.y);
+    return make_float4(a.x, a.y, b.x, b.y);
+}
+
+__device__ static float4 load4(const float *p) { return *(const float4 *)p; }
 
 /* The K (or V) row of kv head h at position k of a sequence whose block
  * table is tab; NULL when the block was released. */
@@ -139,12 +161,14 @@ __device__ static float score(const attn_args &a, float dot)
 
 /* ---- store --------------------------------------------------------------- */
 
-/* grid (rows, kv heads): the row's k and v of head h into its slot. */
+/* grid (rows, kv heads): the row's k and v of head h into its slot, for
+ * the rows of prefill chunks; decode_kernel stores the decode rows. */
 template <typename T>
 __global__ static void store_kernel(const attn_args a)
 {
-    int32_t r = blockIdx.x, h = blockIdx.y, p = a.pos[r];
-    const int32_t *tab = block_table(a, a.row_seq[r]);
+    int32_t r = blockIdx.x, h = blockIdx.y, p = a.pos[r], seq = a.row_seq[r];
+    if (a.seq_nrows[seq] < LUMA_CUDA_PREFILL_MIN_ROWS) return;
+    const int32_t *tab = block_table(a, seq);
     T *kd = kv_row<T>(a, tab, h, p, false), *vd = kv_row<T>(a, tab, h, p, true);
     if (!kd) return;
     const float *ks = a.k + (size_t)r * (size_t)a.k_cols + (size_t)h * (size_t)a.dk;
@@ -193,222 +217,565 @@ __device__ static void tile_async(const attn_args &a, const int32_t *tab, int32_
     }
 }
 
+/* ---- tensor-core fragments ---------------------------------------------- */
+
+/* Four 8 x 8 matrices of halves: lane l gives the address of row l % 8 of
+ * matrix l / 8 and receives, in r[i], elements (l / 4, 2 (l % 4) + {0, 1})
+ * of matrix i (transposed: (2 (l % 4) + {0, 1}, l / 4)). */
+__device__ static void ldsm4(uint32_t r[4], const __half *p)
+{
+    unsigned s = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(s));
+}
+
+__device__ static void ldsm4_t(uint32_t r[4], const __half *p)
+{
+    unsigned s = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(s));
+}
+
+/* c (16 x 8, f32) += a (16 x 16, f16, row-major) b (16 x 8, f16). With g =
+ * lane / 4, t = lane % 4: a holds rows g, g + 8 at columns 2t + {0, 1} and
+ * 2t + 8 + {0, 1} (a[0] (g, 2t), a[1] (g + 8, 2t), a[2] (g, 2t + 8), a[3]
+ * (g + 8, 2t + 8)); b0 holds rows 2t + {0, 1} of column g, b1 rows 2t + 8 +
+ * {0, 1}; c holds (g, 2t + {0, 1}) in c[0..1] and (g + 8, ...) in c[2..3]. */
+__device__ static void mma16816(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1)
+{
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ static uint32_t pack_half2(float lo, float hi)
+{
+    __half2 h = __floats2half2_rn(lo, hi);
+    return *(uint32_t *)&h;
+}
+
 /* ---- decode -------------------------------------------------------------- */
 
-/* Dynamic shared memory of a decode CTA: q of its heads, a pass's scores,
- * and the pass's K and V rows, whose room also serves the final sum. */
-static size_t decode_smem(int32_t dk, int32_t dv, int32_t heads, size_t es)
+/* Eight elements of a step row (f32, any alignment) rounded to the cache's
+ * type, as the store would have written them, into 16 bytes of shared
+ * memory. */
+__device__ static void piece_from_floats(const float *x, __half *dst)
 {
-    size_t tile = (size_t)DEC_TILE * (size_t)(dk + dv) * es;
-    size_t red = (size_t)DEC_WARPS * (size_t)heads * (size_t)dv * sizeof(float);
-    return ((size_t)DEC_HEADS * (size_t)dk + (size_t)DEC_HEADS * DEC_TILE) * sizeof(float) + (tile > red ? tile : red);
+    __half2 h[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++) h[i] = __floats2half2_rn(x[2 * i], x[2 * i + 1]);
+    *(uint4 *)dst = *(const uint4 *)h;
 }
 
-/* grid (decode rows, splits, kv heads x head chunks). One CTA: one query
- * row, up to DEC_HEADS query heads of one kv head, keys [k0, k1) of the row,
- * DEC_TILE keys per pass:
- *   the pass's K and V rows are copied to shared memory at once (cp.async,
- *     16 bytes per copy: the whole tile is in flight together);
- *   A  scores: 8 lanes share a key (8 elements each per 64 of dk), a warp
- *      4 keys at once, every head of the group against the same K row;
- *   B  online softmax per head: running max m and sum l, and the factor
- *      that rescales the accumulators;
- *   C  acc += p V: v_lanes lanes cover a V row, 8 elements each, and every
- *      head uses the row.
- * The warps' accumulators are summed through shared memory at the end. */
-template <typename T>
-__global__ static void __launch_bounds__(DEC_THREADS) decode_kernel(const attn_args a)
+__device__ static void piece_from_floats(const float *x, float *dst)
 {
-    extern __shared__ __align__(16) unsigned char dsm[];
-    float *qs = (float *)dsm;                    /* [DEC_HEADS][dk] */
-    float *ps = qs + DEC_HEADS * a.dk;           /* [DEC_HEADS][DEC_TILE] */
-    T *ks = (T *)(ps + DEC_HEADS * DEC_TILE);    /* [DEC_TILE][dk] */
-    T *vs = ks + DEC_TILE * a.dk;                /* [DEC_TILE][dv] */
-    float *red = (float *)ks;                    /* [DEC_WARPS][heads][dv], after the last pass */
-    __shared__ float m_s[DEC_HEADS], l_s[DEC_HEADS], corr_s[DEC_HEADS];
+    *(float4 *)dst = make_float4(x[0], x[1], x[2], x[3]);
+}
 
-    int32_t y = blockIdx.x, split = blockIdx.y;
-    int32_t kvh = blockIdx.z / a.n_hchunks, hc0 = (int32_t)(blockIdx.z % a.n_hchunks) * a.heads_per_cta;
-    int32_t nh = min(a.heads_per_cta, a.group - hc0), h0 = kvh * a.group + hc0;
-    int32_t r = a.dec_rows[y], p = a.pos[r];
-    int32_t k0 = first_key(a, p) + split * a.split_len, k1 = min(p + 1, k0 + a.split_len);
-    const int32_t *tab = block_table(a, a.row_seq[r]);
+__device__ static float component(const float4 &v, int i)
+{
+    return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+/* Waits until at most n (a run-time count below 4) groups are in flight. */
+__device__ static void cp_async_wait_n(int n)
+{
+    if (n <= 0) cp_async_wait<0>();
+    else if (n == 1) cp_async_wait<1>();
+    else if (n == 2) cp_async_wait<2>();
+    else cp_async_wait<3>();
+}
+
+/* A lane's share of copying the K (or V) rows of a decode tile, the same
+ * for every tile: a row has ppr 16-byte pieces; the lane takes piece col
+ * (and col + 32, ...) of rows row0, row0 + rpp, ... (rpp rows side by side
+ * when a row has fewer than 32 pieces). lane_off: from a block's start to
+ * the lane's first piece in the head's first slot. */
+struct dec_copy {
+    int ppr, rpp, row0, col, passes, ld;
+    bool active;
+    int32_t row_bytes;
+    size_t lane_off;
+};
+
+template <typename T>
+__device__ static dec_copy dec_copy_for(const attn_args &a, int32_t kvh, bool value, int ld)
+{
+    dec_copy c;
+    int32_t d = value ? a.dv : a.dk;
+    int lane = threadIdx.x % 32;
+    c.ppr = d * (int)sizeof(T) / 16;
+    c.rpp = max(1, 32 / c.ppr);
+    c.row0 = lane / c.ppr;
+    c.col = lane % c.ppr;
+    c.active = c.row0 < c.rpp;
+    c.passes = (a.dec_tk + c.rpp - 1) / c.rpp;
+    c.ld = ld;
+    c.row_bytes = d * (int32_t)sizeof(T);
+    c.lane_off = a.layer_off + (value ? a.v_off : 0) + (size_t)kvh * (size_t)a.block_tokens * (size_t)c.row_bytes +
+                 (size_t)c.col * 16;
+    return c;
+}
+
+/* Starts copying the K (or V) rows of the tile at key kt into dst. src, in
+ * lane t < tk, says where the tile's key t comes from: a block of the
+ * cache (>= 0), nowhere (-1: past the split or a released block, read as
+ * zeros), or step row -2 - src (a key this step stores: taken from the
+ * step's k or v, rounded as the store rounds). */
+template <typename T>
+__device__ static void copy_rows(const attn_args &a, const dec_copy &cp, T *dst, int32_t src, int32_t kt, int32_t kvh,
+                                 bool value)
+{
+    const int PER = 16 / (int)sizeof(T);
+    for (int i = 0; i < cp.passes; i++) {
+        int rr = cp.row0 + i * cp.rpp;
+        int32_t s = __shfl_sync(0xffffffffu, src, rr & 31);
+        if (!cp.active || rr >= a.dec_tk) continue;
+        T *to = dst + rr * cp.ld + cp.col * PER;
+        if (s >= 0) {
+            const uint8_t *from = a.pool + (size_t)s * a.block_bytes + cp.lane_off +
+                                  (size_t)((kt + rr) & (a.block_tokens - 1)) * (size_t)cp.row_bytes;
+            for (int c = 0; c < cp.ppr - cp.col; c += 32) cp_async16(to + c * PER, from + c * 16, true);
+        } else if (s == -1) {
+            for (int c = 0; c < cp.ppr - cp.col; c += 32) cp_async16(to + c * PER, a.pool, false);
+        } else {
+            int32_t d = value ? a.dv : a.dk, r = -2 - s;
+            const float *from = (value ? a.v + (size_t)r * (size_t)a.v_cols : a.k + (size_t)r * (size_t)a.k_cols) +
+                                (size_t)kvh * (size_t)d + (size_t)cp.col * PER;
+            for (int c = 0; c < cp.ppr - cp.col; c += 32) piece_from_floats(from + c * PER, to + c * PER);
+        }
+    }
+}
+
+/* One warp: the weights exp(m_s - m) / l of the n_live splits whose (m, l)
+ * are at part_ml[2 (at + s)], into wt (shared memory). Every live split
+ * holds a key: its m is finite. */
+__device__ static void split_weights(const attn_args &a, size_t at, int32_t n_live, float *wt)
+{
+    int lane = threadIdx.x % 32;
+    const float *ml = a.part_ml + 2 * at;
+    float mx = -INFINITY, sum = 0.0f;
+    for (int32_t s = lane; s < n_live; s += 32) mx = fmaxf(mx, __ldcg(ml + 2 * s));
+    for (int o = 16; o > 0; o /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    for (int32_t s = lane; s < n_live; s += 32) sum += __ldcg(ml + 2 * s + 1) * expf(__ldcg(ml + 2 * s) - mx);
+    for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    for (int32_t s = lane; s < n_live; s += 32) wt[s] = expf(__ldcg(ml + 2 * s) - mx) / sum;
+}
+
+/* The scores of a decode tile in an F16 cache on the tensor cores: the
+ * CTA's query heads are the rows of an m16n8k16 product (rows past H are
+ * zero), the tile's 16 keys its columns (two n8 halves), K rows as they lie
+ * in the stage (ldmatrix, rows dk + 8 halves apart). q is split into f16
+ * hi + lo parts (qh, ql: [H][dk + 8] halves), two products summed in f32,
+ * so that the scores keep f32 accuracy against the f16 keys. Lane l gets
+ * the dot products of head l / 4 with keys 2 (l % 4) + {0, 1} (x[0..1])
+ * and 8 + 2 (l % 4) + {0, 1} (x[2..3]). */
+template <int H>
+__device__ static void tile_scores_mma(const attn_args &a, const __half *qh, const __half *ql, const __half *ks,
+                                       float x[4])
+{
+    int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, ldq = a.dk + 8;
+    int k_row = lane % 8 + 8 * (lane / 16), k_col = 8 * (lane / 8 % 2);
+    float s0[4] = { 0.0f, 0.0f, 0.0f, 0.0f }, s1[4] = { 0.0f, 0.0f, 0.0f, 0.0f };
+    for (int kc = 0; kc < a.dk / 16; kc++) {
+        uint32_t kf[4], hi[4] = { 0, 0, 0, 0 }, lo[4] = { 0, 0, 0, 0 };
+        ldsm4(kf, ks + k_row * a.ldk + kc * 16 + k_col);
+        if (g < H) {
+            int at = g * ldq + kc * 16 + 2 * t;
+            hi[0] = *(const uint32_t *)(qh + at);
+            hi[2] = *(const uint32_t *)(qh + at + 8);
+            lo[0] = *(const uint32_t *)(ql + at);
+            lo[2] = *(const uint32_t *)(ql + at + 8);
+        }
+        mma16816(s0, hi, kf[0], kf[1]);
+        mma16816(s1, hi, kf[2], kf[3]);
+        mma16816(s0, lo, kf[0], kf[1]);
+        mma16816(s1, lo, kf[2], kf[3]);
+    }
+    x[0] = s0[0];
+    x[1] = s0[1];
+    x[2] = s1[0];
+    x[3] = s1[1];
+}
+
+/* grid (decode rows, splits, kv heads x head chunks), dec_warps warps. One
+ * CTA: one query row, up to H query heads of one kv head (each K and V row
+ * is read once for them all), keys [k0, k1) of the row. The keys are cut
+ * into tiles of tk; warp w takes tiles w, w + warps, ... and runs alone:
+ * its own ring of dec_stages stages in shared memory, filled by cp.async
+ * (stages - 1 tiles in flight while it computes one), its own online
+ * softmax. Per tile, MMA (F16 caches, dk and dv multiples of 16):
+ *   scores  tile_scores_mma: lane l holds 4 scores of head l / 4;
+ *   softmax the tile's max over the lane's quad, exp, the rescale;
+ *   p V     on the tensor cores as O^T += V^T P^T: V^T (16 value columns
+ *           by 16 keys, ldmatrix.trans of the V rows) is the A operand and
+ *           the weights stay in registers as the B operand (the scores'
+ *           accumulator layout is B's), split into f16 hi + lo parts like
+ *           q; lane l then holds columns 16 i + l / 4 (+ 8) of heads
+ *           2 (l % 4) + {0, 1};
+ * otherwise (F32 caches) on the CUDA cores:
+ *   scores  32 / tk lanes share a key (a lane's part of dk against q of
+ *           every head from shared memory), summed by shuffles;
+ *   softmax per head, the weights to shared memory;
+ *   p V     a lane owns 4 of every 128 value columns for every head; the
+ *           weights of 4 keys come from shared memory as one float4.
+ * Heads past the CTA's own (H above the group) are computed on zero q and
+ * never written. Then the warps' results merge in shared memory. A row
+ * whose keys fit one split writes its output; otherwise each split writes
+ * a partial (sums, m, l), merged by the row's last split to arrive (a
+ * counter per row and head chunk, reset by it) when they are few
+ * (merge_here), else by combine_kernel.
+ * The row's own key, and every key its sequence stores in this step, comes
+ * from the step's k and v rather than from the cache: the split holding the
+ * row's position (head chunk 0) also stores the row into the cache, with no
+ * kernel before this one. */
+template <typename T, int H, bool MMA>
+__global__ static void __launch_bounds__(DEC_MAX_WARPS * 32, 1) decode_kernel(const attn_args a)
+{
+    const int VC = H == 8 ? 1 : 2;   /* CUDA cores: 128 value columns per lane group (H = 8 only for dv <= 128) */
+    const int MT = HEAD_MAX / 16;    /* MMA: m16 tiles of value columns */
+    extern __shared__ __align__(16) unsigned char dsm[];
+    const int TK = a.dec_tk, W = a.dec_warps, S = a.dec_stages;
+    /* q: MMA [2][H][dk + 8] halves (hi, lo), else [H][dk] floats; then the
+     * CUDA cores' weights [W][H][TK] */
+    float *qs = (float *)dsm;
+    __half *qh = (__half *)dsm, *ql = qh + H * (a.dk + 8);
+    float *ps_all = (float *)(dsm + (MMA ? (size_t)4 * H * (a.dk + 8) : (size_t)4 * H * a.dk));
+    T *rings = (T *)(ps_all + (MMA ? 0 : W * H * TK));   /* [W][S][stage_elems]; later the merge */
+    __shared__ int last_s;
+
     int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    int32_t y = blockIdx.x, split = blockIdx.y;
+    int32_t kvh = (int32_t)blockIdx.z / a.n_hchunks, hc0 = (int32_t)(blockIdx.z % a.n_hchunks) * a.heads_per_cta;
+    int32_t nh = min(a.heads_per_cta, a.group - hc0), h0 = kvh * a.group + hc0;
+    int32_t r = a.dec_rows[y], p = a.pos[r], seq = a.row_seq[r], first = first_key(a, p);
+    int32_t k0 = first + split * a.split_len;
+    if (k0 > p) return;   /* past the row's keys: no work, no partial */
+    int32_t k1 = min(p + 1, k0 + a.split_len), n_live = (p - first) / a.split_len + 1;
+    const int32_t *tab = block_table(a, seq);
+    int32_t spos0 = a.seq_pos0[seq], srow0 = a.seq_row0[seq];
+
+    /* this warp's tiles and its parts of the copies */
+    int32_t n_tiles = (k1 - k0 + TK - 1) / TK, nt = n_tiles > warp ? (n_tiles - warp + W - 1) / W : 0;
+    T *ring = rings + (size_t)warp * S * a.stage_elems;
+    int key_l = lane % TK;
+    dec_copy kcp = dec_copy_for<T>(a, kvh, false, a.ldk), vcp = dec_copy_for<T>(a, kvh, true, a.ldv);
+    auto issue = [&](int j) {
+        int32_t kt = k0 + (warp + j * W) * TK, src = -1, key = kt + key_l;
+        if (key < k1) src = key >= spos0 ? -2 - (srow0 + key - spos0) : tab[key >> a.bt_shift];
+        T *st = ring + (j % S) * a.stage_elems;
+        copy_rows<T>(a, kcp, st, src, kt, kvh, false);
+        copy_rows<T>(a, vcp, st + TK * a.ldk, src, kt, kvh, true);
+    };
+    for (int j = 0; j < S - 1; j++) {
+        if (j < nt) issue(j);
+        cp_async_commit();
+    }
 
     const float *q = a.q + (size_t)r * (size_t)a.q_cols + (size_t)h0 * (size_t)a.dk;
-    for (int i = tid; i < nh * a.dk; i += DEC_THREADS) qs[i] = q[i];
-    if (tid < DEC_HEADS) {
-        m_s[tid] = -INFINITY;
-        l_s[tid] = 0.0f;
-    }
-    float acc[DEC_HEADS][8];
-#pragma unroll
-    for (int g = 0; g < DEC_HEADS; g++)
-#pragma unroll
-        for (int j = 0; j < 8; j++) acc[g][j] = 0.0f;
-    int kpv = 32 / a.v_lanes, vsub = lane / a.v_lanes, ve = (lane % a.v_lanes) * 8;
-
-    for (int32_t kt = k0; kt < k1; kt += DEC_TILE) {
-        int32_t n = min(DEC_TILE, k1 - kt);
-        tile_async<T>(a, tab, kvh, kt, n, n, false, ks, a.dk, DEC_WARPS);
-        tile_async<T>(a, tab, kvh, kt, n, n, true, vs, a.dv, DEC_WARPS);
-        cp_async_commit();
-        cp_async_wait<0>();
-        __syncthreads();
-
-        int sl = lane % 8;
-        for (int kk = warp * 4 + lane / 8; kk < DEC_TILE; kk += 4 * DEC_WARPS) {
-            float part[DEC_HEADS];
-#pragma unroll
-            for (int g = 0; g < DEC_HEADS; g++) part[g] = 0.0f;
-            if (kk < n) {
-                for (int e = sl * 8; e < a.dk; e += 64) {
-                    float kv[8];
-                    load8(ks + kk * a.dk + e, kv);
-#pragma unroll
-                    for (int g = 0; g < DEC_HEADS; g++) {
-                        if (g >= nh) break;
-                        const float *qg = qs + g * a.dk + e;
-                        float4 q0 = *(const float4 *)qg, q1 = *(const float4 *)(qg + 4);
-                        part[g] += q0.x * kv[0] + q0.y * kv[1] + q0.z * kv[2] + q0.w * kv[3] +
-                                   q1.x * kv[4] + q1.y * kv[5] + q1.z * kv[6] + q1.w * kv[7];
-                    }
-                }
-            }
-#pragma unroll
-            for (int g = 0; g < DEC_HEADS; g++) {
-                if (g >= nh) break;   /* nh is the same for the whole CTA */
-                for (int o = 4; o > 0; o /= 2) part[g] += __shfl_xor_sync(0xffffffffu, part[g], o);
-            }
-            if (sl == 0)
-#pragma unroll
-                for (int g = 0; g < DEC_HEADS; g++) {
-                    if (g >= nh) break;
-                    ps[g * DEC_TILE + kk] = kk < n ? score(a, part[g]) : -INFINITY;
-                }
-        }
-        __syncthreads();
-
-        for (int g = warp; g < nh; g += DEC_WARPS) {
-            float s0 = ps[g * DEC_TILE + lane], s1 = ps[g * DEC_TILE + lane + 32], mx = fmaxf(s0, s1);
-            for (int o = 16; o > 0; o /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-            float m_new = fmaxf(m_s[g], mx);   /* finite: the pass holds key kt */
-            float e0 = expf(s0 - m_new), e1 = expf(s1 - m_new), sum = e0 + e1;
-            ps[g * DEC_TILE + lane] = e0;
-            ps[g * DEC_TILE + lane + 32] = e1;
-            for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-            if (lane == 0) {
-                float corr = expf(m_s[g] - m_new);
-                corr_s[g] = corr;
-                l_s[g] = l_s[g] * corr + sum;
-                m_s[g] = m_new;
-            }
-        }
-        __syncthreads();
-
-#pragma unroll
-        for (int g = 0; g < DEC_HEADS; g++) {
-            float cr = g < nh ? corr_s[g] : 0.0f;
-#pragma unroll
-            for (int j = 0; j < 8; j++) acc[g][j] *= cr;
-        }
-        if (ve < a.dv) {
-            for (int kk = warp * kpv + vsub; kk < n; kk += DEC_WARPS * kpv) {
-                float vv[8];
-                load8(vs + kk * a.dv + ve, vv);
-#pragma unroll
-                for (int g = 0; g < DEC_HEADS; g++) {
-                    if (g >= nh) break;
-                    float pg = ps[g * DEC_TILE + kk];
-#pragma unroll
-                    for (int j = 0; j < 8; j++) acc[g][j] += pg * vv[j];
-                }
-            }
-        }
-        __syncthreads();
-    }
-
-    /* lanes holding the same V elements for different keys, then warps */
-    for (int o = a.v_lanes; o < 32; o *= 2)
-#pragma unroll
-        for (int g = 0; g < DEC_HEADS; g++)
-#pragma unroll
-            for (int j = 0; j < 8; j++) acc[g][j] += __shfl_xor_sync(0xffffffffu, acc[g][j], o);
-    if (vsub == 0 && ve < a.dv)
-#pragma unroll
-        for (int g = 0; g < DEC_HEADS; g++) {
-            if (g >= nh) break;
-#pragma unroll
-            for (int j = 0; j < 8; j++) red[(warp * nh + g) * a.dv + ve + j] = acc[g][j];
-        }
-    __syncthreads();
-    for (int i = tid; i < nh * a.dv; i += DEC_THREADS) {
-        int g = i / a.dv, e = i % a.dv;
-        float o = 0.0f;
-        for (int w = 0; w < DEC_WARPS; w++) o += red[(w * nh + g) * a.dv + e];
-        if (a.n_splits == 1) {
-            a.out[(size_t)r * (size_t)a.out_cols + (size_t)(h0 + g) * (size_t)a.dv + (size_t)e] = o / l_s[g];
+    for (int i = tid; i < H * a.dk; i += blockDim.x) {
+        int g = i / a.dk, e = i % a.dk;
+        float x = g < nh ? q[i] : 0.0f;
+        if (MMA) {
+            __half hx = __float2half_rn(x);
+            qh[g * (a.dk + 8) + e] = hx;
+            ql[g * (a.dk + 8) + e] = __float2half_rn(x - __half2float(hx));
         } else {
-            float *pt = a.part + (((size_t)y * (size_t)a.n_head + (size_t)(h0 + g)) * (size_t)a.n_splits + (size_t)split) *
-                                     (size_t)(a.dv + 2);
-            pt[e] = o;
-            if (e == 0) {
-                pt[a.dv] = m_s[g];
-                pt[a.dv + 1] = l_s[g];
+            qs[i] = x;
+        }
+    }
+    if (hc0 == 0 && p < k1) {
+        int32_t b = tab[p >> a.bt_shift];
+        if (b >= 0) {
+            size_t slot = (size_t)kvh * (size_t)a.block_tokens + (size_t)(p & (a.block_tokens - 1));
+            uint8_t *layer = a.pool + (size_t)b * a.block_bytes + a.layer_off;
+            T *kd = (T *)layer + slot * (size_t)a.dk, *vd = (T *)(layer + a.v_off) + slot * (size_t)a.dv;
+            const float *ks = a.k + (size_t)r * (size_t)a.k_cols + (size_t)kvh * (size_t)a.dk;
+            const float *vs = a.v + (size_t)r * (size_t)a.v_cols + (size_t)kvh * (size_t)a.dv;
+            for (int32_t e = tid; e < a.dk; e += blockDim.x) from_float(ks[e], kd + e);
+            for (int32_t e = tid; e < a.dv; e += blockDim.x) from_float(vs[e], vd + e);
+        }
+    }
+    __syncthreads();
+
+    /* MMA: o[i] holds O^T fragments of value columns [16 i, 16 i + 16),
+     * m_row and l_row this lane's head's (lane / 4) maximum and share of
+     * the sum; CUDA cores: acc, m and l of every head in every lane */
+    float o[MMA ? MT : 1][4], m_row = -INFINITY, l_row = 0.0f;
+    float acc[MMA ? 1 : H][VC][4], m[H], l[H];
+#pragma unroll
+    for (int i = 0; i < (MMA ? MT : 1); i++) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+#pragma unroll
+    for (int g = 0; g < H; g++) {
+        m[g] = -INFINITY;
+        l[g] = 0.0f;
+    }
+#pragma unroll
+    for (int g = 0; g < (MMA ? 1 : H); g++)
+#pragma unroll
+        for (int c = 0; c < VC; c++) acc[g][c][0] = acc[g][c][1] = acc[g][c][2] = acc[g][c][3] = 0.0f;
+
+    for (int j = 0; j < nt; j++) {
+        if (j + S - 1 < nt) issue(j + S - 1);
+        cp_async_commit();
+        cp_async_wait_n(S - 1);
+        __syncwarp();
+        int32_t kt = k0 + (warp + j * W) * TK, n = min(TK, k1 - kt);
+        const T *ks = ring + (j % S) * a.stage_elems, *vs = ks + TK * a.ldk;
+
+        if (MMA) {
+            float x[4];
+            tile_scores_mma<H>(a, qh, ql, (const __half *)ks, x);
+            int t = lane % 4;
+            float mx = -INFINITY;
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                int key = (i / 2) * 8 + 2 * t + (i & 1);
+                x[i] = key < n ? score(a, x[i]) : -INFINITY;
+                mx = fmaxf(mx, x[i]);
+            }
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            float m_new = fmaxf(m_row, mx);   /* finite: the tile holds key kt */
+            float cr = expf(m_row - m_new), sum = 0.0f;
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                x[i] = expf(x[i] - m_new);
+                sum += x[i];
+            }
+            l_row = l_row * cr + sum;
+            m_row = m_new;
+            /* the weights as B fragments (keys 2t + {0, 1} and 8 + 2t +
+             * {0, 1} of head lane / 4), times DEC_P_SCALE (in (0, 1] they
+             * would reach f16's subnormals early), hi + lo; the rescale of
+             * heads 2t and 2t + 1, whose quads start at lanes 8t and 8t + 4 */
+#pragma unroll
+            for (int i = 0; i < 4; i++) x[i] *= DEC_P_SCALE;
+            uint32_t bh0 = pack_half2(x[0], x[1]), bh1 = pack_half2(x[2], x[3]);
+            float2 r0 = __half22float2(*(const __half2 *)&bh0), r1 = __half22float2(*(const __half2 *)&bh1);
+            uint32_t bl0 = pack_half2(x[0] - r0.x, x[1] - r0.y), bl1 = pack_half2(x[2] - r1.x, x[3] - r1.y);
+            float c0 = __shfl_sync(0xffffffffu, cr, 8 * t), c1 = __shfl_sync(0xffffffffu, cr, 8 * t + 4);
+            int v_row = lane % 8 + 8 * (lane / 16), v_col = 8 * (lane / 8 % 2);
+            const __half *vh = (const __half *)vs + v_row * a.ldv + v_col;
+#pragma unroll
+            for (int i = 0; i < MT; i++) {
+                if (i >= a.dv / 16) break;
+                o[i][0] *= c0;
+                o[i][1] *= c1;
+                o[i][2] *= c0;
+                o[i][3] *= c1;
+                uint32_t vf[4];
+                ldsm4_t(vf, vh + i * 16);
+                mma16816(o[i], vf, bh0, bh1);
+                mma16816(o[i], vf, bl0, bl1);
+            }
+        } else {
+            float *ps = ps_all + warp * H * TK, corr[H];
+            int part = lane / TK, lpk = 32 / TK;
+            float dot[H];
+#pragma unroll
+            for (int g = 0; g < H; g++) dot[g] = 0.0f;
+            for (int c = part * 8; c < a.dk; c += lpk * 8) {
+                float kv[8];
+                load8(ks + key_l * a.ldk + c, kv);
+#pragma unroll
+                for (int g = 0; g < H; g++) {
+                    float4 q0 = *(const float4 *)(qs + g * a.dk + c), q1 = *(const float4 *)(qs + g * a.dk + c + 4);
+                    dot[g] += q0.x * kv[0] + q0.y * kv[1] + q0.z * kv[2] + q0.w * kv[3] + q1.x * kv[4] +
+                              q1.y * kv[5] + q1.z * kv[6] + q1.w * kv[7];
+                }
+            }
+#pragma unroll
+            for (int g = 0; g < H; g++) {
+                for (int o2 = TK; o2 < 32; o2 *= 2) dot[g] += __shfl_xor_sync(0xffffffffu, dot[g], o2);
+                float s = key_l < n ? score(a, dot[g]) : -INFINITY, mx = s;
+                for (int o2 = 1; o2 < TK; o2 *= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o2));
+                float m_new = fmaxf(m[g], mx);   /* finite: the tile holds key kt */
+                float e = expf(s - m_new);
+                corr[g] = expf(m[g] - m_new);
+                l[g] = l[g] * corr[g] + (part == 0 ? e : 0.0f);
+                m[g] = m_new;
+                if (part == 0) ps[g * TK + key_l] = e;
+#pragma unroll
+                for (int c = 0; c < VC; c++) {
+                    acc[g][c][0] *= corr[g];
+                    acc[g][c][1] *= corr[g];
+                    acc[g][c][2] *= corr[g];
+                    acc[g][c][3] *= corr[g];
+                }
+            }
+            __syncwarp();
+            /* keys [n, TK) weigh 0 and their rows are zeros */
+            for (int kk = 0; kk < n; kk += 4) {
+                float4 w[H];
+#pragma unroll
+                for (int g = 0; g < H; g++) w[g] = *(const float4 *)(ps + g * TK + kk);
+#pragma unroll
+                for (int u = 0; u < 4; u++)
+#pragma unroll
+                    for (int c = 0; c < VC; c++) {
+                        int col = lane * 4 + c * 128;
+                        if (col >= a.dv) continue;
+                        float4 v = load4(vs + (kk + u) * a.ldv + col);
+#pragma unroll
+                        for (int g = 0; g < H; g++) {
+                            float pg = component(w[g], u);
+                            acc[g][c][0] += pg * v.x;
+                            acc[g][c][1] += pg * v.y;
+                            acc[g][c][2] += pg * v.z;
+                            acc[g][c][3] += pg * v.w;
+                        }
+                    }
+            }
+        }
+        __syncwarp();
+    }
+
+    /* the warps' results (sums, m, l) to shared memory, each then weighed
+     * by exp(m_w - m) */
+    __syncthreads();   /* every ring is spent: it becomes the merge area */
+    float *mo = (float *)rings, *mm = mo + W * H * a.dv, *ml = mm + W * H;   /* [W][H][dv], [W][H], [W][H] */
+    if (MMA) {
+        l_row += __shfl_xor_sync(0xffffffffu, l_row, 1);
+        l_row += __shfl_xor_sync(0xffffffffu, l_row, 2);
+        int g = lane / 4, t = lane % 4;
+        if (t == 0 && g < nh) {
+            mm[warp * H + g] = m_row;
+            ml[warp * H + g] = l_row;
+        }
+#pragma unroll
+        for (int i = 0; i < MT; i++) {
+            if (i >= a.dv / 16) break;
+            int col = 16 * i + g;
+            const float unscale = 1.0f / DEC_P_SCALE;
+            if (2 * t < nh) {
+                mo[(warp * H + 2 * t) * a.dv + col] = o[i][0] * unscale;
+                mo[(warp * H + 2 * t) * a.dv + col + 8] = o[i][2] * unscale;
+            }
+            if (2 * t + 1 < nh) {
+                mo[(warp * H + 2 * t + 1) * a.dv + col] = o[i][1] * unscale;
+                mo[(warp * H + 2 * t + 1) * a.dv + col + 8] = o[i][3] * unscale;
+            }
+        }
+    } else {
+#pragma unroll
+        for (int g = 0; g < H; g++) {
+            for (int o2 = 16; o2 > 0; o2 /= 2) l[g] += __shfl_xor_sync(0xffffffffu, l[g], o2);
+            if (lane == 0 && g < nh) {
+                mm[warp * H + g] = m[g];
+                ml[warp * H + g] = l[g];
+            }
+            if (g >= nh) continue;
+#pragma unroll
+            for (int c = 0; c < VC; c++) {
+                int col = lane * 4 + c * 128;
+                if (col < a.dv)
+                    *(float4 *)(mo + (warp * H + g) * a.dv + col) =
+                        make_float4(acc[g][c][0], acc[g][c][1], acc[g][c][2], acc[g][c][3]);
             }
         }
     }
+    __syncthreads();
+    size_t pl = ((size_t)y * (size_t)a.n_head + (size_t)h0) * (size_t)a.n_splits;   /* partial of head h0, split 0 */
+    for (int i = tid; i < nh * a.dv; i += blockDim.x) {
+        int g = i / a.dv, e = i % a.dv;
+        float mx = -INFINITY, sum = 0.0f, acc_o = 0.0f;
+        for (int w = 0; w < W; w++) mx = fmaxf(mx, mm[w * H + g]);
+        for (int w = 0; w < W; w++) {
+            float mw = mm[w * H + g];
+            if (mw == -INFINITY) continue;   /* a warp with no tile */
+            float f = expf(mw - mx);
+            acc_o += f * mo[(w * H + g) * a.dv + e];
+            sum += f * ml[w * H + g];
+        }
+        if (n_live == 1) {
+            a.out[(size_t)r * (size_t)a.out_cols + (size_t)(h0 + g) * (size_t)a.dv + (size_t)e] = acc_o / sum;
+        } else {
+            size_t at = pl + (size_t)g * (size_t)a.n_splits + (size_t)split;
+            a.part[at * (size_t)a.dv + (size_t)e] = acc_o;
+            if (e == 0) {
+                a.part_ml[2 * at] = mx;
+                a.part_ml[2 * at + 1] = sum;
+            }
+        }
+    }
+    if (n_live == 1 || !a.merge_here) return;
+
+    /* the last split of the row to finish merges them all (few: merge_here);
+     * a thread sums 4 columns of one head over every split */
+    __threadfence();
+    __syncthreads();
+    int32_t *counter = a.counters + (size_t)y * gridDim.z + blockIdx.z;
+    if (tid == 0) last_s = atomicAdd(counter, 1) == n_live - 1;
+    __syncthreads();
+    if (!last_s) return;
+    __threadfence();
+    float *wt = (float *)rings;   /* [nh][n_live] */
+    for (int g = warp; g < nh; g += W) split_weights(a, pl + (size_t)g * (size_t)a.n_splits, n_live, wt + g * n_live);
+    __syncthreads();
+    for (int i = tid; i < nh * a.dv / 4; i += blockDim.x) {
+        int g = i / (a.dv / 4), e = i % (a.dv / 4) * 4;
+        const float *pt = a.part + (pl + (size_t)g * (size_t)a.n_splits) * (size_t)a.dv + e;
+        float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll 16
+        for (int32_t s = 0; s < n_live; s++) {
+            float4 x = __ldcg((const float4 *)(pt + (size_t)s * (size_t)a.dv));
+            float w = wt[g * n_live + s];
+            sum.x += w * x.x;
+            sum.y += w * x.y;
+            sum.z += w * x.z;
+            sum.w += w * x.w;
+        }
+        float *to = a.out + (size_t)r * (size_t)a.out_cols + (size_t)(h0 + g) * (size_t)a.dv + (size_t)e;
+        to[0] = sum.x;
+        to[1] = sum.y;
+        to[2] = sum.z;
+        to[3] = sum.w;
+    }
+    if (tid == 0) *counter = 0;
 }
 
-/* grid (decode rows, query heads): merges the splits' partial results, each
- * weighted by exp(m_split - m) / l (empty splits have m = -inf and l = 0).
- * The weights go to shared memory first, so the sum over the splits is a
- * stream of independent loads. */
-__global__ static void combine_kernel(const attn_args a)
+/* grid (decode rows, query heads, dv / 128 rounded up), 8 warps: merges 128
+ * columns of the live splits' partial results of rows that split into more
+ * than merge_here allows; a lane sums 4 columns, warp w the splits w, w +
+ * 8, ..., then the warps' sums add up in shared memory. */
+__global__ static void __launch_bounds__(256) combine_kernel(const attn_args a)
 {
-    extern __shared__ float wsm[];   /* [n_splits] m, then weights; [n_splits] l */
-    __shared__ float m_s, l_s;
-    int32_t y = blockIdx.x, h = blockIdx.y, r = a.dec_rows[y];
-    size_t stride = (size_t)(a.dv + 2);
-    const float *pt = a.part + ((size_t)y * (size_t)a.n_head + (size_t)h) * (size_t)a.n_splits * stride;
-    float *ls = wsm + a.n_splits;
-    for (int32_t s = threadIdx.x; s < a.n_splits; s += blockDim.x) {
-        wsm[s] = pt[s * stride + a.dv];
-        ls[s] = pt[s * stride + a.dv + 1];
+    extern __shared__ float wt[];   /* [n_splits] */
+    __shared__ __align__(16) float red[8][128];
+    int32_t y = blockIdx.x, h = blockIdx.y, col = (int32_t)blockIdx.z * 128 + (int32_t)(threadIdx.x % 32) * 4;
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    int32_t r = a.dec_rows[y], p = a.pos[r], n_live = (p - first_key(a, p)) / a.split_len + 1;
+    if (n_live == 1) return;   /* decode_kernel wrote the row */
+    size_t pl = ((size_t)y * (size_t)a.n_head + (size_t)h) * (size_t)a.n_splits;
+    if (warp == 0) split_weights(a, pl, n_live, wt);
+    __syncthreads();
+    float4 o = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (col < a.dv) {
+#pragma unroll 4
+        for (int32_t s = warp; s < n_live; s += 8) {
+            float4 x = __ldcg((const float4 *)(a.part + (pl + (size_t)s) * (size_t)a.dv + col));
+            float w = wt[s];
+            o.x += w * x.x;
+            o.y += w * x.y;
+            o.z += w * x.z;
+            o.w += w * x.w;
+        }
     }
+    *(float4 *)&red[warp][lane * 4] = o;
     __syncthreads();
-    if (threadIdx.x == 0) {
-        float m = -INFINITY, l = 0.0f;
-        for (int32_t s = 0; s < a.n_splits; s++) m = fmaxf(m, wsm[s]);
-        for (int32_t s = 0; s < a.n_splits; s++)
-            if (wsm[s] > -INFINITY) l += ls[s] * expf(wsm[s] - m);
-        m_s = m;
-        l_s = l;
-    }
-    __syncthreads();
-    for (int32_t s = threadIdx.x; s < a.n_splits; s += blockDim.x)
-        wsm[s] = wsm[s] > -INFINITY ? expf(wsm[s] - m_s) / l_s : 0.0f;
-    __syncthreads();
-    float *out = a.out + (size_t)r * (size_t)a.out_cols + (size_t)h * (size_t)a.dv;
-    for (int32_t e = threadIdx.x; e < a.dv; e += blockDim.x) {
-        float o = 0.0f;
-#pragma unroll 8
-        for (int32_t s = 0; s < a.n_splits; s++) o += pt[s * stride + e] * wsm[s];
-        out[e] = o;
+    int t = threadIdx.x, c = (int)blockIdx.z * 128 + t;
+    if (t < 128 && c < a.dv) {
+        float sum = 0.0f;
+        for (int w = 0; w < 8; w++) sum += red[w][t];
+        a.out[(size_t)r * (size_t)a.out_cols + (size_t)h * (size_t)a.dv + (size_t)c] = sum;
     }
 }
 
 /* ---- prefill ------------------------------------------------------------- */
-
-/* Four consecutive elements (8-byte aligned for F16, 16 for F32) as floats. */
-__device__ static float4 load4(const __half *p)
-{
-    uint2 u = *(const uint2 *)p;
-    float2 a = __half22float2(*(const __half2 *)&u.x), b = __half22float2(*(const __half2 *)&u.y);
-    return make_float4(a.x, a.y, b.x, b.y);
-}
-
-__device__ static float4 load4(const float *p) { return *(const float4 *)p; }
 
 /* Row strides in shared memory: q rows of DMAX + 4 floats, K/V rows of DMAX
  * elements plus 16 bytes; both keep 16-byte alignment and put consecutive
@@ -581,44 +948,6 @@ struct tc_layout {
     static const int LD = D + 8;
     static size_t bytes(void) { return (size_t)(ROWS + 4 * KT) * LD * sizeof(__half); }
 };
-
-/* Four 8 x 8 matrices of halves: lane l gives the address of row l % 8 of
- * matrix l / 8 and receives, in r[i], elements (l / 4, 2 (l % 4) + {0, 1})
- * of matrix i (transposed: (2 (l % 4) + {0, 1}, l / 4)). */
-__device__ static void ldsm4(uint32_t r[4], const __half *p)
-{
-    unsigned s = (unsigned)__cvta_generic_to_shared(p);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(s));
-}
-
-__device__ static void ldsm4_t(uint32_t r[4], const __half *p)
-{
-    unsigned s = (unsigned)__cvta_generic_to_shared(p);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(s));
-}
-
-/* c (16 x 8, f32) += a (16 x 16, f16, row-major) b (16 x 8, f16). With g =
- * lane / 4, t = lane % 4: a holds rows g, g + 8 at columns 2t + {0, 1} and
- * 2t + 8 + {0, 1} (a[0] (g, 2t), a[1] (g + 8, 2t), a[2] (g, 2t + 8), a[3]
- * (g + 8, 2t + 8)); b0 holds rows 2t + {0, 1} of column g, b1 rows 2t + 8 +
- * {0, 1}; c holds (g, 2t + {0, 1}) in c[0..1] and (g + 8, ...) in c[2..3]. */
-__device__ static void mma16816(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1)
-{
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-__device__ static uint32_t pack_half2(float lo, float hi)
-{
-    __half2 h = __floats2half2_rn(lo, hi);
-    return *(uint32_t *)&h;
-}
 
 __device__ static float fast_exp2(float x)
 {
@@ -923,6 +1252,8 @@ __global__ static void __launch_bounds__(TC_THREADS, 2) prefill_tc_kernel(const 
 /* LUMA_CUDA_ATTN_PREFILL=cores when the KV cache is allocated keeps prefill
  * on the CUDA-core kernel: for measuring the two kernels on one shape. */
 static bool prefill_on_cores;
+/* The device's largest dynamic shared memory of a CTA, read by setup. */
+static size_t dec_smem_max;
 
 int luma_cuda_attention_setup(const luma_kv_layout *l, luma_err *err)
 {
@@ -933,10 +1264,34 @@ int luma_cuda_attention_setup(const luma_kv_layout *l, luma_err *err)
         return luma_errf(err, "attention heads of %d (keys) and %d (values) dimensions: the CUDA backend "
                               "handles multiples of 8 up to %d",
                          l->head_dim_k, l->head_dim_v, HEAD_MAX);
-    /* the largest dynamic shared memory each kernel may ask for */
+    if (l->block_tokens < 1 || (l->block_tokens & (l->block_tokens - 1)) != 0)
+        return luma_errf(err, "KV blocks of %d positions: the CUDA backend handles powers of two", l->block_tokens);
+    int dev = 0, optin = 0;
+    cudaError_t e = cudaGetDevice(&dev);
+    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+    if (e != cudaSuccess) return luma_errf(err, "setting up the attention kernels: %s", cudaGetErrorString(e));
+    /* the decode kernel's shared memory depends on its tuning, checked at
+     * launch: each may take what the device allows beside its static part */
+    const void *decoders[] = {
+        (const void *)decode_kernel<__half, 1, true>,  (const void *)decode_kernel<__half, 2, true>,
+        (const void *)decode_kernel<__half, 4, true>,  (const void *)decode_kernel<__half, 8, true>,
+        (const void *)decode_kernel<__half, 1, false>, (const void *)decode_kernel<__half, 2, false>,
+        (const void *)decode_kernel<__half, 4, false>, (const void *)decode_kernel<__half, 8, false>,
+        (const void *)decode_kernel<float, 1, false>,  (const void *)decode_kernel<float, 2, false>,
+        (const void *)decode_kernel<float, 4, false>,  (const void *)decode_kernel<float, 8, false>,
+    };
+    dec_smem_max = (size_t)optin;
+    for (size_t i = 0; i < sizeof decoders / sizeof decoders[0]; i++) {
+        cudaFuncAttributes fa;
+        e = cudaFuncGetAttributes(&fa, decoders[i]);
+        size_t bytes = (size_t)optin > fa.sharedSizeBytes ? (size_t)optin - fa.sharedSizeBytes : 0;
+        if (e == cudaSuccess)
+            e = cudaFuncSetAttribute(decoders[i], cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
+        if (e != cudaSuccess) return luma_errf(err, "setting up the attention kernels: %s", cudaGetErrorString(e));
+        if (bytes < dec_smem_max) dec_smem_max = bytes;
+    }
+    /* the largest dynamic shared memory each of the others may ask for */
     struct { const void *fn; size_t bytes; } kernels[] = {
-        { (const void *)decode_kernel<__half>, decode_smem(HEAD_MAX, HEAD_MAX, DEC_HEADS, 2) },
-        { (const void *)decode_kernel<float>, decode_smem(HEAD_MAX, HEAD_MAX, DEC_HEADS, 4) },
         { (const void *)prefill_kernel<__half, 128>, prefill_layout<__half, 128>::bytes() },
         { (const void *)prefill_kernel<float, 128>, prefill_layout<float, 128>::bytes() },
         { (const void *)prefill_kernel<__half, HEAD_MAX>, prefill_layout<__half, HEAD_MAX>::bytes() },
@@ -949,27 +1304,40 @@ int luma_cuda_attention_setup(const luma_kv_layout *l, luma_err *err)
         { (const void *)prefill_tc_kernel<256, true>, tc_layout<256>::bytes() },
     };
     for (size_t i = 0; i < sizeof kernels / sizeof kernels[0]; i++) {
-        cudaError_t e = cudaFuncSetAttribute(kernels[i].fn, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                             (int)kernels[i].bytes);
+        e = cudaFuncSetAttribute(kernels[i].fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kernels[i].bytes);
         if (e != cudaSuccess) return luma_errf(err, "setting up the attention kernels: %s", cudaGetErrorString(e));
     }
     return 0;
 }
 
-/* The decode partials' buffer, grown to bytes. */
-static float *attn_scratch(cuda_backend *c, size_t bytes)
+/* The decode scratch (attn_scratch): c->attn_counters arrival counters
+ * (int32, zero between calls: the last split of a row resets its own),
+ * then the splits' partial results. It grows only outside recordings (the
+ * first step of each shape runs eagerly), keeping its counters' room. */
+static bool decode_scratch(cuda_backend *c, size_t counters, size_t part_bytes, attn_args *a)
 {
-    if (bytes <= c->attn_scratch_cap) return c->attn_scratch;
-    cudaStreamSynchronize(c->stream);
-    cudaFree(c->attn_scratch);
-    c->attn_scratch = NULL;
-    c->attn_scratch_cap = 0;
-    if (luma_cuda_fail(c, cudaMalloc(&c->attn_scratch, bytes), "allocating attention scratch")) {
+    size_t cbytes = (c->attn_counters * sizeof(int32_t) + 255) & ~(size_t)255;
+    if (counters > c->attn_counters || cbytes + part_bytes > c->attn_scratch_cap) {
+        size_t have = c->attn_scratch_cap > cbytes ? c->attn_scratch_cap - cbytes : 0;
+        if (counters < c->attn_counters) counters = c->attn_counters;
+        if (part_bytes < have) part_bytes = have;
+        cbytes = (counters * sizeof(int32_t) + 255) & ~(size_t)255;
+        cudaStreamSynchronize(c->stream);
+        cudaFree(c->attn_scratch);
         c->attn_scratch = NULL;
-        return NULL;
+        c->attn_scratch_cap = 0;
+        c->attn_counters = 0;
+        void *mem = NULL;
+        if (luma_cuda_fail(c, cudaMalloc(&mem, cbytes + part_bytes), "allocating attention scratch")) return false;
+        c->attn_scratch = (float *)mem;
+        c->attn_scratch_cap = cbytes + part_bytes;
+        if (luma_cuda_fail(c, cudaMemsetAsync(mem, 0, cbytes, c->stream), "clearing the attention counters"))
+            return false;
+        c->attn_counters = counters;
     }
-    c->attn_scratch_cap = bytes;
-    return c->attn_scratch;
+    a->counters = (int32_t *)c->attn_scratch;
+    a->part = (float *)((uint8_t *)c->attn_scratch + cbytes);
+    return true;
 }
 
 /* Whether prefill_tc_kernel handles this layer: F16 cache, dk = dv of 64,
@@ -991,17 +1359,165 @@ static void launch_tc(const attn_args *a, unsigned tiles, cudaStream_t s)
     else prefill_tc_kernel<D, false><<<tiles * L::SUB, TC_THREADS, L::bytes(), s>>>(*a);
 }
 
+/* Decode tuning: stages of a warp's ring, the bytes of one stage (a tile
+ * of K and V rows: they set the keys per tile on the CUDA cores; the tensor
+ * cores take 16), warps per CTA, the waves of resident CTAs the splits aim
+ * at, the fewest keys of a split. The defaults are the best of those
+ * measured (cuda/NOTES.md); LUMA_CUDA_ATTN_DECODE, read at every call,
+ * replaces them for measuring (spec/native/test_cuda.c sweeps it). */
+typedef struct dec_tuning {
+    int stages, stage_bytes, warps, waves, min_split;
+    int merge_kb;              /* partials a row's last split merges itself at most; more: combine_kernel */
+    int mma;                   /* F16 caches on the tensor cores (dk, dv multiples of 16) */
+} dec_tuning;
+
+/* LUMA_CUDA_ATTN_DECODE="stages,stage_bytes,warps,waves,min_split,merge_kb,mma" */
+static dec_tuning dec_tuning_get(void)
+{
+    dec_tuning t = { 3, 8192, 4, 1, 64, 64, 1 };
+    const char *s = getenv("LUMA_CUDA_ATTN_DECODE");
+    if (s && *s)
+        sscanf(s, "%d,%d,%d,%d,%d,%d,%d", &t.stages, &t.stage_bytes, &t.warps, &t.waves, &t.min_split, &t.merge_kb,
+               &t.mma);
+    t.stages = t.stages < 2 ? 2 : t.stages > DEC_MAX_STAGES ? DEC_MAX_STAGES : t.stages;
+    t.warps = t.warps < 1 ? 1 : t.warps > DEC_MAX_WARPS ? DEC_MAX_WARPS : t.warps;
+    if (t.waves < 1) t.waves = 1;
+    if (t.min_split < 1) t.min_split = 1;
+    return t;
+}
+
+/* The decode kernel's tile and shared memory for a layer: q of the CTA's
+ * heads (and, on the CUDA cores, each warp's softmax weights), then the
+ * warps' rings, whose room later holds the merge of the warps ([warps][H]
+ * [dv + 2] floats) and, when the last split merges the others, their
+ * weights ([H][n_splits]). K and V rows are 16 bytes longer than a head:
+ * the rows an ldmatrix or a column of lanes reads fall in distinct banks. */
+typedef struct dec_shape {
+    int32_t tk, ldk, ldv, stage_elems;
+    size_t fixed_bytes, ring_bytes;
+} dec_shape;
+
+static dec_shape decode_shape(const attn_args *a, size_t es, const dec_tuning &tu, int H, bool mma)
+{
+    dec_shape d;
+    d.tk = 32;
+    while (d.tk > 4 && (size_t)d.tk * (size_t)(a->dk + a->dv) * es > (size_t)tu.stage_bytes) d.tk /= 2;
+    if (mma) d.tk = 16;   /* the k16 of the products with V, two n8 halves of the scores */
+    d.ldk = a->dk + (int32_t)(16 / es);
+    d.ldv = a->dv + (int32_t)(16 / es);
+    d.stage_elems = d.tk * (d.ldk + d.ldv);
+    d.fixed_bytes = mma ? (size_t)4 * H * (size_t)(a->dk + 8)
+                        : (size_t)4 * H * (size_t)a->dk + (size_t)tu.warps * H * d.tk * sizeof(float);
+    size_t ring = (size_t)tu.warps * tu.stages * (size_t)d.stage_elems * es;
+    size_t merge = (size_t)tu.warps * H * (size_t)(a->dv + 2) * sizeof(float);
+    d.ring_bytes = ring > merge ? ring : merge;
+    return d;
+}
+
+/* CTAs of the decode kernel an SM holds (an H100's limits: 2048 threads,
+ * 64 K registers allocated 256 to a warp, 228 KB of shared memory with 1 KB
+ * reserved per CTA); computed rather than asked of the runtime, which a
+ * recording stream may not allow. */
+static int decode_occupancy(const cudaFuncAttributes &fa, int threads, size_t smem)
+{
+    int by_threads = 2048 / threads;
+    int warp_regs = (fa.numRegs * 32 + 255) / 256 * 256;
+    int by_regs = warp_regs > 0 ? 65536 / warp_regs / (threads / 32) : by_threads;
+    int by_smem = (int)((size_t)(228 << 10) / (smem + fa.sharedSizeBytes + 1024));
+    int n = by_threads < by_regs ? by_threads : by_regs;
+    return n < by_smem ? n : by_smem;
+}
+
+/* Splits of each decode row's keys: about `waves` rounds of the CTAs that
+ * stay resident, none shorter than min_split keys, lengths a multiple of
+ * the keys the warps take in one round. Planned for dec_keys_bound keys
+ * (the step's shape), not its longest context, so that a decode step
+ * recorded as a CUDA graph replays unchanged for every step of its bucket:
+ * splits past a row's keys return at once. */
+static void plan_splits(const cuda_backend *c, attn_args *a, const dec_tuning &tu, int32_t tk, int occ)
+{
+    int64_t keys = c->step.dec_keys_bound;
+    if (a->window > 0 && a->window < keys) keys = a->window;
+    int64_t ctas = (int64_t)c->step.n_dec * a->n_kv_head * a->n_hchunks;
+    int64_t want = ((int64_t)c->n_sm * occ * tu.waves + ctas - 1) / ctas;
+    int64_t most = (keys + tu.min_split - 1) / tu.min_split;
+    if (most > DEC_MAX_SPLITS) most = DEC_MAX_SPLITS;
+    int64_t n = want < most ? want : most, unit = (int64_t)tk * tu.warps;
+    if (n < 1) n = 1;
+    int64_t len = (keys + n - 1) / n;
+    len = (len + unit - 1) / unit * unit;
+    a->split_len = (int32_t)len;
+    a->n_splits = (int32_t)((keys + len - 1) / len);
+}
+
+/* Plans and launches decode_kernel<T, H, MMA> over the step's decode rows. */
+template <typename T, int H, bool MMA>
+static void decode_launch(cuda_backend *c, attn_args *a, const dec_tuning &tu)
+{
+    static cudaFuncAttributes fa;
+    static const cudaError_t setup = cudaFuncGetAttributes(&fa, (const void *)decode_kernel<T, H, MMA>);
+    if (luma_cuda_fail(c, setup, "attention (decode kernel)")) return;
+    const cuda_step *st = &c->step;
+    dec_shape d = decode_shape(a, sizeof(T), tu, H, MMA);
+    int threads = tu.warps * 32, occ = decode_occupancy(fa, threads, d.fixed_bytes + d.ring_bytes);
+    if (occ < 1 || d.fixed_bytes + d.ring_bytes > dec_smem_max) {
+        luma_cuda_failf(c, "attention: the decode kernel does not fit an SM (%zu bytes of shared memory)",
+                        d.fixed_bytes + d.ring_bytes);
+        return;
+    }
+    plan_splits(c, a, tu, d.tk, occ);
+    size_t merge = (size_t)a->n_splits * (size_t)a->heads_per_cta * (size_t)a->dv * sizeof(float);
+    a->merge_here = a->n_splits > 1 && merge <= (size_t)tu.merge_kb << 10;
+    size_t weights = ((size_t)tu.warps * H * (size_t)(a->dv + 2) + (size_t)H * (size_t)a->n_splits) * sizeof(float);
+    size_t smem = d.fixed_bytes + (a->merge_here && weights > d.ring_bytes ? weights : d.ring_bytes);
+    if (smem > dec_smem_max) {
+        luma_cuda_failf(c, "attention: the decode kernel does not fit an SM (%zu bytes of shared memory)", smem);
+        return;
+    }
+    a->dec_tk = d.tk;
+    a->dec_warps = tu.warps;
+    a->dec_stages = tu.stages;
+    a->ldk = d.ldk;
+    a->ldv = d.ldv;
+    a->stage_elems = d.stage_elems;
+    a->part = a->part_ml = NULL;
+    a->counters = NULL;
+    unsigned z = (unsigned)(a->n_kv_head * a->n_hchunks);
+    if (a->n_splits > 1) {
+        size_t n = (size_t)st->n_dec * (size_t)a->n_head * (size_t)a->n_splits;
+        if (!decode_scratch(c, a->merge_here ? (size_t)st->n_dec * z : 0, n * (size_t)(a->dv + 2) * sizeof(float), a))
+            return;
+        a->part_ml = a->part + n * (size_t)a->dv;
+    }
+    decode_kernel<T, H, MMA><<<dim3((unsigned)st->n_dec, (unsigned)a->n_splits, z), threads, smem, c->stream>>>(*a);
+    if (a->n_splits > 1 && !a->merge_here)
+        combine_kernel<<<dim3((unsigned)st->n_dec, (unsigned)a->n_head, (unsigned)(a->dv + 127) / 128), 256,
+                         (size_t)a->n_splits * sizeof(float), c->stream>>>(*a);
+}
+
+template <typename T, bool MMA>
+static void decode_heads(cuda_backend *c, attn_args *a, const dec_tuning &tu)
+{
+    if (a->heads_per_cta <= 1) decode_launch<T, 1, MMA>(c, a, tu);
+    else if (a->heads_per_cta <= 2) decode_launch<T, 2, MMA>(c, a, tu);
+    else if (a->heads_per_cta <= 4) decode_launch<T, 4, MMA>(c, a, tu);
+    else decode_launch<T, 8, MMA>(c, a, tu);
+}
+
 template <typename T>
 static void launch(cuda_backend *c, attn_args *a, bool tc)
 {
     const cuda_step *st = &c->step;
     cudaStream_t s = c->stream;
-    store_kernel<T><<<dim3((unsigned)st->n_rows, (unsigned)a->n_kv_head), 128, 0, s>>>(*a);
+    if (st->n_tiles > 0) store_kernel<T><<<dim3((unsigned)st->n_rows, (unsigned)a->n_kv_head), 128, 0, s>>>(*a);
     if (st->n_dec > 0) {
-        dim3 grid((unsigned)st->n_dec, (unsigned)a->n_splits, (unsigned)(a->n_kv_head * a->n_hchunks));
-        decode_kernel<T><<<grid, DEC_THREADS, decode_smem(a->dk, a->dv, a->heads_per_cta, sizeof(T)), s>>>(*a);
-        if (a->n_splits > 1)
-            combine_kernel<<<dim3((unsigned)st->n_dec, (unsigned)a->n_head), 128, 2 * a->n_splits * sizeof(float), s>>>(*a);
+        dec_tuning tu = dec_tuning_get();
+        bool mma = false;
+        if constexpr (sizeof(T) == 2) mma = tu.mma && a->dk % 16 == 0 && a->dv % 16 == 0;
+        if constexpr (sizeof(T) == 2)
+            if (mma) decode_heads<T, true>(c, a, tu);
+        if (!mma) decode_heads<T, false>(c, a, tu);
+        if (!LUMA_CUDA_OK(c)) return;
     }
     if (st->n_tiles > 0 && tc) {
         unsigned tiles = (unsigned)st->n_tiles * (unsigned)a->n_head;
@@ -1015,26 +1531,6 @@ static void launch(cuda_backend *c, attn_args *a, bool tc)
         else
             prefill_kernel<T, HEAD_MAX><<<grid, PF_THREADS, prefill_layout<T, HEAD_MAX>::bytes(), s>>>(*a);
     }
-}
-
-/* Splits of each decode row's keys: enough CTAs for every SM to hold
- * several (their copies overlap), none shorter than MIN_SPLIT_KEYS, lengths
- * a multiple of DEC_TILE. Planned for dec_keys_bound keys (the step's
- * shape), not its longest context: the splits past a row's keys find no key
- * and leave m = -inf, l = 0, which combine_kernel weighs 0. */
-static void plan_splits(const cuda_backend *c, attn_args *a)
-{
-    int64_t keys = c->step.dec_keys_bound;
-    if (a->window > 0 && a->window < keys) keys = a->window;
-    int64_t ctas = (int64_t)c->step.n_dec * a->n_kv_head * a->n_hchunks;
-    int64_t want = (4 * (int64_t)c->n_sm + ctas - 1) / ctas;
-    int64_t most = (keys + MIN_SPLIT_KEYS - 1) / MIN_SPLIT_KEYS;
-    int64_t n = want < most ? want : most;
-    if (n < 1) n = 1;
-    int64_t len = (keys + n - 1) / n;
-    len = (len + DEC_TILE - 1) / DEC_TILE * DEC_TILE;
-    a->split_len = (int32_t)len;
-    a->n_splits = (int32_t)((keys + len - 1) / len);
 }
 
 void luma_cuda_attention(cuda_backend *c, const luma_buf *q, const luma_buf *k, const luma_buf *v,
@@ -1079,10 +1575,9 @@ void luma_cuda_attention(cuda_backend *c, const luma_buf *q, const luma_buf *k, 
     a.n_head = at->n_head;
     a.n_kv_head = at->n_kv_head;
     a.group = at->n_head / at->n_kv_head;
-    a.heads_per_cta = a.group < DEC_HEADS ? a.group : DEC_HEADS;
+    int32_t most_heads = a.dv > 128 ? DEC_HEADS / 2 : DEC_HEADS;   /* the kernel's registers */
+    a.heads_per_cta = a.group < most_heads ? a.group : most_heads;
     a.n_hchunks = (a.group + a.heads_per_cta - 1) / a.heads_per_cta;
-    a.v_lanes = 1;
-    while (a.v_lanes * 8 < a.dv) a.v_lanes *= 2;
     a.scale = at->scale;
     a.softcap = at->softcap;
     a.window = at->window;
@@ -1094,20 +1589,16 @@ void luma_cuda_attention(cuda_backend *c, const luma_buf *q, const luma_buf *k, 
     a.block_off = st->block_off;
     a.seq_row0 = st->seq_row0;
     a.seq_nrows = st->seq_nrows;
+    a.seq_pos0 = st->seq_pos0;
     a.dec_rows = st->dec_rows;
     a.tiles = st->tiles;
     a.n_tiles = st->n_tiles;
     a.split_len = 0;
     a.n_splits = 1;
-    a.part = NULL;
-    if (st->n_dec > 0) {
-        plan_splits(c, &a);
-        if (a.n_splits > 1) {
-            size_t bytes = (size_t)st->n_dec * (size_t)a.n_head * (size_t)a.n_splits * (size_t)(a.dv + 2) * sizeof(float);
-            a.part = attn_scratch(c, bytes);
-            if (!a.part) return;
-        }
-    }
+    a.dec_tk = a.dec_warps = a.dec_stages = a.ldk = a.ldv = a.stage_elems = 0;
+    a.part = a.part_ml = NULL;
+    a.counters = NULL;
+    a.merge_here = 0;
     bool tc = tc_covers(l, &a);
     if (tc && (int64_t)st->n_tiles * a.n_head * (LUMA_CUDA_ATTN_TILE / (TC_WARPS * 16)) > INT32_MAX) {
         luma_cuda_failf(c, "attention: %d tiles of %d heads are too many CTAs", st->n_tiles, a.n_head);

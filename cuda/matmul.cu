@@ -31,8 +31,11 @@
  *   quantized blocks dequantized in registers straight into mma.sync, no f16
  *   copy) takes the (type, m) for which it measured faster. */
 #include "cuda_internal.h"
+#include "blocks.cuh"
 
 #include <limits.h>
+#include <stdlib.h>
+#include <string.h>
 
 /* The largest m that takes the matrix-vector path; above it the GEMM over f16
  * weights (2 bytes per element read, and first written when there is no
@@ -58,11 +61,6 @@
 
 /* ---- small helpers ---------------------------------------------------------- */
 
-static __device__ __forceinline__ float f16_bits(uint32_t h)
-{
-    return __half2float(__ushort_as_half((unsigned short)h));
-}
-
 static __device__ __forceinline__ float ld_f16(const uint8_t *p)
 {
     return f16_bits(*(const uint16_t *)p);
@@ -81,12 +79,6 @@ static __device__ __forceinline__ int ld_i32(const uint8_t *p)
     return *(const int *)p;
 }
 
-/* Bits 0..3 of b to bit 4 of bytes 0..3: the fifth bit of four Q5 values. */
-static __device__ __forceinline__ int bits4_to_bytes(uint32_t b)
-{
-    return (int)((b & 1) << 4 | (b & 2) << 11 | (b & 4) << 18 | (b & 8) << 25);
-}
-
 static __device__ __forceinline__ float warp_sum(float v)
 {
 #pragma unroll
@@ -99,35 +91,6 @@ static __device__ __forceinline__ float warp_max(float v)
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;
-}
-
-/* Programmatic dependent launch (sm_90): the matrix-vector kernel starts
- * while the activation quantizer still runs, fetches its first weight
- * blocks, and waits here before it reads anything an earlier kernel wrote.
- * Both are no-ops for a kernel launched the ordinary way. */
-static __device__ __forceinline__ void wait_for_previous_kernel()
-{
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-}
-
-static __device__ __forceinline__ void let_next_kernel_start()
-{
-    asm volatile("griddepcontrol.launch_dependents;");
-}
-
-/* Q4_K and Q5_K scales and minimums (src/quant.c scale_min_k4), from the
- * three words of the 12 scale bytes; s is a run-time index, so the bytes are
- * picked by shifts rather than from an array. */
-static __device__ __forceinline__ void scale_min_k4(int s, uint32_t w1, uint32_t w2, uint32_t w3, int &sc, int &m)
-{
-    if (s < 4) {
-        sc = (w1 >> 8 * s) & 63;
-        m = (w2 >> 8 * s) & 63;
-    } else {
-        int b = 8 * (s - 4);
-        sc = ((w3 >> b) & 0xF) | ((w1 >> (b + 6)) & 3) << 4;
-        m = ((w3 >> (b + 4)) & 0xF) | ((w2 >> (b + 6)) & 3) << 4;
-    }
 }
 
 static __device__ __forceinline__ void scale_min_k4_bytes(int s, const uint8_t *q, int &sc, int &m)
@@ -802,10 +765,15 @@ static __global__ void quantize_act(const float *__restrict__ x, int64_t groups,
     if (g >= groups) return;
     let_next_kernel_start();
     float v = x[g * 32 + lane];
-    float amax = warp_max(fabsf(v)), sum = warp_sum(v);
+    float amax = warp_max(fabsf(v));
     float d = amax / 127.0f;
     int i = amax == 0.0f ? 0 : __float2int_rn(v / d);
-    q[g * 32 + lane] = (int8_t)max(-127, min(127, i));
+    i = max(-127, min(127, i));
+    q[g * 32 + lane] = (int8_t)i;
+    /* the sum of the quantized values (as Q8_1 keeps it), so that the
+     * minimum term of Q4_K/Q5_K/Q4_1/Q5_1/Q2_K sees the same activations as
+     * the products: every path then multiplies exactly act_q8_value */
+    float sum = d * warp_sum((float)i);
     if (lane == 0) ds[g] = make_float2(d, sum);
 }
 
@@ -1216,10 +1184,27 @@ static void mmv_direct_launch(cuda_backend *c, const luma_weight *w, const act_r
  * (the direct kernel gives them few warps, each with one block in flight);
  * the direct one elsewhere, which measured faster at m = 1 on the other
  * types (at m = 2 to 8 neither wins everywhere). */
+/* LUMA_CUDA_MMV=direct or =staged in the environment forces one kernel
+ * (for measuring); read once. */
+static int mmv_forced(void)
+{
+    static int forced = -1;
+    if (forced < 0) {
+        const char *s = getenv("LUMA_CUDA_MMV");
+        forced = s && strcmp(s, "direct") == 0 ? 1 : s && strcmp(s, "staged") == 0 ? 2 : 0;
+    }
+    return forced;
+}
+
 template <class T, int MAXM>
 static void mmv_launch(cuda_backend *c, const luma_weight *w, const act_rows &a, int m, float *y)
 {
-    if (w->type == LUMA_Q8_0 || w->rows <= MMV_STAGED_MAX_ROWS) mmv_staged_launch<T, MAXM>(c, w, a, m, y);
+    /* The staged kernel only for one row: with several it was measured to
+     * give results that depend on m (a row shared by several warps), which
+     * breaks batched = sequential. */
+    int forced = mmv_forced();
+    bool staged = forced ? forced == 2 : MAXM == 1 && (w->type == LUMA_Q8_0 || w->rows <= MMV_STAGED_MAX_ROWS);
+    if (staged) mmv_staged_launch<T, MAXM>(c, w, a, m, y);
     else mmv_direct_launch<T, MAXM>(c, w, a, m, y);
 }
 
@@ -1337,6 +1322,17 @@ static void dequant_launch(cuda_backend *c, const uint8_t *w, size_t row_bytes, 
     dequant_f16<T><<<blocks_for(units, DEQ_THREADS), DEQ_THREADS, 0, c->stream>>>(w, row_bytes, cols, units, out);
 }
 
+/* Activations of a block-format product (cols a multiple of 32) to f16 as
+ * the matrix-vector path sees them (act_q8_value): a warp per 32 values. */
+static __global__ void act_q8_to_f16(const float *__restrict__ x, int64_t groups, __half *__restrict__ xh)
+{
+    int64_t g = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32;
+    int lane = threadIdx.x % 32;
+    if (g >= groups) return;   /* the whole warp: g is the warp's */
+    float v = x[g * 32 + lane];
+    xh[g * 32 + lane] = __float2half_rn(act_q8_value(v, warp_max(fabsf(v))));
+}
+
 /* Rows [r0, r0 + n) of w as f16 into out (n x cols). */
 static void dequant_rows(cuda_backend *c, const luma_weight *w, int64_t r0, int64_t n, __half *out)
 {
@@ -1417,7 +1413,14 @@ static void mm_tensor(cuda_backend *c, const luma_weight *w, const float *x, int
     uint8_t *s = (uint8_t *)luma_cuda_scratch(c, xbytes + wbytes);
     if (!s) return;
     __half *xh = (__half *)s, *wh = (__half *)(s + xbytes);
-    float_to_f16<LUMA_F32><<<blocks_for(m * cols, DEQ_THREADS), DEQ_THREADS, 0, c->stream>>>(x, m * cols, xh);
+    /* Block formats: the activations' 8-bit values, as every path multiplies
+     * them, so that a row's result does not depend on the size of its step.
+     * Float weights meet the activations unquantized, as on the
+     * matrix-vector path. */
+    if (w->type != LUMA_F32 && w->type != LUMA_F16 && w->type != LUMA_BF16 && cols % 32 == 0)
+        act_q8_to_f16<<<blocks_for(m * cols, DEQ_THREADS), DEQ_THREADS, 0, c->stream>>>(x, m * cols / 32, xh);
+    else
+        float_to_f16<LUMA_F32><<<blocks_for(m * cols, DEQ_THREADS), DEQ_THREADS, 0, c->stream>>>(x, m * cols, xh);
     if (luma_cuda_fail(c, cudaGetLastError(), "matmul (activations to f16)")) return;
 
     cublasStatus_t st = cublasSetStream(c->cublas, c->stream);

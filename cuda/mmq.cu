@@ -5,7 +5,9 @@
  *
  * Two kernels:
  *   mmq_x_to_f16  the activations (m x cols, f32) to f16 in scratch, as the
- *                 cuBLAS path converts them (beyond 65504: infinity);
+ *                 cuBLAS path converts them: the values of their 8-bit
+ *                 quantization in blocks of 32 (act_q8_value), what the
+ *                 matrix-vector path multiplies too;
  *   mmq_kernel    one CTA of 8 warps computes a tile of 64 or 128 weight
  *                 rows x BM activation rows over a range of k. Each k-step
  *                 is 256 elements (one K super-block, or eight 32-blocks):
@@ -37,6 +39,7 @@
  * only, and nothing allocates or synchronizes once the scratch has grown:
  * the product can be recorded into a CUDA graph. */
 #include "cuda_internal.h"
+#include "blocks.cuh"
 
 #include <cooperative_groups.h>
 
@@ -51,12 +54,7 @@ namespace cg = cooperative_groups;
 #define MMQ_FILL 2
 #define LOW4 0x0F0F0F0Fu
 
-/* ---- small helpers ------------------------------------------------------- */
-
-static __device__ __forceinline__ float f16_bits(uint32_t h)
-{
-    return __half2float(__ushort_as_half((unsigned short)h));
-}
+/* ---- small helpers (the shared ones are in blocks.cuh) ------------------- */
 
 /* Eight bytes at a 2-aligned shared address (blocks of 34 and 210 bytes). */
 static __device__ __forceinline__ uint2 ld8_a2(const uint8_t *p)
@@ -69,26 +67,6 @@ static __device__ __forceinline__ uint32_t pack_h2(float lo, float hi)
 {
     __half2 h = __floats2half2_rn(lo, hi);
     return *(const uint32_t *)&h;
-}
-
-/* Bits 0..3 of b to bit 4 of bytes 0..3: the fifth bit of four Q5 values. */
-static __device__ __forceinline__ uint32_t bits4_to_bytes(uint32_t b)
-{
-    return (b & 1) << 4 | (b & 2) << 11 | (b & 4) << 18 | (b & 8) << 25;
-}
-
-/* Q4_K and Q5_K scale and minimum of sub-block s (src/quant.c
- * scale_min_k4) from the three words of the 12 scale bytes. */
-static __device__ __forceinline__ void scale_min_k4(int s, uint32_t w1, uint32_t w2, uint32_t w3, int &sc, int &m)
-{
-    if (s < 4) {
-        sc = (w1 >> 8 * s) & 63;
-        m = (w2 >> 8 * s) & 63;
-    } else {
-        int b = 8 * (s - 4);
-        sc = ((w3 >> b) & 0xF) | ((w1 >> (b + 6)) & 3) << 4;
-        m = ((w3 >> (b + 4)) & 0xF) | ((w2 >> (b + 6)) & 3) << 4;
-    }
 }
 
 static __device__ __forceinline__ void cp_async16(void *dst, const void *src, int src_bytes)
@@ -106,19 +84,6 @@ template <int N>
 static __device__ __forceinline__ void cp_async_wait()
 {
     asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
-
-/* Programmatic dependent launch (as in matmul.cu): the GEMM starts while the
- * activation conversion runs, fetches its first weight blocks, and waits
- * here before it reads the converted activations. */
-static __device__ __forceinline__ void wait_for_previous_kernel()
-{
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-}
-
-static __device__ __forceinline__ void let_next_kernel_start()
-{
-    asm volatile("griddepcontrol.launch_dependents;");
 }
 
 /* c += A B for one m16n8k16 tile: a holds the A fragment (rows g, g + 8;
@@ -595,9 +560,23 @@ static __global__ void mmq_x_to_f16(const float *__restrict__ x, int64_t n8, __h
 {
     int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     let_next_kernel_start();
-    if (i >= n8) return;
-    float4 a = ((const float4 *)x)[2 * i], b = ((const float4 *)x)[2 * i + 1];
-    ((uint4 *)xh)[i] = make_uint4(pack_h2(a.x, a.y), pack_h2(a.z, a.w), pack_h2(b.x, b.y), pack_h2(b.z, b.w));
+    /* four neighbouring threads hold a block of 32 (n8 is a multiple of 4,
+     * so they are live together); every lane takes part in the shuffles */
+    bool live = i < n8;
+    float4 a = make_float4(0.0f, 0.0f, 0.0f, 0.0f), b = a;
+    if (live) {
+        a = ((const float4 *)x)[2 * i];
+        b = ((const float4 *)x)[2 * i + 1];
+    }
+    float amax = fmaxf(fmaxf(fmaxf(fabsf(a.x), fabsf(a.y)), fmaxf(fabsf(a.z), fabsf(a.w))),
+                       fmaxf(fmaxf(fabsf(b.x), fabsf(b.y)), fmaxf(fabsf(b.z), fabsf(b.w))));
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+    if (!live) return;
+    ((uint4 *)xh)[i] = make_uint4(pack_h2(act_q8_value(a.x, amax), act_q8_value(a.y, amax)),
+                                  pack_h2(act_q8_value(a.z, amax), act_q8_value(a.w, amax)),
+                                  pack_h2(act_q8_value(b.x, amax), act_q8_value(b.y, amax)),
+                                  pack_h2(act_q8_value(b.z, amax), act_q8_value(b.w, amax)));
 }
 
 /* ---- host side ---------------------------------------------------------------- */

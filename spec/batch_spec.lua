@@ -64,7 +64,7 @@ describe("a batch", function()
       worst = math.max(worst, H.max_abs_diff(want[i], list[i]))
     end
     print(string.format("batch_spec: batched vs alone, all = true: max |diff| = %.3g", worst))
-    assert.is_true(worst < 1e-2)
+    assert.is_true(worst < H.tol(1e-2))
     for _, s in ipairs{ a, b, alone } do s:close() end
   end)
 

@@ -21,6 +21,10 @@
  *     tensor-core prefill rounds q and the softmax weights to f16: its steps
  *     are held to 2e-3 (numpy's model of that rounding gives 2e-4 to 7e-4
  *     on these shapes), the f32 kernels to 1e-4 (F16 cache) and 2e-5 (F32);
+ *   - decode steps on the 7B llama shape and gemma's (F16 cache): 32 and
+ *     128 rows of 128 to 512 keys, 128 rows of 600 to 1100 keys under a
+ *     window of 512 (gemma), one row of 4096 and one of 32768 keys; each
+ *     against the CPU, then timed at the bandwidth of its K and V reads;
  *   - a 4096-row causal prefill on the 7B llama shape (32 heads over 8 of
  *     128) and on gemma's, each timed on the CUDA-core and the tensor-core
  *     kernel (LUMA_CUDA_ATTN_PREFILL=cores), the two outputs compared;
@@ -36,7 +40,8 @@
  * LUMA_CUDA_QUICK=1 runs smaller cases and neither the model nor the timings
  * (for compute-sanitizer); LUMA_CUDA_ONLY=attention runs the attention
  * checks and timings alone, LUMA_CUDA_ONLY=prefill-timing the prefill
- * timings alone (for a profiler). */
+ * timings alone (for a profiler), LUMA_CUDA_ONLY=decode-timing the decode
+ * cases below alone. */
 #define _POSIX_C_SOURCE 200809L   /* setenv */
 #include "backend.h"
 #include "kv.h"
@@ -829,6 +834,264 @@ static void test_attention(void)
     }
 }
 
+/* ---- decode: batched rows and long contexts ----------------------------- */
+
+/* Decode steps of the shapes that decide decode speed: every row of its own
+ * sequence, one new token per row (its key stored by the step itself), the
+ * keys the rows see (their context and their own) spread evenly over [lo,
+ * hi]. Checked against the CPU, then timed at the bandwidth of reading each
+ * row's visible K and V once (F16 cache). LUMA_CUDA_DECODE_CONFIGS, a list
+ * of decode tunings separated by ';' (each "stages,stage_bytes,warps,waves,
+ * min_split,merge_kb,mma", as cuda/attention.cu reads LUMA_CUDA_ATTN_DECODE,
+ * set to each in turn), also checks and times each of them. */
+typedef struct dec_case {
+    const char *name;
+    int32_t n_head, n_kv, d;   /* query heads over kv heads of d dimensions (keys and values) */
+    int32_t rows, lo, hi, window;
+} dec_case;
+
+#define FILL_ROWS 4096
+
+static bool step_begin_s(const luma_step *s)
+{
+    luma_err err = { { 0 } };
+    if (gpu->ops->step_begin(gpu, s, &err) != 0) {
+        CHECKF(0, "step_begin: %s", err.msg);
+        return false;
+    }
+    return true;
+}
+
+/* A step of n sequences, rows[i] rows each at their next positions, with
+ * its arrays on the heap (a decode step may hold hundreds of sequences). */
+typedef struct big_step {
+    luma_step s;
+    luma_step_seq *seqs;
+    int32_t *tokens, *pos, out;
+} big_step;
+
+static void big_step_free(big_step *b)
+{
+    free(b->seqs);
+    free(b->tokens);
+    free(b->pos);
+    memset(b, 0, sizeof *b);
+}
+
+static bool big_step_build(luma_kv *kv, luma_kv_seq **seqs, const int32_t *rows, int32_t n, big_step *b)
+{
+    luma_err err = { { 0 } };
+    int32_t total = 0;
+    for (int32_t i = 0; i < n; i++) total += rows[i];
+    memset(b, 0, sizeof *b);
+    b->seqs = xmalloc((size_t)n * sizeof *b->seqs);
+    b->tokens = xmalloc((size_t)total * sizeof(int32_t));
+    b->pos = xmalloc((size_t)total * sizeof(int32_t));
+    int32_t at = 0;
+    for (int32_t i = 0; i < n; i++) {
+        if (luma_kv_reserve(kv, seqs[i], rows[i], &err) != 0) {
+            CHECKF(0, "luma_kv_reserve: %s", err.msg);
+            return false;
+        }
+        luma_step_seq *q = &b->seqs[i];
+        memset(q, 0, sizeof *q);
+        q->row0 = at;
+        q->n_rows = rows[i];
+        q->pos0 = luma_kv_seq_len(seqs[i]);
+        q->blocks[0] = luma_kv_seq_blocks(seqs[i], 0, &q->n_blocks[0]);
+        for (int32_t j = 0; j < rows[i]; j++) {
+            b->tokens[at + j] = 0;
+            b->pos[at + j] = q->pos0 + j;
+        }
+        at += rows[i];
+    }
+    b->s = (luma_step){ .n_rows = total, .tokens = b->tokens, .pos = b->pos, .n_seqs = n, .seqs = b->seqs,
+                        .n_out = 0, .out_rows = &b->out };
+    return true;
+}
+
+/* Fills every sequence to its length through chunks of up to FILL_ROWS rows
+ * of random keys and values, stored on both backends by window-1 attention
+ * (each row sees only its own key). */
+static bool decode_fill(const dec_case *dc, luma_kv *kv, luma_kv_seq **seqs, const int32_t *len)
+{
+    int64_t cols = (int64_t)dc->n_kv * dc->d;
+    dual q, k, v, o;
+    dual_new(&q, FILL_ROWS, cols);
+    dual_new(&k, FILL_ROWS, cols);
+    dual_new(&v, FILL_ROWS, cols);
+    dual_new(&o, FILL_ROWS, cols);
+    float *zero = calloc((size_t)(FILL_ROWS * cols), sizeof(float));
+    float *hk = xmalloc((size_t)(FILL_ROWS * cols) * sizeof(float)), *hv = xmalloc((size_t)(FILL_ROWS * cols) * sizeof(float));
+    if (!zero) {
+        printf("test_cuda: out of memory\n");
+        exit(1);
+    }
+    dual_set(&q, zero);
+    luma_attn a = { 0, 0, dc->n_kv, dc->n_kv, dc->d, dc->d, 1, 1.0f / sqrtf((float)dc->d), 0.0f };
+    bool ok = true;
+    for (int32_t i = 0; i < dc->rows && ok; i++) {
+        while (ok && luma_kv_seq_len(seqs[i]) < len[i]) {
+            int32_t n = len[i] - luma_kv_seq_len(seqs[i]);
+            if (n > FILL_ROWS) n = FILL_ROWS;
+            big_step b;
+            ok = big_step_build(kv, &seqs[i], &n, 1, &b) && step_begin_s(&b.s);
+            if (ok) {
+                for (int64_t e = 0; e < n * cols; e++) {
+                    hk[e] = uniform(-2.0f, 2.0f);
+                    hv[e] = uniform(-2.0f, 2.0f);
+                }
+                dual kr = dual_rows(&k, 0, n), vr = dual_rows(&v, 0, n), qr = dual_rows(&q, 0, n), orow = dual_rows(&o, 0, n);
+                memcpy(kr.c.data, hk, (size_t)(n * cols) * sizeof(float));
+                memcpy(vr.c.data, hv, (size_t)(n * cols) * sizeof(float));
+                ok = cuda_ok(cudaMemcpy(kr.g.data, hk, (size_t)(n * cols) * sizeof(float), cudaMemcpyHostToDevice), "upload") &&
+                     cuda_ok(cudaMemcpy(vr.g.data, hv, (size_t)(n * cols) * sizeof(float), cudaMemcpyHostToDevice), "upload");
+                if (ok) {
+                    cpu->ops->attention(cpu, &qr.c, &kr.c, &vr.c, &b.s, &a, &orow.c);
+                    gpu->ops->attention(gpu, &qr.g, &kr.g, &vr.g, &b.s, &a, &orow.g);
+                    ok = gpu_sync("filling the decode cases");
+                }
+                if (ok) luma_kv_commit(kv, seqs[i], n);
+            }
+            big_step_free(&b);
+        }
+    }
+    free(zero);
+    free(hk);
+    free(hv);
+    dual_free(&q);
+    dual_free(&k);
+    dual_free(&v);
+    dual_free(&o);
+    return ok;
+}
+
+/* The GPU's output of the step's attention against the CPU's (ref). */
+static double decode_err(attn_ctx *c, const float *ref)
+{
+    luma_err err = { { 0 } };
+    size_t n = (size_t)(c->o->g.rows * c->o->g.cols);
+    float *got = xmalloc(n * sizeof(float));
+    double e = INFINITY;
+    attn_call(c);
+    if (gpu_sync("decode case") && gpu->ops->buf_read(gpu, &c->o->g, got, &err) == 0) e = rel_err(got, ref, n);
+    else if (err.msg[0]) CHECKF(0, "buf_read: %s", err.msg);
+    free(got);
+    return e;
+}
+
+/* The decode step of case dc over its filled cache: the GPU against the
+ * CPU, timed, then each tuning of configs. */
+static void decode_run(const dec_case *dc, const big_step *b, const int32_t *len, const char *label,
+                       const char *configs)
+{
+    int32_t R = dc->rows;
+    luma_attn a = { 0, 0, dc->n_head, dc->n_kv, dc->d, dc->d, dc->window, 1.0f / sqrtf((float)dc->d), 0.0f };
+    dual q, k, v, o;
+    dual_new(&q, R, (int64_t)dc->n_head * dc->d);
+    dual_new(&k, R, (int64_t)dc->n_kv * dc->d);
+    dual_new(&v, R, (int64_t)dc->n_kv * dc->d);
+    dual_new(&o, R, (int64_t)dc->n_head * dc->d);
+    float *hq = random_floats((size_t)(q.c.rows * q.c.cols), 2.0f);
+    float *hk = random_floats((size_t)(k.c.rows * k.c.cols), 1.0f);
+    float *hv = random_floats((size_t)(v.c.rows * v.c.cols), 1.0f);
+    dual_set(&q, hq);
+    dual_set(&k, hk);
+    dual_set(&v, hv);
+    cpu->ops->attention(cpu, &q.c, &k.c, &v.c, &b->s, &a, &o.c);
+    attn_ctx c = { &q, &k, &v, &o, &b->s, &a };
+    report(label, decode_err(&c, o.c.data), 1e-4);
+    double bytes = 0.0;
+    for (int32_t i = 0; i < R; i++) {
+        int32_t p = len[i], first = a.window > 0 && p - a.window + 1 > 0 ? p - a.window + 1 : 0;
+        bytes += (double)(p - first + 1) * dc->n_kv * 2 * dc->d * 2.0;
+    }
+    timed(attn_call, &c, bytes);
+    const result *r = &results[n_results - 1];
+    printf("decode %-36s %8.2f us %7.1f GB/s %5.1f%% of 3000 GB/s (%.1f MB of K and V)\n", label, r->us, r->gbps,
+           r->gbps / 30.0, bytes / 1e6);
+    for (const char *cfg = configs; cfg && *cfg;) {
+        char one[64];
+        size_t n = strcspn(cfg, ";");
+        snprintf(one, sizeof one, "%.*s", (int)(n < sizeof one ? n : sizeof one - 1), cfg);
+        cfg += n + (cfg[n] == ';');
+        setenv("LUMA_CUDA_ATTN_DECODE", one, 1);
+        double e = decode_err(&c, o.c.data), us = gpu_us(attn_call, &c);
+        CHECKF(e <= 1e-4, "%s with decode tuning %s: error %.2e", label, one, e);
+        printf("  tuning %-22s err %.1e %8.2f us %7.1f GB/s %5.1f%%\n", one, e, us, bytes / (us * 1e3),
+               bytes / (us * 1e3) / 30.0);
+        unsetenv("LUMA_CUDA_ATTN_DECODE");
+    }
+    dual_free(&q);
+    dual_free(&k);
+    dual_free(&v);
+    dual_free(&o);
+    free(hq);
+    free(hk);
+    free(hv);
+}
+
+static void decode_case(const dec_case *dc, const char *configs)
+{
+    luma_err err = { { 0 } };
+    int32_t R = dc->rows;
+    int32_t *len = xmalloc((size_t)R * sizeof(int32_t)), *ones = xmalloc((size_t)R * sizeof(int32_t));
+    luma_kv_seq **seqs = xmalloc((size_t)R * sizeof *seqs);
+    int32_t n_blocks = 0;
+    for (int32_t i = 0; i < R; i++) {
+        len[i] = dc->lo - 1 + (int32_t)((int64_t)(dc->hi - dc->lo) * i / (R > 1 ? R - 1 : 1));
+        ones[i] = 1;
+        n_blocks += len[i] / BLOCK_TOKENS + 2;
+    }
+    char label[48];
+    if (R == 1) snprintf(label, sizeof label, "attn dec %s 1 row %d", dc->name, dc->lo);
+    else snprintf(label, sizeof label, "attn dec %s %d rows %d-%d", dc->name, R, dc->lo, dc->hi);
+    if (dc->window > 0) snprintf(label + strlen(label), sizeof label - strlen(label), " w%d", dc->window);
+    luma_kv_layout l = { .n_pools = 1, .block_tokens = BLOCK_TOKENS, .n_kv_head = dc->n_kv, .head_dim_k = dc->d,
+                         .head_dim_v = dc->d, .type = LUMA_F16 };
+    luma_kv_params kp = { .n_pools = 1, .block_tokens = BLOCK_TOKENS, .copy = copy_both };
+    l.n_blocks[0] = kp.n_blocks[0] = n_blocks;
+    l.n_layers[0] = 1;
+    luma_kv *kv = NULL;
+    if (cpu->ops->kv_alloc(cpu, &l, &err) != 0 || gpu->ops->kv_alloc(gpu, &l, &err) != 0 ||
+        luma_kv_new(&kp, &kv, &err) != 0) {
+        CHECKF(0, "KV cache for %s: %s", label, err.msg);
+    } else {
+        for (int32_t i = 0; i < R; i++) seqs[i] = luma_kv_seq_new(kv);
+        big_step b;
+        memset(&b, 0, sizeof b);
+        if (decode_fill(dc, kv, seqs, len) && big_step_build(kv, seqs, ones, R, &b) && step_begin_s(&b.s))
+            decode_run(dc, &b, len, label, configs);
+        big_step_free(&b);
+        for (int32_t i = 0; i < R; i++) luma_kv_seq_free(kv, seqs[i]);
+        luma_kv_free(kv);
+    }
+    free(len);
+    free(ones);
+    free(seqs);
+}
+
+static void test_decode_timing(void)
+{
+    static const dec_case cases[] = {
+        { "llama", 32, 8, 128, 32, 128, 512, 0 },
+        { "llama", 32, 8, 128, 128, 128, 512, 0 },
+        { "gemma", 4, 1, 256, 32, 128, 512, 0 },
+        { "gemma", 4, 1, 256, 128, 128, 512, 0 },
+        { "gemma", 4, 1, 256, 128, 600, 1100, WINDOW },
+        { "llama", 32, 8, 128, 1, 4096, 4096, 0 },
+        { "llama", 32, 8, 128, 1, 32768, 32768, 0 },
+        { "gemma", 4, 1, 256, 1, 4096, 4096, 0 },
+        { "gemma", 4, 1, 256, 1, 32768, 32768, 0 },
+    };
+    if (quick) {
+        printf("decode timing: not run (LUMA_CUDA_QUICK)\n");
+        return;
+    }
+    const char *configs = getenv("LUMA_CUDA_DECODE_CONFIGS");
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) decode_case(&cases[i], configs);
+}
+
 /* ---- prefill: CUDA cores against tensor cores --------------------------- */
 
 /* A causal prefill of n rows from position 0 in one sequence, on the
@@ -1083,7 +1346,8 @@ static int run_checks(void)
     }
     const char *only = getenv("LUMA_CUDA_ONLY");
     bool timing_only = only && strcmp(only, "prefill-timing") == 0;
-    bool attention_only = timing_only || (only && strcmp(only, "attention") == 0);
+    bool decode_only = only && strcmp(only, "decode-timing") == 0;
+    bool attention_only = timing_only || decode_only || (only && strcmp(only, "attention") == 0);
     if (!quick && !cuda_ok(cudaMalloc(&queue_mem, QUEUE_BYTES), "cudaMalloc (timing queue)")) return 1;
     if (!attention_only) {
         test_embed();
@@ -1094,8 +1358,9 @@ static int run_checks(void)
         test_bias_gather();
         test_failure();   /* before any KV layout: its step has no block tables */
     }
-    if (!timing_only) test_attention();
-    test_prefill_timing();
+    if (!timing_only && !decode_only) test_attention();
+    if (!timing_only) test_decode_timing();
+    if (!decode_only) test_prefill_timing();
     cpu->ops->free(cpu);
     gpu->ops->free(gpu);
     if (queue_mem) cudaFree(queue_mem);

@@ -145,18 +145,11 @@ int main(void)
         printf("test_cuda_graphs: no CUDA device, the GPU checks did not run\n");
         return 0;
     }
-    const char *vocab = getenv("LUMA_VOCAB");
-    static char shared[1024];
-    if (!vocab) {
-        snprintf(shared, sizeof shared, "%s/../shared/testdata/tokenizer/ggml-vocab-llama-spm.gguf", LUMA_SOURCE_DIR);
-        vocab = shared;
-    }
-    FILE *f = fopen(vocab, "rb");
-    if (!f) {
+    static char vocab[1024];
+    if (!luma_test_vocab_path(vocab, sizeof vocab)) {
         printf("test_cuda_graphs: FAIL: no vocabulary at %s (set LUMA_VOCAB to a GGUF file with a tokenizer)\n", vocab);
         return 1;
     }
-    fclose(f);
     test_model("tiny-gemma3", vocab);
     test_model("tiny-llama", vocab);
     if (failures) {

@@ -513,15 +513,8 @@ int main(void)
     }
     test_vocab(32000);
     test_vocab(262144);
-    const char *vocab = getenv("LUMA_VOCAB");
-    static char shared[1024];
-    if (!vocab) {
-        snprintf(shared, sizeof shared, "%s/../shared/testdata/tokenizer/ggml-vocab-llama-spm.gguf", LUMA_SOURCE_DIR);
-        vocab = shared;
-    }
-    FILE *f = fopen(vocab, "rb");
-    if (f) {
-        fclose(f);
+    static char vocab[1024];
+    if (luma_test_vocab_path(vocab, sizeof vocab)) {
         test_model(vocab);
     } else {
         CHECKF(0, "no vocabulary at %s for the synthetic model (set LUMA_VOCAB to a GGUF file with a tokenizer)", vocab);

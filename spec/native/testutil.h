@@ -148,6 +148,33 @@ static inline void *xmalloc(size_t n)
     return p;
 }
 
+/* ---- matrix products ---------------------------------------------------- */
+
+/* Largest error of sampled outputs of y = W x (y: m x rows) relative to
+ * sum |w x|, against double precision: wref holds the ns dequantized weight
+ * rows rows_s[], and at most about max_acts of the m activation rows are
+ * checked. A non-finite output counts as infinite. */
+static inline double product_rel_error(const float *wref, const int64_t *rows_s, int ns, const float *x, int64_t m,
+                                       int64_t cols, const float *y, int64_t rows, int64_t max_acts)
+{
+    double worst = 0.0;
+    int64_t step = m <= max_acts ? 1 : m / max_acts;
+    for (int64_t j = 0; j < m; j += step)
+        for (int s = 0; s < ns; s++) {
+            const float *wr = wref + (size_t)s * (size_t)cols, *xr = x + (size_t)j * (size_t)cols;
+            double ref = 0.0, mag = 0.0;
+            for (int64_t k = 0; k < cols; k++) {
+                double p = (double)wr[k] * (double)xr[k];
+                ref += p;
+                mag += fabs(p);
+            }
+            double got = y[(size_t)j * (size_t)rows + (size_t)rows_s[s]];
+            double e = isfinite(got) ? fabs(got - ref) / (mag > 0.0 ? mag : 1.0) : INFINITY;
+            if (!(e <= worst)) worst = e;
+        }
+    return worst;
+}
+
 /* ---- the default model -------------------------------------------------- */
 
 #define LUMA_TEST_MODEL_NAME "gemma-3-270m-q4_k_m.gguf"
@@ -167,5 +194,23 @@ static inline bool luma_test_model_path(char *buf, size_t size)
     fclose(f);
     return true;
 }
+
+#ifdef LUMA_SOURCE_DIR
+/* A vocabulary for synthetic models: $LUMA_VOCAB when set, else the shared
+ * llama-spm vocabulary beside the repository, into buf; true when that file
+ * opens. */
+static inline bool luma_test_vocab_path(char *buf, size_t size)
+{
+    const char *env = getenv("LUMA_VOCAB");
+    int n = env && *env ? snprintf(buf, size, "%s", env)
+                        : snprintf(buf, size, "%s/../shared/testdata/tokenizer/ggml-vocab-llama-spm.gguf",
+                                   LUMA_SOURCE_DIR);
+    if (n < 0 || (size_t)n >= size) return false;
+    FILE *f = fopen(buf, "rb");
+    if (!f) return false;
+    fclose(f);
+    return true;
+}
+#endif
 
 #endif

@@ -1,0 +1,64 @@
+/* Device helpers that the kernels reading GGUF blocks share (matmul.cu,
+ * mmq.cu): half-float bits, the Q5 high bits, the K-quant 6-bit scales, and
+ * programmatic dependent launch. */
+#ifndef LUMA_CUDA_BLOCKS_CUH
+#define LUMA_CUDA_BLOCKS_CUH
+
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+static __device__ __forceinline__ float f16_bits(uint32_t h)
+{
+    return __half2float(__ushort_as_half((unsigned short)h));
+}
+
+/* Bits 0..3 of b to bit 4 of bytes 0..3: the fifth bit of four Q5 values. */
+static __device__ __forceinline__ uint32_t bits4_to_bytes(uint32_t b)
+{
+    return (b & 1) << 4 | (b & 2) << 11 | (b & 4) << 18 | (b & 8) << 25;
+}
+
+/* Q4_K and Q5_K scale and minimum of sub-block s (src/quant.c
+ * scale_min_k4) from the three words of the 12 scale bytes; s is a run-time
+ * index, so the bytes are picked by shifts rather than from an array. */
+static __device__ __forceinline__ void scale_min_k4(int s, uint32_t w1, uint32_t w2, uint32_t w3, int &sc, int &m)
+{
+    if (s < 4) {
+        sc = (w1 >> 8 * s) & 63;
+        m = (w2 >> 8 * s) & 63;
+    } else {
+        int b = 8 * (s - 4);
+        sc = ((w3 >> b) & 0xF) | ((w1 >> (b + 6)) & 3) << 4;
+        m = ((w3 >> (b + 4)) & 0xF) | ((w2 >> (b + 6)) & 3) << 4;
+    }
+}
+
+/* The activation value the products see: v quantized to int8 in its block
+ * of 32 values whose largest magnitude is amax (scale d = amax / 127, as the
+ * matrix-vector path's quantizer makes it), scaled back to a float. The
+ * tensor-core paths feed the tensor cores these values, so that a row gives
+ * the same products whatever the number of rows it shares a step with. */
+static __device__ __forceinline__ float act_q8_value(float v, float amax)
+{
+    float d = amax / 127.0f;
+    int i = amax == 0.0f ? 0 : __float2int_rn(v / d);
+    return d * (float)max(-127, min(127, i));
+}
+
+/* Programmatic dependent launch (sm_90): a kernel launched with
+ * cudaLaunchAttributeProgrammaticStreamSerialization starts while the one
+ * before it still runs, fetches what does not depend on it (weights), and
+ * waits here before it reads anything the earlier kernel wrote; the earlier
+ * kernel lets it start once its own reads are issued. Both are no-ops for a
+ * kernel launched the ordinary way. */
+static __device__ __forceinline__ void wait_for_previous_kernel()
+{
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+}
+
+static __device__ __forceinline__ void let_next_kernel_start()
+{
+    asm volatile("griddepcontrol.launch_dependents;");
+}
+
+#endif

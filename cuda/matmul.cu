@@ -1452,6 +1452,20 @@ bool luma_cuda_matmul_supports(enum luma_type t)
     }
 }
 
+/* The largest m of the matrix-vector path for block formats:
+ * LUMA_MMV_MAX_M, or LUMA_CUDA_MMV_MAX_M from the environment (read once;
+ * for measuring the two paths on the same steps). */
+static int64_t mmv_max_m(void)
+{
+    static int64_t max_m = -1;
+    if (max_m < 0) {
+        const char *s = getenv("LUMA_CUDA_MMV_MAX_M");
+        long v = s ? strtol(s, NULL, 10) : 0;
+        max_m = v > 0 ? v : LUMA_MMV_MAX_M;
+    }
+    return max_m;
+}
+
 void luma_cuda_matmul(cuda_backend *c, const luma_weight *w, const float *x, int64_t m, float *y)
 {
     if (!LUMA_CUDA_OK(c) || m <= 0 || w->rows <= 0) return;
@@ -1464,6 +1478,6 @@ void luma_cuda_matmul(cuda_backend *c, const luma_weight *w, const float *x, int
                         luma_type_name(w->type), (long long)w->rows, (long long)w->cols);
         return;
     }
-    if (m <= (w->type == LUMA_F16 ? MMV_MAX_M_F16 : LUMA_MMV_MAX_M) && mmv_fits(w, x)) mm_vec(c, w, x, m, y);
+    if (m <= (w->type == LUMA_F16 ? MMV_MAX_M_F16 : mmv_max_m()) && mmv_fits(w, x)) mm_vec(c, w, x, m, y);
     else if (!luma_cuda_mmq(c, w, x, m, y)) mm_tensor(c, w, x, m, y);   /* mmq.cu: where it measured faster */
 }

@@ -57,7 +57,7 @@
 
 /* Built only with the CUDA backend, whose link dependencies bring the
  * runtime's headers. */
-#include <cuda_runtime.h>
+#include "testcuda.h"
 
 static int quick;
 static luma_backend *cpu, *gpu;
@@ -107,13 +107,6 @@ static double rel_err(const float *a, const float *b, size_t n)
         if (fabs((double)b[i]) > den) den = fabs((double)b[i]);
     }
     return den > 0.0 ? num / den : num;
-}
-
-static bool cuda_ok(cudaError_t e, const char *what)
-{
-    if (e == cudaSuccess) return true;
-    CHECKF(0, "%s: %s", what, cudaGetErrorString(e));
-    return false;
 }
 
 /* ---- the same data on both backends ------------------------------------- */
@@ -613,6 +606,7 @@ typedef struct kv_env {
 
 static void copy_both(void *ctx, int pool, int32_t src, int32_t dst)
 {
+    (void)ctx;
     cpu->ops->kv_copy_block(cpu, pool, src, dst);
     gpu->ops->kv_copy_block(gpu, pool, src, dst);
 }

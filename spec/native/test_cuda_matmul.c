@@ -41,7 +41,7 @@
  * so (the headers alone prove nothing: they may sit in /usr/local/include of
  * a machine that builds for the CPU only). */
 #ifdef LUMA_HAVE_CUDA
-#include <cuda_runtime.h>
+#include "testcuda.h"
 #endif
 
 #ifdef LUMA_HAVE_CUDA
@@ -85,23 +85,6 @@ static const int ms[] = { 1, 2, 3, 8, 16, 64, 512 };
 #define L2_DEFEAT_BYTES ((size_t)192 << 20)   /* well over the H100's 50 MB of L2 */
 #define QUEUE_BYTES ((size_t)1 << 30)         /* memset that keeps the GPU busy while calls queue */
 #define HBM_GBS 3000.0
-
-/* ---- random data -------------------------------------------------------- */
-
-/* A cheap bell-shaped value in (-2, 2) with unit-ish spread. */
-static float bell(void)
-{
-    uint64_t r = rnd();
-    float a = (float)(r & 0xffffff) / (float)(1 << 24), b = (float)((r >> 24) & 0xffffff) / (float)(1 << 24);
-    return 2.0f * (a + b - 1.0f);
-}
-
-static int cuda_ok(cudaError_t e, const char *what)
-{
-    if (e == cudaSuccess) return 1;
-    CHECKF(0, "%s: %s", what, cudaGetErrorString(e));
-    return 0;
-}
 
 /* ---- one weight matrix -------------------------------------------------- */
 

@@ -34,7 +34,7 @@
 #include <string.h>
 
 #ifdef LUMA_HAVE_CUDA
-#include <cuda_runtime.h>
+#include "testcuda.h"
 
 /* cuda/mmq.cu's entry points for measuring, with C linkage (the backend's
  * internal header is C++). be must be a CUDA backend. */
@@ -66,21 +66,6 @@ static const int time_ms[] = { 1, 2, 4, 8, 16, 32, 64, 128, 256, 512 };
 #define N_COPIES 8                            /* quantized copies timed in rotation */
 #define L2_DEFEAT_BYTES ((size_t)192 << 20)   /* well over the H100's 50 MB of L2 */
 #define QUEUE_BYTES ((size_t)1 << 30)         /* memset that keeps the GPU busy while calls queue */
-
-/* A cheap bell-shaped value in (-2, 2) with unit-ish spread. */
-static float bell(void)
-{
-    uint64_t r = rnd();
-    float a = (float)(r & 0xffffff) / (float)(1 << 24), b = (float)((r >> 24) & 0xffffff) / (float)(1 << 24);
-    return 2.0f * (a + b - 1.0f);
-}
-
-static int cuda_ok(cudaError_t e, const char *what)
-{
-    if (e == cudaSuccess) return 1;
-    CHECKF(0, "%s: %s", what, cudaGetErrorString(e));
-    return 0;
-}
 
 typedef struct ctx {
     luma_backend *be;

@@ -69,6 +69,15 @@ static inline float uniform(float lo, float hi)
     return lo + (hi - lo) * (float)(rnd() >> 40) / (float)(1 << 24);
 }
 
+/* A cheap bell-shaped value in (-2, 2) with unit-ish spread (the sum of
+ * two uniforms). */
+static inline float bell(void)
+{
+    uint64_t r = rnd();
+    float a = (float)(r & 0xffffff) / (float)(1 << 24), b = (float)((r >> 24) & 0xffffff) / (float)(1 << 24);
+    return 2.0f * (a + b - 1.0f);
+}
+
 /* A standard normal (Box-Muller). */
 static inline float gaussian(void)
 {

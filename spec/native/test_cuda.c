@@ -665,6 +665,46 @@ static void attn_call(void *p)
 
 enum { UNTIMED, TIMED, TIMED_BYTES };
 
+/* Fresh random q, k and v of R rows for layer a on both backends, and the
+ * output buffers. */
+typedef struct attn_io {
+    dual q, k, v, o;
+} attn_io;
+
+static void attn_io_new(attn_io *io, int64_t R, const luma_attn *a)
+{
+    dual_new(&io->q, R, (int64_t)a->n_head * a->head_dim_k);
+    dual_new(&io->k, R, (int64_t)a->n_kv_head * a->head_dim_k);
+    dual_new(&io->v, R, (int64_t)a->n_kv_head * a->head_dim_v);
+    dual_new(&io->o, R, (int64_t)a->n_head * a->head_dim_v);
+    dual *in[3] = { &io->q, &io->k, &io->v };
+    for (int i = 0; i < 3; i++) {
+        float *h = random_floats((size_t)(in[i]->c.rows * in[i]->c.cols), i == 0 ? 2.0f : 1.0f);
+        dual_set(in[i], h);
+        free(h);
+    }
+}
+
+static void attn_io_free(attn_io *io)
+{
+    dual_free(&io->q);
+    dual_free(&io->k);
+    dual_free(&io->v);
+    dual_free(&io->o);
+}
+
+/* Bytes of K and V a decode kernel must read for rows at positions pos[0..n):
+ * each row's visible keys once, es bytes an element. */
+static double visible_kv_bytes(const int32_t *pos, int32_t n, const luma_attn *a, double es)
+{
+    double bytes = 0.0;
+    for (int32_t r = 0; r < n; r++) {
+        int32_t p = pos[r], first = a->window > 0 && p - a->window + 1 > 0 ? p - a->window + 1 : 0;
+        bytes += (double)(p - first + 1) * a->n_kv_head * (a->head_dim_k + a->head_dim_v) * es;
+    }
+    return bytes;
+}
+
 /* Whether the GPU runs part of the step on the tensor-core prefill: F16
  * cache, keys and values of one size among 64, 128, 256, and a chunk of at
  * least 8 rows (LUMA_CUDA_PREFILL_MIN_ROWS in cuda/cuda_internal.h). */
@@ -693,38 +733,19 @@ static double attn_tol(enum luma_type type, const luma_step *s, const luma_attn 
  * (the decode kernel's traffic). */
 static double attend(kv_env *e, const luma_step *s, const luma_attn *a, const char *label, int timing)
 {
-    int64_t R = s->n_rows;
-    dual q, k, v, o;
-    dual_new(&q, R, (int64_t)a->n_head * a->head_dim_k);
-    dual_new(&k, R, (int64_t)a->n_kv_head * a->head_dim_k);
-    dual_new(&v, R, (int64_t)a->n_kv_head * a->head_dim_v);
-    dual_new(&o, R, (int64_t)a->n_head * a->head_dim_v);
-    float *hq = random_floats((size_t)(q.c.rows * q.c.cols), 2.0f);
-    float *hk = random_floats((size_t)(k.c.rows * k.c.cols), 1.0f);
-    float *hv = random_floats((size_t)(v.c.rows * v.c.cols), 1.0f);
-    dual_set(&q, hq);
-    dual_set(&k, hk);
-    dual_set(&v, hv);
-    cpu->ops->attention(cpu, &q.c, &k.c, &v.c, s, a, &o.c);
-    gpu->ops->attention(gpu, &q.g, &k.g, &v.g, s, a, &o.g);
-    double err = dual_err(&o);
+    attn_io io;
+    attn_io_new(&io, s->n_rows, a);
+    cpu->ops->attention(cpu, &io.q.c, &io.k.c, &io.v.c, s, a, &io.o.c);
+    gpu->ops->attention(gpu, &io.q.g, &io.k.g, &io.v.g, s, a, &io.o.g);
+    double err = dual_err(&io.o);
     if (label) report(label, err, attn_tol(e->type, s, a));
     if (label && timing != UNTIMED) {
-        double bytes = 0.0, es = e->type == LUMA_F16 ? 2.0 : 4.0;
-        for (int32_t r = 0; r < s->n_rows && timing == TIMED_BYTES; r++) {
-            int32_t p = s->pos[r], first = a->window > 0 && p - a->window + 1 > 0 ? p - a->window + 1 : 0;
-            bytes += (double)(p - first + 1) * a->n_kv_head * (a->head_dim_k + a->head_dim_v) * es;
-        }
-        attn_ctx c = { &q, &k, &v, &o, s, a };
+        double bytes =
+            timing == TIMED_BYTES ? visible_kv_bytes(s->pos, s->n_rows, a, e->type == LUMA_F16 ? 2.0 : 4.0) : 0.0;
+        attn_ctx c = { &io.q, &io.k, &io.v, &io.o, s, a };
         timed(attn_call, &c, bytes);
     }
-    dual_free(&q);
-    dual_free(&k);
-    dual_free(&v);
-    dual_free(&o);
-    free(hq);
-    free(hk);
-    free(hv);
+    attn_io_free(&io);
     return err;
 }
 
@@ -981,25 +1002,12 @@ static void decode_run(const dec_case *dc, const big_step *b, const int32_t *len
 {
     int32_t R = dc->rows;
     luma_attn a = { 0, 0, dc->n_head, dc->n_kv, dc->d, dc->d, dc->window, 1.0f / sqrtf((float)dc->d), 0.0f };
-    dual q, k, v, o;
-    dual_new(&q, R, (int64_t)dc->n_head * dc->d);
-    dual_new(&k, R, (int64_t)dc->n_kv * dc->d);
-    dual_new(&v, R, (int64_t)dc->n_kv * dc->d);
-    dual_new(&o, R, (int64_t)dc->n_head * dc->d);
-    float *hq = random_floats((size_t)(q.c.rows * q.c.cols), 2.0f);
-    float *hk = random_floats((size_t)(k.c.rows * k.c.cols), 1.0f);
-    float *hv = random_floats((size_t)(v.c.rows * v.c.cols), 1.0f);
-    dual_set(&q, hq);
-    dual_set(&k, hk);
-    dual_set(&v, hv);
-    cpu->ops->attention(cpu, &q.c, &k.c, &v.c, &b->s, &a, &o.c);
-    attn_ctx c = { &q, &k, &v, &o, &b->s, &a };
-    report(label, decode_err(&c, o.c.data), 1e-4);
-    double bytes = 0.0;
-    for (int32_t i = 0; i < R; i++) {
-        int32_t p = len[i], first = a.window > 0 && p - a.window + 1 > 0 ? p - a.window + 1 : 0;
-        bytes += (double)(p - first + 1) * dc->n_kv * 2 * dc->d * 2.0;
-    }
+    attn_io io;
+    attn_io_new(&io, R, &a);
+    cpu->ops->attention(cpu, &io.q.c, &io.k.c, &io.v.c, &b->s, &a, &io.o.c);
+    attn_ctx c = { &io.q, &io.k, &io.v, &io.o, &b->s, &a };
+    report(label, decode_err(&c, io.o.c.data), 1e-4);
+    double bytes = visible_kv_bytes(len, R, &a, 2.0);
     timed(attn_call, &c, bytes);
     const result *r = &results[n_results - 1];
     printf("decode %-36s %8.2f us %7.1f GB/s %5.1f%% of 3000 GB/s (%.1f MB of K and V)\n", label, r->us, r->gbps,
@@ -1010,19 +1018,13 @@ static void decode_run(const dec_case *dc, const big_step *b, const int32_t *len
         snprintf(one, sizeof one, "%.*s", (int)(n < sizeof one ? n : sizeof one - 1), cfg);
         cfg += n + (cfg[n] == ';');
         setenv("LUMA_CUDA_ATTN_DECODE", one, 1);
-        double e = decode_err(&c, o.c.data), us = gpu_us(attn_call, &c);
+        double e = decode_err(&c, io.o.c.data), us = gpu_us(attn_call, &c);
         CHECKF(e <= 1e-4, "%s with decode tuning %s: error %.2e", label, one, e);
         printf("  tuning %-22s err %.1e %8.2f us %7.1f GB/s %5.1f%%\n", one, e, us, bytes / (us * 1e3),
                bytes / (us * 1e3) / 30.0);
         unsetenv("LUMA_CUDA_ATTN_DECODE");
     }
-    dual_free(&q);
-    dual_free(&k);
-    dual_free(&v);
-    dual_free(&o);
-    free(hq);
-    free(hk);
-    free(hv);
+    attn_io_free(&io);
 }
 
 static void decode_case(const dec_case *dc, const char *configs)

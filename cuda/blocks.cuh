@@ -33,16 +33,11 @@ static __device__ __forceinline__ void scale_min_k4(int s, uint32_t w1, uint32_t
     }
 }
 
-/* The activation value the products see: v quantized to int8 in its block
- * of 32 values whose largest magnitude is amax (scale d = amax / 127, as the
- * matrix-vector path's quantizer makes it), scaled back to a float. The
- * tensor-core paths feed the tensor cores these values, so that a row gives
- * the same products whatever the number of rows it shares a step with. */
-static __device__ __forceinline__ float act_q8_value(float v, float amax)
+/* Two floats as the f16 pair of one 32-bit register (lo in the low half). */
+static __device__ __forceinline__ uint32_t pack_h2(float lo, float hi)
 {
-    float d = amax / 127.0f;
-    int i = amax == 0.0f ? 0 : __float2int_rn(v / d);
-    return d * (float)max(-127, min(127, i));
+    __half2 h = __floats2half2_rn(lo, hi);
+    return *(const uint32_t *)&h;
 }
 
 /* Programmatic dependent launch (sm_90): a kernel launched with

@@ -148,6 +148,13 @@ bool luma_cuda_matmul_supports(enum luma_type t);
  * the device, row-major. Small m reads each weight byte once for all rows;
  * large m takes the tensor-core path. */
 void luma_cuda_matmul(cuda_backend *c, const luma_weight *w, const float *x, int64_t m, float *y);
+/* Queues the quantization of n activations x (n a multiple of the block of
+ * w's act_type: 32 for Q8_0, 256 for Q8_K; x 16-byte aligned) as the CPU
+ * backend quantizes them for weights of type t: into int8 values q and,
+ * per block of 32, (d, d * sum of the q) in ds; or, when xh is not NULL,
+ * into the f16 of each d * q. Failures are recorded. */
+void luma_cuda_quantize_act(cuda_backend *c, enum luma_type t, const float *x, int64_t n, int8_t *q, float2 *ds,
+                            __half *xh);
 /* Queues the dequantization of all of w (from w->dev) to f16 into out
  * (rows x cols, row-major): the tensor-core path's operand. Not for F16
  * weights; failures are recorded. */

@@ -7,9 +7,11 @@
  *
  * - m <= LUMA_MMV_MAX_M (decode, small batches): matrix-vector products,
  *   memory-bound, so each weight byte is read once for up to MMV_PASS_M
- *   activation rows. The activations are first quantized to int8 blocks of
- *   32 (scale d = max|x| / 127 and the float sum of the block, like GGML's
- *   Q8_1); each weight block is decoded to int8 lanes in registers and one
+ *   activation rows. The activations are first quantized to int8 exactly
+ *   as the CPU backend quantizes them for the weight's type (Q8_0 blocks
+ *   of 32 for the legacy formats, Q8_K super-blocks of 256 for the K
+ *   formats; quantize_act), with each block of 32's scale and sum; each
+ *   weight block is decoded to int8 lanes in registers and one
  *   __dp4a does four multiply-adds. Float weights (F32, F16, BF16) meet the
  *   f32 activations directly. Activations are read through L1, where every
  *   warp of the SM finds them (m x cols bytes of int8: 32 KB for 8 rows of
@@ -26,7 +28,7 @@
  *   are the resident copy weight_load made when the device has room for the
  *   copies of all matrices (luma_weight.dev_f16), or else a panel of weight
  *   rows dequantized into scratch on every call; the activations are
- *   converted to f16 once, and cublasGemmEx multiplies them with f32
+ *   quantized as above and their values d * q converted to f16 once, and cublasGemmEx multiplies them with f32
  *   accumulation and f32 output. Before it, luma_cuda_mmq (mmq.cu: the
  *   quantized blocks dequantized in registers straight into mma.sync, no f16
  *   copy) takes the (type, m) for which it measured faster. */
@@ -83,13 +85,6 @@ static __device__ __forceinline__ float warp_sum(float v)
 {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
-static __device__ __forceinline__ float warp_max(float v)
-{
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;
 }
 
@@ -755,26 +750,111 @@ struct type_f32 {
 
 /* ---- matrix-vector path ------------------------------------------------------- */
 
-/* x (n floats, in groups of 32) to int8 with d = max|x| / 127 per group and
- * the group's float sum: one warp per group. */
-static __global__ void quantize_act(const float *__restrict__ x, int64_t groups, int8_t *__restrict__ q,
-                                    float2 *__restrict__ ds)
+/* The activations a block-format weight multiplies, quantized exactly as
+ * the CPU backend quantizes them for that weight (src/quant.c), so that the
+ * two backends multiply the same int8 values:
+ *   ACT_Q8_0 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 weights): blocks of 32, d =
+ *     max|x| / 127, q = round(x / d) half away from zero, and d itself
+ *     rounded to f16 as Q8_0 stores it;
+ *   ACT_Q8_K (the K formats): super-blocks of 256 sharing one scale: the
+ *     first element of largest magnitude maps to -127 (iscale = -127 / x),
+ *     the others round half to even and clamp at 127, d = 1 / iscale.
+ * A thread takes 8 consecutive values (unit i: x[8 i .. 8 i + 7]), so 4
+ * threads hold a block of 32 and a warp a super-block of 256 (the caller's
+ * n is a multiple of the block: whole warps are live or dead together for
+ * ACT_Q8_K, whole quads for ACT_Q8_0). Writes either the int8 values (q)
+ * with each block of 32's (d, d * sum of its q) (ds; the minimum terms of
+ * Q4_1/Q5_1/Q2_K/Q4_K/Q5_K need the sum, as Q8_1 and Q8_K's bsums keep
+ * it), or, for the tensor-core paths, the f16 of d * q (xh): every path
+ * multiplies the same values. */
+enum act_scheme { ACT_Q8_0, ACT_Q8_K };
+
+template <int SCHEME, bool F16>
+static __global__ void quantize_act(const float *__restrict__ x, int64_t n8, int8_t *__restrict__ q,
+                                    float2 *__restrict__ ds, __half *__restrict__ xh)
 {
-    int64_t g = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32;
-    int lane = threadIdx.x % 32;
-    if (g >= groups) return;
+    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     let_next_kernel_start();
-    float v = x[g * 32 + lane];
-    float amax = warp_max(fabsf(v));
-    float d = amax / 127.0f;
-    int i = amax == 0.0f ? 0 : __float2int_rn(v / d);
-    i = max(-127, min(127, i));
-    q[g * 32 + lane] = (int8_t)i;
-    /* the sum of the quantized values (as Q8_1 keeps it), so that the
-     * minimum term of Q4_K/Q5_K/Q4_1/Q5_1/Q2_K sees the same activations as
-     * the products: every path then multiplies exactly act_q8_value */
-    float sum = d * warp_sum((float)i);
-    if (lane == 0) ds[g] = make_float2(d, sum);
+    bool live = i < n8;   /* every lane takes part in the shuffles */
+    float v[8] = { 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f };
+    if (live) {
+        float4 a = ((const float4 *)x)[2 * i], b = ((const float4 *)x)[2 * i + 1];
+        v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
+        v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+    }
+    int lane = threadIdx.x % 32, iq[8];
+    float d;
+    if (SCHEME == ACT_Q8_0) {
+        float amax = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 8; j++) amax = fmaxf(amax, fabsf(v[j]));
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+        float dq = amax / 127.0f, id = dq != 0.0f ? 1.0f / dq : 0.0f;
+#pragma unroll
+        for (int j = 0; j < 8; j++) iq[j] = max(-127, min(127, (int)roundf(__fmul_rn(v[j], id))));
+        d = __half2float(__float2half_rn(dq));
+    } else {
+        /* the first element of largest magnitude: this lane's, then the
+         * warp's (the larger magnitude, on a tie the lower lane) */
+        float amax = 0.0f, vmax = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+            if (fabsf(v[j]) > amax) {
+                amax = fabsf(v[j]);
+                vmax = v[j];
+            }
+        int from = lane;
+        for (int o = 1; o < 32; o *= 2) {
+            float a2 = __shfl_xor_sync(0xffffffffu, amax, o), v2 = __shfl_xor_sync(0xffffffffu, vmax, o);
+            int f2 = __shfl_xor_sync(0xffffffffu, from, o);
+            if (a2 > amax || (a2 == amax && f2 < from)) {
+                amax = a2;
+                vmax = v2;
+                from = f2;
+            }
+        }
+        float iscale = amax == 0.0f ? 0.0f : -127.0f / vmax;
+#pragma unroll
+        for (int j = 0; j < 8; j++) iq[j] = min(127, __float2int_rn(__fmul_rn(iscale, v[j])));
+        d = amax == 0.0f ? 0.0f : 1.0f / iscale;
+    }
+    if (F16) {
+        if (live)
+            ((uint4 *)xh)[i] = make_uint4(pack_h2(d * (float)iq[0], d * (float)iq[1]),
+                                          pack_h2(d * (float)iq[2], d * (float)iq[3]),
+                                          pack_h2(d * (float)iq[4], d * (float)iq[5]),
+                                          pack_h2(d * (float)iq[6], d * (float)iq[7]));
+        return;
+    }
+    int sum = iq[0] + iq[1] + iq[2] + iq[3] + iq[4] + iq[5] + iq[6] + iq[7];
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    if (!live) return;
+    uint32_t lo = (uint32_t)(iq[0] & 255) | (uint32_t)(iq[1] & 255) << 8 | (uint32_t)(iq[2] & 255) << 16 |
+                  (uint32_t)(iq[3] & 255) << 24;
+    uint32_t hi = (uint32_t)(iq[4] & 255) | (uint32_t)(iq[5] & 255) << 8 | (uint32_t)(iq[6] & 255) << 16 |
+                  (uint32_t)(iq[7] & 255) << 24;
+    ((uint2 *)q)[i] = make_uint2(lo, hi);
+    if (lane % 4 == 0) ds[i / 4] = make_float2(d, d * (float)sum);
+}
+
+void luma_cuda_quantize_act(cuda_backend *c, enum luma_type t, const float *x, int64_t n, int8_t *q, float2 *ds,
+                            __half *xh)
+{
+    bool k = luma_type_get(t)->act_type == LUMA_Q8_K;
+    if (n % (k ? 256 : 32) != 0 || ((uintptr_t)x & 15) != 0) {
+        luma_cuda_failf(c, "matmul: %lld activations at %p cannot be quantized for %s", (long long)n, (const void *)x,
+                        luma_type_name(t));
+        return;
+    }
+    int64_t n8 = n / 8;
+    unsigned grid = (unsigned)((n8 + 255) / 256);
+    if (xh && k) quantize_act<ACT_Q8_K, true><<<grid, 256, 0, c->stream>>>(x, n8, NULL, NULL, xh);
+    else if (xh) quantize_act<ACT_Q8_0, true><<<grid, 256, 0, c->stream>>>(x, n8, NULL, NULL, xh);
+    else if (k) quantize_act<ACT_Q8_K, false><<<grid, 256, 0, c->stream>>>(x, n8, q, ds, NULL);
+    else quantize_act<ACT_Q8_0, false><<<grid, 256, 0, c->stream>>>(x, n8, q, ds, NULL);
+    luma_cuda_fail(c, cudaGetLastError(), "matmul (quantizing activations)");
 }
 
 /* Weight rows per warp (direct kernel) or row group (staged kernel): two
@@ -1258,9 +1338,8 @@ static void mm_vec(cuda_backend *c, const luma_weight *w, const float *x, int64_
         if (!s) return;
         a.q = (const int *)s;
         a.ds = (const float2 *)(s + qbytes);
-        unsigned grid = (unsigned)((groups * 32 + 255) / 256);
-        quantize_act<<<grid, 256, 0, c->stream>>>(x, groups, (int8_t *)s, (float2 *)(s + qbytes));
-        if (luma_cuda_fail(c, cudaGetLastError(), "matmul (quantize activations)")) return;
+        luma_cuda_quantize_act(c, w->type, x, m * w->cols, (int8_t *)s, (float2 *)(s + qbytes), NULL);
+        if (!LUMA_CUDA_OK(c)) return;
     }
     switch (w->type) {
     case LUMA_F32: mmv_run<type_f32>(c, w, a, m, y); break;
@@ -1320,17 +1399,6 @@ static void dequant_launch(cuda_backend *c, const uint8_t *w, size_t row_bytes, 
 {
     int64_t units = rows * (cols / 8);
     dequant_f16<T><<<blocks_for(units, DEQ_THREADS), DEQ_THREADS, 0, c->stream>>>(w, row_bytes, cols, units, out);
-}
-
-/* Activations of a block-format product (cols a multiple of 32) to f16 as
- * the matrix-vector path sees them (act_q8_value): a warp per 32 values. */
-static __global__ void act_q8_to_f16(const float *__restrict__ x, int64_t groups, __half *__restrict__ xh)
-{
-    int64_t g = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32;
-    int lane = threadIdx.x % 32;
-    if (g >= groups) return;   /* the whole warp: g is the warp's */
-    float v = x[g * 32 + lane];
-    xh[g * 32 + lane] = __float2half_rn(act_q8_value(v, warp_max(fabsf(v))));
 }
 
 /* Rows [r0, r0 + n) of w as f16 into out (n x cols). */
@@ -1418,7 +1486,7 @@ static void mm_tensor(cuda_backend *c, const luma_weight *w, const float *x, int
      * Float weights meet the activations unquantized, as on the
      * matrix-vector path. */
     if (w->type != LUMA_F32 && w->type != LUMA_F16 && w->type != LUMA_BF16 && cols % 32 == 0)
-        act_q8_to_f16<<<blocks_for(m * cols, DEQ_THREADS), DEQ_THREADS, 0, c->stream>>>(x, m * cols / 32, xh);
+        luma_cuda_quantize_act(c, w->type, x, m * cols, NULL, NULL, xh);
     else
         float_to_f16<LUMA_F32><<<blocks_for(m * cols, DEQ_THREADS), DEQ_THREADS, 0, c->stream>>>(x, m * cols, xh);
     if (luma_cuda_fail(c, cudaGetLastError(), "matmul (activations to f16)")) return;

@@ -4,10 +4,10 @@
  * the napkin math and the measurements behind luma_cuda_mmq's rule.
  *
  * Two kernels:
- *   mmq_x_to_f16  the activations (m x cols, f32) to f16 in scratch, as the
- *                 cuBLAS path converts them: the values of their 8-bit
- *                 quantization in blocks of 32 (act_q8_value), what the
- *                 matrix-vector path multiplies too;
+ *   quantize_act  (matmul.cu) the activations (m x cols, f32) to f16 in
+ *                 scratch, as the cuBLAS path converts them: the values of
+ *                 their 8-bit quantization in the CPU backend's format,
+ *                 what the matrix-vector path multiplies too;
  *   mmq_kernel    one CTA of 8 warps computes a tile of 64 or 128 weight
  *                 rows x BM activation rows over a range of k. Each k-step
  *                 is 256 elements (one K super-block, or eight 32-blocks):
@@ -61,12 +61,6 @@ static __device__ __forceinline__ uint2 ld8_a2(const uint8_t *p)
 {
     const uint16_t *h = (const uint16_t *)p;
     return make_uint2((uint32_t)h[0] | (uint32_t)h[1] << 16, (uint32_t)h[2] | (uint32_t)h[3] << 16);
-}
-
-static __device__ __forceinline__ uint32_t pack_h2(float lo, float hi)
-{
-    __half2 h = __floats2half2_rn(lo, hi);
-    return *(const uint32_t *)&h;
 }
 
 static __device__ __forceinline__ void cp_async16(void *dst, const void *src, int src_bytes)
@@ -555,30 +549,6 @@ static __global__ void __launch_bounds__(MMQ_THREADS, mmq_warps<BM>::min_ctas) m
     cluster.sync();   /* no CTA leaves while another still reads its memory */
 }
 
-/* m x cols activations to f16, 8 per thread (cols is a multiple of 256). */
-static __global__ void mmq_x_to_f16(const float *__restrict__ x, int64_t n8, __half *__restrict__ xh)
-{
-    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    let_next_kernel_start();
-    /* four neighbouring threads hold a block of 32 (n8 is a multiple of 4,
-     * so they are live together); every lane takes part in the shuffles */
-    bool live = i < n8;
-    float4 a = make_float4(0.0f, 0.0f, 0.0f, 0.0f), b = a;
-    if (live) {
-        a = ((const float4 *)x)[2 * i];
-        b = ((const float4 *)x)[2 * i + 1];
-    }
-    float amax = fmaxf(fmaxf(fmaxf(fabsf(a.x), fabsf(a.y)), fmaxf(fabsf(a.z), fabsf(a.w))),
-                       fmaxf(fmaxf(fabsf(b.x), fabsf(b.y)), fmaxf(fabsf(b.z), fabsf(b.w))));
-    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-    if (!live) return;
-    ((uint4 *)xh)[i] = make_uint4(pack_h2(act_q8_value(a.x, amax), act_q8_value(a.y, amax)),
-                                  pack_h2(act_q8_value(a.z, amax), act_q8_value(a.w, amax)),
-                                  pack_h2(act_q8_value(b.x, amax), act_q8_value(b.y, amax)),
-                                  pack_h2(act_q8_value(b.z, amax), act_q8_value(b.w, amax)));
-}
-
 /* ---- host side ---------------------------------------------------------------- */
 
 /* How many CTAs, and clusters of 2, 4 and 8 CTAs, of one kernel fit on the
@@ -751,9 +721,8 @@ bool luma_cuda_mmq(cuda_backend *c, const luma_weight *w, const float *x, int64_
     }
     __half *xh = (__half *)luma_cuda_scratch(c, bytes);
     if (!xh) return true;
-    int64_t n8 = (int64_t)(elems / 8);
-    mmq_x_to_f16<<<(unsigned)((n8 + 255) / 256), 256, 0, c->stream>>>(x, n8, xh);
-    if (luma_cuda_fail(c, cudaGetLastError(), "matmul (mmq activations to f16)")) return true;
+    luma_cuda_quantize_act(c, w->type, x, (int64_t)elems, NULL, NULL, xh);
+    if (!LUMA_CUDA_OK(c)) return true;
     switch (w->type) {
     case LUMA_Q4_0: mmq_run<mmq_q4_0>(c, w, xh, m, y); break;
     case LUMA_Q5_0: mmq_run<mmq_q5_0>(c, w, xh, m, y); break;

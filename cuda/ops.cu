@@ -358,23 +358,24 @@ typedef struct rope_args {
     bool neox;
 } rope_args;
 
-/* One thread per (row, frequency): the angle's sine and cosine once, then
- * the pair (2i, 2i + 1) for NORM, (i, i + half) for NEOX, of every head. */
+/* One thread per (row, head, frequency): the angle's sine and cosine, then
+ * the pair (2i, 2i + 1) for NORM, (i, i + half) for NEOX. Every head of a
+ * row computes the same angle the same way, so the heads of a row are as
+ * many independent threads (a decode step's one row: heads x half threads,
+ * not half threads each walking every head). */
 __global__ static void rope_kernel(float *x, int64_t cols, const int32_t *pos, int64_t n, const rope_args a)
 {
     int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (t >= n) return;
     int32_t i = (int32_t)(t % a.half);
-    int64_t row = t / a.half;
+    int64_t rh = t / a.half, row = rh / a.heads, h = rh % a.heads;
     float angle = (float)pos[row] * a.pos_scale * a.pw[i] / a.ff[i];
     float sn = sinf(angle), cs = cosf(angle);
     int32_t ia = a.neox ? i : 2 * i, ib = a.neox ? i + a.half : 2 * i + 1;
-    for (int32_t h = 0; h < a.heads; h++) {
-        float *v = x + (size_t)row * (size_t)cols + (size_t)h * (size_t)a.head_dim;
-        float x0 = v[ia], x1 = v[ib];
-        v[ia] = x0 * cs - x1 * sn;
-        v[ib] = x0 * sn + x1 * cs;
-    }
+    float *v = x + (size_t)row * (size_t)cols + (size_t)h * (size_t)a.head_dim;
+    float x0 = v[ia], x1 = v[ib];
+    v[ia] = x0 * cs - x1 * sn;
+    v[ib] = x0 * sn + x1 * cs;
 }
 
 void luma_cuda_rope(luma_backend *be, luma_buf *x, int32_t head_dim, const int32_t *pos, const luma_rope *r)
@@ -399,7 +400,7 @@ void luma_cuda_rope(luma_backend *be, luma_buf *x, int32_t head_dim, const int32
     a.heads = (int32_t)(x->cols / head_dim);
     a.neox = r->kind == LUMA_ROPE_NEOX;
     a.pos_scale = r->pos_scale;
-    int64_t n = x->rows * half;
+    int64_t n = x->rows * a.heads * half;
     rope_kernel<<<blocks_for(n, THREADS), THREADS, 0, c->stream>>>(x->data, x->cols, d_pos, n, a);
     luma_cuda_fail(c, cudaGetLastError(), "rope");
 }

@@ -10,7 +10,10 @@
  *     large m twice: with the resident f16 copy weight_load made
  *     (luma_weight.dev_f16) and with the weight dequantized per call (the
  *     same weight, dev_f16 cleared): each output's error relative to
- *     sum |w x| stays under the tolerance of its number format;
+ *     sum |w x| stays under the tolerance of its number format; block
+ *     formats also against the CPU backend's product (the activations
+ *     quantized as src/quant.c does it): within float rounding (1e-5) on
+ *     the matrix-vector path, within f16 rounding on the tensor cores;
  *   - weight_load keeps an f16 copy of every matrix but the F16 ones (the
  *     test's few GB are far inside the copies' budget);
  *   - then a timing table for the big shapes (cudaEvent around 16 calls
@@ -77,6 +80,12 @@ static const int ms[] = { 1, 2, 3, 8, 16, 64, 512 };
  * operands (the tensor-core path) at most 2^-11 of each factor. */
 #define TOL_INT8 5e-3
 #define TOL_F16 2e-3
+/* Errors relative to sum |w x| against the CPU backend's product of the same
+ * quantized activations (cpu_product_rel_error): the matrix-vector path
+ * multiplies the same int8 values and differs only in the order of float
+ * sums; the tensor-core paths also round the weights and d * q to f16. */
+#define TOL_CPU_INT8 1e-5
+#define TOL_CPU_F16 2e-3
 
 #define SAMPLE_ROWS 32   /* weight rows checked per shape */
 #define SAMPLE_ACTS 64   /* activation rows checked per m */
@@ -331,6 +340,14 @@ static void check_shape(ctx *cx, enum luma_type t, const struct shape *sh, timin
         CHECKF(e <= tol, "%s %lldx%lld m=%lld: max relative error %.3g > %.1g", tr->name, (long long)rows,
                (long long)cols, (long long)m, e, tol);
         if (len < (int)sizeof line) len += snprintf(line + len, sizeof line - (size_t)len, "  m=%lld %.1e", (long long)m, e);
+        if (tr->is_quantized) {
+            /* and the CPU backend's product: the same int8 activations */
+            double tc = m <= MMV_MAX_M ? TOL_CPU_INT8 : TOL_CPU_F16;
+            double ec = cpu_product_rel_error(t, host, row_bytes, wref, rows_s, ns, x, m, cols, y, rows, SAMPLE_ACTS);
+            CHECKF(ec <= tc, "%s %lldx%lld m=%lld: max error %.3g against the CPU backend's product > %.1g", tr->name,
+                   (long long)rows, (long long)cols, (long long)m, ec, tc);
+            if (len < (int)sizeof line) len += snprintf(line + len, sizeof line - (size_t)len, " (cpu %.0e)", ec);
+        }
         if (m <= MMV_MAX_M || !w.dev_f16) continue;
         for (int64_t k = 0; k < m * rows; k++) y[k] = NAN;
         if (run_matmul(cx, &per_call, x, m, y) != 0) continue;

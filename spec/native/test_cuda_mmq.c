@@ -59,6 +59,7 @@ static const int time_ms[] = { 1, 2, 4, 8, 16, 32, 64, 128, 256, 512 };
 /* f16 operands lose at most 2^-11 of each factor; f32 sums of up to 14336
  * products add little to that. */
 #define TOL 5e-3   /* the activations' 8-bit quantization, as on the matrix-vector path */
+#define TOL_CPU 2e-3   /* against the CPU backend's product: f16 rounding only */
 
 #define SAMPLE_ROWS 32   /* weight rows checked per product */
 #define SAMPLE_ACTS 48   /* activation rows checked per product */
@@ -256,15 +257,20 @@ static void check_shape(ctx *cx, enum luma_type t, const struct shape *sh, timin
         double e = product_rel_error(wref, rows_s, ns, x, m, cols, y, rows, SAMPLE_ACTS);
         CHECKF(e <= TOL, "%s %lldx%lld m=%lld: max relative error %.3g > %.0e", luma_type_name(t), (long long)rows,
                (long long)cols, (long long)m, e, TOL);
+        /* the CPU backend's product of the same quantized activations:
+         * only the f16 rounding of weights and d * q stands between them */
+        double ec = cpu_product_rel_error(t, host, row_bytes, wref, rows_s, ns, x, m, cols, y, rows, SAMPLE_ACTS);
+        CHECKF(ec <= TOL_CPU, "%s %lldx%lld m=%lld: max error %.3g against the CPU backend's product > %.0e",
+               luma_type_name(t), (long long)rows, (long long)cols, (long long)m, ec, TOL_CPU);
         if (len < (int)sizeof line)
-            len += snprintf(line + len, sizeof line - (size_t)len, " %lld:%.0e", (long long)m, e);
+            len += snprintf(line + len, sizeof line - (size_t)len, " %lld:%.0e/%.0e", (long long)m, e, ec);
         if (m != 16 && m != 100) continue;
         if (product(cx, MMQ, &w, m, y2) != 0) continue;
         CHECKF(memcmp(y, y2, (size_t)(m * rows) * sizeof(float)) == 0,
                "%s %lldx%lld m=%lld: two runs of the same product differ", luma_type_name(t), (long long)rows,
                (long long)cols, (long long)m);
     }
-    printf("%s  (m:error, tol %.0e)\n", line, TOL);
+    printf("%s  (m:error/against the CPU's product, tol %.0e/%.0e)\n", line, TOL, TOL_CPU);
 
     if (sh->big && !cx->quick) {
         copies cp;

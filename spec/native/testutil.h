@@ -184,6 +184,43 @@ static inline double product_rel_error(const float *wref, const int64_t *rows_s,
     return worst;
 }
 
+/* The same, against the CPU backend's own product instead of the exact one:
+ * each checked activation row quantized to the weight type's act_type
+ * (luma_quantize_act) and dotted with the weight row as stored (w: the
+ * type's bytes, row_bytes per row) by luma_vec_dot_get. A backend that
+ * multiplies the same int8 activations differs from it only by the order of
+ * its float sums. Float types (F32 activations) come out as
+ * product_rel_error. */
+static inline double cpu_product_rel_error(enum luma_type t, const uint8_t *w, size_t row_bytes, const float *wref,
+                                           const int64_t *rows_s, int ns, const float *x, int64_t m,
+                                           int64_t cols, const float *y, int64_t rows, int64_t max_acts)
+{
+    luma_vec_dot_fn dot = luma_vec_dot_get(t);
+    enum luma_type at = luma_type_get(t)->act_type;
+    void *act = malloc(luma_row_size(at, cols) + sizeof(float) * (size_t)cols);
+    if (!dot || !act) {
+        free(act);
+        return INFINITY;
+    }
+    double worst = 0.0;
+    int64_t step = m <= max_acts ? 1 : m / max_acts;
+    for (int64_t j = 0; j < m; j += step) {
+        const float *xr = x + (size_t)j * (size_t)cols;
+        luma_quantize_act(at, xr, act, cols);
+        for (int s = 0; s < ns; s++) {
+            const float *wr = wref + (size_t)s * (size_t)cols;
+            double mag = 0.0;
+            for (int64_t k = 0; k < cols; k++) mag += fabs((double)wr[k] * (double)xr[k]);
+            double ref = dot(cols, w + (size_t)rows_s[s] * row_bytes, act);
+            double got = y[(size_t)j * (size_t)rows + (size_t)rows_s[s]];
+            double e = isfinite(got) ? fabs(got - ref) / (mag > 0.0 ? mag : 1.0) : INFINITY;
+            if (!(e <= worst)) worst = e;
+        }
+    }
+    free(act);
+    return worst;
+}
+
 /* ---- the default model -------------------------------------------------- */
 
 #define LUMA_TEST_MODEL_NAME "gemma-3-270m-q4_k_m.gguf"

@@ -167,6 +167,8 @@ template <typename T>
 __global__ static void store_kernel(const attn_args a)
 {
     int32_t r = blockIdx.x, h = blockIdx.y, p = a.pos[r], seq = a.row_seq[r];
+    /* decode rows (luma_cuda_prefill_rows: fewer rows of their sequence;
+     * with batch invariance every row, and this kernel does not run) */
     if (a.seq_nrows[seq] < LUMA_CUDA_PREFILL_MIN_ROWS) return;
     const int32_t *tab = block_table(a, seq);
     T *kd = kv_row<T>(a, tab, h, p, false), *vd = kv_row<T>(a, tab, h, p, true);
@@ -1438,6 +1440,23 @@ static void plan_splits(const cuda_backend *c, attn_args *a, const dec_tuning &t
 {
     int64_t keys = c->step.dec_keys_bound;
     if (a->window > 0 && a->window < keys) keys = a->window;
+    if (c->invariant) {
+        /* a row's splits depend on nothing but its own keys: one length for
+         * every step, long enough that the most keys the cache can hold
+         * take at most DEC_MAX_SPLITS splits */
+        int64_t cap = 0, unit = (int64_t)tk * tu.warps;
+        for (int p = 0; p < c->kvl.n_pools; p++) {
+            int64_t t = (int64_t)c->kvl.n_blocks[p] * c->kvl.block_tokens;
+            if (t > cap) cap = t;
+        }
+        int64_t len = (cap + DEC_MAX_SPLITS - 1) / DEC_MAX_SPLITS;
+        if (len < tu.min_split) len = tu.min_split;
+        len = (len + unit - 1) / unit * unit;
+        a->split_len = (int32_t)len;
+        a->n_splits = (int32_t)((keys + len - 1) / len);
+        if (a->n_splits < 1) a->n_splits = 1;
+        return;
+    }
     int64_t ctas = (int64_t)c->step.n_dec * a->n_kv_head * a->n_hchunks;
     int64_t want = ((int64_t)c->n_sm * occ * tu.waves + ctas - 1) / ctas;
     int64_t most = (keys + tu.min_split - 1) / tu.min_split;
@@ -1467,7 +1486,9 @@ static void decode_launch(cuda_backend *c, attn_args *a, const dec_tuning &tu)
     }
     plan_splits(c, a, tu, d.tk, occ);
     size_t merge = (size_t)a->n_splits * (size_t)a->heads_per_cta * (size_t)a->dv * sizeof(float);
-    a->merge_here = a->n_splits > 1 && merge <= (size_t)tu.merge_kb << 10;
+    /* with batch invariance always combine_kernel, whose order of the
+     * splits is not the merge_here path's */
+    a->merge_here = a->n_splits > 1 && merge <= (size_t)tu.merge_kb << 10 && !c->invariant;
     size_t weights = ((size_t)tu.warps * H * (size_t)(a->dv + 2) + (size_t)H * (size_t)a->n_splits) * sizeof(float);
     size_t smem = d.fixed_bytes + (a->merge_here && weights > d.ring_bytes ? weights : d.ring_bytes);
     if (smem > dec_smem_max) {

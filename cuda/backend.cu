@@ -321,7 +321,7 @@ static int plan_step(const cuda_backend *c, const luma_step *s, step_plan *p, in
             if (q->n_blocks[p] < 0) return luma_errf(err, "step sequence %d has a negative block count", i);
             blocks += (size_t)q->n_blocks[p];
         }
-        if (q->n_rows >= LUMA_CUDA_PREFILL_MIN_ROWS)
+        if (luma_cuda_prefill_rows(c, q->n_rows))
             tiles += ((size_t)q->n_rows + LUMA_CUDA_ATTN_TILE - 1) / LUMA_CUDA_ATTN_TILE;
         else
             dec += (size_t)q->n_rows;
@@ -426,7 +426,7 @@ static int cuda_step_begin(luma_backend *be, const luma_step *s, luma_err *err)
                 memcpy(h + blk, q->blocks[pool], (size_t)q->n_blocks[pool] * sizeof(int32_t));
             blk += (size_t)q->n_blocks[pool];
         }
-        if (q->n_rows >= LUMA_CUDA_PREFILL_MIN_ROWS) {
+        if (luma_cuda_prefill_rows(c, q->n_rows)) {
             for (int32_t t = 0; t < q->n_rows; t += LUMA_CUDA_ATTN_TILE) {
                 h[tile++] = i;
                 h[tile++] = t;
@@ -644,6 +644,18 @@ static void cuda_free(luma_backend *be)
     free(c);
 }
 
+/* Before any weight: with batch invariance no product takes the tensor
+ * cores, so no weight gets an f16 copy. */
+static int cuda_set_batch_invariant(luma_backend *be, bool on, luma_err *err)
+{
+    cuda_backend *c = (cuda_backend *)be;
+    if (c->f16_mode != CUDA_F16_UNDECIDED && on != c->invariant)
+        return luma_errf(err, "batch invariance is set before the weights are loaded");
+    c->invariant = on;
+    if (on) c->f16_mode = CUDA_F16_PER_CALL;
+    return 0;
+}
+
 static const luma_backend_ops cuda_ops = {
     .name = "cuda",
     .free = cuda_free,
@@ -674,6 +686,7 @@ static const luma_backend_ops cuda_ops = {
     .logits_temperature = luma_cuda_logits_temperature,
     .logits_sample = luma_cuda_logits_sample,
     .sync = cuda_sync,
+    .set_batch_invariant = cuda_set_batch_invariant,
 };
 
 /* Device 0 exists and can run this build's sm_90 code. */

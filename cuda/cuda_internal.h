@@ -118,6 +118,10 @@ typedef struct cuda_backend {
     /* luma_cuda_mmq's choice: 0 its measured rule, 1 every product it can
      * take, -1 none (luma_cuda_mmq_policy sets it, for measuring) */
     int mmq_policy;
+    /* Batch invariance (backend.h set_batch_invariant): every product on
+     * the matrix-vector path whatever its rows, every attention row on the
+     * decode kernel with splits of a fixed length, and no f16 copies. */
+    bool invariant;
 } cuda_backend;
 
 /* Records the first failure; every later operation of the step is skipped
@@ -191,6 +195,13 @@ void luma_cuda_add(luma_backend *be, luma_buf *x, const luma_buf *y);
 
 #define LUMA_CUDA_ATTN_TILE 128       /* query rows per prefill tile: 1 or 2 tensor-core CTAs, 8 CUDA-core ones */
 #define LUMA_CUDA_PREFILL_MIN_ROWS 8  /* fewer rows of a sequence: decoded row by row */
+
+/* Whether a sequence's n_rows rows of a step go through prefill attention
+ * (tiles of query rows) rather than the decode kernel, a row at a time. */
+static inline bool luma_cuda_prefill_rows(const cuda_backend *c, int32_t n_rows)
+{
+    return !c->invariant && n_rows >= LUMA_CUDA_PREFILL_MIN_ROWS;
+}
 
 /* Whether the attention kernels handle this KV layout (head sizes); called
  * by kv_alloc. Also raises the kernels' shared-memory limits. */

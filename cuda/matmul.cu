@@ -1546,6 +1546,9 @@ void luma_cuda_matmul(cuda_backend *c, const luma_weight *w, const float *x, int
                         luma_type_name(w->type), (long long)w->rows, (long long)w->cols);
         return;
     }
-    if (m <= (w->type == LUMA_F16 ? MMV_MAX_M_F16 : mmv_max_m()) && mmv_fits(w, x)) mm_vec(c, w, x, m, y);
+    /* batch invariance: every m on the matrix-vector path, in passes of
+     * MMV_PASS_M rows, each row computed alike */
+    int64_t max_m = c->invariant ? m : w->type == LUMA_F16 ? MMV_MAX_M_F16 : mmv_max_m();
+    if (m <= max_m && mmv_fits(w, x)) mm_vec(c, w, x, m, y);
     else if (!luma_cuda_mmq(c, w, x, m, y)) mm_tensor(c, w, x, m, y);   /* mmq.cu: where it measured faster */
 }

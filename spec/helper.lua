@@ -25,23 +25,24 @@ for _, b in ipairs(luma.backends()) do
   if b == "cuda" then H.backend = "cuda" end
 end
 
--- A tolerance for two runs of the same tokens by different step shapes
--- (prefill against one token at a time, batched against alone). On the CPU
--- every row is computed the same way whatever shares its step, so the
--- spec's own tolerance holds. On the GPU steps of up to 8 rows agree bit
--- for bit too; larger steps take the tensor cores (f16-rounded weights,
--- another order of addition), for which 0.05 is the bound asked of them
--- (cuda/NOTES.md says how far they are from it today).
-function H.tol(t)
-  if H.backend == "cpu" then return t end
-  return math.max(t, 0.05)
-end
-
 -- Loads the default model with two threads (the CI machine's cores).
 function H.load(opts)
   local o = { threads = 2 }
   for k, v in pairs(opts or {}) do o[k] = v end
   return luma.load(H.model_path(), o)
+end
+
+-- The same, batch-invariant: for specs that compare runs of the same tokens
+-- by different step shapes (prefill against one token at a time, batched
+-- against alone, chunked, forked, preempted and recomputed). The CPU always
+-- computes every row alike; on the GPU this option makes it do so too
+-- (backend.h), so those specs hold their tolerances bit for bit on both.
+function H.load_invariant(opts)
+  local o = { batch_invariant = true }
+  for k, v in pairs(opts or {}) do o[k] = v end
+  local model = H.load(o)
+  assert(model.info.batch_invariant, "the model did not load batch-invariant")
+  return model
 end
 
 -- Largest |a[i] - b[i]| over every token id of two Logits.

@@ -48,6 +48,7 @@ describe("luma.load", function()
     assert.matches("'threads' must be an integer", failure(luma.load, path, { threads = 1.5 }))
     assert.matches("'backend' must be a string", failure(luma.load, path, { backend = 1 }))
     assert.matches("'vocab_only' must be a boolean", failure(luma.load, path, { vocab_only = "yes" }))
+    assert.matches("'batch_invariant' must be a boolean", failure(luma.load, path, { batch_invariant = 1 }))
     assert.matches("'progress' must be a function", failure(luma.load, path, { progress = 3 }))
   end)
 
@@ -110,6 +111,8 @@ describe("a loaded model", function()
     assert.is_true(info.weight_bytes > 0 and info.weight_bytes < info.file_bytes)
     assert.is_true(info.kv_bytes > 0)
     assert.is_nil(info.vocab_only)
+    -- the CPU computes every row alike whatever its step; the GPU only when asked
+    assert.are.equal(H.backend == "cpu", info.batch_invariant)
     assert.matches("luma.Model %(gemma3, 262144 tokens%)", tostring(model))
   end)
 

@@ -26,8 +26,8 @@ describe("the scheduler", function()
   -- 64-token contexts), far less than the requests need together.
   local big, small, prompts, alone
   setup(function()
-    big = H.load{ ctx = 128, max_rows = 16, kv_mb = 64 }
-    small = H.load{ ctx = 64, max_rows = 16, kv_mb = 3 }
+    big = H.load_invariant{ ctx = 128, max_rows = 16, kv_mb = 64 }
+    small = H.load_invariant{ ctx = 64, max_rows = 16, kv_mb = 3 }
     prompts, alone = {}, {}
     for i, p in ipairs(PROMPTS) do
       prompts[i] = big:tokenize(p)
@@ -142,7 +142,7 @@ describe("the scheduler", function()
     -- ctx 1024 > the window of 512: a second pool for the sliding-window
     -- layers, with the window and 16 rows (34 blocks) per sequence; 22 MiB
     -- hold two sequences.
-    local model = H.load{ ctx = 1024, max_rows = 16, kv_mb = 22 }
+    local model = H.load_invariant{ ctx = 1024, max_rows = 16, kv_mb = 22 }
     assert.are.same({ 128, 68 }, (model:kv_free()))
     local sch = Scheduler.new(model, { prefix = false })
     assert.are.same({ 0, 512 }, sch.window)

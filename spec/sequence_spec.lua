@@ -7,7 +7,7 @@ local CTX = 64
 describe("a sequence", function()
   local model, prompt
   setup(function()
-    model = H.load{ ctx = CTX }
+    model = H.load_invariant{ ctx = CTX }
     prompt = model:tokenize("The capital of France is")
   end)
   teardown(function() if model then model:close() end end)
@@ -32,7 +32,7 @@ describe("a sequence", function()
     local all = { table.unpack(prompt) }
     all[#all + 1] = id
     assert.are.same(all, seq:tokens())
-    H.assert_close(next_logits, fresh(all), H.tol(1e-3))
+    H.assert_close(next_logits, fresh(all), 1e-3)
     seq:close()
   end)
 
@@ -41,7 +41,7 @@ describe("a sequence", function()
     local list = seq:eval(prompt, { all = true })
     assert.are.equal(#prompt, #list)
     for _, l in ipairs(list) do assert.are.equal(model.n_vocab, #l) end
-    H.assert_close(list[#list], fresh(prompt), H.tol(1e-3))
+    H.assert_close(list[#list], fresh(prompt), 1e-3)
     seq:close()
   end)
 
@@ -56,7 +56,7 @@ describe("a sequence", function()
     end
     seq:close()
     print(string.format("sequence_spec: prefill of %d tokens vs one at a time: max |diff| = %.3g", #prompt, worst))
-    assert.is_true(worst < H.tol(1e-2), "max |diff| " .. worst)
+    assert.is_true(worst < 1e-2, "max |diff| " .. worst)
   end)
 
   it("shares the prefix with a fork: the child and the parent each continue as fresh sequences would", function()
@@ -76,13 +76,13 @@ describe("a sequence", function()
       return out
     end
     local want_child, want_parent = continued(a), continued(b)
-    H.assert_close(want_child, got_child, H.tol(1e-3))
-    H.assert_close(want_parent, got_parent, H.tol(1e-3))
+    H.assert_close(want_child, got_child, 1e-3)
+    H.assert_close(want_parent, got_parent, 1e-3)
     -- and as one prefill of the whole text
     local joined = { table.unpack(prompt) }
     for _, id in ipairs(a) do joined[#joined + 1] = id end
     local whole = fresh(joined)
-    H.assert_close(whole, got_child, H.tol(1e-2))
+    H.assert_close(whole, got_child, 1e-2)
     child:close()
     parent:close()
   end)
@@ -94,7 +94,7 @@ describe("a sequence", function()
     parent:close()
     local want = fresh(prompt)
     child:rewind(#prompt - 1)
-    H.assert_close(want, child:eval(prompt[#prompt]), H.tol(1e-3))
+    H.assert_close(want, child:eval(prompt[#prompt]), 1e-3)
     child:close()
   end)
 
@@ -107,10 +107,10 @@ describe("a sequence", function()
     assert.are.same({ table.unpack(prompt, 1, 3) }, seq:tokens())
     local got = seq:eval({ table.unpack(prompt, 4) })
     local want = fresh(prompt)
-    H.assert_close(want, got, H.tol(1e-3))
+    H.assert_close(want, got, 1e-3)
     seq:rewind(0)
     assert.are.equal(0, seq:len())
-    H.assert_close(want, seq:eval(prompt), H.tol(1e-3))
+    H.assert_close(want, seq:eval(prompt), 1e-3)
     seq:close()
   end)
 
@@ -156,7 +156,7 @@ describe("a sequence", function()
     local after = seq:eval(model:tokenize(" Paris", { bos = false }))
     local joined = { table.unpack(prompt) }
     for _, id in ipairs(model:tokenize(" Paris", { bos = false })) do joined[#joined + 1] = id end
-    H.assert_close(fresh(joined), after, H.tol(1e-2))
+    H.assert_close(fresh(joined), after, 1e-2)
     -- Filling exactly to the context works; one more token does not.
     seq:rewind(0)
     seq:eval({ table.unpack(long, 1, CTX) })

@@ -209,6 +209,14 @@ typedef struct luma_backend_ops {
 
     /* Waits for the step's work and reports any failure it met. */
     int (*sync)(luma_backend *be, luma_err *err);
+
+    /* Batch invariance: with on, every row of a step is computed by the same
+     * arithmetic whatever else shares the step (its rows, other sequences,
+     * their lengths), so a token's logits are the same bits whether its
+     * prompt ran at once, in chunks or one token at a time, alone or in a
+     * batch. Called once, before weight_load. Optional: NULL for a backend
+     * that always computes this way (the CPU). */
+    int (*set_batch_invariant)(luma_backend *be, bool on, luma_err *err);
 } luma_backend_ops;
 
 struct luma_backend {

@@ -355,6 +355,10 @@ int luma_model_load(const char *path, const luma_model_params *p, luma_model **o
     }
     m->be = make_backend(p, err);
     if (!m->be) goto fail;
+    if (p->batch_invariant && m->be->ops->set_batch_invariant &&
+        m->be->ops->set_batch_invariant(m->be, true, err))
+        goto fail;
+    m->batch_invariant = p->batch_invariant || !m->be->ops->set_batch_invariant;
     if (p->progress && p->progress(p->progress_ctx, 0.0f)) {
         luma_errf(err, "loading cancelled");
         goto fail;

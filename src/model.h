@@ -74,6 +74,7 @@ typedef struct luma_model_params {
     int64_t kv_bytes;          /* KV memory budget; 0: enough for one sequence of n_ctx */
     int32_t max_rows;          /* rows per step (prompt chunk); 0: 512 */
     bool kv_f32;               /* store keys and values as F32 instead of F16 */
+    bool batch_invariant;      /* rows computed alike in every step shape (backend.h), at a cost on the GPU */
     bool vocab_only;
     /* Called with the fraction loaded; returning non-zero cancels the load. */
     int (*progress)(void *ctx, float frac);
@@ -96,6 +97,7 @@ struct luma_model {
     luma_acts acts;
     int64_t weight_bytes;              /* bytes of weights read per token */
     bool vocab_only;
+    bool batch_invariant;              /* every row computed alike in any step shape */
     /* Loading progress: bytes of tensors bound so far, of all in the file. */
     const luma_model_params *loading;
     int64_t load_done, load_total;

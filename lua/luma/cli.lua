@@ -73,6 +73,7 @@ local model_opts = {
   threads = { kind = "integer", short = "t", help = "CPU threads (0: one per core)", default = 0 },
   ctx = { kind = "integer", short = "c", help = "context length (0: the model's, at most 8192)", default = 0 },
   backend = { kind = "string", help = "cpu, cuda or auto", default = "auto" },
+  ["batch-invariant"] = { kind = "flag", help = "every row computed alike in any batch (slower prefill on the GPU)" },
 }
 
 local function with(spec)
@@ -97,7 +98,8 @@ end
 
 local function load_model(o, extra)
   local path = o.model or fetch.default_model()
-  local opts = { backend = o.backend, threads = o.threads, ctx = o.ctx, progress = progress_bar() }
+  local opts = { backend = o.backend, threads = o.threads, ctx = o.ctx, progress = progress_bar(),
+                 batch_invariant = o["batch-invariant"] or nil }
   for k, v in pairs(extra or {}) do opts[k] = v end
   return luma.load(path, opts), path
 end

@@ -644,6 +644,19 @@ static void cuda_free(luma_backend *be)
     free(c);
 }
 
+static void cuda_matmul_many(luma_backend *be, int n, const luma_weight *const *ws, const luma_buf *x,
+                             luma_buf *const *ys)
+{
+    cuda_backend *c = cu(be);
+    float *y[LUMA_MATMUL_MANY];
+    for (int i = 0; i < n && i < LUMA_MATMUL_MANY; i++) {
+        y[i] = ys[i]->data;
+        ys[i]->rows = x->rows;
+        ys[i]->cols = ws[i]->rows;
+    }
+    if (LUMA_CUDA_OK(c)) luma_cuda_matmul_many(c, n, ws, x->data, x->rows, y);
+}
+
 /* Before any weight: with batch invariance no product takes the tensor
  * cores, so no weight gets an f16 copy. */
 static int cuda_set_batch_invariant(luma_backend *be, bool on, luma_err *err)
@@ -669,6 +682,7 @@ static const luma_backend_ops cuda_ops = {
     .kv_copy_block = cuda_kv_copy_block,
     .embed = luma_cuda_embed,
     .matmul = cuda_matmul,
+    .matmul_many = cuda_matmul_many,
     .gather = luma_cuda_gather,
     .add_bias = luma_cuda_add_bias,
     .rmsnorm = luma_cuda_rmsnorm,

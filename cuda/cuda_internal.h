@@ -152,6 +152,11 @@ bool luma_cuda_matmul_supports(enum luma_type t);
  * the device, row-major. Small m reads each weight byte once for all rows;
  * large m takes the tensor-core path. */
 void luma_cuda_matmul(cuda_backend *c, const luma_weight *w, const float *x, int64_t m, float *y);
+/* ys[i] = ws[i] x for n <= LUMA_MATMUL_MANY weights of x->cols columns:
+ * the same bits as luma_cuda_matmul for each, with one quantization of x
+ * for all the matrix-vector products that share its format. */
+void luma_cuda_matmul_many(cuda_backend *c, int n, const luma_weight *const *ws, const float *x, int64_t m,
+                           float *const *ys);
 /* Queues the quantization of n activations x (n a multiple of the block of
  * w's act_type: 32 for Q8_0, 256 for Q8_K; x 16-byte aligned) as the CPU
  * backend quantizes them for weights of type t: into int8 values q and,

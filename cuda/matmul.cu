@@ -1328,19 +1328,47 @@ static bool mmv_fits(const luma_weight *w, const float *x)
     return w->cols % per16 == 0 && ((uintptr_t)w->dev & 15) == 0 && ((uintptr_t)x & 15) == 0;
 }
 
-static void mm_vec(cuda_backend *c, const luma_weight *w, const float *x, int64_t m, float *y)
+/* Bytes of the quantized activations of m rows of cols (int8 values, then
+ * a (d, sum) per block of 32). */
+static size_t act_q_bytes(int64_t m, int64_t cols)
+{
+    return align256((size_t)m * (size_t)cols) + align256((size_t)(m * (cols / 32)) * sizeof(float2));
+}
+
+/* The activation rows the matrix-vector kernels read: x itself for float
+ * weights, else x quantized for w's type into s (act_q_bytes). */
+static act_rows act_rows_at(const luma_weight *w, const float *x, int64_t m, uint8_t *s)
 {
     act_rows a = { NULL, NULL, x, w->cols / 4, w->cols / 32, w->cols };
-    if (!is_float_type(w->type)) {
-        size_t qbytes = align256((size_t)m * (size_t)w->cols);
-        int64_t groups = m * (w->cols / 32);
-        uint8_t *s = (uint8_t *)luma_cuda_scratch(c, qbytes + (size_t)groups * sizeof(float2));
-        if (!s) return;
+    if (s) {
         a.q = (const int *)s;
-        a.ds = (const float2 *)(s + qbytes);
-        luma_cuda_quantize_act(c, w->type, x, m * w->cols, (int8_t *)s, (float2 *)(s + qbytes), NULL);
+        a.ds = (const float2 *)(s + align256((size_t)m * (size_t)w->cols));
+    }
+    return a;
+}
+
+static void quantize_into(cuda_backend *c, const luma_weight *w, const float *x, int64_t m, uint8_t *s)
+{
+    act_rows a = act_rows_at(w, x, m, s);
+    luma_cuda_quantize_act(c, w->type, x, m * w->cols, (int8_t *)a.q, (float2 *)a.ds, NULL);
+}
+
+static void mm_vec_run(cuda_backend *c, const luma_weight *w, const act_rows &a, int64_t m, float *y);
+
+static void mm_vec(cuda_backend *c, const luma_weight *w, const float *x, int64_t m, float *y)
+{
+    uint8_t *s = NULL;
+    if (!is_float_type(w->type)) {
+        s = (uint8_t *)luma_cuda_scratch(c, act_q_bytes(m, w->cols));
+        if (!s) return;
+        quantize_into(c, w, x, m, s);
         if (!LUMA_CUDA_OK(c)) return;
     }
+    mm_vec_run(c, w, act_rows_at(w, x, m, s), m, y);
+}
+
+static void mm_vec_run(cuda_backend *c, const luma_weight *w, const act_rows &a, int64_t m, float *y)
+{
     switch (w->type) {
     case LUMA_F32: mmv_run<type_f32>(c, w, a, m, y); break;
     case LUMA_F16: mmv_run<type_f16>(c, w, a, m, y); break;
@@ -1534,21 +1562,77 @@ static int64_t mmv_max_m(void)
     return max_m;
 }
 
-void luma_cuda_matmul(cuda_backend *c, const luma_weight *w, const float *x, int64_t m, float *y)
+/* Whether w can be multiplied here at all; records why not. */
+static bool matmul_ok(cuda_backend *c, const luma_weight *w)
 {
-    if (!LUMA_CUDA_OK(c) || m <= 0 || w->rows <= 0) return;
     if (!luma_cuda_matmul_supports(w->type)) {
         luma_cuda_failf(c, "matmul: tensor type %s is not supported by the CUDA backend", luma_type_name(w->type));
-        return;
+        return false;
     }
     if (!w->dev || luma_row_size(w->type, w->cols) == 0) {
         luma_cuda_failf(c, "matmul: %s weight of %lld x %lld is not on the device or has a bad shape",
                         luma_type_name(w->type), (long long)w->rows, (long long)w->cols);
-        return;
+        return false;
     }
-    /* batch invariance: every m on the matrix-vector path, in passes of
-     * MMV_PASS_M rows, each row computed alike */
+    return true;
+}
+
+/* Whether y = W x for m rows takes the matrix-vector path. Batch
+ * invariance: every m, in passes of MMV_PASS_M rows, each row computed
+ * alike. */
+static bool takes_vec(const cuda_backend *c, const luma_weight *w, const float *x, int64_t m)
+{
     int64_t max_m = c->invariant ? m : w->type == LUMA_F16 ? MMV_MAX_M_F16 : mmv_max_m();
-    if (m <= max_m && mmv_fits(w, x)) mm_vec(c, w, x, m, y);
+    return m <= max_m && mmv_fits(w, x);
+}
+
+void luma_cuda_matmul(cuda_backend *c, const luma_weight *w, const float *x, int64_t m, float *y)
+{
+    if (!LUMA_CUDA_OK(c) || m <= 0 || w->rows <= 0 || !matmul_ok(c, w)) return;
+    if (takes_vec(c, w, x, m)) mm_vec(c, w, x, m, y);
     else if (!luma_cuda_mmq(c, w, x, m, y)) mm_tensor(c, w, x, m, y);   /* mmq.cu: where it measured faster */
+}
+
+void luma_cuda_matmul_many(cuda_backend *c, int n, const luma_weight *const *ws, const float *x, int64_t m,
+                           float *const *ys)
+{
+    if (!LUMA_CUDA_OK(c) || m <= 0 || n <= 0) return;
+    /* the block-format weights on the matrix-vector path share one
+     * quantization of x per activation format (Q8_0, Q8_K); each product is
+     * then the kernel luma_cuda_matmul would run, on the same int8 values */
+    enum { NONE = -1 };
+    int fmt_of[LUMA_MATMUL_MANY];
+    size_t at[2] = { 0, 0 };
+    bool used[2] = { false, false };
+    size_t need = 0;
+    for (int i = 0; i < n && i < LUMA_MATMUL_MANY; i++) {
+        const luma_weight *w = ws[i];
+        fmt_of[i] = NONE;
+        if (w->rows <= 0 || !matmul_ok(c, w)) return;
+        if (is_float_type(w->type) || !takes_vec(c, w, x, m)) continue;
+        int f = luma_type_get(w->type)->act_type == LUMA_Q8_K;
+        fmt_of[i] = f;
+        if (!used[f]) {
+            used[f] = true;
+            at[f] = need;
+            need += act_q_bytes(m, w->cols);
+        }
+    }
+    /* the others first: their paths may grow the scratch, and move it */
+    for (int i = 0; i < n && i < LUMA_MATMUL_MANY; i++)
+        if (fmt_of[i] == NONE) luma_cuda_matmul(c, ws[i], x, m, ys[i]);
+    if (!need || !LUMA_CUDA_OK(c)) return;
+    uint8_t *s = (uint8_t *)luma_cuda_scratch(c, need);
+    if (!s) return;
+    bool done[2] = { false, false };
+    for (int i = 0; i < n && i < LUMA_MATMUL_MANY && LUMA_CUDA_OK(c); i++) {
+        const luma_weight *w = ws[i];
+        int f = fmt_of[i];
+        if (f == NONE) continue;
+        if (!done[f]) {
+            quantize_into(c, w, x, m, s + at[f]);
+            done[f] = true;
+        }
+        if (LUMA_CUDA_OK(c)) mm_vec_run(c, w, act_rows_at(w, x, m, s + at[f]), m, ys[i]);
+    }
 }

@@ -61,6 +61,8 @@ typedef struct luma_step {
 /* Shape of the KV storage: per pool, the layers stored in it and the size of
  * one cached key and value row. Each block of a pool holds, for each of its
  * layers, K then V: [n_kv_head][block_tokens][head_dim]. */
+#define LUMA_MATMUL_MANY 4   /* weights of one matmul_many call at most */
+
 typedef struct luma_kv_layout {
     int n_pools;
     int32_t block_tokens;
@@ -143,6 +145,13 @@ typedef struct luma_backend_ops {
                   float scale, luma_buf *out);
     /* y[i] = W x[i] for every row i of x (y->cols = w->rows). */
     void (*matmul)(luma_backend *be, const luma_weight *w, const luma_buf *x, luma_buf *y);
+    /* matmul of n (at most LUMA_MATMUL_MANY) weights by the same x, into
+     * ys[i]: q, k and v of one input, or gate and up; each ys[i] gets the
+     * bits matmul would give it. Optional: NULL when a backend gains
+     * nothing from seeing them together (callers use luma_model_matmuls,
+     * which falls back). */
+    void (*matmul_many)(luma_backend *be, int n, const luma_weight *const *ws, const luma_buf *x,
+                        luma_buf *const *ys);
     /* out[j] = x[rows[j]] for the n listed rows. */
     void (*gather)(luma_backend *be, const luma_buf *x, const int32_t *rows, int32_t n,
                    luma_buf *out);

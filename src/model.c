@@ -196,6 +196,17 @@ void luma_model_attn(const luma_model *m, int il, luma_attn *a)
     a->softcap = hp->attn_softcap;
 }
 
+void luma_model_matmuls(const luma_model *m, int n, const luma_weight *const *ws, const luma_buf *x,
+                        luma_buf *const *ys)
+{
+    luma_backend *b = m->be;
+    if (b->ops->matmul_many && n <= LUMA_MATMUL_MANY) {
+        b->ops->matmul_many(b, n, ws, x, ys);
+        return;
+    }
+    for (int i = 0; i < n; i++) b->ops->matmul(b, ws[i], x, ys[i]);
+}
+
 void luma_model_residual_norm(const luma_model *m, luma_buf *x, luma_buf *y, const luma_weight *yg,
                               const luma_weight *g, luma_buf *out)
 {

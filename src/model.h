@@ -129,6 +129,10 @@ int luma_model_read_hparams(luma_model *m, float rope_base_default, luma_err *er
 int luma_model_bind_common(luma_model *m, luma_err *err);
 /* The attention parameters of layer il: its KV pool, window and scale. */
 void luma_model_attn(const luma_model *m, int il, luma_attn *a);
+/* ys[i] = ws[i] x for the n weights: through the backend's matmul_many when
+ * it has one, else one matmul each; the same bits either way. */
+void luma_model_matmuls(const luma_model *m, int n, const luma_weight *const *ws, const luma_buf *x,
+                        luma_buf *const *ys);
 /* x += (yg ? rmsnorm(y) * yg : y), then out = rmsnorm(x) * g: through the
  * backend's fused add_rmsnorm when it has one, else as separate operations
  * (which, when yg is given, normalize y in place). */

@@ -404,6 +404,72 @@ static void print_timing(enum luma_type t, const struct shape *sh, const timing 
         printf(" |   %s\n", t == LUMA_F16 ? "(F16 weights: no copy)" : "(not timed)");
 }
 
+/* matmul_many against one matmul per weight: the same bits, for weights of
+ * one activation format (q, k and v of a K-quant model), of both formats,
+ * and with an F16 weight (which leaves the matrix-vector path above m = 2),
+ * at m on either side of the matrix-vector path's limit. */
+static void check_many(ctx *cx)
+{
+    static const struct {
+        enum luma_type t[3];
+        int64_t rows[3];
+    } sets[] = {
+        { { LUMA_Q4_K, LUMA_Q4_K, LUMA_Q6_K }, { 512, 128, 128 } },
+        { { LUMA_Q5_0, LUMA_Q4_K, LUMA_Q8_0 }, { 300, 256, 64 } },
+        { { LUMA_F16, LUMA_Q6_K, LUMA_Q4_0 }, { 256, 96, 160 } },
+    };
+    static const int64_t many_ms[] = { 1, 3, 8, 16 };
+    const luma_backend_ops *ops = cx->be->ops;
+    const int64_t cols = 512;
+    int checked = 0;
+    CHECKF(ops->matmul_many != NULL, "the CUDA backend has matmul_many");
+    if (!ops->matmul_many) return;
+    for (size_t si = 0; si < sizeof sets / sizeof sets[0]; si++) {
+        luma_weight w[3];
+        uint8_t *host[3];
+        luma_err err = { { 0 } };
+        for (int i = 0; i < 3; i++) {
+            enum luma_type t = sets[si].t[i];
+            size_t bytes = luma_row_size(t, cols) * (size_t)sets[si].rows[i];
+            host[i] = xmalloc(bytes);
+            random_weights(t, sets[si].rows[i] * cols, host[i]);
+            w[i] = (luma_weight){ .type = t, .rows = sets[si].rows[i], .cols = cols, .host = host[i] };
+            if (ops->weight_load(cx->be, &w[i], &err) != 0) CHECKF(0, "weight_load: %s", err.msg);
+        }
+        for (size_t mi = 0; mi < sizeof many_ms / sizeof many_ms[0]; mi++) {
+            int64_t m = many_ms[mi];
+            float *x = xmalloc((size_t)(m * cols) * sizeof(float));
+            for (int64_t k = 0; k < m * cols; k++) x[k] = bell();
+            luma_buf xb = { 0 }, yb[3] = { { 0 } };
+            if (ops->buf_alloc(cx->be, &xb, m, cols, &err) != 0) CHECKF(0, "buf_alloc: %s", err.msg);
+            for (int i = 0; i < 3; i++)
+                if (ops->buf_alloc(cx->be, &yb[i], m, w[i].rows, &err) != 0) CHECKF(0, "buf_alloc: %s", err.msg);
+            cudaMemcpy(xb.data, x, (size_t)(m * cols) * sizeof(float), cudaMemcpyHostToDevice);
+            const luma_weight *ws[3] = { &w[0], &w[1], &w[2] };
+            luma_buf *ys[3] = { &yb[0], &yb[1], &yb[2] };
+            ops->matmul_many(cx->be, 3, ws, &xb, ys);
+            if (ops->sync(cx->be, &err) != 0) CHECKF(0, "matmul_many: %s", err.msg);
+            for (int i = 0; i < 3; i++) {
+                size_t n = (size_t)(m * w[i].rows);
+                float *got = xmalloc(n * sizeof(float)), *want = xmalloc(n * sizeof(float));
+                CHECKF(yb[i].rows == m && yb[i].cols == w[i].rows, "matmul_many sets y to m x rows");
+                if (ops->buf_read(cx->be, &yb[i], got, &err) == 0 && run_matmul(cx, &w[i], x, m, want) == 0)
+                    CHECKF(memcmp(got, want, n * sizeof(float)) == 0,
+                           "matmul_many set %zu, %s at m=%lld: not the bits of matmul", si,
+                           luma_type_name(w[i].type), (long long)m);
+                free(got);
+                free(want);
+                checked++;
+            }
+            ops->buf_free(cx->be, &xb);
+            for (int i = 0; i < 3; i++) ops->buf_free(cx->be, &yb[i]);
+            free(x);
+        }
+        for (int i = 0; i < 3; i++) free(host[i]);
+    }
+    printf("matmul_many: %d products equal to matmul's, bit for bit\n", checked);
+}
+
 static int run_checks(void)
 {
     luma_err err = { { 0 } };
@@ -430,6 +496,7 @@ static int run_checks(void)
             checked++;
         }
     printf("matmul: %d weight matrices checked%s\n", checked, cx.quick ? " (quick: small shapes only)" : "");
+    check_many(&cx);
 
     if (!cx.quick) {
         printf("\ntiming (per call in a stream of %d, best of %d; weights cold in L2; %% of %.0f GB/s):\n", TIME_CALLS,

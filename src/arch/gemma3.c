@@ -68,9 +68,8 @@ static int gemma3_forward(luma_model *m, const luma_step *step, luma_err *err)
                            hp->layer_swa[il] ? 1.0f : hp->rope_pos_scale, NULL };
 
         /* a->h holds this layer's normalized input */
-        be->matmul(b, &l->wq, &a->h, &a->q);
-        be->matmul(b, &l->wk, &a->h, &a->k);
-        be->matmul(b, &l->wv, &a->h, &a->v);
+        luma_model_matmuls(m, 3, (const luma_weight *const[]){ &l->wq, &l->wk, &l->wv }, &a->h,
+                           (luma_buf *const[]){ &a->q, &a->k, &a->v });
         be->rmsnorm(b, &a->q, &l->q_norm, dk, hp->eps, &a->q);
         be->rmsnorm(b, &a->k, &l->k_norm, dk, hp->eps, &a->k);
         be->rope(b, &a->q, dk, step->pos, &rope);
@@ -79,8 +78,8 @@ static int gemma3_forward(luma_model *m, const luma_step *step, luma_err *err)
         be->matmul(b, &l->wo, &a->attn, &a->o);
         luma_model_residual_norm(m, &a->x, &a->o, &l->post_attn_norm, &l->ffn_norm, &a->h);
 
-        be->matmul(b, &l->gate, &a->h, &a->gate);
-        be->matmul(b, &l->up, &a->h, &a->up);
+        luma_model_matmuls(m, 2, (const luma_weight *const[]){ &l->gate, &l->up }, &a->h,
+                           (luma_buf *const[]){ &a->gate, &a->up });
         be->gelu_mul(b, &a->gate, &a->up);
         be->matmul(b, &l->down, &a->gate, &a->o);
         if (il + 1 < hp->n_layer) {

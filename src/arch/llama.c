@@ -63,9 +63,8 @@ static int llama_forward(luma_model *m, const luma_step *step, luma_err *err)
         luma_model_attn(m, il, &at);
 
         /* a->h holds this layer's normalized input */
-        be->matmul(b, &l->wq, &a->h, &a->q);
-        be->matmul(b, &l->wk, &a->h, &a->k);
-        be->matmul(b, &l->wv, &a->h, &a->v);
+        luma_model_matmuls(m, 3, (const luma_weight *const[]){ &l->wq, &l->wk, &l->wv }, &a->h,
+                           (luma_buf *const[]){ &a->q, &a->k, &a->v });
         if (l->bq.host) be->add_bias(b, &a->q, &l->bq);
         if (l->bk.host) be->add_bias(b, &a->k, &l->bk);
         if (l->bv.host) be->add_bias(b, &a->v, &l->bv);
@@ -75,8 +74,8 @@ static int llama_forward(luma_model *m, const luma_step *step, luma_err *err)
         be->matmul(b, &l->wo, &a->attn, &a->o);
         luma_model_residual_norm(m, &a->x, &a->o, NULL, &l->ffn_norm, &a->h);
 
-        be->matmul(b, &l->gate, &a->h, &a->gate);
-        be->matmul(b, &l->up, &a->h, &a->up);
+        luma_model_matmuls(m, 2, (const luma_weight *const[]){ &l->gate, &l->up }, &a->h,
+                           (luma_buf *const[]){ &a->gate, &a->up });
         be->silu_mul(b, &a->gate, &a->up);
         be->matmul(b, &l->down, &a->gate, &a->o);
         if (il + 1 < hp->n_layer) luma_model_residual_norm(m, &a->x, &a->o, NULL, &m->layers[il + 1].attn_norm, &a->h);

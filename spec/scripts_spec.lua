@@ -80,4 +80,15 @@ describe("example scripts", function()
     assert.are.equal("best: " .. texts[1], out:match("\n(best: [^\n]*)"))
     assert.is_true(scores[1] < 0)
   end)
+
+  it("step-shapes.lua compares a prompt run as one step with one token per step: equal bits batch-invariant", function()
+    local out = script("step-shapes.lua", "-n", "5,9", "-i")
+    assert.matches("batch%-invariant", out)
+    local lines = 0
+    for n, d in out:gmatch("(%d+) tokens: one step against one token per step: max |diff| ([%d.]+)") do
+      lines = lines + 1
+      assert.are.equal(0, tonumber(d), n .. " tokens")
+    end
+    assert.are.equal(2, lines)
+  end)
 end)

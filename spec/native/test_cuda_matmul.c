@@ -406,8 +406,10 @@ static void print_timing(enum luma_type t, const struct shape *sh, const timing 
 
 /* matmul_many against one matmul per weight: the same bits, for weights of
  * one activation format (q, k and v of a K-quant model), of both formats,
- * and with an F16 weight (which leaves the matrix-vector path above m = 2),
- * at m on either side of the matrix-vector path's limit. */
+ * with an F16 weight (which leaves the matrix-vector path above m = 2), and
+ * of one type (one launch for all three; odd row counts end a two-row
+ * group inside a segment), at m on either side of the matrix-vector
+ * path's limit. */
 static void check_many(ctx *cx)
 {
     static const struct {
@@ -417,6 +419,8 @@ static void check_many(ctx *cx)
         { { LUMA_Q4_K, LUMA_Q4_K, LUMA_Q6_K }, { 512, 128, 128 } },
         { { LUMA_Q5_0, LUMA_Q4_K, LUMA_Q8_0 }, { 300, 256, 64 } },
         { { LUMA_F16, LUMA_Q6_K, LUMA_Q4_0 }, { 256, 96, 160 } },
+        { { LUMA_Q6_K, LUMA_Q6_K, LUMA_Q6_K }, { 129, 255, 64 } },
+        { { LUMA_Q5_0, LUMA_Q5_0, LUMA_Q4_K }, { 97, 33, 64 } },
     };
     static const int64_t many_ms[] = { 1, 3, 8, 16 };
     const luma_backend_ops *ops = cx->be->ops;

@@ -159,6 +159,8 @@ static int keep_f16(cuda_backend *c, luma_weight *w, cuda_weight_copy *slot, lum
     return 0;
 }
 
+#define WEIGHT_PAD 16
+
 static int cuda_weight_load(luma_backend *be, luma_weight *w, luma_err *err)
 {
     cuda_backend *c = cu(be);
@@ -178,8 +180,12 @@ static int cuda_weight_load(luma_backend *be, luma_weight *w, luma_err *err)
     }
     cudaError_t e = cudaSetDevice(c->device);
     if (e == cudaSuccess && c->f16_mode == CUDA_F16_UNDECIDED) decide_f16(c);
+    /* WEIGHT_PAD zero bytes after the last block: kernels that copy blocks
+     * in 16-byte pieces (mmq's tiles of 210-byte Q6_K blocks) may read up to
+     * 15 bytes past a weight's end */
     void *d = NULL;
-    if (e == cudaSuccess) e = dev_malloc(c, &d, bytes);
+    if (e == cudaSuccess) e = dev_malloc(c, &d, bytes + WEIGHT_PAD);
+    if (e == cudaSuccess) e = cudaMemsetAsync((uint8_t *)d + bytes, 0, WEIGHT_PAD, c->stream);
     if (e != cudaSuccess)
         return luma_errf(err, "no GPU memory for a %s weight of %zu MiB: %s", luma_type_name(w->type),
                          bytes >> 20, cudaGetErrorString(e));

@@ -225,7 +225,7 @@ static double time_matmul(ctx *cx, const luma_weight *w, size_t wbytes, int64_t 
         luma_weight *c = &wc[i];
         *c = *w;
         c->dev = c->dev_f16 = NULL;
-        if (!cuda_ok(cudaMalloc(&c->dev, wbytes), "cudaMalloc (weight copy)") ||
+        if (!cuda_ok(cudaMalloc(&c->dev, wbytes + 16), "cudaMalloc (weight copy, padded as weight_load pads)") ||
             !cuda_ok(cudaMemcpy(c->dev, w->dev, wbytes, cudaMemcpyDeviceToDevice), "copy weights"))
             goto done;
         if (w->dev_f16 &&

@@ -150,7 +150,7 @@ static int copies_make(copies *cp, const luma_weight *w, size_t qbytes)
         luma_weight *c = &cp->q[i];
         *c = *w;
         c->dev = c->dev_f16 = NULL;
-        if (!cuda_ok(cudaMalloc(&c->dev, qbytes), "cudaMalloc (weight copy)")) goto fail;
+        if (!cuda_ok(cudaMalloc(&c->dev, qbytes + 16), "cudaMalloc (weight copy, padded as weight_load pads)")) goto fail;
         cp->nq++;
         if (!cuda_ok(cudaMemcpy(c->dev, w->dev, qbytes, cudaMemcpyDeviceToDevice), "copy weights")) goto fail;
     }

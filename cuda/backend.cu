@@ -694,6 +694,7 @@ static const luma_backend_ops cuda_ops = {
     .rmsnorm = luma_cuda_rmsnorm,
     .add_rmsnorm = luma_cuda_add_rmsnorm,
     .rope = luma_cuda_rope,
+    .qk_rope = luma_cuda_qk_rope,
     .attention = cuda_attention,
     .gelu_mul = luma_cuda_gelu_mul,
     .silu_mul = luma_cuda_silu_mul,

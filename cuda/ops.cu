@@ -378,31 +378,148 @@ __global__ static void rope_kernel(float *x, int64_t cols, const int32_t *pos, i
     v[ib] = x0 * sn + x1 * cs;
 }
 
+/* The frequencies of r for heads of head_dim in rows of cols; false when
+ * they are not supported (recorded). */
+static bool rope_args_make(cuda_backend *c, const luma_rope *r, int32_t head_dim, int64_t cols, rope_args *a)
+{
+    int32_t half = r->n_dims / 2;
+    if (head_dim <= 0 || cols % head_dim != 0 || r->n_dims > head_dim || half > ROPE_MAX_HALF) {
+        luma_cuda_failf(c, "rope: %d rotated dimensions in heads of %d (rows of %lld) are not supported",
+                        r->n_dims, head_dim, (long long)cols);
+        return false;
+    }
+    for (int32_t i = 0; i < half; i++) {
+        a->ff[i] = r->freq_factors ? r->freq_factors[i] : 1.0f;
+        a->pw[i] = powf(r->base, -2.0f * (float)i / (float)r->n_dims);
+    }
+    a->half = half;
+    a->head_dim = head_dim;
+    a->heads = (int32_t)(cols / head_dim);
+    a->neox = r->kind == LUMA_ROPE_NEOX;
+    a->pos_scale = r->pos_scale;
+    return true;
+}
+
 void luma_cuda_rope(luma_backend *be, luma_buf *x, int32_t head_dim, const int32_t *pos, const luma_rope *r)
 {
     cuda_backend *c = cu(be);
     if (!LUMA_CUDA_OK(c) || x->rows == 0 || r->n_dims < 2) return;
-    int32_t half = r->n_dims / 2;
-    if (head_dim <= 0 || x->cols % head_dim != 0 || r->n_dims > head_dim || half > ROPE_MAX_HALF) {
-        luma_cuda_failf(c, "rope: %d rotated dimensions in heads of %d (rows of %lld) are not supported",
-                        r->n_dims, head_dim, (long long)x->cols);
-        return;
-    }
+    rope_args a;
+    if (!rope_args_make(c, r, head_dim, x->cols, &a)) return;
     const int32_t *d_pos = luma_cuda_step_array(c, pos, (int32_t)x->rows, "rope");
     if (!d_pos) return;
-    rope_args a;
-    for (int32_t i = 0; i < half; i++) {
-        a.ff[i] = r->freq_factors ? r->freq_factors[i] : 1.0f;
-        a.pw[i] = powf(r->base, -2.0f * (float)i / (float)r->n_dims);
-    }
-    a.half = half;
-    a.head_dim = head_dim;
-    a.heads = (int32_t)(x->cols / head_dim);
-    a.neox = r->kind == LUMA_ROPE_NEOX;
-    a.pos_scale = r->pos_scale;
+    int64_t half = a.half;
     int64_t n = x->rows * a.heads * half;
     rope_kernel<<<blocks_for(n, THREADS), THREADS, 0, c->stream>>>(x->data, x->cols, d_pos, n, a);
     luma_cuda_fail(c, cudaGetLastError(), "rope");
+}
+
+/* ---- q and k: per-head norm and RoPE in one launch ---------------------- */
+
+/* A warp per head of a row of q or of k (heads of D = 128 or 256 columns,
+ * all rotated): lane l holds the float4s l, l + 32, ... of the head, as
+ * rmsnorm_kernel<32> reads them, and normalizes them with the same sums in
+ * the same order (so the same bits); then each pair rotates as rope_kernel
+ * rotates it (the same angle expression): NORM pairs (2i, 2i + 1) sit in one
+ * float4, NEOX pairs (i, i + D/2) in the lane's two float4s (D = 256) or in
+ * lanes l and l ^ 16 (D = 128). */
+template <int D>
+__global__ static void qk_rope_kernel(float *q, float *k, int64_t q_cols, int64_t k_cols, int32_t hq, int32_t hk,
+                                      int64_t items, const float *gq, const float *gk, float eps,
+                                      const int32_t *pos, const rope_args a)
+{
+    constexpr int F = D / 128;
+    int64_t w = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32;
+    int lane = threadIdx.x % 32;
+    if (w >= items) return;   /* the whole warp */
+    int64_t row = w / (hq + hk);
+    int32_t h = (int32_t)(w % (hq + hk));
+    bool is_q = h < hq;
+    float4 *x = (float4 *)(is_q ? q + row * q_cols + (int64_t)h * D : k + row * k_cols + (int64_t)(h - hq) * D);
+    const float4 *g = (const float4 *)(is_q ? gq : gk);
+    float4 v[F];
+#pragma unroll
+    for (int f = 0; f < F; f++) v[f] = x[lane + 32 * f];
+    if (g) {
+        float ss = 0.0f;
+#pragma unroll
+        for (int f = 0; f < F; f++) ss += v[f].x * v[f].x + v[f].y * v[f].y + v[f].z * v[f].z + v[f].w * v[f].w;
+        for (int o = 16; o > 0; o /= 2) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+        float s = 1.0f / sqrtf(ss / (float)D + eps);
+#pragma unroll
+        for (int f = 0; f < F; f++) {
+            float4 gw = g[lane + 32 * f];
+            v[f] = make_float4(v[f].x * s * gw.x, v[f].y * s * gw.y, v[f].z * s * gw.z, v[f].w * s * gw.w);
+        }
+    }
+    float p = (float)pos[row];
+    if (!a.neox) {
+#pragma unroll
+        for (int f = 0; f < F; f++) {
+            int i = 2 * (lane + 32 * f);
+            float a0 = p * a.pos_scale * a.pw[i] / a.ff[i], a1 = p * a.pos_scale * a.pw[i + 1] / a.ff[i + 1];
+            float s0 = sinf(a0), c0 = cosf(a0), s1 = sinf(a1), c1 = cosf(a1);
+            float4 u = v[f];
+            v[f] = make_float4(u.x * c0 - u.y * s0, u.x * s0 + u.y * c0, u.z * c1 - u.w * s1, u.z * s1 + u.w * c1);
+        }
+    } else if (F == 2) {
+        float *lo = (float *)&v[0], *hi = (float *)&v[F - 1];
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            int i = 4 * lane + e;
+            float ang = p * a.pos_scale * a.pw[i] / a.ff[i], sn = sinf(ang), cs = cosf(ang);
+            float x0 = lo[e], x1 = hi[e];
+            lo[e] = x0 * cs - x1 * sn;
+            hi[e] = x0 * sn + x1 * cs;
+        }
+    } else {
+        float *u = (float *)&v[0];
+        bool first = lane < 16;
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            float other = __shfl_xor_sync(0xffffffffu, u[e], 16);
+            int i = 4 * (lane % 16) + e;
+            float ang = p * a.pos_scale * a.pw[i] / a.ff[i], sn = sinf(ang), cs = cosf(ang);
+            float x0 = first ? u[e] : other, x1 = first ? other : u[e];
+            u[e] = first ? x0 * cs - x1 * sn : x0 * sn + x1 * cs;
+        }
+    }
+#pragma unroll
+    for (int f = 0; f < F; f++) x[lane + 32 * f] = v[f];
+}
+
+void luma_cuda_qk_rope(luma_backend *be, luma_buf *q, luma_buf *k, const luma_weight *gq, const luma_weight *gk,
+                       int32_t head_dim, float eps, const int32_t *pos, const luma_rope *r)
+{
+    cuda_backend *c = cu(be);
+    if (!LUMA_CUDA_OK(c)) return;
+    const float *gqd = gq ? (const float *)gq->dev : NULL, *gkd = gk ? (const float *)gk->dev : NULL;
+    bool fused = (head_dim == 128 || head_dim == 256) && r->n_dims == head_dim && q->rows == k->rows &&
+                 q->cols % head_dim == 0 && k->cols % head_dim == 0 && aligned16(q->data) && aligned16(k->data) &&
+                 (gq != NULL) == (gk != NULL) && (!gq || (gq->cols == head_dim && gk->cols == head_dim &&
+                                                          aligned16(gqd) && aligned16(gkd)));
+    if (!fused) {
+        if (gq) luma_cuda_rmsnorm(be, q, gq, head_dim, eps, q);
+        if (gk) luma_cuda_rmsnorm(be, k, gk, head_dim, eps, k);
+        luma_cuda_rope(be, q, head_dim, pos, r);
+        luma_cuda_rope(be, k, head_dim, pos, r);
+        return;
+    }
+    if (q->rows == 0) return;
+    rope_args a;
+    if (!rope_args_make(c, r, head_dim, q->cols, &a)) return;
+    const int32_t *d_pos = luma_cuda_step_array(c, pos, (int32_t)q->rows, "rope");
+    if (!d_pos) return;
+    int32_t hq = (int32_t)(q->cols / head_dim), hk = (int32_t)(k->cols / head_dim);
+    int64_t items = q->rows * (hq + hk);
+    unsigned grid = blocks_for(items * 32, THREADS);
+    if (head_dim == 128)
+        qk_rope_kernel<128><<<grid, THREADS, 0, c->stream>>>(q->data, k->data, q->cols, k->cols, hq, hk, items, gqd,
+                                                             gkd, eps, d_pos, a);
+    else
+        qk_rope_kernel<256><<<grid, THREADS, 0, c->stream>>>(q->data, k->data, q->cols, k->cols, hq, hk, items, gqd,
+                                                             gkd, eps, d_pos, a);
+    luma_cuda_fail(c, cudaGetLastError(), "qk_rope");
 }
 
 /* ---- elementwise --------------------------------------------------------- */

@@ -58,11 +58,11 @@ typedef struct luma_step {
     const int32_t *out_rows;
 } luma_step;
 
+#define LUMA_MATMUL_MANY 4   /* weights of one matmul_many call at most */
+
 /* Shape of the KV storage: per pool, the layers stored in it and the size of
  * one cached key and value row. Each block of a pool holds, for each of its
  * layers, K then V: [n_kv_head][block_tokens][head_dim]. */
-#define LUMA_MATMUL_MANY 4   /* weights of one matmul_many call at most */
-
 typedef struct luma_kv_layout {
     int n_pools;
     int32_t block_tokens;
@@ -172,6 +172,13 @@ typedef struct luma_backend_ops {
     /* Rotates each head (head_dim columns) of every row at pos[row]. */
     void (*rope)(luma_backend *be, luma_buf *x, int32_t head_dim, const int32_t *pos,
                  const luma_rope *r);
+    /* Attention's inputs: each head (head_dim columns) of q and of k
+     * normalized with gain gq, gk (head_dim floats) when given (Gemma's
+     * q_norm and k_norm; both or neither), then rotated as rope rotates it.
+     * Optional: NULL when a backend does not fuse them (callers use
+     * luma_model_qk_rope, which falls back to rmsnorm and rope). */
+    void (*qk_rope)(luma_backend *be, luma_buf *q, luma_buf *k, const luma_weight *gq, const luma_weight *gk,
+                    int32_t head_dim, float eps, const int32_t *pos, const luma_rope *r);
     /* Stores k and v rows in the KV cache at their positions, then writes
      * attention of each q row over its sequence's cached keys into out. */
     void (*attention)(luma_backend *be, const luma_buf *q, const luma_buf *k, const luma_buf *v,

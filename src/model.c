@@ -207,6 +207,21 @@ void luma_model_matmuls(const luma_model *m, int n, const luma_weight *const *ws
     for (int i = 0; i < n; i++) b->ops->matmul(b, ws[i], x, ys[i]);
 }
 
+void luma_model_qk_rope(const luma_model *m, luma_buf *q, luma_buf *k, const luma_weight *gq,
+                        const luma_weight *gk, int32_t head_dim, const int32_t *pos, const luma_rope *r)
+{
+    luma_backend *b = m->be;
+    const luma_backend_ops *be = b->ops;
+    if (be->qk_rope) {
+        be->qk_rope(b, q, k, gq, gk, head_dim, m->hp.eps, pos, r);
+        return;
+    }
+    if (gq) be->rmsnorm(b, q, gq, head_dim, m->hp.eps, q);
+    if (gk) be->rmsnorm(b, k, gk, head_dim, m->hp.eps, k);
+    be->rope(b, q, head_dim, pos, r);
+    be->rope(b, k, head_dim, pos, r);
+}
+
 void luma_model_residual_norm(const luma_model *m, luma_buf *x, luma_buf *y, const luma_weight *yg,
                               const luma_weight *g, luma_buf *out)
 {

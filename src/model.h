@@ -129,6 +129,11 @@ int luma_model_read_hparams(luma_model *m, float rope_base_default, luma_err *er
 int luma_model_bind_common(luma_model *m, luma_err *err);
 /* The attention parameters of layer il: its KV pool, window and scale. */
 void luma_model_attn(const luma_model *m, int il, luma_attn *a);
+/* Each head of q and k normalized with gq, gk when given, then rotated at
+ * pos: through the backend's fused qk_rope when it has one, else as
+ * separate rmsnorm and rope operations. */
+void luma_model_qk_rope(const luma_model *m, luma_buf *q, luma_buf *k, const luma_weight *gq,
+                        const luma_weight *gk, int32_t head_dim, const int32_t *pos, const luma_rope *r);
 /* ys[i] = ws[i] x for the n weights: through the backend's matmul_many when
  * it has one, else one matmul each; the same bits either way. */
 void luma_model_matmuls(const luma_model *m, int n, const luma_weight *const *ws, const luma_buf *x,

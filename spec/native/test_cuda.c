@@ -3,7 +3,8 @@
  *   - embed of every block format equals the CPU's rows bit for bit (random
  *     blocks with sane half scales: random_weights of testutil.h), times a
  *     scale;
- *   - rmsnorm (whole rows, per-head groups, in place, unaligned rows), rope
+ *   - rmsnorm (whole rows, per-head groups, in place, unaligned rows), qk_rope
+ *     (per-head norms and RoPE of q and k in one launch), rope
  *     NORM and NEOX (partial rotation, linear position scaling, frequency
  *     factors), add_bias, add, gelu_mul (through half precision, as the
  *     CPU's), silu_mul and gather: the largest error relative to the largest
@@ -479,6 +480,70 @@ static void test_rope(void)
         step_free(&t);
         dual_free(&xb);
         free(x);
+        free(pos);
+    }
+}
+
+/* ---- qk_rope: per-head norms and RoPE of q and k in one launch ----------- */
+
+/* Against the CPU's separate rmsnorm (per head) and rope of q and k: gemma's
+ * shape with its q_norm and k_norm, llama's and qwen2's without, and a head
+ * size the fused kernel does not take (the backend falls back). */
+static void test_qk_rope(void)
+{
+    static const struct {
+        int32_t rows, head_dim, hq, hk;
+        enum luma_rope_kind kind;
+        int norms, freq_factors;
+        const char *what;
+    } cases[] = {
+        { 20, 256, 4, 1, LUMA_ROPE_NEOX, 1, 0, "gemma 4+1 x 256, norms" },
+        { 3, 256, 8, 4, LUMA_ROPE_NORM, 1, 0, "NORM 8+4 x 256, norms" },
+        { 17, 128, 32, 8, LUMA_ROPE_NORM, 0, 1, "llama 32+8 x 128, freq factors" },
+        { 9, 128, 14, 2, LUMA_ROPE_NEOX, 0, 0, "qwen2 14+2 x 128" },
+        { 5, 128, 4, 4, LUMA_ROPE_NEOX, 1, 0, "NEOX 4+4 x 128, norms" },
+        { 7, 64, 6, 2, LUMA_ROPE_NEOX, 1, 0, "NEOX 6+2 x 64 (not fused)" },
+    };
+    for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+        int32_t rows = cases[k].rows, hd = cases[k].head_dim;
+        int64_t qc = (int64_t)cases[k].hq * hd, kc = (int64_t)cases[k].hk * hd;
+        float *xq = random_floats((size_t)(rows * qc), 2.0f), *xk = random_floats((size_t)(rows * kc), 2.0f);
+        float *gains = xmalloc((size_t)(2 * hd) * sizeof(float)), ff[256];
+        for (int32_t i = 0; i < 2 * hd; i++) gains[i] = 1.0f + 0.5f * gaussian();
+        for (int i = 0; i < hd / 2; i++) ff[i] = uniform(1.0f, 32.0f);
+        int32_t *pos = xmalloc((size_t)rows * sizeof(int32_t));
+        for (int32_t i = 0; i < rows; i++) pos[i] = (int32_t)(rnd() % 32768);
+        luma_rope r = { cases[k].kind, hd, 1e6f, 1.0f, cases[k].freq_factors ? ff : NULL };
+        dual qb, kb;
+        dual_new(&qb, rows, qc);
+        dual_new(&kb, rows, kc);
+        dual_set(&qb, xq);
+        dual_set(&kb, xk);
+        dual_w gq, gk;
+        tstep t;
+        step_simple(&t, rows, NULL, pos, NULL, 0);
+        if (dual_weight(&gq, LUMA_F32, 1, hd, gains) && dual_weight(&gk, LUMA_F32, 1, hd, gains + hd) &&
+            step_begin(&t)) {
+            bool norms = cases[k].norms;
+            if (norms) {
+                cpu->ops->rmsnorm(cpu, &qb.c, &gq.c, hd, 1e-6f, &qb.c);
+                cpu->ops->rmsnorm(cpu, &kb.c, &gk.c, hd, 1e-6f, &kb.c);
+            }
+            cpu->ops->rope(cpu, &qb.c, hd, t.pos, &r);
+            cpu->ops->rope(cpu, &kb.c, hd, t.pos, &r);
+            gpu->ops->qk_rope(gpu, &qb.g, &kb.g, norms ? &gq.g : NULL, norms ? &gk.g : NULL, hd, 1e-6f, t.pos, &r);
+            char name[64];
+            snprintf(name, sizeof name, "qk_rope %s (q)", cases[k].what);
+            report(name, dual_err(&qb), 1e-5);
+            snprintf(name, sizeof name, "qk_rope %s (k)", cases[k].what);
+            report(name, dual_err(&kb), 1e-5);
+        }
+        step_free(&t);
+        dual_free(&qb);
+        dual_free(&kb);
+        free(xq);
+        free(xk);
+        free(gains);
         free(pos);
     }
 }
@@ -1348,6 +1413,7 @@ static int run_checks(void)
     if (!attention_only) {
         test_embed();
         test_rmsnorm();
+        test_qk_rope();
         test_add_rmsnorm();
         test_rope();
         test_elementwise();

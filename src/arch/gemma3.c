@@ -70,10 +70,7 @@ static int gemma3_forward(luma_model *m, const luma_step *step, luma_err *err)
         /* a->h holds this layer's normalized input */
         luma_model_matmuls(m, 3, (const luma_weight *const[]){ &l->wq, &l->wk, &l->wv }, &a->h,
                            (luma_buf *const[]){ &a->q, &a->k, &a->v });
-        be->rmsnorm(b, &a->q, &l->q_norm, dk, hp->eps, &a->q);
-        be->rmsnorm(b, &a->k, &l->k_norm, dk, hp->eps, &a->k);
-        be->rope(b, &a->q, dk, step->pos, &rope);
-        be->rope(b, &a->k, dk, step->pos, &rope);
+        luma_model_qk_rope(m, &a->q, &a->k, &l->q_norm, &l->k_norm, dk, step->pos, &rope);
         be->attention(b, &a->q, &a->k, &a->v, step, &at, &a->attn);
         be->matmul(b, &l->wo, &a->attn, &a->o);
         luma_model_residual_norm(m, &a->x, &a->o, &l->post_attn_norm, &l->ffn_norm, &a->h);

@@ -68,8 +68,7 @@ static int llama_forward(luma_model *m, const luma_step *step, luma_err *err)
         if (l->bq.host) be->add_bias(b, &a->q, &l->bq);
         if (l->bk.host) be->add_bias(b, &a->k, &l->bk);
         if (l->bv.host) be->add_bias(b, &a->v, &l->bv);
-        be->rope(b, &a->q, dk, step->pos, &rope);
-        be->rope(b, &a->k, dk, step->pos, &rope);
+        luma_model_qk_rope(m, &a->q, &a->k, NULL, NULL, dk, step->pos, &rope);
         be->attention(b, &a->q, &a->k, &a->v, step, &at, &a->attn);
         be->matmul(b, &l->wo, &a->attn, &a->o);
         luma_model_residual_norm(m, &a->x, &a->o, NULL, &l->ffn_norm, &a->h);

@@ -663,6 +663,24 @@ static void cuda_matmul_many(luma_backend *be, int n, const luma_weight *const *
     if (LUMA_CUDA_OK(c)) luma_cuda_matmul_many(c, n, ws, x->data, x->rows, y);
 }
 
+static void cuda_gated_matmul(luma_backend *be, const luma_weight *w, luma_buf *gate, const luma_buf *up, int act,
+                              luma_buf *y)
+{
+    cuda_backend *c = cu(be);
+    if (up->rows != gate->rows || up->cols != gate->cols || gate->cols != w->cols)
+        luma_cuda_failf(c, "gated_matmul: gate %lld x %lld, up %lld x %lld, weight of %lld columns",
+                        (long long)gate->rows, (long long)gate->cols, (long long)up->rows, (long long)up->cols,
+                        (long long)w->cols);
+    if (!LUMA_CUDA_OK(c) || !luma_cuda_gated_matmul(c, w, gate->data, up->data, act, gate->rows, y->data)) {
+        if (act == LUMA_ACT_GELU) luma_cuda_gelu_mul(be, gate, up);
+        else luma_cuda_silu_mul(be, gate, up);
+        cuda_matmul(be, w, gate, y);
+        return;
+    }
+    y->rows = gate->rows;
+    y->cols = w->rows;
+}
+
 /* Before any weight: with batch invariance no product takes the tensor
  * cores, so no weight gets an f16 copy. */
 static int cuda_set_batch_invariant(luma_backend *be, bool on, luma_err *err)
@@ -698,6 +716,7 @@ static const luma_backend_ops cuda_ops = {
     .attention = cuda_attention,
     .gelu_mul = luma_cuda_gelu_mul,
     .silu_mul = luma_cuda_silu_mul,
+    .gated_matmul = cuda_gated_matmul,
     .add = luma_cuda_add,
     .logits_alloc = luma_cuda_logits_alloc,
     .logits_free = luma_cuda_logits_free,

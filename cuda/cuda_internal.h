@@ -152,6 +152,12 @@ bool luma_cuda_matmul_supports(enum luma_type t);
  * the device, row-major. Small m reads each weight byte once for all rows;
  * large m takes the tensor-core path. */
 void luma_cuda_matmul(cuda_backend *c, const luma_weight *w, const float *x, int64_t m, float *y);
+/* gate = act(gate) * up, then y = W gate, with the activation folded into
+ * the quantizer of the matrix-vector path (the bits of silu_mul / gelu_mul
+ * and matmul). Returns false, queuing nothing, where it does not apply (the
+ * other paths, float weights); the caller then runs the two operations. */
+bool luma_cuda_gated_matmul(cuda_backend *c, const luma_weight *w, float *gate, const float *up, int act,
+                            int64_t m, float *y);
 /* ys[i] = ws[i] x for n <= LUMA_MATMUL_MANY weights of x->cols columns:
  * the same bits as luma_cuda_matmul for each, with one quantization of x
  * for all the matrix-vector products that share its format. */

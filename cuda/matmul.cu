@@ -34,6 +34,7 @@
  *   copy) takes the (type, m) for which it measured faster. */
 #include "cuda_internal.h"
 #include "blocks.cuh"
+#include "act.cuh"
 
 #include <limits.h>
 #include <stdlib.h>
@@ -769,9 +770,10 @@ struct type_f32 {
  * multiplies the same values. */
 enum act_scheme { ACT_Q8_0, ACT_Q8_K };
 
-template <int SCHEME, bool F16>
+template <int SCHEME, bool F16, int ACT = -1>
 static __global__ void quantize_act(const float *__restrict__ x, int64_t n8, int8_t *__restrict__ q,
-                                    float2 *__restrict__ ds, __half *__restrict__ xh)
+                                    float2 *__restrict__ ds, __half *__restrict__ xh, const float *__restrict__ up,
+                                    float *__restrict__ gated)
 {
     int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     let_next_kernel_start();
@@ -781,6 +783,16 @@ static __global__ void quantize_act(const float *__restrict__ x, int64_t n8, int
         float4 a = ((const float4 *)x)[2 * i], b = ((const float4 *)x)[2 * i + 1];
         v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
         v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+        if (ACT >= 0) {
+            /* the gated activation first, stored as gelu_mul / silu_mul
+             * store it */
+            float4 c = ((const float4 *)up)[2 * i], e = ((const float4 *)up)[2 * i + 1];
+            float u[8] = { c.x, c.y, c.z, c.w, e.x, e.y, e.z, e.w };
+#pragma unroll
+            for (int j = 0; j < 8; j++) v[j] = act_gated<ACT < 0 ? 0 : ACT>(v[j], u[j]);
+            ((float4 *)gated)[2 * i] = make_float4(v[0], v[1], v[2], v[3]);
+            ((float4 *)gated)[2 * i + 1] = make_float4(v[4], v[5], v[6], v[7]);
+        }
     }
     int lane = threadIdx.x % 32, iq[8];
     float d;
@@ -850,11 +862,25 @@ void luma_cuda_quantize_act(cuda_backend *c, enum luma_type t, const float *x, i
     }
     int64_t n8 = n / 8;
     unsigned grid = (unsigned)((n8 + 255) / 256);
-    if (xh && k) quantize_act<ACT_Q8_K, true><<<grid, 256, 0, c->stream>>>(x, n8, NULL, NULL, xh);
-    else if (xh) quantize_act<ACT_Q8_0, true><<<grid, 256, 0, c->stream>>>(x, n8, NULL, NULL, xh);
-    else if (k) quantize_act<ACT_Q8_K, false><<<grid, 256, 0, c->stream>>>(x, n8, q, ds, NULL);
-    else quantize_act<ACT_Q8_0, false><<<grid, 256, 0, c->stream>>>(x, n8, q, ds, NULL);
+    if (xh && k) quantize_act<ACT_Q8_K, true><<<grid, 256, 0, c->stream>>>(x, n8, NULL, NULL, xh, NULL, NULL);
+    else if (xh) quantize_act<ACT_Q8_0, true><<<grid, 256, 0, c->stream>>>(x, n8, NULL, NULL, xh, NULL, NULL);
+    else if (k) quantize_act<ACT_Q8_K, false><<<grid, 256, 0, c->stream>>>(x, n8, q, ds, NULL, NULL, NULL);
+    else quantize_act<ACT_Q8_0, false><<<grid, 256, 0, c->stream>>>(x, n8, q, ds, NULL, NULL, NULL);
     luma_cuda_fail(c, cudaGetLastError(), "matmul (quantizing activations)");
+}
+
+/* gate = act(gate) * up, quantized for t into q and ds in the same pass. */
+template <int ACT>
+static void quantize_gated(cuda_backend *c, enum luma_type t, float *gate, const float *up, int64_t n, int8_t *q,
+                           float2 *ds)
+{
+    int64_t n8 = n / 8;
+    unsigned grid = (unsigned)((n8 + 255) / 256);
+    if (luma_type_get(t)->act_type == LUMA_Q8_K)
+        quantize_act<ACT_Q8_K, false, ACT><<<grid, 256, 0, c->stream>>>(gate, n8, q, ds, NULL, up, gate);
+    else
+        quantize_act<ACT_Q8_0, false, ACT><<<grid, 256, 0, c->stream>>>(gate, n8, q, ds, NULL, up, gate);
+    luma_cuda_fail(c, cudaGetLastError(), "matmul (gated activations)");
 }
 
 /* Weight rows per warp (direct kernel) or row group (staged kernel): two
@@ -1591,6 +1617,25 @@ void luma_cuda_matmul(cuda_backend *c, const luma_weight *w, const float *x, int
     if (!LUMA_CUDA_OK(c) || m <= 0 || w->rows <= 0 || !matmul_ok(c, w)) return;
     if (takes_vec(c, w, x, m)) mm_vec(c, w, x, m, y);
     else if (!luma_cuda_mmq(c, w, x, m, y)) mm_tensor(c, w, x, m, y);   /* mmq.cu: where it measured faster */
+}
+
+bool luma_cuda_gated_matmul(cuda_backend *c, const luma_weight *w, float *gate, const float *up, int act,
+                            int64_t m, float *y)
+{
+    if (!LUMA_CUDA_OK(c) || m <= 0 || w->rows <= 0) return true;
+    if (!matmul_ok(c, w)) return true;
+    int64_t n = m * w->cols;
+    bool k = luma_type_get(w->type)->act_type == LUMA_Q8_K;
+    if (is_float_type(w->type) || !takes_vec(c, w, gate, m) || ((uintptr_t)gate & 15) || ((uintptr_t)up & 15) ||
+        n % (k ? 256 : 32) != 0)
+        return false;
+    uint8_t *s = (uint8_t *)luma_cuda_scratch(c, act_q_bytes(m, w->cols));
+    if (!s) return true;
+    act_rows a = act_rows_at(w, gate, m, s);
+    if (act == LUMA_ACT_GELU) quantize_gated<LUMA_ACT_GELU>(c, w->type, gate, up, n, (int8_t *)a.q, (float2 *)a.ds);
+    else quantize_gated<LUMA_ACT_SILU>(c, w->type, gate, up, n, (int8_t *)a.q, (float2 *)a.ds);
+    if (LUMA_CUDA_OK(c)) mm_vec_run(c, w, a, m, y);
+    return true;
 }
 
 void luma_cuda_matmul_many(cuda_backend *c, int n, const luma_weight *const *ws, const float *x, int64_t m,

@@ -15,6 +15,7 @@
 #include <math.h>
 
 #include "cuda_internal.h"
+#include "act.cuh"
 
 #define THREADS 256
 /* RoPE's per-frequency tables travel as kernel parameters: head_dim <= 1024. */
@@ -526,19 +527,12 @@ void luma_cuda_qk_rope(luma_backend *be, luma_buf *q, luma_buf *k, const luma_we
 
 enum { EW_ADD, EW_GELU_MUL, EW_SILU_MUL };
 
-/* GELU, tanh approximation, the CPU's formula (src/cpu/vec.c). */
-__device__ static float gelu(float x)
-{
-    const float k = 0.7978845608028654f; /* sqrt(2 / pi) */
-    return 0.5f * x * (1.0f + tanhf(k * (x + 0.044715f * x * x * x)));
-}
-
 template <int OP>
 __device__ static float ew(float a, float b)
 {
     if (OP == EW_ADD) return a + b;
-    if (OP == EW_GELU_MUL) return gelu(a) * b;
-    return a / (1.0f + expf(-a)) * b;
+    if (OP == EW_GELU_MUL) return act_gated<LUMA_ACT_GELU>(a, b);
+    return act_gated<LUMA_ACT_SILU>(a, b);
 }
 
 /* a[i] = op(a[i], b[i]) for n floats; the float4 body covers n / 4 and the

@@ -60,6 +60,8 @@ typedef struct luma_step {
 
 #define LUMA_MATMUL_MANY 4   /* weights of one matmul_many call at most */
 
+enum luma_act { LUMA_ACT_GELU = 0, LUMA_ACT_SILU = 1 };   /* gated_matmul's activations */
+
 /* Shape of the KV storage: per pool, the layers stored in it and the size of
  * one cached key and value row. Each block of a pool holds, for each of its
  * layers, K then V: [n_kv_head][block_tokens][head_dim]. */
@@ -186,6 +188,13 @@ typedef struct luma_backend_ops {
     /* gate = act(gate) * up, act GELU (tanh approximation) or SiLU. */
     void (*gelu_mul)(luma_backend *be, luma_buf *gate, const luma_buf *up);
     void (*silu_mul)(luma_backend *be, luma_buf *gate, const luma_buf *up);
+    /* The feed-forward's last product: gate = act(gate) * up as gelu_mul
+     * or silu_mul makes it (act LUMA_ACT_GELU or LUMA_ACT_SILU), then
+     * y = W gate, with the same bits as those two calls. Optional: NULL when
+     * a backend does not fuse them (callers use luma_model_gated_matmul,
+     * which falls back). */
+    void (*gated_matmul)(luma_backend *be, const luma_weight *w, luma_buf *gate, const luma_buf *up, int act,
+                         luma_buf *y);
     /* x += y */
     void (*add)(luma_backend *be, luma_buf *x, const luma_buf *y);
 

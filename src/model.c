@@ -222,6 +222,20 @@ void luma_model_qk_rope(const luma_model *m, luma_buf *q, luma_buf *k, const lum
     be->rope(b, k, head_dim, pos, r);
 }
 
+void luma_model_gated_matmul(const luma_model *m, const luma_weight *w, luma_buf *gate, const luma_buf *up,
+                             int act, luma_buf *y)
+{
+    luma_backend *b = m->be;
+    const luma_backend_ops *be = b->ops;
+    if (be->gated_matmul) {
+        be->gated_matmul(b, w, gate, up, act, y);
+        return;
+    }
+    if (act == LUMA_ACT_GELU) be->gelu_mul(b, gate, up);
+    else be->silu_mul(b, gate, up);
+    be->matmul(b, w, gate, y);
+}
+
 void luma_model_residual_norm(const luma_model *m, luma_buf *x, luma_buf *y, const luma_weight *yg,
                               const luma_weight *g, luma_buf *out)
 {

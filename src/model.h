@@ -134,6 +134,10 @@ void luma_model_attn(const luma_model *m, int il, luma_attn *a);
  * separate rmsnorm and rope operations. */
 void luma_model_qk_rope(const luma_model *m, luma_buf *q, luma_buf *k, const luma_weight *gq,
                         const luma_weight *gk, int32_t head_dim, const int32_t *pos, const luma_rope *r);
+/* gate = act(gate) * up, then y = w gate: through the backend's fused
+ * gated_matmul when it has one, else gelu_mul or silu_mul and matmul. */
+void luma_model_gated_matmul(const luma_model *m, const luma_weight *w, luma_buf *gate, const luma_buf *up,
+                             int act, luma_buf *y);
 /* ys[i] = ws[i] x for the n weights: through the backend's matmul_many when
  * it has one, else one matmul each; the same bits either way. */
 void luma_model_matmuls(const luma_model *m, int n, const luma_weight *const *ws, const luma_buf *x,

@@ -474,6 +474,75 @@ static void check_many(ctx *cx)
     printf("matmul_many: %d products equal to matmul's, bit for bit\n", checked);
 }
 
+/* gated_matmul against gelu_mul or silu_mul and then matmul on the same
+ * backend: the same bits in gate and in y, on the matrix-vector path (where
+ * the activation is folded into the quantizer) and past it. */
+static void check_gated(ctx *cx)
+{
+    static const enum luma_type gtypes[] = { LUMA_Q4_K, LUMA_Q6_K, LUMA_Q5_0, LUMA_Q8_0, LUMA_F16 };
+    static const int64_t gms[] = { 1, 3, 8, 16 };
+    const luma_backend_ops *ops = cx->be->ops;
+    const int64_t cols = 1024, rows = 200;
+    int checked = 0;
+    CHECKF(ops->gated_matmul != NULL, "the CUDA backend has gated_matmul");
+    if (!ops->gated_matmul) return;
+    for (size_t ti = 0; ti < sizeof gtypes / sizeof gtypes[0]; ti++) {
+        enum luma_type t = gtypes[ti];
+        luma_err err = { { 0 } };
+        uint8_t *host = xmalloc(luma_row_size(t, cols) * (size_t)rows);
+        random_weights(t, rows * cols, host);
+        luma_weight w = { .type = t, .rows = rows, .cols = cols, .host = host };
+        if (ops->weight_load(cx->be, &w, &err) != 0) {
+            CHECKF(0, "weight_load: %s", err.msg);
+            free(host);
+            continue;
+        }
+        for (size_t mi = 0; mi < sizeof gms / sizeof gms[0]; mi++)
+            for (int act = LUMA_ACT_GELU; act <= LUMA_ACT_SILU; act++) {
+                int64_t m = gms[mi];
+                size_t nx = (size_t)(m * cols), ny = (size_t)(m * rows);
+                float *g = xmalloc(nx * sizeof(float)), *u = xmalloc(nx * sizeof(float));
+                for (size_t k = 0; k < nx; k++) {
+                    g[k] = 2.0f * bell();
+                    u[k] = bell();
+                }
+                luma_buf gb[2] = { { 0 } }, ub = { 0 }, yb[2] = { { 0 } };
+                for (int v = 0; v < 2; v++)
+                    if (ops->buf_alloc(cx->be, &gb[v], m, cols, &err) != 0 ||
+                        ops->buf_alloc(cx->be, &yb[v], m, rows, &err) != 0)
+                        CHECKF(0, "buf_alloc: %s", err.msg);
+                if (ops->buf_alloc(cx->be, &ub, m, cols, &err) != 0) CHECKF(0, "buf_alloc: %s", err.msg);
+                for (int v = 0; v < 2; v++) cudaMemcpy(gb[v].data, g, nx * sizeof(float), cudaMemcpyHostToDevice);
+                cudaMemcpy(ub.data, u, nx * sizeof(float), cudaMemcpyHostToDevice);
+                ops->gated_matmul(cx->be, &w, &gb[0], &ub, act, &yb[0]);
+                if (act == LUMA_ACT_GELU) ops->gelu_mul(cx->be, &gb[1], &ub);
+                else ops->silu_mul(cx->be, &gb[1], &ub);
+                ops->matmul(cx->be, &w, &gb[1], &yb[1]);
+                if (ops->sync(cx->be, &err) != 0) CHECKF(0, "gated_matmul: %s", err.msg);
+                float *got = xmalloc((nx > ny ? nx : ny) * sizeof(float)), *want = xmalloc((nx > ny ? nx : ny) * sizeof(float));
+                CHECKF(yb[0].rows == m && yb[0].cols == rows, "gated_matmul sets y to m x rows");
+                if (ops->buf_read(cx->be, &yb[0], got, &err) == 0 && ops->buf_read(cx->be, &yb[1], want, &err) == 0)
+                    CHECKF(memcmp(got, want, ny * sizeof(float)) == 0, "gated_matmul %s m=%lld %s: y differs",
+                           luma_type_name(t), (long long)m, act == LUMA_ACT_GELU ? "GELU" : "SiLU");
+                if (ops->buf_read(cx->be, &gb[0], got, &err) == 0 && ops->buf_read(cx->be, &gb[1], want, &err) == 0)
+                    CHECKF(memcmp(got, want, nx * sizeof(float)) == 0, "gated_matmul %s m=%lld %s: gate differs",
+                           luma_type_name(t), (long long)m, act == LUMA_ACT_GELU ? "GELU" : "SiLU");
+                checked++;
+                for (int v = 0; v < 2; v++) {
+                    ops->buf_free(cx->be, &gb[v]);
+                    ops->buf_free(cx->be, &yb[v]);
+                }
+                ops->buf_free(cx->be, &ub);
+                free(g);
+                free(u);
+                free(got);
+                free(want);
+            }
+        free(host);
+    }
+    printf("gated_matmul: %d products and gates equal to gelu_mul / silu_mul and matmul, bit for bit\n", checked);
+}
+
 static int run_checks(void)
 {
     luma_err err = { { 0 } };
@@ -501,6 +570,7 @@ static int run_checks(void)
         }
     printf("matmul: %d weight matrices checked%s\n", checked, cx.quick ? " (quick: small shapes only)" : "");
     check_many(&cx);
+    check_gated(&cx);
 
     if (!cx.quick) {
         printf("\ntiming (per call in a stream of %d, best of %d; weights cold in L2; %% of %.0f GB/s):\n", TIME_CALLS,

@@ -77,8 +77,7 @@ static int gemma3_forward(luma_model *m, const luma_step *step, luma_err *err)
 
         luma_model_matmuls(m, 2, (const luma_weight *const[]){ &l->gate, &l->up }, &a->h,
                            (luma_buf *const[]){ &a->gate, &a->up });
-        be->gelu_mul(b, &a->gate, &a->up);
-        be->matmul(b, &l->down, &a->gate, &a->o);
+        luma_model_gated_matmul(m, &l->down, &a->gate, &a->up, LUMA_ACT_GELU, &a->o);
         if (il + 1 < hp->n_layer) {
             luma_model_residual_norm(m, &a->x, &a->o, &l->post_ffn_norm, &m->layers[il + 1].attn_norm, &a->h);
         } else {

@@ -893,6 +893,18 @@ static constexpr __host__ __device__ int mmv_rows(int maxm)
 
 /* -- the direct kernel: weights loaded straight into registers ------------- */
 
+/* The weights of one direct launch: up to MMV_SEGS matrices of one type and
+ * width multiplied by the same activations (q, k and v; gate and up), each
+ * starting on a CTA of its own: segment i takes CTAs [cta0[i], cta0[i + 1])
+ * (unused segments start past the grid). */
+#define MMV_SEGS 3
+struct mmv_segs {
+    const uint8_t *w[MMV_SEGS];
+    float *y[MMV_SEGS];
+    int64_t rows[MMV_SEGS];
+    unsigned cta0[MMV_SEGS];
+};
+
 /* y[j * rows + r] = W[r] . x[j] for the m <= MAXM activation rows; each warp
  * owns ROWS consecutive weight rows and keeps ROWS x MAXM sums. A lane
  * takes blocks ib0, ib0 + stride, ...; the raw bytes of its next block are
@@ -900,12 +912,23 @@ static constexpr __host__ __device__ int mmv_rows(int maxm)
  * flight while the lane computes. */
 template <class T, int MAXM, int ROWS>
 static __global__ void __launch_bounds__(MMV_DIRECT_WARPS * 32)
-mmv_direct(const uint8_t *__restrict__ w, size_t row_bytes, int64_t rows, int nb, act_rows a, int m,
-           float *__restrict__ y)
+mmv_direct(mmv_segs sg, size_t row_bytes, int nb, act_rows a, int m)
 {
     constexpr int stride = 32 / T::lpb;  /* blocks of a row covered by the warp at once */
     const int lane = threadIdx.x % 32, p = lane % T::lpb;
-    const int64_t r0 = ((int64_t)blockIdx.x * MMV_DIRECT_WARPS + threadIdx.x / 32) * ROWS;
+    /* this CTA's segment (constant indices: the segments stay parameters) */
+    const uint8_t *w = sg.w[0];
+    float *y = sg.y[0];
+    int64_t rows = sg.rows[0], cta0 = 0;
+#pragma unroll
+    for (int i = 1; i < MMV_SEGS; i++)
+        if (blockIdx.x >= sg.cta0[i]) {
+            w = sg.w[i];
+            y = sg.y[i];
+            rows = sg.rows[i];
+            cta0 = sg.cta0[i];
+        }
+    const int64_t r0 = (((int64_t)blockIdx.x - cta0) * MMV_DIRECT_WARPS + threadIdx.x / 32) * ROWS;
     if (r0 >= rows) return;
     const uint8_t *wr[ROWS];
 #pragma unroll
@@ -1266,12 +1289,27 @@ static void mmv_staged_launch(cuda_backend *c, const luma_weight *w, const act_r
 /* Launched as a programmatic dependent of the quantizer (see
  * wait_for_previous_kernel). */
 template <class T, int MAXM>
-static void mmv_direct_launch(cuda_backend *c, const luma_weight *w, const act_rows &a, int m, float *y)
+static void mmv_direct_launch(cuda_backend *c, const luma_weight *const *ws, float *const *ys, int n,
+                              const act_rows &a, int m)
 {
     constexpr int ROWS = mmv_rows(MAXM);
-    int64_t warps = (w->rows + ROWS - 1) / ROWS;
+    mmv_segs sg = {};
+    unsigned ctas = 0;
+    for (int i = 0; i < MMV_SEGS; i++) {
+        if (i < n) {
+            int64_t warps = (ws[i]->rows + ROWS - 1) / ROWS;
+            sg.w[i] = (const uint8_t *)ws[i]->dev;
+            sg.y[i] = ys[i];
+            sg.rows[i] = ws[i]->rows;
+            sg.cta0[i] = ctas;
+            ctas += (unsigned)((warps + MMV_DIRECT_WARPS - 1) / MMV_DIRECT_WARPS);
+        } else {
+            sg.cta0[i] = UINT_MAX;
+        }
+    }
+    const luma_weight *w = ws[0];
     cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3((unsigned)((warps + MMV_DIRECT_WARPS - 1) / MMV_DIRECT_WARPS));
+    cfg.gridDim = dim3(ctas);
     cfg.blockDim = dim3(MMV_DIRECT_WARPS * 32);
     cfg.stream = c->stream;
     cudaLaunchAttribute attr;
@@ -1279,8 +1317,8 @@ static void mmv_direct_launch(cuda_backend *c, const luma_weight *w, const act_r
     attr.val.programmaticStreamSerializationAllowed = 1;
     cfg.attrs = &attr;
     cfg.numAttrs = 1;
-    luma_cuda_fail(c, cudaLaunchKernelEx(&cfg, mmv_direct<T, MAXM, ROWS>, (const uint8_t *)w->dev,
-                                         luma_row_size(w->type, w->cols), w->rows, (int)(w->cols / T::qk), a, m, y),
+    luma_cuda_fail(c, cudaLaunchKernelEx(&cfg, mmv_direct<T, MAXM, ROWS>, sg, luma_row_size(w->type, w->cols),
+                                         (int)(w->cols / T::qk), a, m),
                    "matmul (matrix-vector kernel)");
 }
 
@@ -1311,7 +1349,7 @@ static void mmv_launch(cuda_backend *c, const luma_weight *w, const act_rows &a,
     int forced = mmv_forced();
     bool staged = forced ? forced == 2 : MAXM == 1 && (w->type == LUMA_Q8_0 || w->rows <= MMV_STAGED_MAX_ROWS);
     if (staged) mmv_staged_launch<T, MAXM>(c, w, a, m, y);
-    else mmv_direct_launch<T, MAXM>(c, w, a, m, y);
+    else mmv_direct_launch<T, MAXM>(c, &w, &y, 1, a, m);
 }
 
 /* Passes of up to MMV_PASS_M activation rows, each on the kernel sized for it. */
@@ -1331,6 +1369,31 @@ static void mmv_run(cuda_backend *c, const luma_weight *w, const act_rows &a, in
         else if (n == 2) mmv_launch<T, 2>(c, w, aj, n, yj);
         else if (n <= 4) mmv_launch<T, 4>(c, w, aj, n, yj);
         else mmv_launch<T, 8>(c, w, aj, n, yj);
+    }
+}
+
+/* mmv_run for n <= MMV_SEGS weights of one type and width by the same
+ * activations: one direct launch per pass for all of them. A row's sum is
+ * the same in any launch, and the staged kernel (which mmv_run takes for
+ * one row of a small matrix) sums a row as the direct one does. */
+template <class T>
+static void mmv_run_many(cuda_backend *c, const luma_weight *const *ws, float *const *ys, int n, const act_rows &a,
+                         int64_t m)
+{
+    for (int64_t j0 = 0; j0 < m && LUMA_CUDA_OK(c); j0 += MMV_PASS_M) {
+        int nj = (int)(m - j0 < MMV_PASS_M ? m - j0 : MMV_PASS_M);
+        act_rows aj = a;
+        aj.f += j0 * a.f_stride;
+        if (a.q) {
+            aj.q += j0 * a.q_stride;
+            aj.ds += j0 * a.ds_stride;
+        }
+        float *yj[MMV_SEGS];
+        for (int i = 0; i < n && i < MMV_SEGS; i++) yj[i] = ys[i] + j0 * ws[i]->rows;
+        if (nj == 1) mmv_direct_launch<T, 1>(c, ws, yj, n, aj, nj);
+        else if (nj == 2) mmv_direct_launch<T, 2>(c, ws, yj, n, aj, nj);
+        else if (nj <= 4) mmv_direct_launch<T, 4>(c, ws, yj, n, aj, nj);
+        else mmv_direct_launch<T, 8>(c, ws, yj, n, aj, nj);
     }
 }
 
@@ -1380,6 +1443,28 @@ static void quantize_into(cuda_backend *c, const luma_weight *w, const float *x,
 }
 
 static void mm_vec_run(cuda_backend *c, const luma_weight *w, const act_rows &a, int64_t m, float *y);
+
+/* One launch per pass for n weights of one block type and width (the
+ * direct kernel); false, queuing nothing, for a type that keeps its own
+ * kernel choice (Q8_0, whose 34-byte blocks the direct kernel reads 2 bytes
+ * at a time) or when a kernel is forced (LUMA_CUDA_MMV). */
+static bool mm_vec_run_many(cuda_backend *c, const luma_weight *const *ws, float *const *ys, int n,
+                            const act_rows &a, int64_t m)
+{
+    if (mmv_forced()) return false;
+    switch (ws[0]->type) {
+    case LUMA_Q4_0: mmv_run_many<type_q4_0>(c, ws, ys, n, a, m); return true;
+    case LUMA_Q4_1: mmv_run_many<type_q4_1>(c, ws, ys, n, a, m); return true;
+    case LUMA_Q5_0: mmv_run_many<type_q5_0>(c, ws, ys, n, a, m); return true;
+    case LUMA_Q5_1: mmv_run_many<type_q5_1>(c, ws, ys, n, a, m); return true;
+    case LUMA_Q2_K: mmv_run_many<type_q2_K>(c, ws, ys, n, a, m); return true;
+    case LUMA_Q3_K: mmv_run_many<type_q3_K>(c, ws, ys, n, a, m); return true;
+    case LUMA_Q4_K: mmv_run_many<type_q4_K>(c, ws, ys, n, a, m); return true;
+    case LUMA_Q5_K: mmv_run_many<type_q5_K>(c, ws, ys, n, a, m); return true;
+    case LUMA_Q6_K: mmv_run_many<type_q6_K>(c, ws, ys, n, a, m); return true;
+    default: return false;
+    }
+}
 
 static void mm_vec(cuda_backend *c, const luma_weight *w, const float *x, int64_t m, float *y)
 {
@@ -1669,15 +1754,27 @@ void luma_cuda_matmul_many(cuda_backend *c, int n, const luma_weight *const *ws,
     if (!need || !LUMA_CUDA_OK(c)) return;
     uint8_t *s = (uint8_t *)luma_cuda_scratch(c, need);
     if (!s) return;
-    bool done[2] = { false, false };
+    bool done[2] = { false, false }, taken[LUMA_MATMUL_MANY] = { false };
     for (int i = 0; i < n && i < LUMA_MATMUL_MANY && LUMA_CUDA_OK(c); i++) {
         const luma_weight *w = ws[i];
         int f = fmt_of[i];
-        if (f == NONE) continue;
+        if (f == NONE || taken[i]) continue;
         if (!done[f]) {
             quantize_into(c, w, x, m, s + at[f]);
             done[f] = true;
         }
-        if (LUMA_CUDA_OK(c)) mm_vec_run(c, w, act_rows_at(w, x, m, s + at[f]), m, ys[i]);
+        act_rows a = act_rows_at(w, x, m, s + at[f]);
+        /* the later weights of the same type join this one's launch */
+        const luma_weight *same[MMV_SEGS] = { w };
+        float *ys_same[MMV_SEGS] = { ys[i] };
+        int k = 1;
+        for (int j = i + 1; j < n && j < LUMA_MATMUL_MANY && k < MMV_SEGS; j++)
+            if (fmt_of[j] == f && ws[j]->type == w->type) {
+                same[k] = ws[j];
+                ys_same[k++] = ys[j];
+                taken[j] = true;
+            }
+        if (k > 1 && LUMA_CUDA_OK(c) && mm_vec_run_many(c, same, ys_same, k, a, m)) continue;
+        for (int j = 0; j < k && LUMA_CUDA_OK(c); j++) mm_vec_run(c, same[j], a, m, ys_same[j]);
     }
 }

@@ -1352,18 +1352,25 @@ static void mmv_launch(cuda_backend *c, const luma_weight *w, const act_rows &a,
     else mmv_direct_launch<T, MAXM>(c, &w, &y, 1, a, m);
 }
 
+/* The activation rows from row j0 on. */
+static act_rows act_rows_from(const act_rows &a, int64_t j0)
+{
+    act_rows aj = a;
+    aj.f += j0 * a.f_stride;
+    if (a.q) {
+        aj.q += j0 * a.q_stride;
+        aj.ds += j0 * a.ds_stride;
+    }
+    return aj;
+}
+
 /* Passes of up to MMV_PASS_M activation rows, each on the kernel sized for it. */
 template <class T>
 static void mmv_run(cuda_backend *c, const luma_weight *w, const act_rows &a, int64_t m, float *y)
 {
     for (int64_t j0 = 0; j0 < m && LUMA_CUDA_OK(c); j0 += MMV_PASS_M) {
         int n = (int)(m - j0 < MMV_PASS_M ? m - j0 : MMV_PASS_M);
-        act_rows aj = a;
-        aj.f += j0 * a.f_stride;
-        if (a.q) {
-            aj.q += j0 * a.q_stride;
-            aj.ds += j0 * a.ds_stride;
-        }
+        act_rows aj = act_rows_from(a, j0);
         float *yj = y + j0 * w->rows;
         if (n == 1) mmv_launch<T, 1>(c, w, aj, n, yj);
         else if (n == 2) mmv_launch<T, 2>(c, w, aj, n, yj);
@@ -1382,12 +1389,7 @@ static void mmv_run_many(cuda_backend *c, const luma_weight *const *ws, float *c
 {
     for (int64_t j0 = 0; j0 < m && LUMA_CUDA_OK(c); j0 += MMV_PASS_M) {
         int nj = (int)(m - j0 < MMV_PASS_M ? m - j0 : MMV_PASS_M);
-        act_rows aj = a;
-        aj.f += j0 * a.f_stride;
-        if (a.q) {
-            aj.q += j0 * a.q_stride;
-            aj.ds += j0 * a.ds_stride;
-        }
+        act_rows aj = act_rows_from(a, j0);
         float *yj[MMV_SEGS];
         for (int i = 0; i < n && i < MMV_SEGS; i++) yj[i] = ys[i] + j0 * ws[i]->rows;
         if (nj == 1) mmv_direct_launch<T, 1>(c, ws, yj, n, aj, nj);

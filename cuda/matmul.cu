@@ -851,36 +851,53 @@ static __global__ void quantize_act(const float *__restrict__ x, int64_t n8, int
     if (lane % 4 == 0) ds[i / 4] = make_float2(d, d * (float)sum);
 }
 
-void luma_cuda_quantize_act(cuda_backend *c, enum luma_type t, const float *x, int64_t n, int8_t *q, float2 *ds,
-                            __half *xh)
+/* Queues quantize_act for t's activation format: the f16 of d * q into xh,
+ * or the int8 values and scales into q and ds; with ACT >= 0 (the int8
+ * output only) x is first replaced by act(x) * up. */
+template <int ACT>
+static void quantize_launch(cuda_backend *c, enum luma_type t, float *gated, const float *x, const float *up,
+                            int64_t n, int8_t *q, float2 *ds, __half *xh)
 {
     bool k = luma_type_get(t)->act_type == LUMA_Q8_K;
-    if (n % (k ? 256 : 32) != 0 || ((uintptr_t)x & 15) != 0) {
+    if (n % (k ? 256 : 32) != 0 || ((uintptr_t)x & 15) != 0 || ((uintptr_t)up & 15) != 0) {
         luma_cuda_failf(c, "matmul: %lld activations at %p cannot be quantized for %s", (long long)n, (const void *)x,
                         luma_type_name(t));
         return;
     }
     int64_t n8 = n / 8;
     unsigned grid = (unsigned)((n8 + 255) / 256);
-    if (xh && k) quantize_act<ACT_Q8_K, true><<<grid, 256, 0, c->stream>>>(x, n8, NULL, NULL, xh, NULL, NULL);
-    else if (xh) quantize_act<ACT_Q8_0, true><<<grid, 256, 0, c->stream>>>(x, n8, NULL, NULL, xh, NULL, NULL);
-    else if (k) quantize_act<ACT_Q8_K, false><<<grid, 256, 0, c->stream>>>(x, n8, q, ds, NULL, NULL, NULL);
-    else quantize_act<ACT_Q8_0, false><<<grid, 256, 0, c->stream>>>(x, n8, q, ds, NULL, NULL, NULL);
+    if constexpr (ACT < 0) {
+        if (xh && k) quantize_act<ACT_Q8_K, true><<<grid, 256, 0, c->stream>>>(x, n8, q, ds, xh, up, gated);
+        else if (xh) quantize_act<ACT_Q8_0, true><<<grid, 256, 0, c->stream>>>(x, n8, q, ds, xh, up, gated);
+    }
+    if (!xh && k) quantize_act<ACT_Q8_K, false, ACT><<<grid, 256, 0, c->stream>>>(x, n8, q, ds, xh, up, gated);
+    else if (!xh) quantize_act<ACT_Q8_0, false, ACT><<<grid, 256, 0, c->stream>>>(x, n8, q, ds, xh, up, gated);
     luma_cuda_fail(c, cudaGetLastError(), "matmul (quantizing activations)");
 }
 
-/* gate = act(gate) * up, quantized for t into q and ds in the same pass. */
-template <int ACT>
-static void quantize_gated(cuda_backend *c, enum luma_type t, float *gate, const float *up, int64_t n, int8_t *q,
-                           float2 *ds)
+void luma_cuda_quantize_act(cuda_backend *c, enum luma_type t, const float *x, int64_t n, int8_t *q, float2 *ds,
+                            __half *xh)
 {
-    int64_t n8 = n / 8;
-    unsigned grid = (unsigned)((n8 + 255) / 256);
-    if (luma_type_get(t)->act_type == LUMA_Q8_K)
-        quantize_act<ACT_Q8_K, false, ACT><<<grid, 256, 0, c->stream>>>(gate, n8, q, ds, NULL, up, gate);
-    else
-        quantize_act<ACT_Q8_0, false, ACT><<<grid, 256, 0, c->stream>>>(gate, n8, q, ds, NULL, up, gate);
-    luma_cuda_fail(c, cudaGetLastError(), "matmul (gated activations)");
+    quantize_launch<-1>(c, t, NULL, x, NULL, n, q, ds, xh);
+}
+
+/* A launch of grid x block threads on the backend's stream as a
+ * programmatic dependent of the kernel before it (sm_90): it may start
+ * while that one finishes, and waits in wait_for_previous_kernel. attr
+ * must outlive the launch call. */
+static cudaLaunchConfig_t pdl_config(const cuda_backend *c, unsigned grid, unsigned block, size_t smem,
+                                     cudaLaunchAttribute *attr)
+{
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(grid);
+    cfg.blockDim = dim3(block);
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = c->stream;
+    attr->id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr->val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    return cfg;
 }
 
 /* Weight rows per warp (direct kernel) or row group (staged kernel): two
@@ -1273,16 +1290,8 @@ static void mmv_staged_launch(cuda_backend *c, const luma_weight *w, const act_r
     }
     int64_t teams = MMV_STAGED_WARPS / pl.ks, want = (pl.groups + teams - 1) / teams, most = (int64_t)c->n_sm * occ;
 
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3((unsigned)(want < most ? want : most));
-    cfg.blockDim = dim3(MMV_STAGED_WARPS * 32);
-    cfg.dynamicSmemBytes = smem;
-    cfg.stream = c->stream;
     cudaLaunchAttribute at;
-    at.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    at.val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = &at;
-    cfg.numAttrs = 1;
+    cudaLaunchConfig_t cfg = pdl_config(c, (unsigned)(want < most ? want : most), MMV_STAGED_WARPS * 32, smem, &at);
     luma_cuda_fail(c, cudaLaunchKernelEx(&cfg, mmv_staged<T, MAXM>, pl, a, m, y), "matmul (matrix-vector kernel)");
 }
 
@@ -1308,15 +1317,8 @@ static void mmv_direct_launch(cuda_backend *c, const luma_weight *const *ws, flo
         }
     }
     const luma_weight *w = ws[0];
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(ctas);
-    cfg.blockDim = dim3(MMV_DIRECT_WARPS * 32);
-    cfg.stream = c->stream;
     cudaLaunchAttribute attr;
-    attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr.val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = &attr;
-    cfg.numAttrs = 1;
+    cudaLaunchConfig_t cfg = pdl_config(c, ctas, MMV_DIRECT_WARPS * 32, 0, &attr);
     luma_cuda_fail(c, cudaLaunchKernelEx(&cfg, mmv_direct<T, MAXM, ROWS>, sg, luma_row_size(w->type, w->cols),
                                          (int)(w->cols / T::qk), a, m),
                    "matmul (matrix-vector kernel)");
@@ -1711,16 +1713,16 @@ bool luma_cuda_gated_matmul(cuda_backend *c, const luma_weight *w, float *gate, 
 {
     if (!LUMA_CUDA_OK(c) || m <= 0 || w->rows <= 0) return true;
     if (!matmul_ok(c, w)) return true;
-    int64_t n = m * w->cols;
-    bool k = luma_type_get(w->type)->act_type == LUMA_Q8_K;
-    if (is_float_type(w->type) || !takes_vec(c, w, gate, m) || ((uintptr_t)gate & 15) || ((uintptr_t)up & 15) ||
-        n % (k ? 256 : 32) != 0)
+    if (is_float_type(w->type) || !takes_vec(c, w, gate, m) || ((uintptr_t)gate & 15) || ((uintptr_t)up & 15))
         return false;
     uint8_t *s = (uint8_t *)luma_cuda_scratch(c, act_q_bytes(m, w->cols));
     if (!s) return true;
     act_rows a = act_rows_at(w, gate, m, s);
-    if (act == LUMA_ACT_GELU) quantize_gated<LUMA_ACT_GELU>(c, w->type, gate, up, n, (int8_t *)a.q, (float2 *)a.ds);
-    else quantize_gated<LUMA_ACT_SILU>(c, w->type, gate, up, n, (int8_t *)a.q, (float2 *)a.ds);
+    int64_t n = m * w->cols;
+    if (act == LUMA_ACT_GELU)
+        quantize_launch<LUMA_ACT_GELU>(c, w->type, gate, gate, up, n, (int8_t *)a.q, (float2 *)a.ds, NULL);
+    else
+        quantize_launch<LUMA_ACT_SILU>(c, w->type, gate, gate, up, n, (int8_t *)a.q, (float2 *)a.ds, NULL);
     if (LUMA_CUDA_OK(c)) mm_vec_run(c, w, a, m, y);
     return true;
 }

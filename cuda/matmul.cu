@@ -1694,7 +1694,8 @@ static bool matmul_ok(cuda_backend *c, const luma_weight *w)
 
 /* Whether y = W x for m rows takes the matrix-vector path. Batch
  * invariance: every m, in passes of MMV_PASS_M rows, each row computed
- * alike. */
+ * alike; except a float weight those kernels cannot read (rows not whole
+ * 16-byte loads: mmv_fits), which keeps the tensor cores. */
 static bool takes_vec(const cuda_backend *c, const luma_weight *w, const float *x, int64_t m)
 {
     int64_t max_m = c->invariant ? m : w->type == LUMA_F16 ? MMV_MAX_M_F16 : mmv_max_m();

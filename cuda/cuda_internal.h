@@ -116,7 +116,8 @@ typedef struct cuda_backend {
     /* counters for model.info and the benchmarks */
     uint64_t n_replays, n_recorded;
     /* luma_cuda_mmq's choice: 0 its measured rule, 1 every product it can
-     * take, -1 none (luma_cuda_mmq_policy sets it, for measuring) */
+     * take (f16 route), 2 the same with the int8 route for the K formats,
+     * -1 none (luma_cuda_mmq_policy sets it, for measuring) */
     int mmq_policy;
     /* Batch invariance (backend.h set_batch_invariant): every product on
      * the matrix-vector path whatever its rows, every attention row on the
@@ -182,6 +183,9 @@ void luma_cuda_weight_to_f16(cuda_backend *c, const luma_weight *w, __half *out)
  * cores. Returns false, queuing nothing, when it does not handle w's type or
  * this m; matmul then takes its other paths. */
 bool luma_cuda_mmq(cuda_backend *c, const luma_weight *w, const float *x, int64_t m, float *y);
+/* Whether luma_cuda_mmq takes this product although m is small enough for
+ * the matrix-vector kernels (its int8 route, where it measured faster). */
+bool luma_cuda_mmq_small(const cuda_backend *c, const luma_weight *w, const float *x, int64_t m);
 
 /* ---- ops.cu -------------------------------------------------------------- */
 

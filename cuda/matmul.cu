@@ -1699,7 +1699,7 @@ static bool matmul_ok(cuda_backend *c, const luma_weight *w)
 static bool takes_vec(const cuda_backend *c, const luma_weight *w, const float *x, int64_t m)
 {
     int64_t max_m = c->invariant ? m : w->type == LUMA_F16 ? MMV_MAX_M_F16 : mmv_max_m();
-    return m <= max_m && mmv_fits(w, x);
+    return m <= max_m && mmv_fits(w, x) && !luma_cuda_mmq_small(c, w, x, m);
 }
 
 void luma_cuda_matmul(cuda_backend *c, const luma_weight *w, const float *x, int64_t m, float *y)

@@ -3,10 +3,19 @@
  * file) rather than an f16 copy. cuda/NOTES.md ("Own tensor-core GEMM") has
  * the napkin math and the measurements behind luma_cuda_mmq's rule.
  *
+ * Two routes, one kernel template:
+ *   f16 route     the weights dequantized in registers to f16 and
+ *                 multiplied with mma.sync.m16n8k16 (every format here);
+ *   int8 route    (Q4_K, Q5_K, Q6_K) the weights' integers and the
+ *                 activations' int8 values multiplied with
+ *                 mma.sync.m16n8k32 (s8), each sub-block's integer sum then
+ *                 scaled: nothing is dequantized, and the result is the CPU
+ *                 backend's product but for the order of float sums.
  * Two kernels:
  *   quantize_act  (matmul.cu) the activations (m x cols, f32) to f16 in
- *                 scratch, as the cuBLAS path converts them: the values of
- *                 their 8-bit quantization in the CPU backend's format,
+ *                 scratch, as the cuBLAS path converts them (f16 route), or
+ *                 to int8 with (d, d * sum) per 32 (int8 route): the values
+ *                 of their 8-bit quantization in the CPU backend's format,
  *                 what the matrix-vector path multiplies too;
  *   mmq_kernel    one CTA of 8 warps computes a tile of 64 or 128 weight
  *                 rows x BM activation rows over a range of k. Each k-step
@@ -53,6 +62,10 @@ namespace cg = cooperative_groups;
 /* A CTA's first loads and final reduction, in k-steps, for choosing splits. */
 #define MMQ_FILL 2
 #define LOW4 0x0F0F0F0Fu
+/* Bytes between the int8 activation rows of a k-step in shared memory:
+ * 256 plus 16, so that the eight rows a quad's loads touch fall in
+ * distinct banks. */
+#define MMQ8_XROW 272
 
 /* ---- small helpers (the shared ones are in blocks.cuh) ------------------- */
 
@@ -120,6 +133,7 @@ enum deq_math { DEQ_HALF, DEQ_MUL, DEQ_FMA };
 
 /* Q4_K: sub-block a is the low (a even) or high nibbles of qs[32 (a / 2) ..]. */
 struct mmq_q4_K {
+    static constexpr bool i8 = false;
     static constexpr int span = 144, slot = 160, off = 0, math = DEQ_FMA;
     static __device__ __forceinline__ void group(const uint8_t *b, int t, int a, uint32_t &w0, uint32_t &w1,
                                                  float &d, float &mn)
@@ -137,6 +151,7 @@ struct mmq_q4_K {
 
 /* Q5_K: Q4_K plus the fifth bit of element l of sub-block a: bit a of qh[l]. */
 struct mmq_q5_K {
+    static constexpr bool i8 = false;
     static constexpr int span = 176, slot = 224, off = 0, math = DEQ_FMA;
     static __device__ __forceinline__ void group(const uint8_t *b, int t, int a, uint32_t &w0, uint32_t &w1,
                                                  float &d, float &mn)
@@ -157,6 +172,7 @@ struct mmq_q5_K {
  * ql[64c + 32 (k % 2) + l] (high nibble for k >= 2), top 2 bits at bit 2k
  * of qh[32c + l], scale scales[8c + 2k + l / 16] (l / 16 = t / 2 here). */
 struct mmq_q6_K {
+    static constexpr bool i8 = false;
     static constexpr int span = 210, slot = 224, off = 32, math = DEQ_MUL;
     static __device__ __forceinline__ void group(const uint8_t *b, int t, int a, uint32_t &w0, uint32_t &w1,
                                                  float &d, float &mn)
@@ -173,6 +189,7 @@ struct mmq_q6_K {
 
 /* Q8_0: group a is block a (34 bytes); int8 values biased by 128. */
 struct mmq_q8_0 {
+    static constexpr bool i8 = false;
     static constexpr int span = 272, slot = 288, off = 128, math = DEQ_HALF;
     static __device__ __forceinline__ void group(const uint8_t *b, int t, int a, uint32_t &w0, uint32_t &w1,
                                                  float &d, float &mn)
@@ -189,6 +206,7 @@ struct mmq_q8_0 {
 /* Q4_0: group a is block a (18 bytes): elements 0..15 the low nibbles of
  * qs[0..15], 16..31 the high ones. */
 struct mmq_q4_0 {
+    static constexpr bool i8 = false;
     static constexpr int span = 144, slot = 160, off = 8, math = DEQ_HALF;
     static __device__ __forceinline__ void group(const uint8_t *b, int t, int a, uint32_t &w0, uint32_t &w1,
                                                  float &d, float &mn)
@@ -205,6 +223,7 @@ struct mmq_q4_0 {
 
 /* Q5_0: Q4_0 plus the fifth bit of element e: bit e of qh. */
 struct mmq_q5_0 {
+    static constexpr bool i8 = false;
     static constexpr int span = 176, slot = 224, off = 16, math = DEQ_HALF;
     static __device__ __forceinline__ void group(const uint8_t *b, int t, int a, uint32_t &w0, uint32_t &w1,
                                                  float &d, float &mn)
@@ -263,6 +282,111 @@ static __device__ __forceinline__ void deq_group(uint32_t w0, uint32_t w1, float
     }
 }
 
+
+/* ---- the int8 route (K formats) ---------------------------------------------
+ *
+ * The weights' integer values meet the activations' int8 values (quantized
+ * exactly as the CPU backend quantizes them: Q8_K super-blocks, one scale
+ * per 256) in mma.sync.m16n8k32 (s8 x s8 -> s32): one mma per 32-element
+ * sub-block and m16 x n8 tile, whose integer sum is then scaled by the
+ * sub-block's weight scale. Nothing is dequantized; a thread unpacks its
+ * A fragments with a shift and a mask per four weights.
+ *
+ * Thread t of a quad holds elements 4t .. 4t + 3 (w0) and 16 + 4t .. 16 +
+ * 4t + 3 (w1) of a sub-block: the k slots of m16n8k32's A fragment in their
+ * natural order, and the B fragment is the same two 4-byte pieces of the
+ * activation row. Q6_K's sub-blocks of 16 (each with its own scale) are two
+ * m16n8k16 products over w0 and w1.
+ *
+ *   group(b, t, a, w0, w1, d0, d1, mn)
+ *            sub-block a of the span at b: the eight values as signed
+ *            bytes, the scales of their two halves (d0, d1: equal but for
+ *            Q6_K) and the minimum (element = d * q - mn). */
+struct mmq8_q4_K {
+    static constexpr int span = 144, slot = 160;
+    static constexpr bool i8 = true, k16 = false, has_min = true;
+    static __device__ __forceinline__ void group(const uint8_t *b, int t, int a, uint32_t &w0, uint32_t &w1,
+                                                 float &d0, float &d1, float &mn)
+    {
+        uint4 hdr = *(const uint4 *)b;
+        const uint8_t *qs = b + 16 + 32 * (a / 2);
+        int sh = 4 * (a % 2), sc, m;
+        w0 = (*(const uint32_t *)(qs + 4 * t) >> sh) & LOW4;
+        w1 = (*(const uint32_t *)(qs + 16 + 4 * t) >> sh) & LOW4;
+        scale_min_k4(a, hdr.y, hdr.z, hdr.w, sc, m);
+        d0 = d1 = f16_bits(hdr.x & 0xffff) * (float)sc;
+        mn = f16_bits(hdr.x >> 16) * (float)m;
+    }
+};
+
+struct mmq8_q5_K {
+    static constexpr int span = 176, slot = 224;
+    static constexpr bool i8 = true, k16 = false, has_min = true;
+    static __device__ __forceinline__ void group(const uint8_t *b, int t, int a, uint32_t &w0, uint32_t &w1,
+                                                 float &d0, float &d1, float &mn)
+    {
+        uint4 hdr = *(const uint4 *)b;
+        const uint8_t *qs = b + 48 + 32 * (a / 2);
+        uint32_t h0 = *(const uint32_t *)(b + 16 + 4 * t), h1 = *(const uint32_t *)(b + 32 + 4 * t);
+        int sh = 4 * (a % 2), sc, m;
+        w0 = ((*(const uint32_t *)(qs + 4 * t) >> sh) & LOW4) | ((h0 >> a) & 0x01010101u) << 4;
+        w1 = ((*(const uint32_t *)(qs + 16 + 4 * t) >> sh) & LOW4) | ((h1 >> a) & 0x01010101u) << 4;
+        scale_min_k4(a, hdr.y, hdr.z, hdr.w, sc, m);
+        d0 = d1 = f16_bits(hdr.x & 0xffff) * (float)sc;
+        mn = f16_bits(hdr.x >> 16) * (float)m;
+    }
+};
+
+/* Four bytes at a 2-aligned shared address. */
+static __device__ __forceinline__ uint32_t ld4_a2(const uint8_t *p)
+{
+    const uint16_t *h = (const uint16_t *)p;
+    return (uint32_t)h[0] | (uint32_t)h[1] << 16;
+}
+
+struct mmq8_q6_K {
+    static constexpr int span = 210, slot = 224;
+    static constexpr bool i8 = true, k16 = true, has_min = false;
+    static __device__ __forceinline__ void group(const uint8_t *b, int t, int a, uint32_t &w0, uint32_t &w1,
+                                                 float &d0, float &d1, float &mn)
+    {
+        int c = a / 4, k = a % 4, sl = 4 * (k / 2), sh = 2 * k;
+        const uint8_t *ql = b + 64 * c + 32 * (k % 2) + 4 * t, *qh = b + 128 + 32 * c + 4 * t;
+        uint32_t lo0 = ld4_a2(ql), lo1 = ld4_a2(ql + 16), hi0 = ld4_a2(qh), hi1 = ld4_a2(qh + 16);
+        w0 = __vsub4(((lo0 >> sl) & LOW4) | ((hi0 >> sh) & 0x03030303u) << 4, 0x20202020u);
+        w1 = __vsub4(((lo1 >> sl) & LOW4) | ((hi1 >> sh) & 0x03030303u) << 4, 0x20202020u);
+        float d = f16_bits(*(const uint16_t *)(b + 208));
+        d0 = d * (float)(int8_t)b[192 + 8 * c + 2 * k];
+        d1 = d * (float)(int8_t)b[193 + 8 * c + 2 * k];
+        mn = 0.0f;
+    }
+};
+
+/* c += A B, int8: m16n8k32 (a: rows g, g + 8 at k 4t..4t+3, then the same
+ * at 16 + 4t..; b0, b1: k 4t.. and 16 + 4t.. of column g) and m16n8k16
+ * (a0, a1: rows g, g + 8 at k 4t..4t+3; b: those k of column g). */
+static __device__ __forceinline__ void mma_s8_k32(int (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1)
+{
+    asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+static __device__ __forceinline__ void mma_s8_k16(int (&c)[4], uint32_t a0, uint32_t a1, uint32_t b)
+{
+    asm("mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};"
+        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+        : "r"(a0), "r"(a1), "r"(b));
+}
+
+/* An integer sum as a float: exact for |c| < 2^22 (a sub-block's sums stay
+ * under 32 x 63 x 127), with two full-rate instructions instead of one
+ * quarter-rate conversion. */
+static __device__ __forceinline__ float i2f(int c)
+{
+    return __int_as_float(c + 0x4B400000) - 12582912.0f;
+}
+
 /* ---- the GEMM kernel ------------------------------------------------------- */
 
 /* A CTA's 8 warps: rw along the weight rows (32 rows each) times kw along
@@ -289,7 +413,9 @@ template <class T, int BM>
 struct mmq_shape {
     typedef mmq_warps<BM> W;
     static constexpr int raw = W::rows * T::slot;
-    static constexpr int xt = BM * MMQ_K * 2;
+    /* f16 activations, or (int8 route) the int8 rows (MMQ8_XROW bytes
+     * apart) and then their (d, d * sum) per 32, as [8 groups][BM] */
+    static constexpr int xt = T::i8 ? BM * (MMQ8_XROW + 64) : BM * MMQ_K * 2;
     static constexpr int stage = raw + xt;
     static constexpr int budget = W::min_ctas == 2 ? MMQ_SMEM_BUDGET : 2 * MMQ_SMEM_BUDGET;
     static constexpr int stages = 4 * stage <= budget ? 4 : 3 * stage <= budget ? 3 : 2;
@@ -305,6 +431,8 @@ struct mmq_args {
     int64_t rows, m, cols;
     int nkb;                    /* k-steps per row: cols / 256 */
     const __half *xh;           /* m x cols */
+    const int8_t *xq;           /* the int8 route: m x cols */
+    const float2 *xds;          /* and (d, d * sum) per 32 of them */
     float *y;                   /* m x rows */
 };
 
@@ -349,6 +477,32 @@ static __device__ __forceinline__ void load_x(uint8_t *dst, const mmq_args &p, i
         int64_t n = n0 + nn < p.m ? n0 + nn : p.m - 1;
         const __half *src = p.xh + n * p.cols + (int64_t)kb * MMQ_K + 8 * k;
         cp_async16(dst + nn * 512 + ((k ^ ((nn & 1) << 2)) * 16), src, n0 + nn < p.m ? 16 : 0);
+    }
+}
+
+static __device__ __forceinline__ void cp_async8(void *dst, const void *src, int src_bytes)
+{
+    unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(d), "l"(src), "r"(src_bytes) : "memory");
+}
+
+/* The int8 route's activations of k-step kb, rows n0 .. n0 + BM - 1: 16
+ * pieces of 16 bytes a row, then the eight (d, d * sum) of each row into
+ * the transposed table (zeros past m: no contribution). */
+template <int BM>
+static __device__ __forceinline__ void load_x8(uint8_t *dst, const mmq_args &p, int64_t n0, int kb)
+{
+    for (int i = threadIdx.x; i < BM * 16; i += MMQ_THREADS) {
+        int nn = i / 16, k = i % 16;
+        int64_t n = n0 + nn < p.m ? n0 + nn : p.m - 1;
+        cp_async16(dst + nn * MMQ8_XROW + 16 * k, p.xq + n * p.cols + (int64_t)kb * MMQ_K + 16 * k,
+                   n0 + nn < p.m ? 16 : 0);
+    }
+    uint8_t *ds = dst + BM * MMQ8_XROW;
+    for (int i = threadIdx.x; i < BM * 8; i += MMQ_THREADS) {
+        int nn = i / 8, a = i % 8;
+        int64_t n = n0 + nn < p.m ? n0 + nn : p.m - 1;
+        cp_async8(ds + (a * BM + nn) * 8, p.xds + n * (p.cols / 32) + (int64_t)kb * 8 + a, n0 + nn < p.m ? 8 : 0);
     }
 }
 
@@ -399,6 +553,87 @@ static __device__ __forceinline__ void mma_groups(const uint8_t *stage, const mm
     }
 }
 
+/* The int8 route's share of a k-step: per sub-block a of k-warp KW, the
+ * products of every m16 x n8 tile are issued first (independent mmas in
+ * flight), then each integer sum is scaled by its weight row's scale times
+ * its activation column's d, and the minimum term (-mn x the activations'
+ * d * sum) subtracted. Q6_K's two halves take two k16 mmas a tile. */
+template <class T, int BM, int KW>
+static __device__ __forceinline__ void mma_groups8(const uint8_t *stage, const mmq_args &p, int64_t r0, int kb,
+                                                   float (&acc)[2][BM / 8][4])
+{
+    typedef mmq_warps<BM> W;
+    constexpr int groups = 8 / W::kw, a0 = KW * groups, NT = BM / 8, H = T::k16 ? 2 : 1;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const int rw = warp % W::rw;
+    const uint8_t *blk[4];
+#pragma unroll
+    for (int q = 0; q < 4; q++) {
+        int rr = rw * 32 + g + 8 * q;
+        blk[q] = stage + rr * T::slot + (T::span % 16 == 0 ? 0 : (uintptr_t)span_at<T>(p, r0, rr, kb) & 15);
+    }
+    const uint8_t *xs = stage + mmq_shape<T, BM>::raw;
+    const float4 *ds = (const float4 *)(xs + BM * MMQ8_XROW);   /* [a][BM / 2]: columns 2j, 2j + 1 */
+#pragma unroll
+    for (int ai = 0; ai < groups; ai++) {
+        const int a = a0 + ai;
+        uint32_t af[2][4];
+        float d0[4], d1[4], mn[4];
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            uint32_t w0, w1;
+            T::group(blk[q], t, a, w0, w1, d0[q], d1[q], mn[q]);
+            af[q / 2][q % 2] = w0;
+            af[q / 2][2 + q % 2] = w1;
+        }
+        int c[NT][2][H][4];
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) {
+            const uint8_t *xr = xs + (8 * nt + g) * MMQ8_XROW + 32 * a + 4 * t;
+            uint32_t b0 = *(const uint32_t *)xr, b1 = *(const uint32_t *)(xr + 16);
+#pragma unroll
+            for (int mt = 0; mt < 2; mt++) {
+#pragma unroll
+                for (int h = 0; h < H; h++) c[nt][mt][h][0] = c[nt][mt][h][1] = c[nt][mt][h][2] = c[nt][mt][h][3] = 0;
+                if constexpr (T::k16) {
+                    mma_s8_k16(c[nt][mt][0], af[mt][0], af[mt][1], b0);
+                    mma_s8_k16(c[nt][mt][H - 1], af[mt][2], af[mt][3], b1);
+                } else {
+                    mma_s8_k32(c[nt][mt][0], af[mt], b0, b1);
+                }
+            }
+        }
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) {
+            float4 dd = ds[(a * BM + 8 * nt + 2 * t) / 2];   /* (d, d * sum) of columns 2t, 2t + 1 */
+#pragma unroll
+            for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    int q = 2 * mt + i / 2;
+                    float dx = i % 2 ? dd.z : dd.x, v = acc[mt][nt][i];
+                    v = __fmaf_rn(d0[q] * dx, i2f(c[nt][mt][0][i]), v);
+                    if constexpr (T::k16) v = __fmaf_rn(d1[q] * dx, i2f(c[nt][mt][H - 1][i]), v);
+                    if constexpr (T::has_min) v = __fmaf_rn(-mn[q], i % 2 ? dd.w : dd.y, v);
+                    acc[mt][nt][i] = v;
+                }
+        }
+    }
+}
+
+template <class T, int BM>
+static __device__ __forceinline__ void mma_step8(const uint8_t *stage, const mmq_args &p, int64_t r0, int kb,
+                                                 float (&acc)[2][BM / 8][4])
+{
+    typedef mmq_warps<BM> W;
+    switch (threadIdx.x / 32 / W::rw) {
+    case 0: mma_groups8<T, BM, 0>(stage, p, r0, kb, acc); break;
+    case 1: mma_groups8<T, BM, 1>(stage, p, r0, kb, acc); break;
+    case 2: if (W::kw > 2) mma_groups8<T, BM, 2 % W::kw>(stage, p, r0, kb, acc); break;
+    default: if (W::kw > 3) mma_groups8<T, BM, 3 % W::kw>(stage, p, r0, kb, acc); break;
+    }
+}
+
 /* The warp's k-warp index as a compile-time constant, so that every group
  * number, shift and scale index in the dequantization is one. */
 template <class T, int BM>
@@ -444,7 +679,10 @@ static __global__ void __launch_bounds__(MMQ_THREADS, mmq_warps<BM>::min_ctas) m
         if (s < nk) load_raw<T, W::rows>(smem + s * S::stage, p, r0, kb0 + s);
     wait_for_previous_kernel();
     for (int s = 0; s < S::stages - 1; s++) {
-        if (s < nk) load_x<BM>(smem + s * S::stage + S::raw, p, n0, kb0 + s);
+        if (s < nk) {
+            if constexpr (T::i8) load_x8<BM>(smem + s * S::stage + S::raw, p, n0, kb0 + s);
+            else load_x<BM>(smem + s * S::stage + S::raw, p, n0, kb0 + s);
+        }
         cp_async_commit();
     }
 
@@ -463,10 +701,12 @@ static __global__ void __launch_bounds__(MMQ_THREADS, mmq_warps<BM>::min_ctas) m
         if (next < nk) {
             uint8_t *st = smem + (next % S::stages) * S::stage;
             load_raw<T, W::rows>(st, p, r0, kb0 + next);
-            load_x<BM>(st + S::raw, p, n0, kb0 + next);
+            if constexpr (T::i8) load_x8<BM>(st + S::raw, p, n0, kb0 + next);
+            else load_x<BM>(st + S::raw, p, n0, kb0 + next);
         }
         cp_async_commit();
-        mma_step<T, BM>(smem + (i % S::stages) * S::stage, p, r0, kb0 + i, acc);
+        if constexpr (T::i8) mma_step8<T, BM>(smem + (i % S::stages) * S::stage, p, r0, kb0 + i, acc);
+        else mma_step<T, BM>(smem + (i % S::stages) * S::stage, p, r0, kb0 + i, acc);
     }
 
     /* The k-warps' partial results meet in shared memory as
@@ -613,8 +853,16 @@ static int mmq_splits(const mmq_fit *fit, int64_t tiles, int nkb)
     return best;
 }
 
+/* The activations as a kernel reads them: f16 values, or int8 values with
+ * (d, d * sum) per 32 (the int8 route). */
+struct mmq_x {
+    const __half *xh;
+    const int8_t *xq;
+    const float2 *xds;
+};
+
 template <class T, int BM>
-static void mmq_launch(cuda_backend *c, const luma_weight *w, const __half *xh, int64_t m, float *y)
+static void mmq_launch(cuda_backend *c, const luma_weight *w, const mmq_x &x, int64_t m, float *y)
 {
     typedef mmq_warps<BM> W;
     const mmq_fit *fit = mmq_setup<T, BM>(c);
@@ -627,7 +875,9 @@ static void mmq_launch(cuda_backend *c, const luma_weight *w, const __half *xh, 
     p.m = m;
     p.cols = w->cols;
     p.nkb = (int)(w->cols / MMQ_K);
-    p.xh = xh;
+    p.xh = x.xh;
+    p.xq = x.xq;
+    p.xds = x.xds;
     p.y = y;
     int64_t n_tiles = (m + BM - 1) / BM, row_tiles = (w->rows + W::rows - 1) / W::rows;
     int splits = mmq_splits(fit, n_tiles * row_tiles, p.nkb);
@@ -649,15 +899,17 @@ static void mmq_launch(cuda_backend *c, const luma_weight *w, const __half *xh, 
     luma_cuda_fail(c, cudaLaunchKernelEx(&cfg, mmq_kernel<T, BM>, p), "matmul (mmq kernel)");
 }
 
-/* Activation tiles of 8, 16, 32 or 64 rows; a larger m takes several tiles
- * of 64, each reading the weights again (from L2 when they run together). */
+/* Activation tiles of 8, 16, 32 or 64 rows (32 at most on the int8
+ * route); a larger m takes several tiles, each reading the weights again
+ * (from L2 when they run together). */
 template <class T>
-static void mmq_run(cuda_backend *c, const luma_weight *w, const __half *xh, int64_t m, float *y)
+static void mmq_run(cuda_backend *c, const luma_weight *w, const mmq_x &x, int64_t m, float *y)
 {
-    if (m <= 8) mmq_launch<T, 8>(c, w, xh, m, y);
-    else if (m <= 16) mmq_launch<T, 16>(c, w, xh, m, y);
-    else if (m <= 32) mmq_launch<T, 32>(c, w, xh, m, y);
-    else mmq_launch<T, 64>(c, w, xh, m, y);
+    if (m <= 8) mmq_launch<T, 8>(c, w, x, m, y);
+    else if (m <= 16) mmq_launch<T, 16>(c, w, x, m, y);
+    else if constexpr (T::i8) mmq_launch<T, 32>(c, w, x, m, y);   /* the int8 route's 64 would spill */
+    else if (m <= 32) mmq_launch<T, 32>(c, w, x, m, y);
+    else mmq_launch<T, 64>(c, w, x, m, y);
 }
 
 static bool mmq_supports(enum luma_type t)
@@ -709,27 +961,90 @@ static bool mmq_wins(const cuda_backend *c, const luma_weight *w, int64_t m)
     return false;
 }
 
+/* The int8 route: the K formats. */
+static bool mmq8_supports(enum luma_type t)
+{
+    return t == LUMA_Q4_K || t == LUMA_Q5_K || t == LUMA_Q6_K;
+}
+
+/* Where the int8 route replaces the other paths (spec/native/test_cuda_mmq's
+ * table on the H100, cuda/NOTES.md): lo <= m <= hi, whether or not the
+ * weight has a resident f16 copy. Its m <= 8 come before the
+ * matrix-vector kernels (luma_cuda_mmq_small): at m = 8 it beats them on
+ * every shape (the products of 8 rows share one pass of mma over the
+ * blocks), at m = 16 it beats cuBLAS on the copy and the f16 route for
+ * Q4_K and Q5_K; Q6_K's sub-blocks of 16 double its scaling work and it
+ * wins at m = 8 only. LUMA_CUDA_MMQ8="lo,hi" replaces the bounds of every
+ * type, for measuring. */
+static const struct mmq8_rule {
+    enum luma_type type;
+    int lo, hi;
+} mmq8_rules[] = {
+    { LUMA_Q4_K, 8, 16 },
+    { LUMA_Q5_K, 8, 16 },
+    { LUMA_Q6_K, 8, 8 },
+};
+
+static bool mmq8_wins(const luma_weight *w, int64_t m)
+{
+    static int env_lo = -2, env_hi;
+    if (env_lo == -2) {
+        const char *s = getenv("LUMA_CUDA_MMQ8");
+        int lo, hi;
+        if (s && *s && sscanf(s, "%d,%d", &lo, &hi) == 2) {
+            env_hi = hi;
+            env_lo = lo;
+        } else {
+            env_lo = -1;
+        }
+    }
+    for (size_t i = 0; i < sizeof mmq8_rules / sizeof mmq8_rules[0]; i++) {
+        const struct mmq8_rule *r = &mmq8_rules[i];
+        if (r->type != w->type) continue;
+        return env_lo >= 0 ? m >= env_lo && m <= env_hi : m >= r->lo && m <= r->hi;
+    }
+    return false;
+}
+
+bool luma_cuda_mmq_small(const cuda_backend *c, const luma_weight *w, const float *x, int64_t m)
+{
+    return c->mmq_policy == 0 && !c->invariant && mmq8_wins(w, m) && mmq_fits(w, x, m);
+}
+
 bool luma_cuda_mmq(cuda_backend *c, const luma_weight *w, const float *x, int64_t m, float *y)
 {
     if (c->mmq_policy < 0 || !mmq_fits(w, x, m)) return false;
-    if (c->mmq_policy == 0 && !mmq_wins(c, w, m)) return false;
+    bool i8 = mmq8_supports(w->type) && (c->mmq_policy == 2 || (c->mmq_policy == 0 && mmq8_wins(w, m)));
+    if (c->mmq_policy == 0 && !i8 && !mmq_wins(c, w, m)) return false;
     if (!LUMA_CUDA_OK(c)) return true;
     size_t elems, bytes;
     if (luma_mul_size((size_t)m, (size_t)w->cols, &elems) || luma_mul_size(elems, sizeof(__half), &bytes)) {
         luma_cuda_failf(c, "matmul: %lld x %lld activations are too large", (long long)m, (long long)w->cols);
         return true;
     }
-    __half *xh = (__half *)luma_cuda_scratch(c, bytes);
-    if (!xh) return true;
-    luma_cuda_quantize_act(c, w->type, x, (int64_t)elems, NULL, NULL, xh);
+    mmq_x xa = { NULL, NULL, NULL };
+    if (i8) {
+        /* int8 values, then (d, d * sum) per 32 from a 256-byte boundary */
+        size_t qbytes = (elems + 255) & ~(size_t)255;
+        uint8_t *s = (uint8_t *)luma_cuda_scratch(c, qbytes + elems / 32 * sizeof(float2));
+        if (!s) return true;
+        xa.xq = (const int8_t *)s;
+        xa.xds = (const float2 *)(s + qbytes);
+        luma_cuda_quantize_act(c, w->type, x, (int64_t)elems, (int8_t *)s, (float2 *)(s + qbytes), NULL);
+    } else {
+        __half *xh = (__half *)luma_cuda_scratch(c, bytes);
+        if (!xh) return true;
+        xa.xh = xh;
+        luma_cuda_quantize_act(c, w->type, x, (int64_t)elems, NULL, NULL, xh);
+    }
     if (!LUMA_CUDA_OK(c)) return true;
     switch (w->type) {
-    case LUMA_Q4_0: mmq_run<mmq_q4_0>(c, w, xh, m, y); break;
-    case LUMA_Q5_0: mmq_run<mmq_q5_0>(c, w, xh, m, y); break;
-    case LUMA_Q8_0: mmq_run<mmq_q8_0>(c, w, xh, m, y); break;
-    case LUMA_Q4_K: mmq_run<mmq_q4_K>(c, w, xh, m, y); break;
-    case LUMA_Q5_K: mmq_run<mmq_q5_K>(c, w, xh, m, y); break;
-    case LUMA_Q6_K: mmq_run<mmq_q6_K>(c, w, xh, m, y); break;
+    case LUMA_Q4_0: mmq_run<mmq_q4_0>(c, w, xa, m, y); break;
+    case LUMA_Q5_0: mmq_run<mmq_q5_0>(c, w, xa, m, y); break;
+    case LUMA_Q8_0: mmq_run<mmq_q8_0>(c, w, xa, m, y); break;
+    case LUMA_Q4_K: if (i8) mmq_run<mmq8_q4_K>(c, w, xa, m, y); else mmq_run<mmq_q4_K>(c, w, xa, m, y); break;
+    case LUMA_Q5_K: if (i8) mmq_run<mmq8_q5_K>(c, w, xa, m, y); else mmq_run<mmq_q5_K>(c, w, xa, m, y); break;
+    case LUMA_Q6_K: if (i8) mmq_run<mmq8_q6_K>(c, w, xa, m, y); else mmq_run<mmq_q6_K>(c, w, xa, m, y); break;
     default: break;
     }
     return true;
@@ -739,7 +1054,7 @@ bool luma_cuda_mmq(cuda_backend *c, const luma_weight *w, const float *x, int64_
 
 extern "C" void luma_cuda_mmq_policy(luma_backend *be, int policy)
 {
-    ((cuda_backend *)be)->mmq_policy = policy < 0 ? -1 : policy > 0 ? 1 : 0;
+    ((cuda_backend *)be)->mmq_policy = policy < 0 ? -1 : policy > 2 ? 2 : policy;
 }
 
 extern "C" bool luma_cuda_mmq_matmul(luma_backend *be, const luma_weight *w, const luma_buf *x, luma_buf *y)

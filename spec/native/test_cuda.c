@@ -1137,6 +1137,7 @@ static void test_decode_timing(void)
     static const dec_case cases[] = {
         { "llama", 32, 8, 128, 32, 128, 512, 0 },
         { "llama", 32, 8, 128, 128, 128, 512, 0 },
+        { "llama", 32, 8, 128, 128, 129, 256, 0 },
         { "gemma", 4, 1, 256, 32, 128, 512, 0 },
         { "gemma", 4, 1, 256, 128, 128, 512, 0 },
         { "gemma", 4, 1, 256, 128, 600, 1100, WINDOW },

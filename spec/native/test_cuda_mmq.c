@@ -8,6 +8,8 @@
  *     row tile over 14336 columns), m from 1 to 512, multiples of the
  *     activation tiles and not: each output's error relative to sum |w x|
  *     stays under TOL (f16 operands, f32 accumulation);
+ *   - the int8 route of the K formats (policy 2) on the same products,
+ *     within TOL_CPU_INT8 of the CPU backend's own product;
  *   - the same product twice gives the same bits (split-k partial tiles are
  *     summed in a fixed order);
  *   - the policy: -1 declines everything, 1 takes every supported product;
@@ -60,6 +62,7 @@ static const int time_ms[] = { 1, 2, 4, 8, 16, 32, 64, 128, 256, 512 };
  * products add little to that. */
 #define TOL 5e-3   /* the activations' 8-bit quantization, as on the matrix-vector path */
 #define TOL_CPU 2e-3   /* against the CPU backend's product: f16 rounding only */
+#define TOL_CPU_INT8 1e-5   /* the int8 route: the CPU's integers, only the float sums' order differs */
 
 #define SAMPLE_ROWS 32   /* weight rows checked per product */
 #define SAMPLE_ACTS 48   /* activation rows checked per product */
@@ -76,7 +79,13 @@ typedef struct ctx {
 } ctx;
 
 /* The ways of computing y = W x that are timed. */
-enum path { MMQ, MATMUL_RESIDENT, MATMUL_PER_CALL, N_PATHS };
+enum path { MMQ, MMQ8, MATMUL_RESIDENT, MATMUL_PER_CALL, N_PATHS };
+
+/* Whether mmq has its int8 route for t (policy 2 takes it). */
+static bool has_int8(enum luma_type t)
+{
+    return t == LUMA_Q4_K || t == LUMA_Q5_K || t == LUMA_Q6_K;
+}
 
 /* One timed (type, shape, m): microseconds per path (0: not timed) and
  * whether policy 0 takes the product, with and without an f16 copy. */
@@ -92,8 +101,8 @@ static int run_path(ctx *cx, enum path pt, const luma_weight *w, int64_t m)
 {
     luma_buf xv = luma_buf_rows(&cx->x, 0, m), yv = luma_buf_rows(&cx->y, 0, m);
     yv.cols = w->rows;
-    if (pt == MMQ) {
-        luma_cuda_mmq_policy(cx->be, 1);
+    if (pt == MMQ || pt == MMQ8) {
+        luma_cuda_mmq_policy(cx->be, pt == MMQ8 ? 2 : 1);
         bool took = luma_cuda_mmq_matmul(cx->be, w, &xv, &yv);
         CHECKF(took, "%s %lldx%lld m=%lld: mmq declined a product it supports", luma_type_name(w->type),
                (long long)w->rows, (long long)w->cols, (long long)m);
@@ -264,6 +273,25 @@ static void check_shape(ctx *cx, enum luma_type t, const struct shape *sh, timin
                luma_type_name(t), (long long)rows, (long long)cols, (long long)m, ec, TOL_CPU);
         if (len < (int)sizeof line)
             len += snprintf(line + len, sizeof line - (size_t)len, " %lld:%.0e/%.0e", (long long)m, e, ec);
+        if (has_int8(t)) {
+            for (int64_t k = 0; k < m * rows; k++) y2[k] = NAN;
+            if (product(cx, MMQ8, &w, m, y2) != 0) continue;
+            double e8 = product_rel_error(wref, rows_s, ns, x, m, cols, y2, rows, SAMPLE_ACTS);
+            double ec8 = cpu_product_rel_error(t, host, row_bytes, wref, rows_s, ns, x, m, cols, y2, rows, SAMPLE_ACTS);
+            CHECKF(e8 <= TOL && ec8 <= TOL_CPU_INT8,
+                   "%s %lldx%lld m=%lld: int8 route: max relative error %.3g (tol %.0e), %.3g against the CPU "
+                   "backend's product (tol %.0e)", luma_type_name(t), (long long)rows, (long long)cols, (long long)m,
+                   e8, TOL, ec8, TOL_CPU_INT8);
+            if (len < (int)sizeof line)
+                len += snprintf(line + len, sizeof line - (size_t)len, "/i8 %.0e", ec8);
+            if (m == 16 || m == 100) {
+                if (product(cx, MMQ8, &w, m, y) != 0) continue;
+                CHECKF(memcmp(y, y2, (size_t)(m * rows) * sizeof(float)) == 0,
+                       "%s %lldx%lld m=%lld: two runs of the same int8-route product differ", luma_type_name(t),
+                       (long long)rows, (long long)cols, (long long)m);
+                if (product(cx, MMQ, &w, m, y) != 0) continue;
+            }
+        }
         if (m != 16 && m != 100) continue;
         if (product(cx, MMQ, &w, m, y2) != 0) continue;
         CHECKF(memcmp(y, y2, (size_t)(m * rows) * sizeof(float)) == 0,
@@ -278,6 +306,7 @@ static void check_shape(ctx *cx, enum luma_type t, const struct shape *sh, timin
             for (int i = 0; i < N_TIME_MS; i++) {
                 int64_t m = time_ms[i];
                 tm[i].us[MMQ] = time_path(cx, MMQ, &cp, m);
+                tm[i].us[MMQ8] = has_int8(t) && m > 1 ? time_path(cx, MMQ8, &cp, m) : 0.0;
                 tm[i].us[MATMUL_RESIDENT] = time_path(cx, MATMUL_RESIDENT, &cp, m);
                 tm[i].us[MATMUL_PER_CALL] = m > 8 ? time_path(cx, MATMUL_PER_CALL, &cp, m) : 0.0;
                 luma_buf xv = luma_buf_rows(&cx->x, 0, m), yv = luma_buf_rows(&cx->y, 0, m);
@@ -362,6 +391,10 @@ static void print_timing(enum luma_type t, const struct shape *sh, int64_t m, co
         printf(" %8.1f %6.1f |", us[MATMUL_PER_CALL], flop / (us[MATMUL_PER_CALL] * 1e6));
     else
         printf(" %8s %6s |", "-", "-");
+    if (us[MMQ8] > 0)
+        printf(" %7.1f %6.1f %6.0f |", us[MMQ8], flop / (us[MMQ8] * 1e6), qbytes / (us[MMQ8] * 1e3));
+    else
+        printf(" %7s %6s %6s |", "-", "-", "-");
     double vs_res = us[MMQ] > 0 ? us[MATMUL_RESIDENT] / us[MMQ] : 0.0;
     double vs_pc = us[MMQ] > 0 && us[MATMUL_PER_CALL] > 0 ? us[MATMUL_PER_CALL] / us[MMQ] : 0.0;
     printf(" %5.2fx %-4s", vs_res, vs_res > 1.0 ? "mmq" : m <= 8 ? "mmv" : "cuBLAS");
@@ -398,7 +431,7 @@ static int run_checks(void)
         printf("\ntiming (best of %d, weights cold in L2): microseconds, TFLOP/s, GB/s of the weights each path "
                "reads\n", TIME_REPS);
         printf("type  shape          m |      mmq: us TFLOP/s  GB/s | matmul resident f16 (mmv for m <= 8): us "
-               "TFLOP/s GB/s | per call: us TFLOP/s | mmq vs resident | vs per call | rule: resident, per call\n");
+               "TFLOP/s GB/s | per call: us TFLOP/s | int8 route: us TFLOP/s GB/s | mmq vs resident | vs per call | rule: resident, per call\n");
         for (int ti = 0; ti < N_TYPES; ti++)
             for (int si = 0; si < N_SHAPES; si++)
                 if (shapes[si].big)

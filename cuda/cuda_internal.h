@@ -183,6 +183,8 @@ void luma_cuda_weight_to_f16(cuda_backend *c, const luma_weight *w, __half *out)
  * cores. Returns false, queuing nothing, when it does not handle w's type or
  * this m; matmul then takes its other paths. */
 bool luma_cuda_mmq(cuda_backend *c, const luma_weight *w, const float *x, int64_t m, float *y);
+/* Whether luma_cuda_mmq would take this product (it queues nothing). */
+bool luma_cuda_mmq_takes(const cuda_backend *c, const luma_weight *w, const float *x, int64_t m);
 /* Whether luma_cuda_mmq takes this product although m is small enough for
  * the matrix-vector kernels (its int8 route, where it measured faster). */
 bool luma_cuda_mmq_small(const cuda_backend *c, const luma_weight *w, const float *x, int64_t m);

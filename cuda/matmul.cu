@@ -1601,39 +1601,50 @@ static const __half *resident_f16(const cuda_backend *c, const luma_weight *w)
     return c->f16_mode == CUDA_F16_RESIDENT ? (const __half *)w->dev_f16 : NULL;
 }
 
+/* The activations as the tensor-core path multiplies w with them, into xh
+ * (m x cols f16). Block formats: the activations' 8-bit values, as every
+ * path multiplies them, so that a row's result does not depend on the
+ * size of its step. Float weights meet the activations unquantized, as on
+ * the matrix-vector path. */
+static void tensor_act(cuda_backend *c, const luma_weight *w, const float *x, int64_t m, __half *xh)
+{
+    int64_t cols = w->cols;
+    if (is_float_type(w->type) || cols % 32 != 0)
+        float_to_f16<LUMA_F32><<<blocks_for(m * cols, DEQ_THREADS), DEQ_THREADS, 0, c->stream>>>(x, m * cols, xh);
+    else
+        luma_cuda_quantize_act(c, w->type, x, m * cols, NULL, NULL, xh);
+    luma_cuda_fail(c, cudaGetLastError(), "matmul (activations to f16)");
+}
+
+/* Two weights whose tensor-core activations are the same values: the same
+ * width, and both float, or both block formats of one activation format. */
+static bool same_tensor_act(const luma_weight *a, const luma_weight *b)
+{
+    if (a->cols != b->cols) return false;
+    bool fa = is_float_type(a->type) || a->cols % 32 != 0, fb = is_float_type(b->type) || b->cols % 32 != 0;
+    if (fa || fb) return fa && fb;
+    return luma_type_get(a->type)->act_type == luma_type_get(b->type)->act_type;
+}
+
+static bool tensor_fits(cuda_backend *c, const luma_weight *w, int64_t m)
+{
+    if (w->rows <= INT_MAX && w->cols <= INT_MAX && m <= INT_MAX) return true;
+    luma_cuda_failf(c, "matmul: %lld x %lld weight with %lld rows is too large for cuBLAS", (long long)w->rows,
+                    (long long)w->cols, (long long)m);
+    return false;
+}
+
 /* Y (m x rows, row-major) = X W^T through cuBLAS, which is column-major: W
  * row-major is the cols x rows matrix A (lda cols), X row-major the cols x m
  * matrix B (ldb cols), so Y^T = A^T B is rows x m with ldc rows: the "TN"
- * product, both operands contiguous along k. Without a resident f16 copy,
- * panels of weight rows are dequantized in turn and fill column blocks of
- * Y^T. */
-static void mm_tensor(cuda_backend *c, const luma_weight *w, const float *x, int64_t m, float *y)
+ * product, both operands contiguous along k. xh holds the activations
+ * (tensor_act). Without a resident f16 copy, panels of `panel` weight rows
+ * are dequantized in turn into wh and fill column blocks of Y^T. */
+static void tensor_gemm(cuda_backend *c, const luma_weight *w, const __half *xh, __half *wh, int64_t panel,
+                        int64_t m, float *y)
 {
     int64_t rows = w->rows, cols = w->cols;
-    if (rows > INT_MAX || cols > INT_MAX || m > INT_MAX) {
-        luma_cuda_failf(c, "matmul: %lld x %lld weight with %lld rows is too large for cuBLAS", (long long)rows,
-                        (long long)cols, (long long)m);
-        return;
-    }
     const __half *whole = resident_f16(c, w);
-    int64_t panel = whole ? rows : PANEL_ELEMS / cols;
-    if (panel < 1) panel = 1;
-    if (panel > rows) panel = rows;
-    size_t xbytes = align256((size_t)m * (size_t)cols * sizeof(__half));
-    size_t wbytes = whole ? 0 : (size_t)panel * (size_t)cols * sizeof(__half);
-    uint8_t *s = (uint8_t *)luma_cuda_scratch(c, xbytes + wbytes);
-    if (!s) return;
-    __half *xh = (__half *)s, *wh = (__half *)(s + xbytes);
-    /* Block formats: the activations' 8-bit values, as every path multiplies
-     * them, so that a row's result does not depend on the size of its step.
-     * Float weights meet the activations unquantized, as on the
-     * matrix-vector path. */
-    if (w->type != LUMA_F32 && w->type != LUMA_F16 && w->type != LUMA_BF16 && cols % 32 == 0)
-        luma_cuda_quantize_act(c, w->type, x, m * cols, NULL, NULL, xh);
-    else
-        float_to_f16<LUMA_F32><<<blocks_for(m * cols, DEQ_THREADS), DEQ_THREADS, 0, c->stream>>>(x, m * cols, xh);
-    if (luma_cuda_fail(c, cudaGetLastError(), "matmul (activations to f16)")) return;
-
     cublasStatus_t st = cublasSetStream(c->cublas, c->stream);
     if (st == CUBLAS_STATUS_SUCCESS) st = cublasSetPointerMode(c->cublas, CUBLAS_POINTER_MODE_HOST);
     const float one = 1.0f, zero = 0.0f;
@@ -1647,6 +1658,23 @@ static void mm_tensor(cuda_backend *c, const luma_weight *w, const float *x, int
     }
     if (st != CUBLAS_STATUS_SUCCESS)
         luma_cuda_failf(c, "matmul: cuBLAS GEMM failed (%s)", cublas_status_name(st));
+}
+
+static void mm_tensor(cuda_backend *c, const luma_weight *w, const float *x, int64_t m, float *y)
+{
+    if (!tensor_fits(c, w, m)) return;
+    int64_t rows = w->rows, cols = w->cols;
+    const __half *whole = resident_f16(c, w);
+    int64_t panel = whole ? rows : PANEL_ELEMS / cols;
+    if (panel < 1) panel = 1;
+    if (panel > rows) panel = rows;
+    size_t xbytes = align256((size_t)m * (size_t)cols * sizeof(__half));
+    size_t wbytes = whole ? 0 : (size_t)panel * (size_t)cols * sizeof(__half);
+    uint8_t *s = (uint8_t *)luma_cuda_scratch(c, xbytes + wbytes);
+    if (!s) return;
+    __half *xh = (__half *)s;
+    tensor_act(c, w, x, m, xh);
+    if (LUMA_CUDA_OK(c)) tensor_gemm(c, w, xh, (__half *)(s + xbytes), panel, m, y);
 }
 
 /* ---- entry points ---------------------------------------------------------------- */
@@ -1753,9 +1781,30 @@ void luma_cuda_matmul_many(cuda_backend *c, int n, const luma_weight *const *ws,
             need += act_q_bytes(m, w->cols);
         }
     }
-    /* the others first: their paths may grow the scratch, and move it */
-    for (int i = 0; i < n && i < LUMA_MATMUL_MANY; i++)
-        if (fmt_of[i] == NONE) luma_cuda_matmul(c, ws[i], x, m, ys[i]);
+    /* the others first: their paths may grow the scratch, and move it.
+     * Weights for cuBLAS on a resident f16 copy share one conversion of x
+     * per activation format, like the matrix-vector ones. */
+    bool tensor_done[LUMA_MATMUL_MANY] = { false };
+    for (int i = 0; i < n && i < LUMA_MATMUL_MANY && LUMA_CUDA_OK(c); i++) {
+        const luma_weight *w = ws[i];
+        if (fmt_of[i] != NONE || tensor_done[i]) continue;
+        if (takes_vec(c, w, x, m) || !resident_f16(c, w) || luma_cuda_mmq_takes(c, w, x, m) ||
+            !tensor_fits(c, w, m)) {
+            luma_cuda_matmul(c, w, x, m, ys[i]);
+            continue;
+        }
+        __half *xh = (__half *)luma_cuda_scratch(c, (size_t)m * (size_t)w->cols * sizeof(__half));
+        if (!xh) return;
+        tensor_act(c, w, x, m, xh);
+        for (int j = i; j < n && j < LUMA_MATMUL_MANY && LUMA_CUDA_OK(c); j++) {
+            const luma_weight *v = ws[j];
+            if (fmt_of[j] != NONE || tensor_done[j] || !same_tensor_act(w, v) || takes_vec(c, v, x, m) ||
+                !resident_f16(c, v) || luma_cuda_mmq_takes(c, v, x, m) || !tensor_fits(c, v, m))
+                continue;
+            tensor_gemm(c, v, xh, NULL, v->rows, m, ys[j]);
+            tensor_done[j] = true;
+        }
+    }
     if (!need || !LUMA_CUDA_OK(c)) return;
     uint8_t *s = (uint8_t *)luma_cuda_scratch(c, need);
     if (!s) return;

@@ -1011,11 +1011,16 @@ bool luma_cuda_mmq_small(const cuda_backend *c, const luma_weight *w, const floa
     return c->mmq_policy == 0 && !c->invariant && mmq8_wins(w, m) && mmq_fits(w, x, m);
 }
 
-bool luma_cuda_mmq(cuda_backend *c, const luma_weight *w, const float *x, int64_t m, float *y)
+bool luma_cuda_mmq_takes(const cuda_backend *c, const luma_weight *w, const float *x, int64_t m)
 {
     if (c->mmq_policy < 0 || !mmq_fits(w, x, m)) return false;
+    return c->mmq_policy != 0 || (mmq8_supports(w->type) && mmq8_wins(w, m)) || mmq_wins(c, w, m);
+}
+
+bool luma_cuda_mmq(cuda_backend *c, const luma_weight *w, const float *x, int64_t m, float *y)
+{
+    if (!luma_cuda_mmq_takes(c, w, x, m)) return false;
     bool i8 = mmq8_supports(w->type) && (c->mmq_policy == 2 || (c->mmq_policy == 0 && mmq8_wins(w, m)));
-    if (c->mmq_policy == 0 && !i8 && !mmq_wins(c, w, m)) return false;
     if (!LUMA_CUDA_OK(c)) return true;
     size_t elems, bytes;
     if (luma_mul_size((size_t)m, (size_t)w->cols, &elems) || luma_mul_size(elems, sizeof(__half), &bytes)) {

@@ -434,11 +434,11 @@ __device__ static void tile_scores_mma(const attn_args &a, const __half *qh, con
  * from the step's k and v rather than from the cache: the split holding the
  * row's position (head chunk 0) also stores the row into the cache, with no
  * kernel before this one. */
-template <typename T, int H, bool MMA>
-__global__ static void __launch_bounds__(DEC_MAX_WARPS * 32, 1) decode_kernel(const attn_args a)
+template <typename T, int H, int MMA>
+__global__ static void __launch_bounds__(DEC_MAX_WARPS * 32, MMA == 128 ? 2 : 1) decode_kernel(const attn_args a)
 {
     const int VC = H == 8 ? 1 : 2;   /* CUDA cores: 128 value columns per lane group (H = 8 only for dv <= 128) */
-    const int MT = HEAD_MAX / 16;    /* MMA: m16 tiles of value columns */
+    const int MT = MMA > 0 ? MMA / 16 : 1;   /* MMA: m16 tiles of value columns (dv <= MMA) */
     extern __shared__ __align__(16) unsigned char dsm[];
     const int TK = a.dec_tk, W = a.dec_warps, S = a.dec_stages;
     /* q: MMA [2][H][dk + 8] halves (hi, lo), else [H][dk] floats; then the
@@ -1275,12 +1275,14 @@ int luma_cuda_attention_setup(const luma_kv_layout *l, luma_err *err)
     /* the decode kernel's shared memory depends on its tuning, checked at
      * launch: each may take what the device allows beside its static part */
     const void *decoders[] = {
-        (const void *)decode_kernel<__half, 1, true>,  (const void *)decode_kernel<__half, 2, true>,
-        (const void *)decode_kernel<__half, 4, true>,  (const void *)decode_kernel<__half, 8, true>,
-        (const void *)decode_kernel<__half, 1, false>, (const void *)decode_kernel<__half, 2, false>,
-        (const void *)decode_kernel<__half, 4, false>, (const void *)decode_kernel<__half, 8, false>,
-        (const void *)decode_kernel<float, 1, false>,  (const void *)decode_kernel<float, 2, false>,
-        (const void *)decode_kernel<float, 4, false>,  (const void *)decode_kernel<float, 8, false>,
+        (const void *)decode_kernel<__half, 1, 128>, (const void *)decode_kernel<__half, 2, 128>,
+        (const void *)decode_kernel<__half, 4, 128>, (const void *)decode_kernel<__half, 8, 128>,
+        (const void *)decode_kernel<__half, 1, 256>, (const void *)decode_kernel<__half, 2, 256>,
+        (const void *)decode_kernel<__half, 4, 256>, (const void *)decode_kernel<__half, 8, 256>,
+        (const void *)decode_kernel<__half, 1, 0>,   (const void *)decode_kernel<__half, 2, 0>,
+        (const void *)decode_kernel<__half, 4, 0>,   (const void *)decode_kernel<__half, 8, 0>,
+        (const void *)decode_kernel<float, 1, 0>,    (const void *)decode_kernel<float, 2, 0>,
+        (const void *)decode_kernel<float, 4, 0>,    (const void *)decode_kernel<float, 8, 0>,
     };
     dec_smem_max = (size_t)optin;
     for (size_t i = 0; i < sizeof decoders / sizeof decoders[0]; i++) {
@@ -1376,12 +1378,12 @@ typedef struct dec_tuning {
 /* LUMA_CUDA_ATTN_DECODE="stages,stage_bytes,warps,waves,min_split,merge_kb,mma" */
 static dec_tuning dec_tuning_get(void)
 {
-    dec_tuning t = { 3, 8192, 4, 1, 64, 64, 1 };
+    dec_tuning t = { 0, 8192, 4, 1, 64, 64, 1 };   /* stages 0: decode_launch's default */
     const char *s = getenv("LUMA_CUDA_ATTN_DECODE");
     if (s && *s)
         sscanf(s, "%d,%d,%d,%d,%d,%d,%d", &t.stages, &t.stage_bytes, &t.warps, &t.waves, &t.min_split, &t.merge_kb,
                &t.mma);
-    t.stages = t.stages < 2 ? 2 : t.stages > DEC_MAX_STAGES ? DEC_MAX_STAGES : t.stages;
+    if (t.stages != 0) t.stages = t.stages < 2 ? 2 : t.stages > DEC_MAX_STAGES ? DEC_MAX_STAGES : t.stages;
     t.warps = t.warps < 1 ? 1 : t.warps > DEC_MAX_WARPS ? DEC_MAX_WARPS : t.warps;
     if (t.waves < 1) t.waves = 1;
     if (t.min_split < 1) t.min_split = 1;
@@ -1470,14 +1472,21 @@ static void plan_splits(const cuda_backend *c, attn_args *a, const dec_tuning &t
 }
 
 /* Plans and launches decode_kernel<T, H, MMA> over the step's decode rows. */
-template <typename T, int H, bool MMA>
-static void decode_launch(cuda_backend *c, attn_args *a, const dec_tuning &tu)
+template <typename T, int H, int MMA>
+static void decode_launch(cuda_backend *c, attn_args *a, const dec_tuning &tuning)
 {
+    /* Stages by default: 2 for heads of up to 128 on the tensor cores, so
+     * that three CTAs of 4 warps fit an SM (registers capped at 128 by the
+     * kernel's bounds, 75 KB of shared memory each): the kernel waits on
+     * latency, and more resident warps is what speeds it (cuda/NOTES.md);
+     * 3 otherwise (one or two CTAs an SM whatever the stages). */
+    dec_tuning tu = tuning;
+    if (tu.stages == 0) tu.stages = MMA == 128 ? 2 : 3;
     static cudaFuncAttributes fa;
     static const cudaError_t setup = cudaFuncGetAttributes(&fa, (const void *)decode_kernel<T, H, MMA>);
     if (luma_cuda_fail(c, setup, "attention (decode kernel)")) return;
     const cuda_step *st = &c->step;
-    dec_shape d = decode_shape(a, sizeof(T), tu, H, MMA);
+    dec_shape d = decode_shape(a, sizeof(T), tu, H, MMA > 0);
     int threads = tu.warps * 32, occ = decode_occupancy(fa, threads, d.fixed_bytes + d.ring_bytes);
     if (occ < 1 || d.fixed_bytes + d.ring_bytes > dec_smem_max) {
         luma_cuda_failf(c, "attention: the decode kernel does not fit an SM (%zu bytes of shared memory)",
@@ -1516,7 +1525,7 @@ static void decode_launch(cuda_backend *c, attn_args *a, const dec_tuning &tu)
                          (size_t)a->n_splits * sizeof(float), c->stream>>>(*a);
 }
 
-template <typename T, bool MMA>
+template <typename T, int MMA>
 static void decode_heads(cuda_backend *c, attn_args *a, const dec_tuning &tu)
 {
     if (a->heads_per_cta <= 1) decode_launch<T, 1, MMA>(c, a, tu);
@@ -1535,9 +1544,11 @@ static void launch(cuda_backend *c, attn_args *a, bool tc)
         dec_tuning tu = dec_tuning_get();
         bool mma = false;
         if constexpr (sizeof(T) == 2) mma = tu.mma && a->dk % 16 == 0 && a->dv % 16 == 0;
-        if constexpr (sizeof(T) == 2)
-            if (mma) decode_heads<T, true>(c, a, tu);
-        if (!mma) decode_heads<T, false>(c, a, tu);
+        if constexpr (sizeof(T) == 2) {
+            if (mma && a->dv <= 128) decode_heads<T, 128>(c, a, tu);
+            else if (mma) decode_heads<T, 256>(c, a, tu);
+        }
+        if (!mma) decode_heads<T, 0>(c, a, tu);
         if (!LUMA_CUDA_OK(c)) return;
     }
     if (st->n_tiles > 0 && tc) {

@@ -30,8 +30,12 @@
  *   rows dequantized into scratch on every call; the activations are
  *   quantized as above and their values d * q converted to f16 once, and cublasGemmEx multiplies them with f32
  *   accumulation and f32 output. Before it, luma_cuda_mmq (mmq.cu: the
- *   quantized blocks dequantized in registers straight into mma.sync, no f16
- *   copy) takes the (type, m) for which it measured faster. */
+ *   quantized blocks fed straight to mma.sync, dequantized in registers to
+ *   f16 or, for the K formats, as their integers against the int8
+ *   activations; no f16 copy) takes the (type, m) for which it measured
+ *   faster, its int8 route at m = 8..16 even before the matrix-vector
+ *   kernels (luma_cuda_mmq_small). Weights of one matmul_many call that go
+ *   to cuBLAS share one conversion of the activations. */
 #include "cuda_internal.h"
 #include "blocks.cuh"
 #include "act.cuh"

@@ -1760,6 +1760,13 @@ bool luma_cuda_gated_matmul(cuda_backend *c, const luma_weight *w, float *gate, 
     return true;
 }
 
+/* Whether luma_cuda_matmul would multiply w by cuBLAS on its resident f16
+ * copy (neither the matrix-vector path nor mmq takes it). */
+static bool cublas_on_copy(cuda_backend *c, const luma_weight *w, const float *x, int64_t m)
+{
+    return !takes_vec(c, w, x, m) && resident_f16(c, w) && !luma_cuda_mmq_takes(c, w, x, m) && tensor_fits(c, w, m);
+}
+
 void luma_cuda_matmul_many(cuda_backend *c, int n, const luma_weight *const *ws, const float *x, int64_t m,
                            float *const *ys)
 {
@@ -1792,8 +1799,7 @@ void luma_cuda_matmul_many(cuda_backend *c, int n, const luma_weight *const *ws,
     for (int i = 0; i < n && i < LUMA_MATMUL_MANY && LUMA_CUDA_OK(c); i++) {
         const luma_weight *w = ws[i];
         if (fmt_of[i] != NONE || tensor_done[i]) continue;
-        if (takes_vec(c, w, x, m) || !resident_f16(c, w) || luma_cuda_mmq_takes(c, w, x, m) ||
-            !tensor_fits(c, w, m)) {
+        if (!cublas_on_copy(c, w, x, m)) {
             luma_cuda_matmul(c, w, x, m, ys[i]);
             continue;
         }
@@ -1802,8 +1808,7 @@ void luma_cuda_matmul_many(cuda_backend *c, int n, const luma_weight *const *ws,
         tensor_act(c, w, x, m, xh);
         for (int j = i; j < n && j < LUMA_MATMUL_MANY && LUMA_CUDA_OK(c); j++) {
             const luma_weight *v = ws[j];
-            if (fmt_of[j] != NONE || tensor_done[j] || !same_tensor_act(w, v) || takes_vec(c, v, x, m) ||
-                !resident_f16(c, v) || luma_cuda_mmq_takes(c, v, x, m) || !tensor_fits(c, v, m))
+            if (fmt_of[j] != NONE || tensor_done[j] || !same_tensor_act(w, v) || !cublas_on_copy(c, v, x, m))
                 continue;
             tensor_gemm(c, v, xh, NULL, v->rows, m, ys[j]);
             tensor_done[j] = true;

@@ -506,6 +506,28 @@ static __device__ __forceinline__ void load_x8(uint8_t *dst, const mmq_args &p, 
     }
 }
 
+/* Queues the activations of k-step kb in the form T's route reads. */
+template <class T, int BM>
+static __device__ __forceinline__ void load_act(uint8_t *dst, const mmq_args &p, int64_t n0, int kb)
+{
+    if constexpr (T::i8) load_x8<BM>(dst, p, n0, kb);
+    else load_x<BM>(dst, p, n0, kb);
+}
+
+/* Where the thread (g = lane / 4) of row warp rw finds its four weight
+ * rows (g, g + 8, g + 16, g + 24 of the warp) in the stage: each row's
+ * slot, past the span's offset from 16-byte alignment. */
+template <class T>
+static __device__ __forceinline__ void thread_spans(const uint8_t *stage, const mmq_args &p, int64_t r0, int kb,
+                                                    int rw, int g, const uint8_t *(&blk)[4])
+{
+#pragma unroll
+    for (int q = 0; q < 4; q++) {
+        int rr = rw * 32 + g + 8 * q;
+        blk[q] = stage + rr * T::slot + (T::span % 16 == 0 ? 0 : (uintptr_t)span_at<T>(p, r0, rr, kb) & 15);
+    }
+}
+
 /* acc += this warp's share of the stage's k-step: its 32 weight rows, the
  * groups a of k-warp KW, the BM activation rows. Thread (g = lane / 4,
  * t = lane % 4) dequantizes rows g, g + 8, g + 16, g + 24 of the warp,
@@ -519,11 +541,7 @@ static __device__ __forceinline__ void mma_groups(const uint8_t *stage, const mm
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const int rw = warp % W::rw;
     const uint8_t *blk[4];
-#pragma unroll
-    for (int q = 0; q < 4; q++) {
-        int rr = rw * 32 + g + 8 * q;
-        blk[q] = stage + rr * T::slot + (T::span % 16 == 0 ? 0 : (uintptr_t)span_at<T>(p, r0, rr, kb) & 15);
-    }
+    thread_spans<T>(stage, p, r0, kb, rw, g, blk);
     const uint8_t *xs = stage + mmq_shape<T, BM>::raw;
 #pragma unroll
     for (int ai = 0; ai < groups; ai++) {
@@ -567,11 +585,7 @@ static __device__ __forceinline__ void mma_groups8(const uint8_t *stage, const m
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const int rw = warp % W::rw;
     const uint8_t *blk[4];
-#pragma unroll
-    for (int q = 0; q < 4; q++) {
-        int rr = rw * 32 + g + 8 * q;
-        blk[q] = stage + rr * T::slot + (T::span % 16 == 0 ? 0 : (uintptr_t)span_at<T>(p, r0, rr, kb) & 15);
-    }
+    thread_spans<T>(stage, p, r0, kb, rw, g, blk);
     const uint8_t *xs = stage + mmq_shape<T, BM>::raw;
     const float4 *ds = (const float4 *)(xs + BM * MMQ8_XROW);   /* [a][BM / 2]: columns 2j, 2j + 1 */
 #pragma unroll
@@ -621,17 +635,13 @@ static __device__ __forceinline__ void mma_groups8(const uint8_t *stage, const m
     }
 }
 
-template <class T, int BM>
-static __device__ __forceinline__ void mma_step8(const uint8_t *stage, const mmq_args &p, int64_t r0, int kb,
+/* One k-warp's share of a k-step on the route of T. */
+template <class T, int BM, int KW>
+static __device__ __forceinline__ void mma_share(const uint8_t *stage, const mmq_args &p, int64_t r0, int kb,
                                                  float (&acc)[2][BM / 8][4])
 {
-    typedef mmq_warps<BM> W;
-    switch (threadIdx.x / 32 / W::rw) {
-    case 0: mma_groups8<T, BM, 0>(stage, p, r0, kb, acc); break;
-    case 1: mma_groups8<T, BM, 1>(stage, p, r0, kb, acc); break;
-    case 2: if (W::kw > 2) mma_groups8<T, BM, 2 % W::kw>(stage, p, r0, kb, acc); break;
-    default: if (W::kw > 3) mma_groups8<T, BM, 3 % W::kw>(stage, p, r0, kb, acc); break;
-    }
+    if constexpr (T::i8) mma_groups8<T, BM, KW>(stage, p, r0, kb, acc);
+    else mma_groups<T, BM, KW>(stage, p, r0, kb, acc);
 }
 
 /* The warp's k-warp index as a compile-time constant, so that every group
@@ -642,10 +652,10 @@ static __device__ __forceinline__ void mma_step(const uint8_t *stage, const mmq_
 {
     typedef mmq_warps<BM> W;
     switch (threadIdx.x / 32 / W::rw) {
-    case 0: mma_groups<T, BM, 0>(stage, p, r0, kb, acc); break;
-    case 1: mma_groups<T, BM, 1>(stage, p, r0, kb, acc); break;
-    case 2: if (W::kw > 2) mma_groups<T, BM, 2 % W::kw>(stage, p, r0, kb, acc); break;
-    default: if (W::kw > 3) mma_groups<T, BM, 3 % W::kw>(stage, p, r0, kb, acc); break;
+    case 0: mma_share<T, BM, 0>(stage, p, r0, kb, acc); break;
+    case 1: mma_share<T, BM, 1>(stage, p, r0, kb, acc); break;
+    case 2: if (W::kw > 2) mma_share<T, BM, 2 % W::kw>(stage, p, r0, kb, acc); break;
+    default: if (W::kw > 3) mma_share<T, BM, 3 % W::kw>(stage, p, r0, kb, acc); break;
     }
 }
 
@@ -680,8 +690,7 @@ static __global__ void __launch_bounds__(MMQ_THREADS, mmq_warps<BM>::min_ctas) m
     wait_for_previous_kernel();
     for (int s = 0; s < S::stages - 1; s++) {
         if (s < nk) {
-            if constexpr (T::i8) load_x8<BM>(smem + s * S::stage + S::raw, p, n0, kb0 + s);
-            else load_x<BM>(smem + s * S::stage + S::raw, p, n0, kb0 + s);
+            load_act<T, BM>(smem + s * S::stage + S::raw, p, n0, kb0 + s);
         }
         cp_async_commit();
     }
@@ -701,12 +710,10 @@ static __global__ void __launch_bounds__(MMQ_THREADS, mmq_warps<BM>::min_ctas) m
         if (next < nk) {
             uint8_t *st = smem + (next % S::stages) * S::stage;
             load_raw<T, W::rows>(st, p, r0, kb0 + next);
-            if constexpr (T::i8) load_x8<BM>(st + S::raw, p, n0, kb0 + next);
-            else load_x<BM>(st + S::raw, p, n0, kb0 + next);
+            load_act<T, BM>(st + S::raw, p, n0, kb0 + next);
         }
         cp_async_commit();
-        if constexpr (T::i8) mma_step8<T, BM>(smem + (i % S::stages) * S::stage, p, r0, kb0 + i, acc);
-        else mma_step<T, BM>(smem + (i % S::stages) * S::stage, p, r0, kb0 + i, acc);
+        mma_step<T, BM>(smem + (i % S::stages) * S::stage, p, r0, kb0 + i, acc);
     }
 
     /* The k-warps' partial results meet in shared memory as

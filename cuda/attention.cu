@@ -49,6 +49,7 @@
 #include <string.h>
 
 #include "cuda_internal.h"
+#include "launch.cuh"
 
 #define HEAD_MAX 256          /* largest head_dim_k / head_dim_v handled */
 #define DEC_MAX_WARPS 8       /* warps of a decode CTA at most */
@@ -166,6 +167,7 @@ __device__ static float score(const attn_args &a, float dot)
 template <typename T>
 __global__ static void store_kernel(const attn_args a)
 {
+    follow_previous_kernel();
     int32_t r = blockIdx.x, h = blockIdx.y, p = a.pos[r], seq = a.row_seq[r];
     /* decode rows (luma_cuda_prefill_rows: fewer rows of their sequence;
      * with batch invariance every row, and this kernel does not run) */
@@ -437,6 +439,7 @@ __device__ static void tile_scores_mma(const attn_args &a, const __half *qh, con
 template <typename T, int H, int MMA>
 __global__ static void __launch_bounds__(DEC_MAX_WARPS * 32, MMA == 128 ? 2 : 1) decode_kernel(const attn_args a)
 {
+    follow_previous_kernel();
     const int VC = H == 8 ? 1 : 2;   /* CUDA cores: 128 value columns per lane group (H = 8 only for dv <= 128) */
     const int MT = MMA > 0 ? MMA / 16 : 1;   /* MMA: m16 tiles of value columns (dv <= MMA) */
     extern __shared__ __align__(16) unsigned char dsm[];
@@ -746,6 +749,7 @@ __global__ static void __launch_bounds__(DEC_MAX_WARPS * 32, MMA == 128 ? 2 : 1)
  * 8, ..., then the warps' sums add up in shared memory. */
 __global__ static void __launch_bounds__(256) combine_kernel(const attn_args a)
 {
+    follow_previous_kernel();
     extern __shared__ float wt[];   /* [n_splits] */
     __shared__ __align__(16) float red[8][128];
     int32_t y = blockIdx.x, h = blockIdx.y, col = (int32_t)blockIdx.z * 128 + (int32_t)(threadIdx.x % 32) * 4;
@@ -804,6 +808,7 @@ struct prefill_layout {
 template <typename T, int DMAX>
 __global__ static void __launch_bounds__(PF_THREADS) prefill_kernel(const attn_args a)
 {
+    follow_previous_kernel();
     typedef prefill_layout<T, DMAX> L;
     extern __shared__ __align__(16) unsigned char psm[];
     const int tile = PF_KT * L::kv_ld;   /* elements of one K or V tile */
@@ -1133,6 +1138,7 @@ __device__ __forceinline__ static void tc_pass(tc_rows<D> &w, const __half *q_wa
 template <int D, bool CAP>
 __global__ static void __launch_bounds__(TC_THREADS, 2) prefill_tc_kernel(const attn_args a)
 {
+    follow_previous_kernel();
     typedef tc_layout<D> L;
     const int MT = L::MT, ROWS = L::ROWS, KT = L::KT, LD = L::LD;
     const float L2E = 1.4426950408889634f;
@@ -1356,11 +1362,11 @@ static bool tc_covers(const luma_kv_layout *l, const attn_args *a)
 
 /* prefill_tc_kernel over `tiles` (tile, head) pairs, SUB CTAs each. */
 template <int D>
-static void launch_tc(const attn_args *a, unsigned tiles, cudaStream_t s)
+static void launch_tc(const cuda_backend *c, const attn_args *a, unsigned tiles, cudaStream_t s)
 {
     typedef tc_layout<D> L;
-    if (a->softcap > 0.0f) prefill_tc_kernel<D, true><<<tiles * L::SUB, TC_THREADS, L::bytes(), s>>>(*a);
-    else prefill_tc_kernel<D, false><<<tiles * L::SUB, TC_THREADS, L::bytes(), s>>>(*a);
+    if (a->softcap > 0.0f) luma_launch(c, s, tiles * L::SUB, TC_THREADS, L::bytes(), prefill_tc_kernel<D, true>, *a);
+    else luma_launch(c, s, tiles * L::SUB, TC_THREADS, L::bytes(), prefill_tc_kernel<D, false>, *a);
 }
 
 /* Decode tuning: stages of a warp's ring, the bytes of one stage (a tile
@@ -1535,10 +1541,11 @@ static void decode_launch(cuda_backend *c, attn_args *a, const dec_tuning &tunin
             return;
         a->part_ml = a->part + n * (size_t)a->dv;
     }
-    decode_kernel<T, H, MMA><<<dim3((unsigned)st->n_dec, (unsigned)a->n_splits, z), threads, smem, c->stream>>>(*a);
+    luma_launch(c, c->stream, dim3((unsigned)st->n_dec, (unsigned)a->n_splits, z), threads, smem,
+                decode_kernel<T, H, MMA>, *a);
     if (a->n_splits > 1 && !a->merge_here)
-        combine_kernel<<<dim3((unsigned)st->n_dec, (unsigned)a->n_head, (unsigned)(a->dv + 127) / 128), 256,
-                         (size_t)a->n_splits * sizeof(float), c->stream>>>(*a);
+        luma_launch(c, c->stream, dim3((unsigned)st->n_dec, (unsigned)a->n_head, (unsigned)(a->dv + 127) / 128), 256,
+                    (size_t)a->n_splits * sizeof(float), combine_kernel, *a);
 }
 
 template <typename T, int MMA>
@@ -1555,7 +1562,8 @@ static void launch(cuda_backend *c, attn_args *a, bool tc)
 {
     const cuda_step *st = &c->step;
     cudaStream_t s = c->stream;
-    if (st->n_tiles > 0) store_kernel<T><<<dim3((unsigned)st->n_rows, (unsigned)a->n_kv_head), 128, 0, s>>>(*a);
+    if (st->n_tiles > 0) luma_launch(c, s, dim3((unsigned)st->n_rows, (unsigned)a->n_kv_head), 128, 0, store_kernel<T>,
+                                     *a);
     if (st->n_dec > 0) {
         dec_tuning tu = dec_defaults(dec_tuning_get(), a->dv);
         bool mma = false;
@@ -1569,15 +1577,15 @@ static void launch(cuda_backend *c, attn_args *a, bool tc)
     }
     if (st->n_tiles > 0 && tc) {
         unsigned tiles = (unsigned)st->n_tiles * (unsigned)a->n_head;
-        if (a->dk == 64) launch_tc<64>(a, tiles, s);
-        else if (a->dk == 128) launch_tc<128>(a, tiles, s);
-        else launch_tc<256>(a, tiles, s);
+        if (a->dk == 64) launch_tc<64>(c, a, tiles, s);
+        else if (a->dk == 128) launch_tc<128>(c, a, tiles, s);
+        else launch_tc<256>(c, a, tiles, s);
     } else if (st->n_tiles > 0) {
         dim3 grid((unsigned)st->n_tiles, (unsigned)a->n_head, PF_SUB);
         if (a->dk <= 128 && a->dv <= 128)
-            prefill_kernel<T, 128><<<grid, PF_THREADS, prefill_layout<T, 128>::bytes(), s>>>(*a);
+            luma_launch(c, s, grid, PF_THREADS, prefill_layout<T, 128>::bytes(), prefill_kernel<T, 128>, *a);
         else
-            prefill_kernel<T, HEAD_MAX><<<grid, PF_THREADS, prefill_layout<T, HEAD_MAX>::bytes(), s>>>(*a);
+            luma_launch(c, s, grid, PF_THREADS, prefill_layout<T, HEAD_MAX>::bytes(), prefill_kernel<T, HEAD_MAX>, *a);
     }
 }
 

@@ -772,6 +772,8 @@ luma_backend *luma_backend_cuda_new(int device, luma_err *err)
     c->device = device;
     const char *graphs = getenv("LUMA_CUDA_GRAPHS");
     c->graphs_on = !(graphs && strcmp(graphs, "0") == 0);
+    const char *pdl = getenv("LUMA_CUDA_PDL");
+    c->pdl = !(pdl && strcmp(pdl, "0") == 0);
     const char *what = "selecting the device";
     e = cudaSetDevice(device);
     if (e == cudaSuccess) {

@@ -1,6 +1,5 @@
 /* Device helpers that the kernels reading GGUF blocks share (matmul.cu,
- * mmq.cu): half-float bits, the Q5 high bits, the K-quant 6-bit scales, and
- * programmatic dependent launch. */
+ * mmq.cu): half-float bits, the Q5 high bits and the K-quant 6-bit scales. */
 #ifndef LUMA_CUDA_BLOCKS_CUH
 #define LUMA_CUDA_BLOCKS_CUH
 
@@ -38,22 +37,6 @@ static __device__ __forceinline__ uint32_t pack_h2(float lo, float hi)
 {
     __half2 h = __floats2half2_rn(lo, hi);
     return *(const uint32_t *)&h;
-}
-
-/* Programmatic dependent launch (sm_90): a kernel launched with
- * cudaLaunchAttributeProgrammaticStreamSerialization starts while the one
- * before it still runs, fetches what does not depend on it (weights), and
- * waits here before it reads anything the earlier kernel wrote; the earlier
- * kernel lets it start once its own reads are issued. Both are no-ops for a
- * kernel launched the ordinary way. */
-static __device__ __forceinline__ void wait_for_previous_kernel()
-{
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-}
-
-static __device__ __forceinline__ void let_next_kernel_start()
-{
-    asm volatile("griddepcontrol.launch_dependents;");
 }
 
 #endif

@@ -109,6 +109,9 @@ typedef struct cuda_backend {
      * turns them off). While `capturing`, operations are recorded, not run:
      * nothing may synchronize with the host or allocate. */
     bool graphs_on, capturing;
+    /* Kernels launched as programmatic dependents (cuda/launch.cuh;
+     * LUMA_CUDA_PDL=0 in the environment turns it off). */
+    bool pdl;
     cuda_graph graphs[CUDA_GRAPHS];
     uint64_t n_steps;          /* steps run through step_run */
     uint64_t buf_gen;          /* bumped when a weight, buffer or KV pool is made or freed */

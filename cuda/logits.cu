@@ -27,6 +27,7 @@
 #include <string.h>
 
 #include "cuda_internal.h"
+#include "launch.cuh"
 
 #define WORK_ALIGN 256
 #define WORK_MIN ((size_t)64 << 10)
@@ -130,6 +131,7 @@ __device__ void block_sort_desc(unsigned long long *a, int n)
 __global__ void __launch_bounds__(ARGMAX_THREADS)
 argmax_kernel(const float *__restrict__ x, int64_t cols, int64_t chunk, unsigned long long *best)
 {
+    follow_previous_kernel();
     __shared__ unsigned long long sh[32];
     const float *row = x + (int64_t)blockIdx.y * cols;
     int64_t lo = (int64_t)blockIdx.x * chunk, hi = lo + chunk < cols ? lo + chunk : cols;
@@ -207,6 +209,7 @@ __global__ void __launch_bounds__(TOPK_THREADS)
 topk_kernel(const float *__restrict__ x, int64_t n, int32_t k, int32_t *out_ids, float *out_vals,
             int32_t *out_count)
 {
+    follow_previous_kernel();
     __shared__ union {
         unsigned int hist[TOPK_BINS];
         unsigned long long cand[TOPK_CAP];
@@ -317,6 +320,7 @@ topk_kernel(const float *__restrict__ x, int64_t n, int32_t k, int32_t *out_ids,
 __global__ void __launch_bounds__(TOPK_PART_THREADS)
 topk_part_kernel(const float *__restrict__ x, int64_t n, int32_t k, unsigned long long *out)
 {
+    follow_previous_kernel();
     __shared__ unsigned long long keys[TOPK_PART_CHUNK];
     __shared__ unsigned long long few[TOPK_PART_FEW];
     __shared__ unsigned long long maxima[TOPK_PART_THREADS];
@@ -361,6 +365,7 @@ __global__ void __launch_bounds__(TOPK_THREADS)
 topk_merge_kernel(const float *__restrict__ x, const unsigned long long *cand, int32_t m, int32_t k, int32_t *out_ids,
                   float *out_vals, int32_t *out_count)
 {
+    follow_previous_kernel();
     __shared__ unsigned long long sm[TOPK_CAP];
     __shared__ unsigned int s_live;
     const int tid = threadIdx.x;
@@ -397,6 +402,7 @@ typedef struct edit_chunk {
  * as the host rounds it. */
 __global__ void edit_kernel(float *x, int kind, edit_chunk e, float repeat, float frequency, float presence)
 {
+    follow_previous_kernel();
     int j = threadIdx.x;
     if (j >= e.n) return;
     int32_t id = e.ids[j];
@@ -416,6 +422,7 @@ __global__ void edit_kernel(float *x, int kind, edit_chunk e, float repeat, floa
 
 __global__ void temperature_kernel(float *x, int64_t n, float t)
 {
+    follow_previous_kernel();
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
         float v = x[i];
         if (is_live(v)) x[i] = finite_f(__fdiv_rn(v, t));
@@ -438,6 +445,7 @@ __global__ void temperature_kernel(float *x, int64_t n, float t)
 __global__ void sample_sums_kernel(const float *__restrict__ x, int64_t n, int64_t ch, int32_t nch,
                                    const unsigned long long *best, double *sums)
 {
+    follow_previous_kernel();
     int32_t c = (int32_t)(((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32);
     int lane = threadIdx.x & 31;
     if (c >= nch) return;
@@ -458,6 +466,7 @@ __global__ void __launch_bounds__(SAMPLE_THREADS)
 sample_walk_kernel(const float *__restrict__ x, int64_t n, int64_t ch, int32_t nch,
                    const unsigned long long *best, const double *sums, double u, int32_t *out)
 {
+    follow_previous_kernel();
     __shared__ double incl[SAMPLE_CHUNKS_MAX];
     __shared__ double wsum[32];
     __shared__ int s_first, s_last;
@@ -614,7 +623,8 @@ static cudaError_t queue_argmax(cuda_backend *c, const luma_buf *b, int64_t row0
     for (int64_t r0 = 0; r0 < n && e == cudaSuccess; r0 += 65535) {
         int64_t rows = n - r0 < 65535 ? n - r0 : 65535;
         dim3 grid((unsigned)per_row, (unsigned)rows);
-        argmax_kernel<<<grid, ARGMAX_THREADS, 0, c->stream>>>(b->data + (row0 + r0) * cols, cols, chunk, keys + r0);
+        luma_launch(c, c->stream, grid, ARGMAX_THREADS, 0, argmax_kernel, b->data + (row0 + r0) * cols, cols, chunk,
+                    keys + r0);
         e = cudaGetLastError();
     }
     return e;
@@ -657,11 +667,12 @@ int32_t luma_cuda_logits_topk(luma_backend *be, const luma_buf *b, int64_t row, 
     if (k <= TOPK_PART_THREADS && parts * k <= TOPK_CAP) {
         /* the blocks' keys after the results (2 x LUMA_TOPK_MAX + 1 words) */
         unsigned long long *cand = (unsigned long long *)((char *)d_ids + TOPK_CAND_OFFSET);
-        topk_part_kernel<<<(unsigned)parts, TOPK_PART_THREADS, 0, c->stream>>>(x, b->cols, k, cand);
-        topk_merge_kernel<<<1, TOPK_THREADS, 0, c->stream>>>(x, cand, (int32_t)(parts * k), k, d_ids,
-                                                             (float *)(d_ids + k), d_ids + 2 * k);
+        luma_launch(c, c->stream, (unsigned)parts, TOPK_PART_THREADS, 0, topk_part_kernel, x, b->cols, k, cand);
+        luma_launch(c, c->stream, 1, TOPK_THREADS, 0, topk_merge_kernel, x, cand, (int32_t)(parts * k), k, d_ids,
+                    (float *)(d_ids + k), d_ids + 2 * k);
     } else {
-        topk_kernel<<<1, TOPK_THREADS, 0, c->stream>>>(x, b->cols, k, d_ids, (float *)(d_ids + k), d_ids + 2 * k);
+        luma_launch(c, c->stream, 1, TOPK_THREADS, 0, topk_kernel, x, b->cols, k, d_ids, (float *)(d_ids + k),
+                    d_ids + 2 * k);
     }
     cudaError_t e = cudaGetLastError();
     if (e == cudaSuccess) e = cudaMemcpyAsync(host, d_ids, words * sizeof *host, cudaMemcpyDeviceToHost, c->stream);
@@ -695,7 +706,8 @@ int luma_cuda_logits_edit(luma_backend *be, luma_buf *b, int64_t row, const luma
         memcpy(ch.ids, e->ids + i0, (size_t)ch.n * sizeof(int32_t));
         if (e->values) memcpy(ch.values, e->values + i0, (size_t)ch.n * sizeof(float));
         else memset(ch.values, 0, sizeof ch.values);
-        edit_kernel<<<1, EDIT_CHUNK, 0, c->stream>>>(x, (int)e->kind, ch, e->repeat, e->frequency, e->presence);
+        luma_launch(c, c->stream, 1, EDIT_CHUNK, 0, edit_kernel, x, (int)e->kind, ch, e->repeat, e->frequency,
+                    e->presence);
         ce = cudaGetLastError();
     }
     return op_end(c, op, ce, err);
@@ -707,8 +719,8 @@ int luma_cuda_logits_temperature(luma_backend *be, luma_buf *b, int64_t row, flo
     if (op_begin(c, "temperature", b, row, err)) return -1;
     if (!(t > 0.0f) || isinf(t)) return luma_errf(err, "temperature: t must be finite and > 0 (got %g)", (double)t);
     int64_t blocks = (b->cols + 255) / 256, most = 4 * (int64_t)c->n_sm;
-    temperature_kernel<<<(unsigned)(blocks < most ? blocks : most), 256, 0, c->stream>>>(b->data + row * b->cols,
-                                                                                      b->cols, t);
+    luma_launch(c, c->stream, (unsigned)(blocks < most ? blocks : most), 256, 0, temperature_kernel,
+                b->data + row * b->cols, b->cols, t);
     return op_end(c, "temperature", cudaSuccess, err);
 }
 
@@ -727,8 +739,10 @@ int32_t luma_cuda_logits_sample(luma_backend *be, const luma_buf *b, int64_t row
     double *sums = (double *)((char *)work(b) + 256);
     cudaError_t e = queue_argmax(c, b, row, 1, best);
     if (e == cudaSuccess) {
-        sample_sums_kernel<<<(unsigned)((nch + 7) / 8), 256, 0, c->stream>>>(b->data + row * n, n, ch, nch, best, sums);
-        sample_walk_kernel<<<1, SAMPLE_THREADS, 0, c->stream>>>(b->data + row * n, n, ch, nch, best, sums, u, d_out);
+        luma_launch(c, c->stream, (unsigned)((nch + 7) / 8), 256, 0, sample_sums_kernel, b->data + row * n, n, ch, nch,
+                    best, sums);
+        luma_launch(c, c->stream, 1, SAMPLE_THREADS, 0, sample_walk_kernel, b->data + row * n, n, ch, nch, best, sums,
+                    u, d_out);
         e = cudaGetLastError();
     }
     if (e == cudaSuccess) e = cudaMemcpyAsync(&id, d_out, sizeof id, cudaMemcpyDeviceToHost, c->stream);

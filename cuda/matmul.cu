@@ -38,6 +38,7 @@
  *   to cuBLAS share one conversion of the activations. */
 #include "cuda_internal.h"
 #include "blocks.cuh"
+#include "launch.cuh"
 #include "act.cuh"
 
 #include <limits.h>
@@ -779,8 +780,8 @@ static __global__ void quantize_act(const float *__restrict__ x, int64_t n8, int
                                     float2 *__restrict__ ds, __half *__restrict__ xh, const float *__restrict__ up,
                                     float *__restrict__ gated)
 {
+    follow_previous_kernel();
     int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    let_next_kernel_start();
     bool live = i < n8;   /* every lane takes part in the shuffles */
     float v[8] = { 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f };
     if (live) {
@@ -871,11 +872,13 @@ static void quantize_launch(cuda_backend *c, enum luma_type t, float *gated, con
     int64_t n8 = n / 8;
     unsigned grid = (unsigned)((n8 + 255) / 256);
     if constexpr (ACT < 0) {
-        if (xh && k) quantize_act<ACT_Q8_K, true><<<grid, 256, 0, c->stream>>>(x, n8, q, ds, xh, up, gated);
-        else if (xh) quantize_act<ACT_Q8_0, true><<<grid, 256, 0, c->stream>>>(x, n8, q, ds, xh, up, gated);
+        if (xh && k) luma_launch(c, c->stream, grid, 256, 0, quantize_act<ACT_Q8_K, true>, x, n8, q, ds, xh, up, gated);
+        else if (xh) luma_launch(c, c->stream, grid, 256, 0, quantize_act<ACT_Q8_0, true>, x, n8, q, ds, xh, up, gated);
     }
-    if (!xh && k) quantize_act<ACT_Q8_K, false, ACT><<<grid, 256, 0, c->stream>>>(x, n8, q, ds, xh, up, gated);
-    else if (!xh) quantize_act<ACT_Q8_0, false, ACT><<<grid, 256, 0, c->stream>>>(x, n8, q, ds, xh, up, gated);
+    if (!xh && k) luma_launch(c, c->stream, grid, 256, 0, quantize_act<ACT_Q8_K, false, ACT>, x, n8, q, ds, xh, up,
+                              gated);
+    else if (!xh) luma_launch(c, c->stream, grid, 256, 0, quantize_act<ACT_Q8_0, false, ACT>, x, n8, q, ds, xh, up,
+                              gated);
     luma_cuda_fail(c, cudaGetLastError(), "matmul (quantizing activations)");
 }
 
@@ -883,25 +886,6 @@ void luma_cuda_quantize_act(cuda_backend *c, enum luma_type t, const float *x, i
                             __half *xh)
 {
     quantize_launch<-1>(c, t, NULL, x, NULL, n, q, ds, xh);
-}
-
-/* A launch of grid x block threads on the backend's stream as a
- * programmatic dependent of the kernel before it (sm_90): it may start
- * while that one finishes, and waits in wait_for_previous_kernel. attr
- * must outlive the launch call. */
-static cudaLaunchConfig_t pdl_config(const cuda_backend *c, unsigned grid, unsigned block, size_t smem,
-                                     cudaLaunchAttribute *attr)
-{
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(grid);
-    cfg.blockDim = dim3(block);
-    cfg.dynamicSmemBytes = smem;
-    cfg.stream = c->stream;
-    attr->id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr->val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    return cfg;
 }
 
 /* Weight rows per warp (direct kernel) or row group (staged kernel): two
@@ -960,6 +944,7 @@ mmv_direct(mmv_segs sg, size_t row_bytes, int nb, act_rows a, int m)
 #pragma unroll
         for (int r = 0; r < ROWS; r++) T::fetch(wr[r] + (size_t)ib * T::bytes, p, raw[r]);
     wait_for_previous_kernel();
+    let_next_kernel_start();
     float acc[ROWS][MAXM] = {};
     for (; ib < nb; ib += stride) {
         typename T::w_t wv[ROWS];
@@ -1142,6 +1127,7 @@ mmv_staged(const mmv_plan pl, act_rows a, int m, float *__restrict__ y)
         next.next(np);
     }
     wait_for_previous_kernel();
+    let_next_kernel_start();
 
     uint32_t phase = 0;
     for (int gi = 0; gi < ngroups; gi++) {
@@ -1295,12 +1281,13 @@ static void mmv_staged_launch(cuda_backend *c, const luma_weight *w, const act_r
     int64_t teams = MMV_STAGED_WARPS / pl.ks, want = (pl.groups + teams - 1) / teams, most = (int64_t)c->n_sm * occ;
 
     cudaLaunchAttribute at;
-    cudaLaunchConfig_t cfg = pdl_config(c, (unsigned)(want < most ? want : most), MMV_STAGED_WARPS * 32, smem, &at);
+    cudaLaunchConfig_t cfg = luma_launch_config(c, c->stream, (unsigned)(want < most ? want : most),
+                                                MMV_STAGED_WARPS * 32, smem, &at);
     luma_cuda_fail(c, cudaLaunchKernelEx(&cfg, mmv_staged<T, MAXM>, pl, a, m, y), "matmul (matrix-vector kernel)");
 }
 
-/* Launched as a programmatic dependent of the quantizer (see
- * wait_for_previous_kernel). */
+/* Launched as a programmatic dependent of the quantizer (cuda/launch.cuh):
+ * the first weight loads go out before the wait. */
 template <class T, int MAXM>
 static void mmv_direct_launch(cuda_backend *c, const luma_weight *const *ws, float *const *ys, int n,
                               const act_rows &a, int m)
@@ -1322,7 +1309,7 @@ static void mmv_direct_launch(cuda_backend *c, const luma_weight *const *ws, flo
     }
     const luma_weight *w = ws[0];
     cudaLaunchAttribute attr;
-    cudaLaunchConfig_t cfg = pdl_config(c, ctas, MMV_DIRECT_WARPS * 32, 0, &attr);
+    cudaLaunchConfig_t cfg = luma_launch_config(c, c->stream, ctas, MMV_DIRECT_WARPS * 32, 0, &attr);
     luma_cuda_fail(c, cudaLaunchKernelEx(&cfg, mmv_direct<T, MAXM, ROWS>, sg, luma_row_size(w->type, w->cols),
                                          (int)(w->cols / T::qk), a, m),
                    "matmul (matrix-vector kernel)");
@@ -1514,6 +1501,7 @@ template <class T>
 static __global__ void dequant_f16(const uint8_t *__restrict__ w, size_t row_bytes, int64_t cols, int64_t units,
                                    __half *__restrict__ out)
 {
+    follow_previous_kernel();
     int64_t u = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (u >= units) return;
     int64_t per_row = cols / 8, r = u / per_row, e = u % per_row * 8;
@@ -1529,6 +1517,7 @@ static __global__ void dequant_f16(const uint8_t *__restrict__ w, size_t row_byt
 template <enum luma_type TYPE>
 static __global__ void float_to_f16(const void *__restrict__ src, int64_t n, __half *__restrict__ out)
 {
+    follow_previous_kernel();
     int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     float f = TYPE == LUMA_F32 ? ((const float *)src)[i] : bf16_bits(((const uint16_t *)src)[i]);
@@ -1545,7 +1534,8 @@ static void dequant_launch(cuda_backend *c, const uint8_t *w, size_t row_bytes, 
                            __half *out)
 {
     int64_t units = rows * (cols / 8);
-    dequant_f16<T><<<blocks_for(units, DEQ_THREADS), DEQ_THREADS, 0, c->stream>>>(w, row_bytes, cols, units, out);
+    luma_launch(c, c->stream, blocks_for(units, DEQ_THREADS), DEQ_THREADS, 0, dequant_f16<T>, w, row_bytes, cols, units,
+                out);
 }
 
 /* Rows [r0, r0 + n) of w as f16 into out (n x cols). */
@@ -1556,10 +1546,12 @@ static void dequant_rows(cuda_backend *c, const luma_weight *w, int64_t r0, int6
     int64_t cols = w->cols, elems = n * cols;
     switch (w->type) {
     case LUMA_F32:
-        float_to_f16<LUMA_F32><<<blocks_for(elems, DEQ_THREADS), DEQ_THREADS, 0, c->stream>>>(src, elems, out);
+        luma_launch(c, c->stream, blocks_for(elems, DEQ_THREADS), DEQ_THREADS, 0, float_to_f16<LUMA_F32>, src, elems,
+                    out);
         break;
     case LUMA_BF16:
-        float_to_f16<LUMA_BF16><<<blocks_for(elems, DEQ_THREADS), DEQ_THREADS, 0, c->stream>>>(src, elems, out);
+        luma_launch(c, c->stream, blocks_for(elems, DEQ_THREADS), DEQ_THREADS, 0, float_to_f16<LUMA_BF16>, src, elems,
+                    out);
         break;
     case LUMA_Q4_0: dequant_launch<type_q4_0>(c, src, row_bytes, n, cols, out); break;
     case LUMA_Q4_1: dequant_launch<type_q4_1>(c, src, row_bytes, n, cols, out); break;
@@ -1614,7 +1606,8 @@ static void tensor_act(cuda_backend *c, const luma_weight *w, const float *x, in
 {
     int64_t cols = w->cols;
     if (is_float_type(w->type) || cols % 32 != 0)
-        float_to_f16<LUMA_F32><<<blocks_for(m * cols, DEQ_THREADS), DEQ_THREADS, 0, c->stream>>>(x, m * cols, xh);
+        luma_launch(c, c->stream, blocks_for(m * cols, DEQ_THREADS), DEQ_THREADS, 0, float_to_f16<LUMA_F32>, x,
+                    m * cols, xh);
     else
         luma_cuda_quantize_act(c, w->type, x, m * cols, NULL, NULL, xh);
     luma_cuda_fail(c, cudaGetLastError(), "matmul (activations to f16)");

@@ -49,6 +49,7 @@
  * the product can be recorded into a CUDA graph. */
 #include "cuda_internal.h"
 #include "blocks.cuh"
+#include "launch.cuh"
 
 #include <cooperative_groups.h>
 
@@ -889,19 +890,14 @@ static void mmq_launch(cuda_backend *c, const luma_weight *w, const mmq_x &x, in
     int64_t n_tiles = (m + BM - 1) / BM, row_tiles = (w->rows + W::rows - 1) / W::rows;
     int splits = mmq_splits(fit, n_tiles * row_tiles, p.nkb);
 
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3((unsigned)n_tiles, (unsigned)row_tiles, (unsigned)splits);
-    cfg.blockDim = dim3(MMQ_THREADS);
-    cfg.dynamicSmemBytes = mmq_shape<T, BM>::smem;
-    cfg.stream = c->stream;
     cudaLaunchAttribute attr[2];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t cfg = luma_launch_config(c, c->stream, dim3((unsigned)n_tiles, (unsigned)row_tiles,
+                                                                   (unsigned)splits),
+                                                MMQ_THREADS, mmq_shape<T, BM>::smem, attr);
     attr[1].id = cudaLaunchAttributeClusterDimension;
     attr[1].val.clusterDim.x = 1;
     attr[1].val.clusterDim.y = 1;
     attr[1].val.clusterDim.z = (unsigned)splits;
-    cfg.attrs = attr;
     cfg.numAttrs = splits > 1 ? 2 : 1;
     luma_cuda_fail(c, cudaLaunchKernelEx(&cfg, mmq_kernel<T, BM>, p), "matmul (mmq kernel)");
 }

@@ -15,6 +15,7 @@
 #include <math.h>
 
 #include "cuda_internal.h"
+#include "launch.cuh"
 #include "act.cuh"
 
 #define THREADS 256
@@ -129,6 +130,7 @@ static bool embed_supports(enum luma_type t)
 __global__ static void embed_kernel(const uint8_t *w, int type, int64_t rows, int64_t cols, size_t row_size,
                                     int block_size, int type_size, const int32_t *ids, float scale, float *out)
 {
+    follow_previous_kernel();
     int64_t j = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (j >= cols) return;
     int32_t id = ids[blockIdx.y];
@@ -155,9 +157,8 @@ void luma_cuda_embed(luma_backend *be, const luma_weight *w, const int32_t *ids,
     if (!d_ids) return;
     const luma_type_traits *tr = luma_type_get(w->type);
     dim3 grid(blocks_for(w->cols, THREADS), (unsigned)n);
-    embed_kernel<<<grid, THREADS, 0, c->stream>>>((const uint8_t *)w->dev, (int)w->type, w->rows, w->cols,
-                                                  luma_row_size(w->type, w->cols), (int)tr->block_size,
-                                                  (int)tr->type_size, d_ids, scale, out->data);
+    luma_launch(c, c->stream, grid, THREADS, 0, embed_kernel, (const uint8_t *)w->dev, (int)w->type, w->rows, w->cols,
+                luma_row_size(w->type, w->cols), (int)tr->block_size, (int)tr->type_size, d_ids, scale, out->data);
     luma_cuda_fail(c, cudaGetLastError(), "embed");
 }
 
@@ -168,6 +169,7 @@ void luma_cuda_embed(luma_backend *be, const luma_weight *w, const int32_t *ids,
 template <typename T>
 __global__ static void gather_kernel(const T *x, const int32_t *rows, int64_t cols, T *out)
 {
+    follow_previous_kernel();
     const T *src = x + (size_t)rows[blockIdx.x] * (size_t)cols;
     T *dst = out + (size_t)blockIdx.x * (size_t)cols;
     for (int64_t i = threadIdx.x; i < cols; i += blockDim.x) dst[i] = src[i];
@@ -182,10 +184,10 @@ void luma_cuda_gather(luma_backend *be, const luma_buf *x, const int32_t *rows, 
     const int32_t *d_rows = luma_cuda_step_array(c, rows, n, "gather");
     if (!d_rows) return;
     if (x->cols % 4 == 0 && aligned16(x->data) && aligned16(out->data))
-        gather_kernel<<<n, THREADS, 0, c->stream>>>((const float4 *)x->data, d_rows, x->cols / 4,
-                                                    (float4 *)out->data);
+        luma_launch(c, c->stream, n, THREADS, 0, gather_kernel<float4>, (const float4 *)x->data, d_rows, x->cols / 4,
+                    (float4 *)out->data);
     else
-        gather_kernel<<<n, THREADS, 0, c->stream>>>(x->data, d_rows, x->cols, out->data);
+        luma_launch(c, c->stream, n, THREADS, 0, gather_kernel<float>, x->data, d_rows, x->cols, out->data);
     luma_cuda_fail(c, cudaGetLastError(), "gather");
 }
 
@@ -213,6 +215,7 @@ template <int TPG, bool VEC>
 __global__ static void rmsnorm_kernel(const float *x, const float *g, int64_t group, int64_t n_groups, float eps,
                                       float *out)
 {
+    follow_previous_kernel();
     __shared__ float partial[THREADS / 32];
     int lane = threadIdx.x % TPG;
     int64_t gi = (int64_t)blockIdx.x * (THREADS / TPG) + threadIdx.x / TPG;
@@ -245,9 +248,11 @@ static void rmsnorm_launch(cuda_backend *c, const luma_buf *x, const float *g, i
 {
     unsigned grid = blocks_for(n_groups, THREADS / TPG);
     if (group % 4 == 0 && aligned16(x->data) && aligned16(out->data) && aligned16(g))
-        rmsnorm_kernel<TPG, true><<<grid, THREADS, 0, c->stream>>>(x->data, g, group, n_groups, eps, out->data);
+        luma_launch(c, c->stream, grid, THREADS, 0, rmsnorm_kernel<TPG, true>, x->data, g, group, n_groups, eps,
+                    out->data);
     else
-        rmsnorm_kernel<TPG, false><<<grid, THREADS, 0, c->stream>>>(x->data, g, group, n_groups, eps, out->data);
+        luma_launch(c, c->stream, grid, THREADS, 0, rmsnorm_kernel<TPG, false>, x->data, g, group, n_groups, eps,
+                    out->data);
 }
 
 void luma_cuda_rmsnorm(luma_backend *be, const luma_buf *x, const luma_weight *g, int64_t group, float eps,
@@ -293,6 +298,7 @@ template <bool VEC>
 __global__ static void add_rmsnorm_kernel(float *x, const float *y, const float *yg, const float *g, int64_t cols,
                                           float eps, float *out)
 {
+    follow_previous_kernel();
     __shared__ float partial[THREADS / 32];
     size_t off = (size_t)blockIdx.x * (size_t)cols;
     float *xr = x + off, *dst = out + off;
@@ -337,11 +343,11 @@ void luma_cuda_add_rmsnorm(luma_backend *be, luma_buf *x, const luma_buf *y, con
     bool vec = x->cols % 4 == 0 && aligned16(x->data) && aligned16(y->data) && aligned16(out->data) &&
                aligned16(gd) && (!ygd || aligned16(ygd));
     if (vec)
-        add_rmsnorm_kernel<true><<<(unsigned)x->rows, THREADS, 0, c->stream>>>(x->data, y->data, ygd, gd, x->cols, eps,
-                                                                               out->data);
+        luma_launch(c, c->stream, (unsigned)x->rows, THREADS, 0, add_rmsnorm_kernel<true>, x->data, y->data, ygd, gd,
+                    x->cols, eps, out->data);
     else
-        add_rmsnorm_kernel<false><<<(unsigned)x->rows, THREADS, 0, c->stream>>>(x->data, y->data, ygd, gd, x->cols,
-                                                                                eps, out->data);
+        luma_launch(c, c->stream, (unsigned)x->rows, THREADS, 0, add_rmsnorm_kernel<false>, x->data, y->data, ygd, gd,
+                    x->cols, eps, out->data);
     luma_cuda_fail(c, cudaGetLastError(), "add_rmsnorm");
 }
 
@@ -366,6 +372,7 @@ typedef struct rope_args {
  * not half threads each walking every head). */
 __global__ static void rope_kernel(float *x, int64_t cols, const int32_t *pos, int64_t n, const rope_args a)
 {
+    follow_previous_kernel();
     int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (t >= n) return;
     int32_t i = (int32_t)(t % a.half);
@@ -411,7 +418,7 @@ void luma_cuda_rope(luma_backend *be, luma_buf *x, int32_t head_dim, const int32
     if (!d_pos) return;
     int64_t half = a.half;
     int64_t n = x->rows * a.heads * half;
-    rope_kernel<<<blocks_for(n, THREADS), THREADS, 0, c->stream>>>(x->data, x->cols, d_pos, n, a);
+    luma_launch(c, c->stream, blocks_for(n, THREADS), THREADS, 0, rope_kernel, x->data, x->cols, d_pos, n, a);
     luma_cuda_fail(c, cudaGetLastError(), "rope");
 }
 
@@ -429,6 +436,7 @@ __global__ static void qk_rope_kernel(float *q, float *k, int64_t q_cols, int64_
                                       int64_t items, const float *gq, const float *gk, float eps,
                                       const int32_t *pos, const rope_args a)
 {
+    follow_previous_kernel();
     constexpr int F = D / 128;
     int64_t w = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32;
     int lane = threadIdx.x % 32;
@@ -515,11 +523,11 @@ void luma_cuda_qk_rope(luma_backend *be, luma_buf *q, luma_buf *k, const luma_we
     int64_t items = q->rows * (hq + hk);
     unsigned grid = blocks_for(items * 32, THREADS);
     if (head_dim == 128)
-        qk_rope_kernel<128><<<grid, THREADS, 0, c->stream>>>(q->data, k->data, q->cols, k->cols, hq, hk, items, gqd,
-                                                             gkd, eps, d_pos, a);
+        luma_launch(c, c->stream, grid, THREADS, 0, qk_rope_kernel<128>, q->data, k->data, q->cols, k->cols, hq, hk,
+                    items, gqd, gkd, eps, d_pos, a);
     else
-        qk_rope_kernel<256><<<grid, THREADS, 0, c->stream>>>(q->data, k->data, q->cols, k->cols, hq, hk, items, gqd,
-                                                             gkd, eps, d_pos, a);
+        luma_launch(c, c->stream, grid, THREADS, 0, qk_rope_kernel<256>, q->data, k->data, q->cols, k->cols, hq, hk,
+                    items, gqd, gkd, eps, d_pos, a);
     luma_cuda_fail(c, cudaGetLastError(), "qk_rope");
 }
 
@@ -540,6 +548,7 @@ __device__ static float ew(float a, float b)
 template <int OP, bool VEC>
 __global__ static void ew_kernel(float *a, const float *b, int64_t n)
 {
+    follow_previous_kernel();
     int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (VEC) {
         if (t < n / 4) {
@@ -560,9 +569,9 @@ static void elementwise(luma_backend *be, luma_buf *x, const luma_buf *y, const 
     int64_t n = x->rows * x->cols;
     if (!LUMA_CUDA_OK(c) || n == 0) return;
     if (aligned16(x->data) && aligned16(y->data))
-        ew_kernel<OP, true><<<blocks_for(n / 4 + 1, THREADS), THREADS, 0, c->stream>>>(x->data, y->data, n);
+        luma_launch(c, c->stream, blocks_for(n / 4 + 1, THREADS), THREADS, 0, ew_kernel<OP, true>, x->data, y->data, n);
     else
-        ew_kernel<OP, false><<<blocks_for(n, THREADS), THREADS, 0, c->stream>>>(x->data, y->data, n);
+        luma_launch(c, c->stream, blocks_for(n, THREADS), THREADS, 0, ew_kernel<OP, false>, x->data, y->data, n);
     luma_cuda_fail(c, cudaGetLastError(), what);
 }
 
@@ -582,6 +591,7 @@ void luma_cuda_silu_mul(luma_backend *be, luma_buf *gate, const luma_buf *up)
 template <typename T>
 __global__ static void add_bias_kernel(T *x, const T *b, int64_t cols, int64_t n)
 {
+    follow_previous_kernel();
     int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (t >= n) return;
     T v = x[t], w = b[t % cols];
@@ -603,10 +613,9 @@ void luma_cuda_add_bias(luma_backend *be, luma_buf *x, const luma_weight *b)
     if (!LUMA_CUDA_OK(c) || n == 0) return;
     const float *bv = (const float *)b->dev;
     if (x->cols % 4 == 0 && aligned16(x->data) && aligned16(bv))
-        add_bias_kernel<<<blocks_for(n / 4, THREADS), THREADS, 0, c->stream>>>((float4 *)x->data,
-                                                                               (const float4 *)bv, x->cols / 4,
-                                                                               n / 4);
+        luma_launch(c, c->stream, blocks_for(n / 4, THREADS), THREADS, 0, add_bias_kernel<float4>, (float4 *)x->data,
+                    (const float4 *)bv, x->cols / 4, n / 4);
     else
-        add_bias_kernel<<<blocks_for(n, THREADS), THREADS, 0, c->stream>>>(x->data, bv, x->cols, n);
+        luma_launch(c, c->stream, blocks_for(n, THREADS), THREADS, 0, add_bias_kernel<float>, x->data, bv, x->cols, n);
     luma_cuda_fail(c, cudaGetLastError(), "add_bias");
 }

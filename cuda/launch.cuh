@@ -1,0 +1,83 @@
+/* Kernel launches of a step (every .cu file that queues step work).
+ *
+ * Programmatic dependent launch (sm_90): every kernel a step queues is
+ * launched with cudaLaunchAttributeProgrammaticStreamSerialization, so that
+ * its CTAs may be placed on the SMs while the kernel before it on the
+ * stream still runs. Such a kernel must call wait_for_previous_kernel
+ * before it reads anything an earlier kernel wrote or writes anything an
+ * earlier kernel reads: the wait returns once the previous kernel has
+ * completed and its writes are visible. Since every kernel of the chain
+ * waits so, the previous kernel itself only completed after the one before
+ * it, and so on: the order the stream promises holds transitively. Before
+ * the wait a kernel may only read what no kernel of the step writes
+ * (weights) and compute from it (the matrix-vector kernels issue their
+ * first weight loads there). let_next_kernel_start, after the wait, lets
+ * the next kernel's CTAs be placed once every CTA of this one has called
+ * it (or exited); without it they are placed as this one's CTAs exit.
+ *
+ * Rules that keep this sound:
+ * - a kernel launched with luma_launch calls wait_for_previous_kernel on
+ *   every path that touches memory, before the first such access (a CTA
+ *   with nothing to do may return before it);
+ * - kernels outside this file's rules (cuBLAS) are launched the ordinary
+ *   way; a kernel after them waits as it would for ours;
+ * - LUMA_CUDA_PDL=0 in the environment launches everything the ordinary
+ *   way (both calls are then no-ops), for measuring. */
+#ifndef LUMA_CUDA_LAUNCH_CUH
+#define LUMA_CUDA_LAUNCH_CUH
+
+#include <utility>
+
+#include "cuda_internal.h"
+
+static __device__ __forceinline__ void wait_for_previous_kernel()
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+static __device__ __forceinline__ void let_next_kernel_start()
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;");
+#endif
+}
+
+/* The first statement of a kernel that fetches nothing ahead of the wait. */
+static __device__ __forceinline__ void follow_previous_kernel()
+{
+    wait_for_previous_kernel();
+    let_next_kernel_start();
+}
+
+/* A launch configuration on stream s, a programmatic dependent of the
+ * kernel before it when c->pdl. attr must outlive the launch call; extra
+ * attributes may follow it in the caller's array (n_attrs counts them). */
+static inline cudaLaunchConfig_t luma_launch_config(const cuda_backend *c, cudaStream_t s, dim3 grid, dim3 block,
+                                                    size_t smem, cudaLaunchAttribute *attr)
+{
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = s;
+    attr->id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr->val.programmaticStreamSerializationAllowed = c->pdl ? 1 : 0;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    return cfg;
+}
+
+/* kernel<<<grid, block, smem, s>>>(args...) as a programmatic dependent;
+ * the launch error is also left for cudaGetLastError, as <<< >>> leaves it. */
+template <typename... P, typename... A>
+static inline cudaError_t luma_launch(const cuda_backend *c, cudaStream_t s, dim3 grid, dim3 block, size_t smem,
+                                      void (*kernel)(P...), A &&...args)
+{
+    cudaLaunchAttribute attr;
+    cudaLaunchConfig_t cfg = luma_launch_config(c, s, grid, block, smem, &attr);
+    return cudaLaunchKernelEx(&cfg, kernel, std::forward<A>(args)...);
+}
+
+#endif

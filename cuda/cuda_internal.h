@@ -57,7 +57,7 @@ enum cuda_f16_mode {
 /* The device memory weight_load made for one weight: its bytes as in the
  * file, and its f16 copy or NULL. */
 typedef struct cuda_weight_copy {
-    void *dev, *f16;
+    void *dev, *f16, *mmv;
 } cuda_weight_copy;
 
 /* A recorded decode step (cudaGraph): every operation the architecture's
@@ -112,6 +112,9 @@ typedef struct cuda_backend {
     /* Kernels launched as programmatic dependents (cuda/launch.cuh;
      * LUMA_CUDA_PDL=0 in the environment turns it off). */
     bool pdl;
+    /* Q6_K matrices get a repacked copy for the matrix-vector kernels
+     * (luma_weight.dev_mmv; LUMA_CUDA_Q6K_MMV=0 in the environment: not). */
+    bool repack_q6k;
     cuda_graph graphs[CUDA_GRAPHS];
     uint64_t n_steps;          /* steps run through step_run */
     uint64_t buf_gen;          /* bumped when a weight, buffer or KV pool is made or freed */
@@ -178,6 +181,11 @@ void luma_cuda_quantize_act(cuda_backend *c, enum luma_type t, const float *x, i
  * (rows x cols, row-major): the tensor-core path's operand. Not for F16
  * weights; failures are recorded. */
 void luma_cuda_weight_to_f16(cuda_backend *c, const luma_weight *w, __half *out);
+/* A Q6_K weight (w->dev) repacked into out for the matrix-vector kernels:
+ * rows x cols / 256 blocks of LUMA_Q6_K_MMV_BYTES (matmul.cu,
+ * type_q6_K_mmv, has the layout). Queued; failures are recorded. */
+#define LUMA_Q6_K_MMV_BYTES 224
+void luma_cuda_repack_q6_K(cuda_backend *c, const luma_weight *w, uint8_t *out);
 
 /* ---- mmq.cu -------------------------------------------------------------- */
 

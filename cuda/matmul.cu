@@ -42,6 +42,7 @@
 #include "act.cuh"
 
 #include <limits.h>
+#include <type_traits>
 #include <stdlib.h>
 #include <string.h>
 
@@ -646,6 +647,70 @@ struct type_q6_K {
         }
     }
 };
+
+/* Q6_K as weight_load repacks it for the matrix-vector kernels
+ * (luma_cuda_repack_q6_K): the GGUF block's 210 bytes keep only 2-byte
+ * alignment, so type_q6_K spends 11 loads on a lane's 16 weights; the
+ * repacked block (LUMA_Q6_K_MMV_BYTES = 224) keeps 16-byte alignment and
+ * a lane's 32 weights are 4 loads. Lane part p (8 a block) takes, as
+ * k_act32 reads the activations, positions l = 16 h .. 16 h + 15 (h = p % 2)
+ * of the 32-element sub-blocks s0 = 2 (p / 2) and s1 = s0 + 1; q(s, l) is
+ * the 6-bit value (0..63) of element 32 s + l:
+ *   [16 p, 16 p + 16)    byte 4 i + b: the low 4 bits of q(s0, l) | those
+ *                        of q(s1, l) << 4, l = 16 h + 4 i + b;
+ *   [128 + 8 p, + 8)     two words, s0's then s1's: bits 2 i and 2 i + 1 of
+ *                        byte b are q(s, l) >> 4, the same l;
+ *   [192 + 2 p, + 2)     the int8 scales of s0's and s1's 16 positions;
+ *   [208, 212)           d as f32 (exact); then 12 zero bytes. */
+struct type_q6_K_mmv {
+    static constexpr int qk = 256, bytes = LUMA_Q6_K_MMV_BYTES, lpb = 8;
+    struct raw_t { int4 q; int2 h; uint32_t sc; float d; };
+    struct w_t { int lo[4], hi[4]; float da, db; };
+    typedef k_act32 x_t;
+    static __device__ void fetch(const uint8_t *b, int p, raw_t &r)
+    {
+        r.q = *(const int4 *)(b + 16 * p);
+        r.h = *(const int2 *)(b + 128 + 8 * p);
+        r.sc = *(const uint16_t *)(b + 192 + 2 * p);
+        r.d = *(const float *)(b + 208);
+    }
+    static __device__ void decode(const raw_t &r, int p, w_t &w)
+    {
+        int v[4] = { r.q.x, r.q.y, r.q.z, r.q.w };
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            w.lo[i] = __vsub4((v[i] & LOW4) | ((r.h.x >> (2 * i)) & 0x03030303) << 4, 0x20202020);
+            w.hi[i] = __vsub4(((v[i] >> 4) & LOW4) | ((r.h.y >> (2 * i)) & 0x03030303) << 4, 0x20202020);
+        }
+        w.da = r.d * (float)(int8_t)(r.sc & 0xFF);
+        w.db = r.d * (float)(int8_t)(r.sc >> 8);
+    }
+    static __device__ void loadx(const act_rows &a, int j, int64_t ib, int p, x_t &x)
+    {
+        k_act32::load(a, j, ib, p, x);
+    }
+    static __device__ float dot(const w_t &w, const x_t &x)
+    {
+        int sa = __dp4a(w.lo[0], x.a.x, __dp4a(w.lo[1], x.a.y, __dp4a(w.lo[2], x.a.z, __dp4a(w.lo[3], x.a.w, 0))));
+        int sb = __dp4a(w.hi[0], x.b.x, __dp4a(w.hi[1], x.b.y, __dp4a(w.hi[2], x.b.z, __dp4a(w.hi[3], x.b.w, 0))));
+        return x.ds.x * w.da * (float)sa + x.ds.z * w.db * (float)sb;
+    }
+};
+
+/* Which copy of a weight the matrix-vector kernels read for type T, and
+ * its row stride. */
+template <class T>
+static const uint8_t *mmv_bytes(const luma_weight *w)
+{
+    return (const uint8_t *)(std::is_same<T, type_q6_K_mmv>::value ? w->dev_mmv : w->dev);
+}
+
+template <class T>
+static size_t mmv_row_bytes(const luma_weight *w)
+{
+    return std::is_same<T, type_q6_K_mmv>::value ? (size_t)(w->cols / T::qk) * T::bytes
+                                                 : luma_row_size(w->type, w->cols);
+}
 
 /* Float weights: a "block" is one 16-byte load, lpb 1; the activations stay
  * f32. Their panels for the GEMM are converted element by element
@@ -1298,7 +1363,7 @@ static void mmv_direct_launch(cuda_backend *c, const luma_weight *const *ws, flo
     for (int i = 0; i < MMV_SEGS; i++) {
         if (i < n) {
             int64_t warps = (ws[i]->rows + ROWS - 1) / ROWS;
-            sg.w[i] = (const uint8_t *)ws[i]->dev;
+            sg.w[i] = mmv_bytes<T>(ws[i]);
             sg.y[i] = ys[i];
             sg.rows[i] = ws[i]->rows;
             sg.cta0[i] = ctas;
@@ -1310,7 +1375,7 @@ static void mmv_direct_launch(cuda_backend *c, const luma_weight *const *ws, flo
     const luma_weight *w = ws[0];
     cudaLaunchAttribute attr;
     cudaLaunchConfig_t cfg = luma_launch_config(c, c->stream, ctas, MMV_DIRECT_WARPS * 32, 0, &attr);
-    luma_cuda_fail(c, cudaLaunchKernelEx(&cfg, mmv_direct<T, MAXM, ROWS>, sg, luma_row_size(w->type, w->cols),
+    luma_cuda_fail(c, cudaLaunchKernelEx(&cfg, mmv_direct<T, MAXM, ROWS>, sg, mmv_row_bytes<T>(w),
                                          (int)(w->cols / T::qk), a, m),
                    "matmul (matrix-vector kernel)");
 }
@@ -1341,6 +1406,7 @@ static void mmv_launch(cuda_backend *c, const luma_weight *w, const act_rows &a,
      * breaks batched = sequential. */
     int forced = mmv_forced();
     bool staged = forced ? forced == 2 : MAXM == 1 && (w->type == LUMA_Q8_0 || w->rows <= MMV_STAGED_MAX_ROWS);
+    if (std::is_same<T, type_q6_K_mmv>::value) staged = false;   /* the staged kernel reads w->dev */
     if (staged) mmv_staged_launch<T, MAXM>(c, w, a, m, y);
     else mmv_direct_launch<T, MAXM>(c, &w, &y, 1, a, m);
 }
@@ -1439,6 +1505,13 @@ static void quantize_into(cuda_backend *c, const luma_weight *w, const float *x,
 
 static void mm_vec_run(cuda_backend *c, const luma_weight *w, const act_rows &a, int64_t m, float *y);
 
+static bool all_repacked(const luma_weight *const *ws, int n)
+{
+    for (int i = 0; i < n; i++)
+        if (!ws[i]->dev_mmv) return false;
+    return true;
+}
+
 /* One launch per pass for n weights of one block type and width (the
  * direct kernel); false, queuing nothing, for a type that keeps its own
  * kernel choice (Q8_0, whose 34-byte blocks the direct kernel reads 2 bytes
@@ -1456,7 +1529,10 @@ static bool mm_vec_run_many(cuda_backend *c, const luma_weight *const *ws, float
     case LUMA_Q3_K: mmv_run_many<type_q3_K>(c, ws, ys, n, a, m); return true;
     case LUMA_Q4_K: mmv_run_many<type_q4_K>(c, ws, ys, n, a, m); return true;
     case LUMA_Q5_K: mmv_run_many<type_q5_K>(c, ws, ys, n, a, m); return true;
-    case LUMA_Q6_K: mmv_run_many<type_q6_K>(c, ws, ys, n, a, m); return true;
+    case LUMA_Q6_K:
+        if (all_repacked(ws, n)) mmv_run_many<type_q6_K_mmv>(c, ws, ys, n, a, m);
+        else mmv_run_many<type_q6_K>(c, ws, ys, n, a, m);
+        return true;
     default: return false;
     }
 }
@@ -1488,7 +1564,10 @@ static void mm_vec_run(cuda_backend *c, const luma_weight *w, const act_rows &a,
     case LUMA_Q3_K: mmv_run<type_q3_K>(c, w, a, m, y); break;
     case LUMA_Q4_K: mmv_run<type_q4_K>(c, w, a, m, y); break;
     case LUMA_Q5_K: mmv_run<type_q5_K>(c, w, a, m, y); break;
-    case LUMA_Q6_K: mmv_run<type_q6_K>(c, w, a, m, y); break;
+    case LUMA_Q6_K:
+        if (w->dev_mmv) mmv_run<type_q6_K_mmv>(c, w, a, m, y);
+        else mmv_run<type_q6_K>(c, w, a, m, y);
+        break;
     default: luma_cuda_failf(c, "matmul: tensor type %s is not supported by the CUDA backend", luma_type_name(w->type));
     }
 }
@@ -1586,6 +1665,46 @@ static const char *cublas_status_name(cublasStatus_t st)
 void luma_cuda_weight_to_f16(cuda_backend *c, const luma_weight *w, __half *out)
 {
     dequant_rows(c, w, 0, w->rows, out);
+}
+
+/* One thread per block: the GGUF Q6_K block (ql[128], qh[64], scales[16],
+ * d) to type_q6_K_mmv's layout. */
+static __global__ void repack_q6_K(const uint8_t *__restrict__ src, int64_t n_blocks, uint8_t *__restrict__ dst)
+{
+    follow_previous_kernel();
+    int64_t ib = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (ib >= n_blocks) return;
+    const uint8_t *b = src + ib * 210;
+    uint32_t out[LUMA_Q6_K_MMV_BYTES / 4] = {};
+    uint8_t *o = (uint8_t *)out;
+    auto q = [&](int s, int l) {   /* element 32 s + l: e = 128 c + 32 k + l */
+        int c = s / 4, k = s % 4;
+        return ((b[64 * c + 32 * (k % 2) + l] >> (4 * (k / 2))) & 0xF) | ((b[128 + 32 * c + l] >> (2 * k)) & 3) << 4;
+    };
+    for (int p = 0; p < 8; p++) {
+        int h = p % 2, s0 = 2 * (p / 2), s1 = s0 + 1;
+        for (int i = 0; i < 4; i++)
+            for (int e = 0; e < 4; e++) {
+                int l = 16 * h + 4 * i + e, a = q(s0, l), z = q(s1, l);
+                o[16 * p + 4 * i + e] = (uint8_t)((a & 0xF) | (z & 0xF) << 4);
+                o[128 + 8 * p + e] |= (uint8_t)((a >> 4) << (2 * i));
+                o[128 + 8 * p + 4 + e] |= (uint8_t)((z >> 4) << (2 * i));
+            }
+        o[192 + 2 * p] = b[192 + 2 * s0 + h];
+        o[192 + 2 * p + 1] = b[192 + 2 * s1 + h];
+    }
+    float d = __half2float(__ushort_as_half((unsigned short)(b[208] | b[209] << 8)));
+    memcpy(o + 208, &d, 4);
+    int4 *to = (int4 *)(dst + ib * LUMA_Q6_K_MMV_BYTES);
+    for (int i = 0; i < LUMA_Q6_K_MMV_BYTES / 16; i++)
+        to[i] = make_int4((int)out[4 * i], (int)out[4 * i + 1], (int)out[4 * i + 2], (int)out[4 * i + 3]);
+}
+
+void luma_cuda_repack_q6_K(cuda_backend *c, const luma_weight *w, uint8_t *out)
+{
+    int64_t n = w->rows * (w->cols / 256);
+    luma_launch(c, c->stream, blocks_for(n, 128), 128, 0, repack_q6_K, (const uint8_t *)w->dev, n, out);
+    luma_cuda_fail(c, cudaGetLastError(), "repacking a Q6_K weight");
 }
 
 /* The whole weight as f16 with nothing to dequantize: F16 weights

@@ -23,6 +23,7 @@ typedef struct luma_weight {
     const void *host;          /* in the mapped file */
     void *dev;                 /* the backend's copy, when it keeps one */
     void *dev_f16;             /* the backend's f16 copy for large products, or NULL */
+    void *dev_mmv;             /* the backend's own layout for its matrix-vector kernels, or NULL */
 } luma_weight;
 
 typedef struct luma_buf {

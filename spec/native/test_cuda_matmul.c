@@ -210,6 +210,7 @@ static double time_matmul(ctx *cx, const luma_weight *w, size_t wbytes, int64_t 
     luma_err err = { { 0 } };
     luma_buf xb = { 0 }, yb = { 0 };
     size_t f16_bytes = (size_t)w->rows * (size_t)w->cols * 2;
+    size_t mmv_bytes = (size_t)w->rows * (size_t)(w->cols / 256) * 224;   /* Q6_K's repacked copy */
     size_t read = w->dev_f16 ? f16_bytes : wbytes;
     int copies = (int)((L2_DEFEAT_BYTES + read - 1) / read);
     if (copies > TIME_CALLS) copies = TIME_CALLS;
@@ -224,9 +225,13 @@ static double time_matmul(ctx *cx, const luma_weight *w, size_t wbytes, int64_t 
     for (int i = 0; i < copies; i++) {
         luma_weight *c = &wc[i];
         *c = *w;
-        c->dev = c->dev_f16 = NULL;
+        c->dev = c->dev_f16 = c->dev_mmv = NULL;
         if (!cuda_ok(cudaMalloc(&c->dev, wbytes + 16), "cudaMalloc (weight copy, padded as weight_load pads)") ||
             !cuda_ok(cudaMemcpy(c->dev, w->dev, wbytes, cudaMemcpyDeviceToDevice), "copy weights"))
+            goto done;
+        if (w->dev_mmv &&
+            (!cuda_ok(cudaMalloc(&c->dev_mmv, mmv_bytes), "cudaMalloc (repacked weight copy)") ||
+             !cuda_ok(cudaMemcpy(c->dev_mmv, w->dev_mmv, mmv_bytes, cudaMemcpyDeviceToDevice), "copy repacked")))
             goto done;
         if (w->dev_f16 &&
             (!cuda_ok(cudaMalloc(&c->dev_f16, f16_bytes), "cudaMalloc (f16 weight copy)") ||
@@ -285,6 +290,7 @@ done:
     for (int i = 0; i < copies; i++) {
         cudaFree(wc[i].dev);
         cudaFree(wc[i].dev_f16);
+        cudaFree(wc[i].dev_mmv);
     }
     if (xb.data) ops->buf_free(cx->be, &xb);
     if (yb.data) ops->buf_free(cx->be, &yb);
@@ -312,8 +318,16 @@ static void check_shape(ctx *cx, enum luma_type t, const struct shape *sh, timin
     bool copy_expected = t != LUMA_F16;
     CHECKF((w.dev_f16 != NULL) == copy_expected, "weight_load %s %lldx%lld %s an f16 copy", tr->name,
            (long long)rows, (long long)cols, copy_expected ? "did not keep" : "kept");
-    luma_weight per_call = w;
+    /* Q6_K matrices also get a copy repacked for the matrix-vector kernels;
+     * file_layout is the same weight without it (the kernels then read the
+     * file's blocks, as where the device had no room for the copy) */
+    const char *q6k = getenv("LUMA_CUDA_Q6K_MMV");
+    bool mmv_expected = t == LUMA_Q6_K && rows > 1 && !(q6k && strcmp(q6k, "0") == 0);
+    CHECKF((w.dev_mmv != NULL) == mmv_expected, "weight_load %s %lldx%lld %s a repacked copy", tr->name,
+           (long long)rows, (long long)cols, mmv_expected ? "did not keep" : "kept");
+    luma_weight per_call = w, file_layout = w;
     per_call.dev_f16 = NULL;
+    file_layout.dev_mmv = NULL;
 
     int64_t rows_s[SAMPLE_ROWS];
     int ns = rows < SAMPLE_ROWS ? (int)rows : SAMPLE_ROWS;
@@ -348,6 +362,14 @@ static void check_shape(ctx *cx, enum luma_type t, const struct shape *sh, timin
                    (long long)rows, (long long)cols, (long long)m, ec, tc);
             if (len < (int)sizeof line) len += snprintf(line + len, sizeof line - (size_t)len, " (cpu %.0e)", ec);
         }
+        if (m <= MMV_MAX_M && w.dev_mmv) {
+            for (int64_t k = 0; k < m * rows; k++) y[k] = NAN;
+            if (run_matmul(cx, &file_layout, x, m, y) != 0) continue;
+            double ec = cpu_product_rel_error(t, host, row_bytes, wref, rows_s, ns, x, m, cols, y, rows, SAMPLE_ACTS);
+            CHECKF(ec <= TOL_CPU_INT8, "%s %lldx%lld m=%lld, the file's layout: max error %.3g against the CPU backend's "
+                   "product > %.1g", tr->name, (long long)rows, (long long)cols, (long long)m, ec, TOL_CPU_INT8);
+            if (len < (int)sizeof line) len += snprintf(line + len, sizeof line - (size_t)len, " (file %.0e)", ec);
+        }
         if (m <= MMV_MAX_M || !w.dev_f16) continue;
         for (int64_t k = 0; k < m * rows; k++) y[k] = NAN;
         if (run_matmul(cx, &per_call, x, m, y) != 0) continue;
@@ -367,6 +389,9 @@ static void check_shape(ctx *cx, enum luma_type t, const struct shape *sh, timin
         }
         if (sh->big == TIME_ALL) tm->us[4] = time_matmul(cx, &w, bytes, 512, 0);
         if (sh->big == TIME_ALL && w.dev_f16) tm->us[5] = time_matmul(cx, &per_call, bytes, 512, 0);
+        if (w.dev_mmv && cx->graphs)
+            printf("%s %lldx%lld m=1 in a graph: repacked %.1f us, the file's layout %.1f us\n", tr->name,
+                   (long long)rows, (long long)cols, tm->us[2], time_matmul(cx, &file_layout, bytes, 1, 1));
         /* over 20 TB/s: the events did not wait for the backend's stream */
         CHECKF(tm->us[0] > (double)bytes / 2e7, "%s %lldx%lld m=1 timed at %.2f us: implausible", tr->name,
                (long long)rows, (long long)cols, tm->us[0]);

@@ -354,6 +354,25 @@ __device__ static void copy_rows(const attn_args &a, const dec_copy &cp, T *dst,
     }
 }
 
+/* copy_rows for a tile whose tk keys all lie in cache block b (a tile
+ * that starts inside the block and ends in it, every key before the
+ * sequence's first key of this step): one address for the tile, advanced
+ * by rows, instead of a block lookup per pass of rows. */
+template <typename T>
+__device__ static void copy_block_rows(const attn_args &a, const dec_copy &cp, T *dst, int32_t b, int32_t kt)
+{
+    const int PER = 16 / (int)sizeof(T);
+    if (!cp.active) return;
+    const uint8_t *from = a.pool + (size_t)b * a.block_bytes + cp.lane_off +
+                          (size_t)((kt & (a.block_tokens - 1)) + cp.row0) * (size_t)cp.row_bytes;
+    T *to = dst + cp.row0 * cp.ld + cp.col * PER;
+    for (int rr = cp.row0; rr < a.dec_tk; rr += cp.rpp) {
+        for (int c = 0; c < cp.ppr - cp.col; c += 32) cp_async16(to + c * PER, from + c * 16, true);
+        to += cp.rpp * cp.ld;
+        from += (size_t)cp.rpp * (size_t)cp.row_bytes;
+    }
+}
+
 /* One warp: the weights exp(m_s - m) / l of the n_live splits whose (m, l)
  * are at part_ml[2 (at + s)], into wt (shared memory). Every live split
  * holds a key: its m is finite. */
@@ -470,8 +489,16 @@ __global__ static void __launch_bounds__(DEC_MAX_WARPS * 32, MMA == 128 ? 2 : 1)
     dec_copy kcp = dec_copy_for<T>(a, kvh, false, a.ldk), vcp = dec_copy_for<T>(a, kvh, true, a.ldv);
     auto issue = [&](int j) {
         int32_t kt = k0 + (warp + j * W) * TK, src = -1, key = kt + key_l;
-        if (key < k1) src = key >= spos0 ? -2 - (srow0 + key - spos0) : tab[key >> a.bt_shift];
         T *st = ring + (j % S) * a.stage_elems;
+        if (kt + TK <= k1 && kt + TK <= spos0 && (kt & (a.block_tokens - 1)) + TK <= a.block_tokens) {
+            int32_t b = tab[kt >> a.bt_shift];
+            if (b >= 0) {
+                copy_block_rows<T>(a, kcp, st, b, kt);
+                copy_block_rows<T>(a, vcp, st + TK * a.ldk, b, kt);
+                return;
+            }
+        }
+        if (key < k1) src = key >= spos0 ? -2 - (srow0 + key - spos0) : tab[key >> a.bt_shift];
         copy_rows<T>(a, kcp, st, src, kt, kvh, false);
         copy_rows<T>(a, vcp, st + TK * a.ldk, src, kt, kvh, true);
     };

@@ -973,33 +973,22 @@ struct mmv_segs {
     float *y[MMV_SEGS];
     int64_t rows[MMV_SEGS];
     unsigned cta0[MMV_SEGS];
+    size_t row_bytes[MMV_SEGS];
+    int nb[MMV_SEGS];          /* blocks of a row */
+    unsigned cta_b;            /* the first CTA of a segment of the second type (UINT_MAX: none) */
 };
 
 /* y[j * rows + r] = W[r] . x[j] for the m <= MAXM activation rows; each warp
- * owns ROWS consecutive weight rows and keeps ROWS x MAXM sums. A lane
- * takes blocks ib0, ib0 + stride, ...; the raw bytes of its next block are
- * fetched before the current one is decoded and used, so that a load is in
- * flight while the lane computes. */
+ * owns ROWS consecutive weight rows (from r0) and keeps ROWS x MAXM sums. A
+ * lane takes blocks ib0, ib0 + stride, ...; the raw bytes of its next block
+ * are fetched before the current one is decoded and used, so that a load
+ * is in flight while the lane computes. */
 template <class T, int MAXM, int ROWS>
-static __global__ void __launch_bounds__(MMV_DIRECT_WARPS * 32)
-mmv_direct(mmv_segs sg, size_t row_bytes, int nb, act_rows a, int m)
+static __device__ __forceinline__ void mmv_direct_rows(const uint8_t *w, float *y, int64_t rows, int64_t r0,
+                                                       size_t row_bytes, int nb, const act_rows &a, int m)
 {
     constexpr int stride = 32 / T::lpb;  /* blocks of a row covered by the warp at once */
     const int lane = threadIdx.x % 32, p = lane % T::lpb;
-    /* this CTA's segment (constant indices: the segments stay parameters) */
-    const uint8_t *w = sg.w[0];
-    float *y = sg.y[0];
-    int64_t rows = sg.rows[0], cta0 = 0;
-#pragma unroll
-    for (int i = 1; i < MMV_SEGS; i++)
-        if (blockIdx.x >= sg.cta0[i]) {
-            w = sg.w[i];
-            y = sg.y[i];
-            rows = sg.rows[i];
-            cta0 = sg.cta0[i];
-        }
-    const int64_t r0 = (((int64_t)blockIdx.x - cta0) * MMV_DIRECT_WARPS + threadIdx.x / 32) * ROWS;
-    if (r0 >= rows) return;
     const uint8_t *wr[ROWS];
 #pragma unroll
     for (int r = 0; r < ROWS; r++) wr[r] = w + (size_t)min(r0 + r, rows - 1) * row_bytes;
@@ -1035,6 +1024,40 @@ mmv_direct(mmv_segs sg, size_t row_bytes, int nb, act_rows a, int m)
             float v = warp_sum(acc[r][j]);
             if (lane == 0 && j < m && r0 + r < rows) y[(int64_t)j * rows + r0 + r] = v;
         }
+}
+
+/* The weights of one launch, in segments of CTAs: a segment's rows as
+ * mmv_direct_rows takes them, in type TA, or in type TB from CTA cta_b on
+ * (q and k in one format, v in another of the same activation format); one
+ * type when TA and TB are the same. */
+template <class TA, class TB, int MAXM, int ROWS>
+static __global__ void __launch_bounds__(MMV_DIRECT_WARPS * 32)
+mmv_direct(mmv_segs sg, act_rows a, int m)
+{
+    /* this CTA's segment (constant indices: the segments stay parameters) */
+    const uint8_t *w = sg.w[0];
+    float *y = sg.y[0];
+    int64_t rows = sg.rows[0], cta0 = 0;
+    size_t row_bytes = sg.row_bytes[0];
+    int nb = sg.nb[0];
+#pragma unroll
+    for (int i = 1; i < MMV_SEGS; i++)
+        if (blockIdx.x >= sg.cta0[i]) {
+            w = sg.w[i];
+            y = sg.y[i];
+            rows = sg.rows[i];
+            cta0 = sg.cta0[i];
+            row_bytes = sg.row_bytes[i];
+            nb = sg.nb[i];
+        }
+    const int64_t r0 = (((int64_t)blockIdx.x - cta0) * MMV_DIRECT_WARPS + threadIdx.x / 32) * ROWS;
+    if (r0 >= rows) return;
+    if constexpr (std::is_same<TA, TB>::value) {
+        mmv_direct_rows<TA, MAXM, ROWS>(w, y, rows, r0, row_bytes, nb, a, m);
+    } else {
+        if (blockIdx.x < sg.cta_b) mmv_direct_rows<TA, MAXM, ROWS>(w, y, rows, r0, row_bytes, nb, a, m);
+        else mmv_direct_rows<TB, MAXM, ROWS>(w, y, rows, r0, row_bytes, nb, a, m);
+    }
 }
 
 /* -- the staged kernel: weights through shared memory by bulk copies -------- */
@@ -1353,30 +1376,33 @@ static void mmv_staged_launch(cuda_backend *c, const luma_weight *w, const act_r
 
 /* Launched as a programmatic dependent of the quantizer (cuda/launch.cuh):
  * the first weight loads go out before the wait. */
-template <class T, int MAXM>
-static void mmv_direct_launch(cuda_backend *c, const luma_weight *const *ws, float *const *ys, int n,
+template <class TA, class TB, int MAXM>
+static void mmv_direct_launch(cuda_backend *c, const luma_weight *const *ws, float *const *ys, int n, int n_a,
                               const act_rows &a, int m)
 {
     constexpr int ROWS = mmv_rows(MAXM);
     mmv_segs sg = {};
     unsigned ctas = 0;
+    sg.cta_b = UINT_MAX;
     for (int i = 0; i < MMV_SEGS; i++) {
         if (i < n) {
             int64_t warps = (ws[i]->rows + ROWS - 1) / ROWS;
-            sg.w[i] = mmv_bytes<T>(ws[i]);
+            bool b = i >= n_a;
+            if (b && sg.cta_b == UINT_MAX) sg.cta_b = ctas;
+            sg.w[i] = b ? mmv_bytes<TB>(ws[i]) : mmv_bytes<TA>(ws[i]);
             sg.y[i] = ys[i];
             sg.rows[i] = ws[i]->rows;
             sg.cta0[i] = ctas;
+            sg.row_bytes[i] = b ? mmv_row_bytes<TB>(ws[i]) : mmv_row_bytes<TA>(ws[i]);
+            sg.nb[i] = (int)(ws[i]->cols / (b ? TB::qk : TA::qk));
             ctas += (unsigned)((warps + MMV_DIRECT_WARPS - 1) / MMV_DIRECT_WARPS);
         } else {
             sg.cta0[i] = UINT_MAX;
         }
     }
-    const luma_weight *w = ws[0];
     cudaLaunchAttribute attr;
     cudaLaunchConfig_t cfg = luma_launch_config(c, c->stream, ctas, MMV_DIRECT_WARPS * 32, 0, &attr);
-    luma_cuda_fail(c, cudaLaunchKernelEx(&cfg, mmv_direct<T, MAXM, ROWS>, sg, mmv_row_bytes<T>(w),
-                                         (int)(w->cols / T::qk), a, m),
+    luma_cuda_fail(c, cudaLaunchKernelEx(&cfg, mmv_direct<TA, TB, MAXM, ROWS>, sg, a, m),
                    "matmul (matrix-vector kernel)");
 }
 
@@ -1408,7 +1434,7 @@ static void mmv_launch(cuda_backend *c, const luma_weight *w, const act_rows &a,
     bool staged = forced ? forced == 2 : MAXM == 1 && (w->type == LUMA_Q8_0 || w->rows <= MMV_STAGED_MAX_ROWS);
     if (std::is_same<T, type_q6_K_mmv>::value) staged = false;   /* the staged kernel reads w->dev */
     if (staged) mmv_staged_launch<T, MAXM>(c, w, a, m, y);
-    else mmv_direct_launch<T, MAXM>(c, &w, &y, 1, a, m);
+    else mmv_direct_launch<T, T, MAXM>(c, &w, &y, 1, 1, a, m);
 }
 
 /* The activation rows from row j0 on. */
@@ -1442,19 +1468,19 @@ static void mmv_run(cuda_backend *c, const luma_weight *w, const act_rows &a, in
  * activations: one direct launch per pass for all of them. A row's sum is
  * the same in any launch, and the staged kernel (which mmv_run takes for
  * one row of a small matrix) sums a row as the direct one does. */
-template <class T>
+template <class TA, class TB = TA>
 static void mmv_run_many(cuda_backend *c, const luma_weight *const *ws, float *const *ys, int n, const act_rows &a,
-                         int64_t m)
+                         int64_t m, int n_a = MMV_SEGS)
 {
     for (int64_t j0 = 0; j0 < m && LUMA_CUDA_OK(c); j0 += MMV_PASS_M) {
         int nj = (int)(m - j0 < MMV_PASS_M ? m - j0 : MMV_PASS_M);
         act_rows aj = act_rows_from(a, j0);
         float *yj[MMV_SEGS];
         for (int i = 0; i < n && i < MMV_SEGS; i++) yj[i] = ys[i] + j0 * ws[i]->rows;
-        if (nj == 1) mmv_direct_launch<T, 1>(c, ws, yj, n, aj, nj);
-        else if (nj == 2) mmv_direct_launch<T, 2>(c, ws, yj, n, aj, nj);
-        else if (nj <= 4) mmv_direct_launch<T, 4>(c, ws, yj, n, aj, nj);
-        else mmv_direct_launch<T, 8>(c, ws, yj, n, aj, nj);
+        if (nj == 1) mmv_direct_launch<TA, TB, 1>(c, ws, yj, n, n_a, aj, nj);
+        else if (nj == 2) mmv_direct_launch<TA, TB, 2>(c, ws, yj, n, n_a, aj, nj);
+        else if (nj <= 4) mmv_direct_launch<TA, TB, 4>(c, ws, yj, n, n_a, aj, nj);
+        else mmv_direct_launch<TA, TB, 8>(c, ws, yj, n, n_a, aj, nj);
     }
 }
 
@@ -1547,6 +1573,27 @@ static void mm_vec(cuda_backend *c, const luma_weight *w, const float *x, int64_
         if (!LUMA_CUDA_OK(c)) return;
     }
     mm_vec_run(c, w, act_rows_at(w, x, m, s), m, y);
+}
+
+/* One launch per pass for weights of two block types that share an
+ * activation format: ws[0 .. n_a) of one type, ws[n_a .. n) of another
+ * (a Q4_K_M model's q and k with its Q6_K v; Q5_0 q and k with a Q8_0 v).
+ * Each row gets the bits its own type's launch gives it. false, queuing
+ * nothing, for a pair without a kernel or when a kernel is forced. */
+static bool mm_vec_run_pair(cuda_backend *c, const luma_weight *const *ws, float *const *ys, int n, int n_a,
+                            const act_rows &a, int64_t m)
+{
+    if (mmv_forced() || n > MMV_SEGS) return false;
+    enum luma_type ta = ws[0]->type, tb = ws[n_a]->type;
+    if (ta == LUMA_Q4_K && tb == LUMA_Q6_K && all_repacked(ws + n_a, n - n_a))
+        mmv_run_many<type_q4_K, type_q6_K_mmv>(c, ws, ys, n, a, m, n_a);
+    else if (ta == LUMA_Q5_K && tb == LUMA_Q6_K && all_repacked(ws + n_a, n - n_a))
+        mmv_run_many<type_q5_K, type_q6_K_mmv>(c, ws, ys, n, a, m, n_a);
+    else if (ta == LUMA_Q5_0 && tb == LUMA_Q8_0)
+        mmv_run_many<type_q5_0, type_q8_0>(c, ws, ys, n, a, m, n_a);
+    else
+        return false;
+    return true;
 }
 
 static void mm_vec_run(cuda_backend *c, const luma_weight *w, const act_rows &a, int64_t m, float *y)
@@ -1949,6 +1996,36 @@ void luma_cuda_matmul_many(cuda_backend *c, int n, const luma_weight *const *ws,
                 ys_same[k++] = ys[j];
                 taken[j] = true;
             }
+        /* and the rest of this format, when they are of one other type
+         * that has a kernel with this one */
+        const luma_weight *pair[MMV_SEGS];
+        float *ys_pair[MMV_SEGS];
+        int np = 0, rest = 0;
+        for (int j = i + 1; j < n && j < LUMA_MATMUL_MANY; j++)
+            if (fmt_of[j] == f && !taken[j]) {
+                rest++;
+                if (k + np < MMV_SEGS && (np == 0 || ws[j]->type == pair[0]->type)) {
+                    pair[np] = ws[j];
+                    ys_pair[np++] = ys[j];
+                }
+            }
+        if (np > 0 && np == rest) {
+            const luma_weight *both[MMV_SEGS];
+            float *ys_both[MMV_SEGS];
+            for (int j = 0; j < k; j++) {
+                both[j] = same[j];
+                ys_both[j] = ys_same[j];
+            }
+            for (int j = 0; j < np; j++) {
+                both[k + j] = pair[j];
+                ys_both[k + j] = ys_pair[j];
+            }
+            if (LUMA_CUDA_OK(c) && mm_vec_run_pair(c, both, ys_both, k + np, k, a, m)) {
+                for (int j = i + 1; j < n && j < LUMA_MATMUL_MANY; j++)
+                    if (fmt_of[j] == f) taken[j] = true;
+                continue;
+            }
+        }
         if (k > 1 && LUMA_CUDA_OK(c) && mm_vec_run_many(c, same, ys_same, k, a, m)) continue;
         for (int j = 0; j < k && LUMA_CUDA_OK(c); j++) mm_vec_run(c, same[j], a, m, ys_same[j]);
     }

@@ -366,8 +366,9 @@ static void check_shape(ctx *cx, enum luma_type t, const struct shape *sh, timin
             for (int64_t k = 0; k < m * rows; k++) y[k] = NAN;
             if (run_matmul(cx, &file_layout, x, m, y) != 0) continue;
             double ec = cpu_product_rel_error(t, host, row_bytes, wref, rows_s, ns, x, m, cols, y, rows, SAMPLE_ACTS);
-            CHECKF(ec <= TOL_CPU_INT8, "%s %lldx%lld m=%lld, the file's layout: max error %.3g against the CPU backend's "
-                   "product > %.1g", tr->name, (long long)rows, (long long)cols, (long long)m, ec, TOL_CPU_INT8);
+            CHECKF(ec <= TOL_CPU_INT8,
+                   "%s %lldx%lld m=%lld, the file's layout: max error %.3g against the CPU backend's product > %.1g",
+                   tr->name, (long long)rows, (long long)cols, (long long)m, ec, TOL_CPU_INT8);
             if (len < (int)sizeof line) len += snprintf(line + len, sizeof line - (size_t)len, " (file %.0e)", ec);
         }
         if (m <= MMV_MAX_M || !w.dev_f16) continue;

@@ -125,6 +125,16 @@ static void decide_f16(cuda_backend *c)
     c->f16_mode = CUDA_F16_RESIDENT;
 }
 
+/* Waits for the kernel that fills a weight's copy p; on a failure frees p
+ * and hands the failure to err (-1). */
+static int await_copy(cuda_backend *c, void *p, const char *what, luma_err *err)
+{
+    if (LUMA_CUDA_OK(c)) luma_cuda_fail(c, cudaStreamSynchronize(c->stream), what);
+    if (LUMA_CUDA_OK(c)) return 0;
+    cudaFree(p);
+    return report(c, err);
+}
+
 /* Gives the matrix w (just loaded into slot) its f16 copy while the backend
  * keeps copies. A copy that would take their total past the budget, or that
  * finds no memory, ends the policy instead: all copies are freed, so a
@@ -147,11 +157,7 @@ static int keep_f16(cuda_backend *c, luma_weight *w, cuda_weight_copy *slot, lum
         return 0;
     }
     luma_cuda_weight_to_f16(c, w, (__half *)h);
-    if (LUMA_CUDA_OK(c)) luma_cuda_fail(c, cudaStreamSynchronize(c->stream), "dequantizing a weight to f16");
-    if (!LUMA_CUDA_OK(c)) {
-        cudaFree(h);
-        return report(c, err);
-    }
+    if (await_copy(c, h, "dequantizing a weight to f16", err)) return -1;
     slot->f16 = h;
     w->dev_f16 = h;
     c->f16_bytes += bytes;
@@ -174,11 +180,7 @@ static int keep_mmv(cuda_backend *c, luma_weight *w, cuda_weight_copy *slot, lum
         return 0;
     }
     luma_cuda_repack_q6_K(c, w, (uint8_t *)p);
-    if (LUMA_CUDA_OK(c)) luma_cuda_fail(c, cudaStreamSynchronize(c->stream), "repacking a Q6_K weight");
-    if (!LUMA_CUDA_OK(c)) {
-        cudaFree(p);
-        return report(c, err);
-    }
+    if (await_copy(c, p, "repacking a Q6_K weight", err)) return -1;
     slot->mmv = p;
     w->dev_mmv = p;
     return 0;

@@ -52,8 +52,9 @@ static __device__ __forceinline__ void follow_previous_kernel()
 }
 
 /* A launch configuration on stream s, a programmatic dependent of the
- * kernel before it when c->pdl. attr must outlive the launch call; extra
- * attributes may follow it in the caller's array (n_attrs counts them). */
+ * kernel before it when c->pdl. attr must outlive the launch call; a
+ * caller may put more attributes after it in its array and raise
+ * cfg.numAttrs (mmq's cluster shape). */
 static inline cudaLaunchConfig_t luma_launch_config(const cuda_backend *c, cudaStream_t s, dim3 grid, dim3 block,
                                                     size_t smem, cudaLaunchAttribute *attr)
 {

@@ -697,20 +697,14 @@ struct type_q6_K_mmv {
     }
 };
 
-/* Which copy of a weight the matrix-vector kernels read for type T, and
- * its row stride. */
+/* Which copy of a weight the matrix-vector kernels read for type T (its
+ * rows are cols / T::qk blocks of T::bytes either way). */
 template <class T>
 static const uint8_t *mmv_bytes(const luma_weight *w)
 {
     return (const uint8_t *)(std::is_same<T, type_q6_K_mmv>::value ? w->dev_mmv : w->dev);
 }
 
-template <class T>
-static size_t mmv_row_bytes(const luma_weight *w)
-{
-    return std::is_same<T, type_q6_K_mmv>::value ? (size_t)(w->cols / T::qk) * T::bytes
-                                                 : luma_row_size(w->type, w->cols);
-}
 
 /* Float weights: a "block" is one 16-byte load, lpb 1; the activations stay
  * f32. Their panels for the GEMM are converted element by element
@@ -1393,8 +1387,8 @@ static void mmv_direct_launch(cuda_backend *c, const luma_weight *const *ws, flo
             sg.y[i] = ys[i];
             sg.rows[i] = ws[i]->rows;
             sg.cta0[i] = ctas;
-            sg.row_bytes[i] = b ? mmv_row_bytes<TB>(ws[i]) : mmv_row_bytes<TA>(ws[i]);
             sg.nb[i] = (int)(ws[i]->cols / (b ? TB::qk : TA::qk));
+            sg.row_bytes[i] = (size_t)sg.nb[i] * (size_t)(b ? TB::bytes : TA::bytes);
             ctas += (unsigned)((warps + MMV_DIRECT_WARPS - 1) / MMV_DIRECT_WARPS);
         } else {
             sg.cta0[i] = UINT_MAX;
@@ -1996,35 +1990,21 @@ void luma_cuda_matmul_many(cuda_backend *c, int n, const luma_weight *const *ws,
                 ys_same[k++] = ys[j];
                 taken[j] = true;
             }
-        /* and the rest of this format, when they are of one other type
-         * that has a kernel with this one */
-        const luma_weight *pair[MMV_SEGS];
-        float *ys_pair[MMV_SEGS];
+        /* and the rest of this format after them, when they are of one
+         * other type that has a kernel with this one */
         int np = 0, rest = 0;
         for (int j = i + 1; j < n && j < LUMA_MATMUL_MANY; j++)
             if (fmt_of[j] == f && !taken[j]) {
                 rest++;
-                if (k + np < MMV_SEGS && (np == 0 || ws[j]->type == pair[0]->type)) {
-                    pair[np] = ws[j];
-                    ys_pair[np++] = ys[j];
+                if (k + np < MMV_SEGS && (np == 0 || ws[j]->type == same[k]->type)) {
+                    same[k + np] = ws[j];
+                    ys_same[k + np++] = ys[j];
                 }
             }
-        if (np > 0 && np == rest) {
-            const luma_weight *both[MMV_SEGS];
-            float *ys_both[MMV_SEGS];
-            for (int j = 0; j < k; j++) {
-                both[j] = same[j];
-                ys_both[j] = ys_same[j];
-            }
-            for (int j = 0; j < np; j++) {
-                both[k + j] = pair[j];
-                ys_both[k + j] = ys_pair[j];
-            }
-            if (LUMA_CUDA_OK(c) && mm_vec_run_pair(c, both, ys_both, k + np, k, a, m)) {
-                for (int j = i + 1; j < n && j < LUMA_MATMUL_MANY; j++)
-                    if (fmt_of[j] == f) taken[j] = true;
-                continue;
-            }
+        if (np > 0 && np == rest && LUMA_CUDA_OK(c) && mm_vec_run_pair(c, same, ys_same, k + np, k, a, m)) {
+            for (int j = i + 1; j < n && j < LUMA_MATMUL_MANY; j++)
+                if (fmt_of[j] == f) taken[j] = true;
+            continue;
         }
         if (k > 1 && LUMA_CUDA_OK(c) && mm_vec_run_many(c, same, ys_same, k, a, m)) continue;
         for (int j = 0; j < k && LUMA_CUDA_OK(c); j++) mm_vec_run(c, same[j], a, m, ys_same[j]);

@@ -826,6 +826,8 @@ luma_backend *luma_backend_cuda_new(int device, luma_err *err)
         cuda_free(&c->base);
         return NULL;
     }
+    const char *wg = getenv("LUMA_CUDA_WGMMA");
+    c->wgmma = !(wg && strcmp(wg, "0") == 0) && luma_cuda_wgmma_probe(c);
     if (cudaMalloc(&c->cublas_ws, CUBLAS_WORKSPACE) != cudaSuccess) {
         cudaGetLastError();
         luma_errf(err, "CUDA backend: no GPU memory for the cuBLAS workspace");

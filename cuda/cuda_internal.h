@@ -123,8 +123,12 @@ typedef struct cuda_backend {
     uint64_t n_replays, n_recorded;
     /* luma_cuda_mmq's choice: 0 its measured rule, 1 every product it can
      * take (f16 route), 2 the same with the int8 route for the K formats,
-     * -1 none (luma_cuda_mmq_policy sets it, for measuring) */
+     * 3 the same with the wgmma route where it runs, -1 none
+     * (luma_cuda_mmq_policy sets it, for measuring) */
     int mmq_policy;
+    /* mmq's wgmma route can run (luma_cuda_wgmma_probe; LUMA_CUDA_WGMMA=0
+     * in the environment: not) */
+    bool wgmma;
     /* Batch invariance (backend.h set_batch_invariant): every product on
      * the matrix-vector path whatever its rows, every attention row on the
      * decode kernel with splits of a fixed length, and no f16 copies. */
@@ -198,6 +202,7 @@ bool luma_cuda_mmq(cuda_backend *c, const luma_weight *w, const float *x, int64_
 bool luma_cuda_mmq_takes(const cuda_backend *c, const luma_weight *w, const float *x, int64_t m);
 /* Whether luma_cuda_mmq takes this product although m is small enough for
  * the matrix-vector kernels (its int8 route, where it measured faster). */
+bool luma_cuda_wgmma_probe(cuda_backend *c);
 bool luma_cuda_mmq_small(const cuda_backend *c, const luma_weight *w, const float *x, int64_t m);
 
 /* ---- ops.cu -------------------------------------------------------------- */

@@ -11,6 +11,8 @@
  *                 mma.sync.m16n8k32 (s8), each sub-block's integer sum then
  *                 scaled: nothing is dequantized, and the result is the CPU
  *                 backend's product but for the order of float sums.
+ * A third, the wgmma route (mmq_wg_kernel, sm_90a), is measured but not
+ * chosen by the rule: see its section below.
  * Two kernels:
  *   quantize_act  (matmul.cu) the activations (m x cols, f32) to f16 in
  *                 scratch, as the cuBLAS path converts them (f16 route), or
@@ -283,6 +285,31 @@ static __device__ __forceinline__ void deq_group(uint32_t w0, uint32_t w1, float
     }
 }
 
+/* deq_group in f16 pairs for every format (the wgmma route): d (and mn)
+ * rounded to f16 first, then one HMUL2 or HFMA2 per two values, so a value
+ * can differ from quant.c's rounded once by an f16 ulp; a third of the
+ * instructions of the f32 arithmetic, which bounds that route. */
+template <class T>
+static __device__ __forceinline__ void deq_group_h2(uint32_t w0, uint32_t w1, float d, float mn, uint32_t (&a)[4])
+{
+    if constexpr (T::math == DEQ_FMA) {
+        __half2 d2 = __float2half2_rn(d), m2 = __float2half2_rn(-mn);
+        const __half2 bias = __float2half2_rn(1024.0f + (float)T::off);
+        const uint32_t sel[2] = { 0x4140, 0x4342 };
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            uint32_t h = __byte_perm(i < 2 ? w0 : w1, 0x64646464u, sel[i % 2]);
+            __half2 v = __hfma2(__hsub2(*(const __half2 *)&h, bias), d2, m2);
+            a[i] = *(const uint32_t *)&v;
+        }
+    } else {
+        __half2 d2 = __float2half2_rn(d);
+        a[0] = deq_half2<T>(w0, 0x4140, d2);
+        a[1] = deq_half2<T>(w0, 0x4342, d2);
+        a[2] = deq_half2<T>(w1, 0x4140, d2);
+        a[3] = deq_half2<T>(w1, 0x4342, d2);
+    }
+}
 
 /* ---- the int8 route (K formats) ---------------------------------------------
  *
@@ -797,6 +824,305 @@ static __global__ void __launch_bounds__(MMQ_THREADS, mmq_warps<BM>::min_ctas) m
     cluster.sync();   /* no CTA leaves while another still reads its memory */
 }
 
+/* ---- the wgmma route (sm_90a) -------------------------------------------------
+ *
+ * Hopper's warpgroup MMA (wgmma.mma_async) on weights dequantized in
+ * shared memory, for batched decode (m of 33 to 128). A CTA of four
+ * warpgroups owns 128 weight rows x BN activation rows (BN = 64 or 128)
+ * over its range of k, in stages of 64 k (four per 256-k step):
+ *   producers  (warpgroups 2 and 3) copy each 256-k step's raw blocks to
+ *              shared memory (cp.async, one step ahead) and a stage's f16
+ *              activations (quantize_act's output, the CPU's 8-bit values)
+ *              into its B tile two stages ahead, and dequantize a stage's
+ *              128 x 64 weights to f16 (T::group, deq_group_h2: within an
+ *              f16 ulp of quant.c's values) into its A tile;
+ *   consumers  (warpgroups 0 and 1, 64 rows each: wgmma's M) wait for a
+ *              stage, issue its four k16 wgmmas (both operands from shared
+ *              memory, f32 accumulators in registers) and release the stage
+ *              once the next stage's are issued and it is done.
+ * MMQ_WG_STAGES buffers; named barriers (ids MMQ_WG_BAR_*) carry "stage
+ * full" (producers arrive, consumers wait) and "stage empty" (the reverse).
+ *
+ * Checked against the CPU like the other routes (test_cuda_mmq, policy 3),
+ * but slower than cuBLAS on the resident f16 copy on the H100 (cuda/NOTES.md,
+ * "The wgmma route"): the producers, not the tensor cores, set its pace, so
+ * the rule does not choose it; LUMA_CUDA_WG_LO=n makes it take m > n, for
+ * measuring.
+ *
+ * Both tiles use wgmma's canonical K-major layout without swizzling: 8 x 8
+ * core matrices of 128 contiguous bytes (8 rows x 16 bytes of k), a k16
+ * chunk's two k halves MMQ_WG_LBO bytes apart, consecutive groups of 8
+ * rows MMQ_WG_SBO apart, chunks 16 x rows bytes apart. T::group gives a
+ * thread elements 32a + 8t .. + 7 of a row in order: exactly one 16-byte
+ * core-matrix row (chunk 2a + t / 2, half t % 2), so k keeps its natural
+ * order and B is the activation rows cut into 16-byte pieces. */
+#define MMQ_WG_ROWS 128       /* weight rows per CTA: two consumer warpgroups */
+#define MMQ_WG_THREADS 512    /* two consumer and two producer warpgroups */
+#define MMQ_WG_PRODUCERS 256
+#define MMQ_WG_K 64           /* k per stage */
+#define MMQ_WG_STAGES 4       /* B is loaded two stages ahead of its use */
+#define MMQ_WG_LBO 128        /* bytes between the k halves of a chunk */
+#define MMQ_WG_SBO 256        /* bytes between groups of 8 rows */
+#define MMQ_WG_BAR_FULL 1     /* + stage buffer: the stage's tiles are ready */
+#define MMQ_WG_BAR_EMPTY 5    /* + stage buffer: the consumers are done with it */
+#define MMQ_WG_BAR_PROD 9     /* the producers among themselves */
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define MMQ_WG_DEVICE 1
+#endif
+
+/* Shared memory: MMQ_WG_STAGES stages of (A: 128 rows, B: BN rows) x 64 k
+ * of f16, then two 256-k steps of raw spans. After the main loop the
+ * partial results (split k) use the stages. */
+template <class T, int BN>
+struct mmq_wg_shape {
+    static constexpr int a = MMQ_WG_ROWS * MMQ_WG_K * 2;
+    static constexpr int b = BN * MMQ_WG_K * 2;
+    static constexpr int stage = a + b;
+    static constexpr int raw = MMQ_WG_ROWS * T::slot;
+    static constexpr int smem = MMQ_WG_STAGES * stage + 2 * raw;
+    static_assert(MMQ_WG_ROWS * BN * 2 <= MMQ_WG_STAGES * stage, "the partial tile fits");
+};
+
+#ifdef MMQ_WG_DEVICE
+static __device__ __forceinline__ uint64_t wg_desc(const void *p)
+{
+    uint32_t a = (uint32_t)__cvta_generic_to_shared(p);
+    return (uint64_t)((a & 0x3FFFF) >> 4) | (uint64_t)(MMQ_WG_LBO >> 4) << 16 | (uint64_t)(MMQ_WG_SBO >> 4) << 32;
+}
+
+static __device__ __forceinline__ void bar_sync(int id, int n)
+{
+    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(n) : "memory");
+}
+
+static __device__ __forceinline__ void bar_arrive(int id, int n)
+{
+    asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(n) : "memory");
+}
+
+#define WG_D8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
+                 "+f"(d[i + 6]), "+f"(d[i + 7])
+
+/* d += A B for one k16 chunk, A (64 x 16) at da, B (16 x BN) at db; d is
+ * the warpgroup's 64 x BN tile, BN / 2 floats a thread. */
+static __device__ __forceinline__ void wg_mma(float (&d)[64], uint64_t da, uint64_t db)
+{
+    asm volatile("{\n.reg .pred p;\nsetp.eq.u32 p, 1, 1;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+                 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+                 "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
+                 "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
+                 "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63},"
+                 " %64, %65, p, 1, 1, 0, 0;\n}"
+                 : WG_D8(0), WG_D8(8), WG_D8(16), WG_D8(24), WG_D8(32), WG_D8(40), WG_D8(48), WG_D8(56)
+                 : "l"(da), "l"(db));
+}
+
+static __device__ __forceinline__ void wg_mma(float (&d)[32], uint64_t da, uint64_t db)
+{
+    asm volatile("{\n.reg .pred p;\nsetp.eq.u32 p, 1, 1;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+                 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+                 "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31},"
+                 " %32, %33, p, 1, 1, 0, 0;\n}"
+                 : WG_D8(0), WG_D8(8), WG_D8(16), WG_D8(24)
+                 : "l"(da), "l"(db));
+}
+#undef WG_D8
+
+template <int E>
+static __device__ __forceinline__ void wg_pin(float (&d)[E])
+{
+#pragma unroll
+    for (int i = 0; i < E; i++) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+/* The output of accumulator e of consumer thread th (warp w = th / 32):
+ * its weight row and activation row inside the CTA's tile (wgmma's D
+ * fragment: n8 chunk e / 4, rows g and g + 8 of the warp's 16). */
+static __device__ __forceinline__ void wg_acc_at(int th, int e, int &rr, int &nn)
+{
+    int warp = th / 32, g = th % 32 / 4, t = th % 4;
+    rr = 16 * warp + g + 8 * (e % 4 / 2);
+    nn = 8 * (e / 4) + 2 * t + e % 2;
+}
+
+/* Producer thread pt: queues the raw spans of k-step kb into raw. */
+template <class T>
+static __device__ __forceinline__ void wg_load_raw(uint8_t *raw, const mmq_args &p, int64_t r0, int kb, int pt)
+{
+    constexpr bool aligned = T::span % 16 == 0;
+    constexpr int pieces = aligned ? T::span / 16 : T::slot / 16;
+    for (int i = pt; i < MMQ_WG_ROWS * pieces; i += MMQ_WG_PRODUCERS) {
+        int rr = i / pieces, k = i % pieces;
+        const uint8_t *span = span_at<T>(p, r0, rr, kb);
+        if (aligned) {
+            cp_async16(raw + rr * T::slot + 16 * k, span + 16 * k, 16);
+            continue;
+        }
+        const uint8_t *src = (const uint8_t *)((uintptr_t)span & ~(uintptr_t)15) + 16 * k;
+        if (src < span + T::span) {
+            ptrdiff_t left = p.w_end - src;
+            cp_async16(raw + rr * T::slot + 16 * k, src, left < 16 ? (int)left : 16);
+        }
+    }
+}
+
+#endif
+
+/* Grid: (activation tiles, weight-row tiles, splits of k); the splits of a
+ * tile form one cluster, reduced as in mmq_kernel. */
+template <class T, int BN>
+static __global__ void __launch_bounds__(MMQ_WG_THREADS, 1) mmq_wg_kernel(mmq_args p)
+{
+#ifdef MMQ_WG_DEVICE
+    typedef mmq_wg_shape<T, BN> S;
+    constexpr int E = BN / 2;   /* accumulators per consumer thread */
+    constexpr int ALL = MMQ_WG_THREADS;
+    extern __shared__ __align__(16) uint8_t smem[];
+    uint8_t *raw = smem + MMQ_WG_STAGES * S::stage;
+    const int64_t n0 = (int64_t)blockIdx.x * BN, r0 = (int64_t)blockIdx.y * MMQ_WG_ROWS;
+    const int splits = gridDim.z, split = blockIdx.z;
+    const int kb0 = (int)((int64_t)split * p.nkb / splits), kb1 = (int)((int64_t)(split + 1) * p.nkb / splits);
+    const int nst = (kb1 - kb0) * (MMQ_K / MMQ_WG_K);   /* stages: four per 256-k step */
+    const bool producer = threadIdx.x >= ALL - MMQ_WG_PRODUCERS;
+    float acc[E];
+#pragma unroll
+    for (int e = 0; e < E; e++) acc[e] = 0.0f;
+
+    if (producer) {
+        /* Iteration st: queue B of stage st + 2 (once the consumers are
+         * done with stage st - 2, whose buffer it takes) and, at the first
+         * stage of a 256-k step, the next step's raw spans, as one
+         * cp.async group; then dequantize stage st's A (its buffer was
+         * freed two iterations ago), wait for its B (group st - 2) and
+         * mark the stage full. */
+        const int pt = threadIdx.x - (ALL - MMQ_WG_PRODUCERS);
+        const int rr = pt / 2, hp = pt % 2;   /* weight row; which half of its pieces */
+        constexpr int BP = BN * 8 / MMQ_WG_PRODUCERS;   /* B pieces a thread queues per stage */
+        const int nn = pt / (8 / BP), q0 = (pt % (8 / BP)) * BP;
+        const int64_t n = n0 + nn < p.m ? n0 + nn : p.m - 1;
+        const __half *bsrc = p.xh + n * p.cols + (int64_t)kb0 * MMQ_K + 8 * q0;
+        const int bbytes = n0 + nn < p.m ? 16 : 0;
+        auto load_b = [&](int s_) {
+            uint8_t *b_t = smem + (s_ % MMQ_WG_STAGES) * S::stage + S::a;
+#pragma unroll
+            for (int i = 0; i < BP; i++) {
+                int q = q0 + i;
+                cp_async16(b_t + (q / 2) * (BN * 32) + (nn / 8) * MMQ_WG_SBO + (q % 2) * MMQ_WG_LBO + (nn % 8) * 16,
+                           bsrc + (int64_t)s_ * MMQ_WG_K + 8 * i, bbytes);
+            }
+        };
+        if (nst > 0) wg_load_raw<T>(raw, p, r0, kb0, pt);   /* the weights do not depend on the previous kernel */
+        wait_for_previous_kernel();
+        if (nst > 0) load_b(0);
+        cp_async_commit();
+        if (nst > 1) load_b(1);
+        cp_async_commit();
+        const int tp = hp;   /* this thread's pieces of each 32-group: t = 2 tp, 2 tp + 1 (one chunk) */
+        for (int j = 0; j < nst / 4; j++) {
+            const uint8_t *blk = raw + (j % 2) * S::raw + rr * T::slot +
+                                 (T::span % 16 == 0 ? 0 : (uintptr_t)span_at<T>(p, r0, rr, kb0 + j) & 15);
+#pragma unroll
+            for (int sub = 0; sub < 4; sub++) {
+                const int st = 4 * j + sub;
+                if (st + 2 < nst) {
+                    if (st >= 2) bar_sync(MMQ_WG_BAR_EMPTY + (st + 2) % MMQ_WG_STAGES, ALL);
+                    load_b(st + 2);
+                }
+                if (sub == 0 && 4 * (j + 1) < nst)
+                    wg_load_raw<T>(raw + ((j + 1) % 2) * S::raw, p, r0, kb0 + j + 1, pt);
+                cp_async_commit();
+                cp_async_wait<2>();   /* group st - 2: stage st's B, and step j's spans long before */
+                if (sub == 0) bar_sync(MMQ_WG_BAR_PROD, MMQ_WG_PRODUCERS);   /* every producer's spans have landed */
+                uint8_t *a_t = smem + (st % MMQ_WG_STAGES) * S::stage + (rr / 8) * MMQ_WG_SBO + (rr % 8) * 16;
+#pragma unroll
+                for (int ai = 0; ai < 2; ai++) {
+                    const int a = 2 * sub + ai;   /* a compile-time group: constant scale shifts */
+#pragma unroll
+                    for (int h = 0; h < 2; h++) {
+                        uint32_t w0, w1, v[4];
+                        float d, mn;
+                        T::group(blk, 2 * tp + h, a, w0, w1, d, mn);
+                        deq_group_h2<T>(w0, w1, d, mn, v);
+                        *(uint4 *)(a_t + (2 * ai + tp) * (MMQ_WG_ROWS * 32) + h * MMQ_WG_LBO) =
+                            make_uint4(v[0], v[1], v[2], v[3]);
+                    }
+                }
+                /* the shared-memory writes are the generic proxy's; wgmma reads through the async proxy */
+                asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+                if (sub == 3) bar_sync(MMQ_WG_BAR_PROD, MMQ_WG_PRODUCERS);   /* all done reading step j's spans */
+                bar_arrive(MMQ_WG_BAR_FULL + st % MMQ_WG_STAGES, ALL);
+            }
+        }
+        cp_async_wait<0>();
+    } else {
+        const int wg = threadIdx.x / 128;
+        for (int st = 0; st < nst; st++) {
+            const uint8_t *a_t = smem + (st % MMQ_WG_STAGES) * S::stage + wg * (64 / 8) * MMQ_WG_SBO;
+            const uint8_t *b_t = smem + (st % MMQ_WG_STAGES) * S::stage + S::a;
+            bar_sync(MMQ_WG_BAR_FULL + st % MMQ_WG_STAGES, ALL);
+            asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#pragma unroll
+            for (int c = 0; c < MMQ_WG_K / 16; c++)
+                wg_mma(acc, wg_desc(a_t + c * (MMQ_WG_ROWS * 32)), wg_desc(b_t + c * (BN * 32)));
+            asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+            asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
+            /* stage st - 1 is done: its buffer goes back to the producers,
+             * who wait for stages up to nst - 5 */
+            if (st >= 1 && st - 1 <= nst - 5) bar_arrive(MMQ_WG_BAR_EMPTY + (st - 1) % MMQ_WG_STAGES, ALL);
+        }
+        asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+        wg_pin(acc);
+    }
+
+    __syncthreads();
+    const int th = threadIdx.x;   /* consumers: 0 .. 255 */
+    if (splits == 1) {
+        if (!producer)
+#pragma unroll
+            for (int e = 0; e < E; e++) {
+                int rr, nn;
+                wg_acc_at(th, e, rr, nn);
+                if (r0 + rr < p.rows && n0 + nn < p.m) p.y[(n0 + nn) * p.rows + r0 + rr] = acc[e];
+            }
+        return;
+    }
+    /* Split k: the consumers' tile goes to red[e][consumer thread]; rank k
+     * of the cluster then sums its slice of every CTA's red, in rank order. */
+    constexpr int C = ALL - MMQ_WG_PRODUCERS;
+    float *red = (float *)smem;
+    if (!producer)
+#pragma unroll
+        for (int e = 0; e < E; e++) red[e * C + th] = acc[e];
+    cg::cluster_group cluster = cg::this_cluster();
+    cluster.sync();
+    constexpr int units = C * E / 4;   /* float4s of the tile */
+    const int rank = (int)cluster.block_rank();
+    const int u1 = (rank + 1) * units / splits;
+    for (int u = rank * units / splits + th; u < u1; u += ALL) {
+        float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        for (int k = 0; k < splits; k++) {
+            float4 v = ((const float4 *)cluster.map_shared_rank(red, k))[u];
+            sum.x += v.x;
+            sum.y += v.y;
+            sum.z += v.z;
+            sum.w += v.w;
+        }
+        int e = 4 * u / C, th0 = 4 * u % C;
+        float s4[4] = { sum.x, sum.y, sum.z, sum.w };
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            int rr, nn;
+            wg_acc_at(th0 + j, e, rr, nn);
+            if (r0 + rr < p.rows && n0 + nn < p.m) p.y[(n0 + nn) * p.rows + r0 + rr] = s4[j];
+        }
+    }
+    cluster.sync();
+#endif
+}
+
 /* ---- host side ---------------------------------------------------------------- */
 
 /* How many CTAs, and clusters of 2, 4 and 8 CTAs, of one kernel fit on the
@@ -807,25 +1133,22 @@ typedef struct mmq_fit {
     int clusters[4];           /* [log2 of the cluster size]; [0]: single CTAs */
 } mmq_fit;
 
-template <class T, int BM>
-static const mmq_fit *mmq_setup(cuda_backend *c)
+static const mmq_fit *mmq_setup_kernel(cuda_backend *c, mmq_fit *fit, const void *fn, int smem, int threads)
 {
-    static mmq_fit fit;
     uint64_t bit = c->device < 64 ? (uint64_t)1 << c->device : 0;
-    if (bit && (fit.ready & bit)) return &fit;
-    const void *fn = (const void *)mmq_kernel<T, BM>;
-    int smem = mmq_shape<T, BM>::smem, per_sm = 0;
+    if (bit && (fit->ready & bit)) return fit;
+    int per_sm = 0;
     if (luma_cuda_fail(c, cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
                        "matmul (mmq shared memory limit)") ||
-        luma_cuda_fail(c, cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fn, MMQ_THREADS, (size_t)smem),
+        luma_cuda_fail(c, cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fn, threads, (size_t)smem),
                        "matmul (mmq occupancy)"))
         return NULL;
-    fit.clusters[0] = per_sm * c->n_sm;
+    fit->clusters[0] = per_sm * c->n_sm;
     for (int l = 1; l < 4; l++) {
         cudaLaunchConfig_t cfg = {};
         cudaLaunchAttribute attr;
         cfg.gridDim = dim3(1, 1, 1u << l);
-        cfg.blockDim = dim3(MMQ_THREADS);
+        cfg.blockDim = dim3((unsigned)threads);
         cfg.dynamicSmemBytes = (size_t)smem;
         attr.id = cudaLaunchAttributeClusterDimension;
         attr.val.clusterDim.x = 1;
@@ -836,10 +1159,10 @@ static const mmq_fit *mmq_setup(cuda_backend *c)
         int n = 0;
         if (luma_cuda_fail(c, cudaOccupancyMaxActiveClusters(&n, fn, &cfg), "matmul (mmq cluster occupancy)"))
             return NULL;
-        fit.clusters[l] = n;
+        fit->clusters[l] = n;
     }
-    fit.ready |= bit;
-    return &fit;
+    fit->ready |= bit;
+    return fit;
 }
 
 /* The splits of k (1, 2, 4, 8: the portable cluster size) with the least
@@ -869,12 +1192,9 @@ struct mmq_x {
     const float2 *xds;
 };
 
-template <class T, int BM>
-static void mmq_launch(cuda_backend *c, const luma_weight *w, const mmq_x &x, int64_t m, float *y)
+/* The kernel's arguments for y = W x over m activation rows at xh. */
+static mmq_args mmq_args_for(const luma_weight *w, const mmq_x &x, int64_t m, float *y)
 {
-    typedef mmq_warps<BM> W;
-    const mmq_fit *fit = mmq_setup<T, BM>(c);
-    if (!fit) return;
     mmq_args p;
     p.row_bytes = luma_row_size(w->type, w->cols);
     p.w = (const uint8_t *)w->dev;
@@ -887,19 +1207,65 @@ static void mmq_launch(cuda_backend *c, const luma_weight *w, const mmq_x &x, in
     p.xq = x.xq;
     p.xds = x.xds;
     p.y = y;
-    int64_t n_tiles = (m + BM - 1) / BM, row_tiles = (w->rows + W::rows - 1) / W::rows;
-    int splits = mmq_splits(fit, n_tiles * row_tiles, p.nkb);
+    return p;
+}
 
+/* Queues kernel fn (mmq_kernel or mmq_wg_kernel) on n_tiles x row_tiles
+ * tiles, k split over clusters as mmq_splits chooses. */
+static void mmq_queue(cuda_backend *c, void (*fn)(mmq_args), const mmq_fit *fit, const mmq_args &p, int64_t n_tiles,
+                      int64_t row_tiles, int smem, int threads)
+{
+    int splits = mmq_splits(fit, n_tiles * row_tiles, p.nkb);
     cudaLaunchAttribute attr[2];
     cudaLaunchConfig_t cfg = luma_launch_config(c, c->stream, dim3((unsigned)n_tiles, (unsigned)row_tiles,
                                                                    (unsigned)splits),
-                                                MMQ_THREADS, mmq_shape<T, BM>::smem, attr);
+                                                (unsigned)threads, smem, attr);
     attr[1].id = cudaLaunchAttributeClusterDimension;
     attr[1].val.clusterDim.x = 1;
     attr[1].val.clusterDim.y = 1;
     attr[1].val.clusterDim.z = (unsigned)splits;
     cfg.numAttrs = splits > 1 ? 2 : 1;
-    luma_cuda_fail(c, cudaLaunchKernelEx(&cfg, mmq_kernel<T, BM>, p), "matmul (mmq kernel)");
+    luma_cuda_fail(c, cudaLaunchKernelEx(&cfg, fn, p), "matmul (mmq kernel)");
+}
+
+template <class T, int BM>
+static void mmq_launch(cuda_backend *c, const luma_weight *w, const mmq_x &x, int64_t m, float *y)
+{
+    typedef mmq_warps<BM> W;
+    static mmq_fit fit;
+    const int smem = mmq_shape<T, BM>::smem;
+    if (!mmq_setup_kernel(c, &fit, (const void *)mmq_kernel<T, BM>, smem, MMQ_THREADS)) return;
+    mmq_queue(c, mmq_kernel<T, BM>, &fit, mmq_args_for(w, x, m, y), (m + BM - 1) / BM,
+              (w->rows + W::rows - 1) / W::rows, smem, MMQ_THREADS);
+}
+
+/* The wgmma route: x quantized to f16 as for the other routes (in
+ * scratch), then the kernel. */
+template <class T, int BN>
+static void mmq_wg_launch(cuda_backend *c, const luma_weight *w, const float *x, int64_t m, float *y)
+{
+    static mmq_fit fit;
+    const int smem = mmq_wg_shape<T, BN>::smem;
+    if (!mmq_setup_kernel(c, &fit, (const void *)mmq_wg_kernel<T, BN>, smem, MMQ_WG_THREADS)) return;
+    size_t bytes;
+    if (luma_mul_size((size_t)m, (size_t)w->cols * sizeof(__half), &bytes)) {
+        luma_cuda_failf(c, "matmul: %lld x %lld activations are too large", (long long)m, (long long)w->cols);
+        return;
+    }
+    __half *xh = (__half *)luma_cuda_scratch(c, bytes);
+    if (!xh) return;
+    luma_cuda_quantize_act(c, w->type, x, m * w->cols, NULL, NULL, xh);
+    mmq_x xa = { xh, NULL, NULL };
+    if (LUMA_CUDA_OK(c))
+        mmq_queue(c, mmq_wg_kernel<T, BN>, &fit, mmq_args_for(w, xa, m, y), (m + BN - 1) / BN,
+                  (w->rows + MMQ_WG_ROWS - 1) / MMQ_WG_ROWS, smem, MMQ_WG_THREADS);
+}
+
+template <class T>
+static void mmq_wg_run(cuda_backend *c, const luma_weight *w, const float *x, int64_t m, float *y)
+{
+    if (m <= 64) mmq_wg_launch<T, 64>(c, w, x, m, y);
+    else mmq_wg_launch<T, 128>(c, w, x, m, y);
 }
 
 /* Activation tiles of 8, 16, 32 or 64 rows (32 at most on the int8
@@ -1018,6 +1384,20 @@ static bool mmq8_wins(const luma_weight *w, int64_t m)
     return false;
 }
 
+/* The wgmma route (sm_90a builds on a compute capability 9.0 device:
+ * c->wgmma) lost to the other paths at every measured m (cuda/NOTES.md),
+ * so the rule never takes it; LUMA_CUDA_WG_LO=n in the environment makes
+ * it take every supported product of more than n rows, for measuring. */
+static bool mmq_wg_wins(const cuda_backend *c, const luma_weight *w, int64_t m)
+{
+    static int env_lo = -2;
+    if (env_lo == -2) {
+        const char *s = getenv("LUMA_CUDA_WG_LO");
+        env_lo = s && *s ? atoi(s) : -1;
+    }
+    return c->wgmma && env_lo >= 0 && m > env_lo;
+}
+
 bool luma_cuda_mmq_small(const cuda_backend *c, const luma_weight *w, const float *x, int64_t m)
 {
     return c->mmq_policy == 0 && !c->invariant && mmq8_wins(w, m) && mmq_fits(w, x, m);
@@ -1026,7 +1406,8 @@ bool luma_cuda_mmq_small(const cuda_backend *c, const luma_weight *w, const floa
 bool luma_cuda_mmq_takes(const cuda_backend *c, const luma_weight *w, const float *x, int64_t m)
 {
     if (c->mmq_policy < 0 || !mmq_fits(w, x, m)) return false;
-    return c->mmq_policy != 0 || (mmq8_supports(w->type) && mmq8_wins(w, m)) || mmq_wins(c, w, m);
+    return c->mmq_policy != 0 || (mmq8_supports(w->type) && mmq8_wins(w, m)) || mmq_wg_wins(c, w, m) ||
+           mmq_wins(c, w, m);
 }
 
 bool luma_cuda_mmq(cuda_backend *c, const luma_weight *w, const float *x, int64_t m, float *y)
@@ -1034,6 +1415,18 @@ bool luma_cuda_mmq(cuda_backend *c, const luma_weight *w, const float *x, int64_
     if (!luma_cuda_mmq_takes(c, w, x, m)) return false;
     bool i8 = mmq8_supports(w->type) && (c->mmq_policy == 2 || (c->mmq_policy == 0 && mmq8_wins(w, m)));
     if (!LUMA_CUDA_OK(c)) return true;
+    if (!i8 && c->wgmma && (c->mmq_policy == 3 || (c->mmq_policy == 0 && mmq_wg_wins(c, w, m)))) {
+        switch (w->type) {
+        case LUMA_Q4_0: mmq_wg_run<mmq_q4_0>(c, w, x, m, y); break;
+        case LUMA_Q5_0: mmq_wg_run<mmq_q5_0>(c, w, x, m, y); break;
+        case LUMA_Q8_0: mmq_wg_run<mmq_q8_0>(c, w, x, m, y); break;
+        case LUMA_Q4_K: mmq_wg_run<mmq_q4_K>(c, w, x, m, y); break;
+        case LUMA_Q5_K: mmq_wg_run<mmq_q5_K>(c, w, x, m, y); break;
+        case LUMA_Q6_K: mmq_wg_run<mmq_q6_K>(c, w, x, m, y); break;
+        default: break;
+        }
+        return true;
+    }
     size_t elems, bytes;
     if (luma_mul_size((size_t)m, (size_t)w->cols, &elems) || luma_mul_size(elems, sizeof(__half), &bytes)) {
         luma_cuda_failf(c, "matmul: %lld x %lld activations are too large", (long long)m, (long long)w->cols);
@@ -1071,7 +1464,40 @@ bool luma_cuda_mmq(cuda_backend *c, const luma_weight *w, const float *x, int64_
 
 extern "C" void luma_cuda_mmq_policy(luma_backend *be, int policy)
 {
-    ((cuda_backend *)be)->mmq_policy = policy < 0 ? -1 : policy > 2 ? 2 : policy;
+    ((cuda_backend *)be)->mmq_policy = policy < 0 ? -1 : policy > 3 ? 3 : policy;
+}
+
+/* Whether the wgmma route runs here (policy 3 falls back to the f16 route
+ * where it does not). */
+extern "C" bool luma_cuda_mmq_has_wgmma(luma_backend *be)
+{
+    return ((cuda_backend *)be)->wgmma;
+}
+
+static __global__ void mmq_wg_probe(int *out)
+{
+#ifdef MMQ_WG_DEVICE
+    *out = 1;
+#else
+    *out = 0;
+#endif
+}
+
+/* Whether this build's code for the device has the wgmma kernels (sm_90a
+ * machine code on a compute capability 9.0 device); false on any failure,
+ * which it clears. */
+bool luma_cuda_wgmma_probe(cuda_backend *c)
+{
+    int *d = NULL, h = 0;
+    bool ok = cudaMalloc(&d, sizeof *d) == cudaSuccess;
+    if (ok) {
+        mmq_wg_probe<<<1, 1, 0, c->stream>>>(d);
+        ok = cudaMemcpyAsync(&h, d, sizeof h, cudaMemcpyDeviceToHost, c->stream) == cudaSuccess &&
+             cudaStreamSynchronize(c->stream) == cudaSuccess;
+    }
+    if (d) cudaFree(d);
+    cudaGetLastError();
+    return ok && h == 1;
 }
 
 extern "C" bool luma_cuda_mmq_matmul(luma_backend *be, const luma_weight *w, const luma_buf *x, luma_buf *y)

@@ -10,6 +10,8 @@
  *     stays under TOL (f16 operands, f32 accumulation);
  *   - the int8 route of the K formats (policy 2) on the same products,
  *     within TOL_CPU_INT8 of the CPU backend's own product;
+ *   - the wgmma route (policy 3) where it runs (sm_90a code on a compute
+ *     capability 9.0 device), within TOL and TOL_CPU, twice the same bits;
  *   - the same product twice gives the same bits (split-k partial tiles are
  *     summed in a fixed order);
  *   - the policy: -1 declines everything, 1 takes every supported product;
@@ -23,7 +25,8 @@
  *     dequantizing per call. The last columns say what luma_cuda_mmq's
  *     measured rule (policy 0) picks with a resident f16 copy and without.
  * Without a CUDA device it says so and passes. LUMA_CUDA_QUICK=1 keeps to the
- * small shapes and skips the timing. */
+ * small shapes and skips the timing; LUMA_MMQ_TYPES="Q4_K,Q6_K" and
+ * LUMA_MMQ_SHAPES="14336x4096" keep to those types and big shapes. */
 #include "backend.h"
 #include "quant.h"
 #include "testutil.h"
@@ -42,6 +45,7 @@
  * internal header is C++). be must be a CUDA backend. */
 void luma_cuda_mmq_policy(luma_backend *be, int policy);
 bool luma_cuda_mmq_matmul(luma_backend *be, const luma_weight *w, const luma_buf *x, luma_buf *y);
+bool luma_cuda_mmq_has_wgmma(luma_backend *be);
 
 static const enum luma_type types[] = { LUMA_Q4_K, LUMA_Q6_K, LUMA_Q8_0, LUMA_Q5_K, LUMA_Q4_0, LUMA_Q5_0 };
 #define N_TYPES (int)(sizeof types / sizeof types[0])
@@ -74,12 +78,19 @@ static const int time_ms[] = { 1, 2, 4, 8, 16, 32, 64, 128, 256, 512 };
 typedef struct ctx {
     luma_backend *be;
     int quick;
+    bool wg;                   /* the wgmma route runs on this device */
     void *queue;               /* QUEUE_BYTES of device memory for the memset */
     luma_buf x, y;             /* M_MAX rows of the current shape */
 } ctx;
 
 /* The ways of computing y = W x that are timed. */
-enum path { MMQ, MMQ8, MATMUL_RESIDENT, MATMUL_PER_CALL, N_PATHS };
+enum path { MMQ, MMQ8, MMQ_WG, MATMUL_RESIDENT, MATMUL_PER_CALL, N_PATHS };
+
+/* The policy that forces each mmq route. */
+static int route_policy(enum path pt)
+{
+    return pt == MMQ8 ? 2 : pt == MMQ_WG ? 3 : 1;
+}
 
 /* Whether mmq has its int8 route for t (policy 2 takes it). */
 static bool has_int8(enum luma_type t)
@@ -101,8 +112,8 @@ static int run_path(ctx *cx, enum path pt, const luma_weight *w, int64_t m)
 {
     luma_buf xv = luma_buf_rows(&cx->x, 0, m), yv = luma_buf_rows(&cx->y, 0, m);
     yv.cols = w->rows;
-    if (pt == MMQ || pt == MMQ8) {
-        luma_cuda_mmq_policy(cx->be, pt == MMQ8 ? 2 : 1);
+    if (pt == MMQ || pt == MMQ8 || pt == MMQ_WG) {
+        luma_cuda_mmq_policy(cx->be, route_policy(pt));
         bool took = luma_cuda_mmq_matmul(cx->be, w, &xv, &yv);
         CHECKF(took, "%s %lldx%lld m=%lld: mmq declined a product it supports", luma_type_name(w->type),
                (long long)w->rows, (long long)w->cols, (long long)m);
@@ -292,6 +303,25 @@ static void check_shape(ctx *cx, enum luma_type t, const struct shape *sh, timin
                 if (product(cx, MMQ, &w, m, y) != 0) continue;
             }
         }
+        if (cx->wg) {
+            for (int64_t k = 0; k < m * rows; k++) y2[k] = NAN;
+            if (product(cx, MMQ_WG, &w, m, y2) != 0) continue;
+            double ew = product_rel_error(wref, rows_s, ns, x, m, cols, y2, rows, SAMPLE_ACTS);
+            double ecw = cpu_product_rel_error(t, host, row_bytes, wref, rows_s, ns, x, m, cols, y2, rows, SAMPLE_ACTS);
+            CHECKF(ew <= TOL && ecw <= TOL_CPU,
+                   "%s %lldx%lld m=%lld: wgmma route: max relative error %.3g (tol %.0e), %.3g against the CPU "
+                   "backend's product (tol %.0e)", luma_type_name(t), (long long)rows, (long long)cols, (long long)m,
+                   ew, TOL, ecw, TOL_CPU);
+            if (len < (int)sizeof line)
+                len += snprintf(line + len, sizeof line - (size_t)len, "/wg %.0e", ecw);
+            if (m == 100 || m == 300) {
+                if (product(cx, MMQ_WG, &w, m, y) != 0) continue;
+                CHECKF(memcmp(y, y2, (size_t)(m * rows) * sizeof(float)) == 0,
+                       "%s %lldx%lld m=%lld: two runs of the same wgmma-route product differ", luma_type_name(t),
+                       (long long)rows, (long long)cols, (long long)m);
+                if (product(cx, MMQ, &w, m, y) != 0) continue;
+            }
+        }
         if (m != 16 && m != 100) continue;
         if (product(cx, MMQ, &w, m, y2) != 0) continue;
         CHECKF(memcmp(y, y2, (size_t)(m * rows) * sizeof(float)) == 0,
@@ -307,6 +337,7 @@ static void check_shape(ctx *cx, enum luma_type t, const struct shape *sh, timin
                 int64_t m = time_ms[i];
                 tm[i].us[MMQ] = time_path(cx, MMQ, &cp, m);
                 tm[i].us[MMQ8] = has_int8(t) && m > 1 ? time_path(cx, MMQ8, &cp, m) : 0.0;
+                tm[i].us[MMQ_WG] = cx->wg && m > 8 ? time_path(cx, MMQ_WG, &cp, m) : 0.0;
                 tm[i].us[MATMUL_RESIDENT] = time_path(cx, MATMUL_RESIDENT, &cp, m);
                 tm[i].us[MATMUL_PER_CALL] = m > 8 ? time_path(cx, MATMUL_PER_CALL, &cp, m) : 0.0;
                 luma_buf xv = luma_buf_rows(&cx->x, 0, m), yv = luma_buf_rows(&cx->y, 0, m);
@@ -395,12 +426,23 @@ static void print_timing(enum luma_type t, const struct shape *sh, int64_t m, co
         printf(" %7.1f %6.1f %6.0f |", us[MMQ8], flop / (us[MMQ8] * 1e6), qbytes / (us[MMQ8] * 1e3));
     else
         printf(" %7s %6s %6s |", "-", "-", "-");
+    if (us[MMQ_WG] > 0)
+        printf(" %7.1f %6.1f %6.0f |", us[MMQ_WG], flop / (us[MMQ_WG] * 1e6), qbytes / (us[MMQ_WG] * 1e3));
+    else
+        printf(" %7s %6s %6s |", "-", "-", "-");
     double vs_res = us[MMQ] > 0 ? us[MATMUL_RESIDENT] / us[MMQ] : 0.0;
     double vs_pc = us[MMQ] > 0 && us[MATMUL_PER_CALL] > 0 ? us[MATMUL_PER_CALL] / us[MMQ] : 0.0;
     printf(" %5.2fx %-4s", vs_res, vs_res > 1.0 ? "mmq" : m <= 8 ? "mmv" : "cuBLAS");
     if (vs_pc > 0) printf(" %5.2fx %-6s", vs_pc, vs_pc > 1.0 ? "mmq" : "cuBLAS");
     else printf(" %6s %-6s", "-", "");
     printf(" %-3s %s\n", tm->rule_res ? "mmq" : "-", tm->rule_pc ? "mmq" : "-");
+}
+
+static const char *shape_name(const struct shape *sh)
+{
+    static char name[48];
+    snprintf(name, sizeof name, "%lldx%lld", (long long)sh->rows, (long long)sh->cols);
+    return name;
 }
 
 static int run_checks(void)
@@ -416,12 +458,18 @@ static int run_checks(void)
     }
     if (!cx.quick && !cuda_ok(cudaMalloc(&cx.queue, QUEUE_BYTES), "cudaMalloc (queue)")) cx.quick = 1;
 
+    cx.wg = luma_cuda_mmq_has_wgmma(cx.be);
+    printf("wgmma route: %s\n", cx.wg ? "runs here (checked and timed)" : "not on this device or build: not checked");
     check_policy(&cx);
     static timing tms[N_TYPES][N_SHAPES][N_TIME_MS];
     int checked = 0;
+    const char *only = getenv("LUMA_MMQ_TYPES");         /* "Q4_K,Q6_K": only these, for measuring */
+    const char *only_shape = getenv("LUMA_MMQ_SHAPES");  /* "14336x4096": likewise */
     for (int ti = 0; ti < N_TYPES; ti++)
         for (int si = 0; si < N_SHAPES; si++) {
             if (cx.quick && shapes[si].big) continue;
+            if (only && *only && !strstr(only, luma_type_name(types[ti]))) continue;
+            if (only_shape && *only_shape && !strstr(only_shape, shape_name(&shapes[si]))) continue;
             check_shape(&cx, types[ti], &shapes[si], tms[ti][si]);
             checked++;
         }
@@ -431,10 +479,11 @@ static int run_checks(void)
         printf("\ntiming (best of %d, weights cold in L2): microseconds, TFLOP/s, GB/s of the weights each path "
                "reads\n", TIME_REPS);
         printf("type  shape          m |      mmq: us TFLOP/s  GB/s | matmul resident f16 (mmv for m <= 8): us "
-               "TFLOP/s GB/s | per call: us TFLOP/s | int8 route: us TFLOP/s GB/s | mmq vs resident | vs per call | rule: resident, per call\n");
+               "TFLOP/s GB/s | per call: us TFLOP/s | int8 route: us TFLOP/s GB/s | wgmma route: us TFLOP/s GB/s | mmq vs resident | vs per call | rule: resident, per call\n");
         for (int ti = 0; ti < N_TYPES; ti++)
             for (int si = 0; si < N_SHAPES; si++)
-                if (shapes[si].big)
+                if (shapes[si].big && !(only && *only && !strstr(only, luma_type_name(types[ti]))) &&
+                    !(only_shape && *only_shape && !strstr(only_shape, shape_name(&shapes[si]))))
                     for (int i = 0; i < N_TIME_MS; i++)
                         print_timing(types[ti], &shapes[si], time_ms[i], &tms[ti][si][i]);
     }

@@ -1037,19 +1037,21 @@ static __global__ void __launch_bounds__(MMQ_WG_THREADS, 1) mmq_wg_kernel(mmq_ar
                 cp_async_wait<2>();   /* group st - 2: stage st's B, and step j's spans long before */
                 if (sub == 0) bar_sync(MMQ_WG_BAR_PROD, MMQ_WG_PRODUCERS);   /* every producer's spans have landed */
                 uint8_t *a_t = smem + (st % MMQ_WG_STAGES) * S::stage + (rr / 8) * MMQ_WG_SBO + (rr % 8) * 16;
+                /* Every read of the stage's blocks before any write of its
+                 * tile: the compiler cannot tell the two apart, and a store
+                 * between them would order each piece's loads after the
+                 * previous piece's store (and reload the header). */
+                uint32_t w0[4], w1[4], v[4][4];
+                float d[4], mn[4];
 #pragma unroll
-                for (int ai = 0; ai < 2; ai++) {
-                    const int a = 2 * sub + ai;   /* a compile-time group: constant scale shifts */
+                for (int k = 0; k < 4; k++)   /* a = 2 sub + k / 2 (compile-time: constant scale shifts), t = 2 tp + k % 2 */
+                    T::group(blk, 2 * tp + k % 2, 2 * sub + k / 2, w0[k], w1[k], d[k], mn[k]);
 #pragma unroll
-                    for (int h = 0; h < 2; h++) {
-                        uint32_t w0, w1, v[4];
-                        float d, mn;
-                        T::group(blk, 2 * tp + h, a, w0, w1, d, mn);
-                        deq_group_h2<T>(w0, w1, d, mn, v);
-                        *(uint4 *)(a_t + (2 * ai + tp) * (MMQ_WG_ROWS * 32) + h * MMQ_WG_LBO) =
-                            make_uint4(v[0], v[1], v[2], v[3]);
-                    }
-                }
+                for (int k = 0; k < 4; k++) deq_group_h2<T>(w0[k], w1[k], d[k], mn[k], v[k]);
+#pragma unroll
+                for (int k = 0; k < 4; k++)
+                    *(uint4 *)(a_t + (2 * (k / 2) + tp) * (MMQ_WG_ROWS * 32) + (k % 2) * MMQ_WG_LBO) =
+                        make_uint4(v[k][0], v[k][1], v[k][2], v[k][3]);
                 /* the shared-memory writes are the generic proxy's; wgmma reads through the async proxy */
                 asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
                 if (sub == 3) bar_sync(MMQ_WG_BAR_PROD, MMQ_WG_PRODUCERS);   /* all done reading step j's spans */

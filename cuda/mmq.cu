@@ -986,7 +986,10 @@ static __global__ void __launch_bounds__(MMQ_WG_THREADS, 1) mmq_wg_kernel(mmq_ar
     const int splits = gridDim.z, split = blockIdx.z;
     const int kb0 = (int)((int64_t)split * p.nkb / splits), kb1 = (int)((int64_t)(split + 1) * p.nkb / splits);
     const int nst = (kb1 - kb0) * (MMQ_K / MMQ_WG_K);   /* stages: four per 256-k step */
-    const bool producer = threadIdx.x >= ALL - MMQ_WG_PRODUCERS;
+    /* the warpgroup index read through a shuffle is one the compiler knows
+     * to be warp-uniform: the consumers' wgmmas are then not in a divergent
+     * path, which ptxas would serialize (C7518) */
+    const bool producer = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0) >= (ALL - MMQ_WG_PRODUCERS) / 128;
     float acc[E];
 #pragma unroll
     for (int e = 0; e < E; e++) acc[e] = 0.0f;

@@ -54,6 +54,8 @@
 #include "launch.cuh"
 
 #include <cooperative_groups.h>
+#include <cuda.h>
+#include <cudaTypedefs.h>
 
 namespace cg = cooperative_groups;
 
@@ -880,15 +882,46 @@ struct mmq_wg_shape {
     static constexpr int b = BN * MMQ_WG_K * 2;
     static constexpr int stage = a + b;
     static constexpr int raw = MMQ_WG_ROWS * T::slot;
-    static constexpr int smem = MMQ_WG_STAGES * stage + 2 * raw;
+    static constexpr int smem = MMQ_WG_STAGES * stage + 2 * raw + 8 * (MMQ_WG_STAGES + 2);   /* + mbarriers */
     static_assert(MMQ_WG_ROWS * BN * 2 <= MMQ_WG_STAGES * stage, "the partial tile fits");
 };
 
 #ifdef MMQ_WG_DEVICE
-static __device__ __forceinline__ uint64_t wg_desc(const void *p)
+static __device__ __forceinline__ uint64_t wg_desc(const void *p, uint32_t lbo = MMQ_WG_LBO, uint32_t sbo = MMQ_WG_SBO)
 {
     uint32_t a = (uint32_t)__cvta_generic_to_shared(p);
-    return (uint64_t)((a & 0x3FFFF) >> 4) | (uint64_t)(MMQ_WG_LBO >> 4) << 16 | (uint64_t)(MMQ_WG_SBO >> 4) << 32;
+    return (uint64_t)((a & 0x3FFFF) >> 4) | (uint64_t)(lbo >> 4) << 16 | (uint64_t)(sbo >> 4) << 32;
+}
+
+/* mbarriers for the tensor-memory-access copies (completion by bytes). */
+static __device__ __forceinline__ void mbar_init(uint64_t *b, int count)
+{
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"((uint32_t)__cvta_generic_to_shared(b)), "r"(count)
+                 : "memory");
+}
+
+static __device__ __forceinline__ void mbar_expect(uint64_t *b, uint32_t bytes)
+{
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(
+                     (uint32_t)__cvta_generic_to_shared(b)), "r"(bytes)
+                 : "memory");
+}
+
+static __device__ __forceinline__ void mbar_wait(uint64_t *b, uint32_t parity)
+{
+    asm volatile("{\n.reg .pred p;\nWAIT_%=:\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+                 "@!p bra WAIT_%=;\n}" ::"r"((uint32_t)__cvta_generic_to_shared(b)), "r"(parity)
+                 : "memory");
+}
+
+/* A 2-D box of tensor map m at (c0, c1) into shared memory at dst. */
+static __device__ __forceinline__ void tma_2d(void *dst, const CUtensorMap *m, int c0, int c1, uint64_t *bar)
+{
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
+                 ::"r"((uint32_t)__cvta_generic_to_shared(dst)), "l"((uint64_t)m), "r"(c0), "r"(c1),
+                 "r"((uint32_t)__cvta_generic_to_shared(bar))
+                 : "memory");
 }
 
 static __device__ __forceinline__ void bar_sync(int id, int n)
@@ -948,40 +981,22 @@ static __device__ __forceinline__ void wg_acc_at(int th, int e, int &rr, int &nn
     nn = 8 * (e / 4) + 2 * t + e % 2;
 }
 
-/* Producer thread pt: queues the raw spans of k-step kb into raw. */
-template <class T>
-static __device__ __forceinline__ void wg_load_raw(uint8_t *raw, const mmq_args &p, int64_t r0, int kb, int pt)
-{
-    constexpr bool aligned = T::span % 16 == 0;
-    constexpr int pieces = aligned ? T::span / 16 : T::slot / 16;
-    for (int i = pt; i < MMQ_WG_ROWS * pieces; i += MMQ_WG_PRODUCERS) {
-        int rr = i / pieces, k = i % pieces;
-        const uint8_t *span = span_at<T>(p, r0, rr, kb);
-        if (aligned) {
-            cp_async16(raw + rr * T::slot + 16 * k, span + 16 * k, 16);
-            continue;
-        }
-        const uint8_t *src = (const uint8_t *)((uintptr_t)span & ~(uintptr_t)15) + 16 * k;
-        if (src < span + T::span) {
-            ptrdiff_t left = p.w_end - src;
-            cp_async16(raw + rr * T::slot + 16 * k, src, left < 16 ? (int)left : 16);
-        }
-    }
-}
-
 #endif
 
 /* Grid: (activation tiles, weight-row tiles, splits of k); the splits of a
  * tile form one cluster, reduced as in mmq_kernel. */
 template <class T, int BN>
-static __global__ void __launch_bounds__(MMQ_WG_THREADS, 1) mmq_wg_kernel(mmq_args p)
+static __global__ void __launch_bounds__(MMQ_WG_THREADS, 1)
+    mmq_wg_kernel(mmq_args p, const __grid_constant__ CUtensorMap tmx, const __grid_constant__ CUtensorMap tmw)
 {
 #ifdef MMQ_WG_DEVICE
     typedef mmq_wg_shape<T, BN> S;
     constexpr int E = BN / 2;   /* accumulators per consumer thread */
     constexpr int ALL = MMQ_WG_THREADS;
-    extern __shared__ __align__(16) uint8_t smem[];
+    extern __shared__ __align__(128) uint8_t wsmem[];
+    uint8_t *const smem = wsmem;   /* 128-aligned: the copies' destinations */
     uint8_t *raw = smem + MMQ_WG_STAGES * S::stage;
+    uint64_t *bfull = (uint64_t *)(raw + 2 * S::raw), *rfull = bfull + MMQ_WG_STAGES;
     const int64_t n0 = (int64_t)blockIdx.x * BN, r0 = (int64_t)blockIdx.y * MMQ_WG_ROWS;
     const int splits = gridDim.z, split = blockIdx.z;
     const int kb0 = (int)((int64_t)split * p.nkb / splits), kb1 = (int)((int64_t)(split + 1) * p.nkb / splits);
@@ -993,52 +1008,53 @@ static __global__ void __launch_bounds__(MMQ_WG_THREADS, 1) mmq_wg_kernel(mmq_ar
     float acc[E];
 #pragma unroll
     for (int e = 0; e < E; e++) acc[e] = 0.0f;
+    if (threadIdx.x == 0) {
+        for (int i = 0; i < MMQ_WG_STAGES; i++) mbar_init(&bfull[i], 1);
+        for (int i = 0; i < 2; i++) mbar_init(&rfull[i], 1);
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
 
     if (producer) {
-        /* Iteration st: queue B of stage st + 2 (once the consumers are
-         * done with stage st - 2, whose buffer it takes) and, at the first
-         * stage of a 256-k step, the next step's raw spans, as one
-         * cp.async group; then dequantize stage st's A (its buffer was
-         * freed two iterations ago), wait for its B (group st - 2) and
-         * mark the stage full. */
+        /* Iteration st: once the consumers are done with stage st - 2,
+         * copy B(st + 2) into its buffer and, at a step's first stage, the
+         * next step's raw spans (both by the tensor memory accelerator, one
+         * thread issuing, completion counted in bytes on an mbarrier: the
+         * async proxy, so no copy is waited for by the proxy fence below);
+         * dequantize stage st's A and mark the stage full. */
         const int pt = threadIdx.x - (ALL - MMQ_WG_PRODUCERS);
-        const int rr = pt / 2, hp = pt % 2;   /* weight row; which half of its pieces */
-        constexpr int BP = BN * 8 / MMQ_WG_PRODUCERS;   /* B pieces a thread queues per stage */
-        const int nn = pt / (8 / BP), q0 = (pt % (8 / BP)) * BP;
-        const int64_t n = n0 + nn < p.m ? n0 + nn : p.m - 1;
-        const __half *bsrc = p.xh + n * p.cols + (int64_t)kb0 * MMQ_K + 8 * q0;
-        const int bbytes = n0 + nn < p.m ? 16 : 0;
-        auto load_b = [&](int s_) {
+        const int rr = pt / 2, tp = pt % 2;   /* weight row; its pieces t = 2 tp, 2 tp + 1 of each 32-group */
+        auto copy_b = [&](int s_) {
             uint8_t *b_t = smem + (s_ % MMQ_WG_STAGES) * S::stage + S::a;
-#pragma unroll
-            for (int i = 0; i < BP; i++) {
-                int q = q0 + i;
-                cp_async16(b_t + (q / 2) * (BN * 32) + (nn / 8) * MMQ_WG_SBO + (q % 2) * MMQ_WG_LBO + (nn % 8) * 16,
-                           bsrc + (int64_t)s_ * MMQ_WG_K + 8 * i, bbytes);
-            }
+            mbar_expect(&bfull[s_ % MMQ_WG_STAGES], BN * MMQ_WG_K * 2);
+            for (int g = 0; g < MMQ_WG_K / 8; g++)
+                tma_2d(b_t + g * (BN * 16), &tmx, kb0 * MMQ_K + s_ * MMQ_WG_K + 8 * g, (int)n0, &bfull[s_ % MMQ_WG_STAGES]);
         };
-        if (nst > 0) wg_load_raw<T>(raw, p, r0, kb0, pt);   /* the weights do not depend on the previous kernel */
+        /* a box starts 16-byte aligned: a span that does not (Q6_K's 210
+         * bytes) lands (kb span) % 16 bytes into its slot, which has room */
+        auto copy_raw = [&](int j_) {
+            mbar_expect(&rfull[j_ % 2], MMQ_WG_ROWS * T::slot);
+            tma_2d(raw + (j_ % 2) * S::raw, &tmw, ((kb0 + j_) * T::span) & ~15, (int)r0, &rfull[j_ % 2]);
+        };
+        if (pt == 0 && nst > 0) copy_raw(0);   /* the weights do not depend on the previous kernel */
         wait_for_previous_kernel();
-        if (nst > 0) load_b(0);
-        cp_async_commit();
-        if (nst > 1) load_b(1);
-        cp_async_commit();
-        const int tp = hp;   /* this thread's pieces of each 32-group: t = 2 tp, 2 tp + 1 (one chunk) */
+        if (pt == 0) {
+            if (nst > 0) copy_b(0);
+            if (nst > 1) copy_b(1);
+        }
         for (int j = 0; j < nst / 4; j++) {
-            const uint8_t *blk = raw + (j % 2) * S::raw + rr * T::slot +
-                                 (T::span % 16 == 0 ? 0 : (uintptr_t)span_at<T>(p, r0, rr, kb0 + j) & 15);
+            const uint8_t *blk = raw + (j % 2) * S::raw + rr * T::slot + (((kb0 + j) * T::span) & 15);
 #pragma unroll
             for (int sub = 0; sub < 4; sub++) {
                 const int st = 4 * j + sub;
                 if (st + 2 < nst) {
                     if (st >= 2) bar_sync(MMQ_WG_BAR_EMPTY + (st + 2) % MMQ_WG_STAGES, ALL);
-                    load_b(st + 2);
+                    if (pt == 0) copy_b(st + 2);
                 }
-                if (sub == 0 && 4 * (j + 1) < nst)
-                    wg_load_raw<T>(raw + ((j + 1) % 2) * S::raw, p, r0, kb0 + j + 1, pt);
-                cp_async_commit();
-                cp_async_wait<2>();   /* group st - 2: stage st's B, and step j's spans long before */
-                if (sub == 0) bar_sync(MMQ_WG_BAR_PROD, MMQ_WG_PRODUCERS);   /* every producer's spans have landed */
+                if (sub == 0) {
+                    if (pt == 0 && j + 1 < nst / 4) copy_raw(j + 1);   /* its buffer's readers met at the last PROD */
+                    mbar_wait(&rfull[j % 2], (j / 2) & 1);
+                }
                 uint8_t *a_t = smem + (st % MMQ_WG_STAGES) * S::stage + (rr / 8) * MMQ_WG_SBO + (rr % 8) * 16;
                 /* Every read of the stage's blocks before any write of its
                  * tile: the compiler cannot tell the two apart, and a store
@@ -1061,17 +1077,18 @@ static __global__ void __launch_bounds__(MMQ_WG_THREADS, 1) mmq_wg_kernel(mmq_ar
                 bar_arrive(MMQ_WG_BAR_FULL + st % MMQ_WG_STAGES, ALL);
             }
         }
-        cp_async_wait<0>();
     } else {
         const int wg = threadIdx.x / 128;
         for (int st = 0; st < nst; st++) {
             const uint8_t *a_t = smem + (st % MMQ_WG_STAGES) * S::stage + wg * (64 / 8) * MMQ_WG_SBO;
             const uint8_t *b_t = smem + (st % MMQ_WG_STAGES) * S::stage + S::a;
             bar_sync(MMQ_WG_BAR_FULL + st % MMQ_WG_STAGES, ALL);
+            mbar_wait(&bfull[st % MMQ_WG_STAGES], (st / MMQ_WG_STAGES) & 1);
             asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+            /* B as the copies land it: 8-k groups BN x 16 bytes apart, rows 16 */
 #pragma unroll
             for (int c = 0; c < MMQ_WG_K / 16; c++)
-                wg_mma(acc, wg_desc(a_t + c * (MMQ_WG_ROWS * 32)), wg_desc(b_t + c * (BN * 32)));
+                wg_mma(acc, wg_desc(a_t + c * (MMQ_WG_ROWS * 32)), wg_desc(b_t + c * (BN * 32), BN * 16, 128));
             asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
             asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
             /* stage st - 1 is done: its buffer goes back to the producers,
@@ -1217,8 +1234,9 @@ static mmq_args mmq_args_for(const luma_weight *w, const mmq_x &x, int64_t m, fl
 
 /* Queues kernel fn (mmq_kernel or mmq_wg_kernel) on n_tiles x row_tiles
  * tiles, k split over clusters as mmq_splits chooses. */
-static void mmq_queue(cuda_backend *c, void (*fn)(mmq_args), const mmq_fit *fit, const mmq_args &p, int64_t n_tiles,
-                      int64_t row_tiles, int smem, int threads)
+template <typename... A>
+static void mmq_queue(cuda_backend *c, void (*fn)(mmq_args, A...), const mmq_fit *fit, const mmq_args &p,
+                      int64_t n_tiles, int64_t row_tiles, int smem, int threads, A... more)
 {
     int splits = mmq_splits(fit, n_tiles * row_tiles, p.nkb);
     cudaLaunchAttribute attr[2];
@@ -1230,7 +1248,7 @@ static void mmq_queue(cuda_backend *c, void (*fn)(mmq_args), const mmq_fit *fit,
     attr[1].val.clusterDim.y = 1;
     attr[1].val.clusterDim.z = (unsigned)splits;
     cfg.numAttrs = splits > 1 ? 2 : 1;
-    luma_cuda_fail(c, cudaLaunchKernelEx(&cfg, fn, p), "matmul (mmq kernel)");
+    luma_cuda_fail(c, cudaLaunchKernelEx(&cfg, fn, p, more...), "matmul (mmq kernel)");
 }
 
 template <class T, int BM>
@@ -1244,33 +1262,78 @@ static void mmq_launch(cuda_backend *c, const luma_weight *w, const mmq_x &x, in
               (w->rows + W::rows - 1) / W::rows, smem, MMQ_THREADS);
 }
 
+/* cuTensorMapEncodeTiled from the driver, found once (NULL when absent). */
+static PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder(void)
+{
+    static PFN_cuTensorMapEncodeTiled_v12000 fn;
+    static bool looked;
+    if (!looked) {
+        void *f = NULL;
+        cudaDriverEntryPointQueryResult q;
+        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q) ==
+                cudaSuccess && q == cudaDriverEntryPointSuccess)
+            fn = (PFN_cuTensorMapEncodeTiled_v12000)f;
+        cudaGetLastError();
+        looked = true;
+    }
+    return fn;
+}
+
+/* A 2-D tensor map over rows x cols elements of type t (row stride
+ * row_bytes) read in boxes of bc x br; false when the driver declines. */
+static bool tensor_map_2d(CUtensorMap *m, CUtensorMapDataType t, const void *base, uint64_t cols, uint64_t rows,
+                          uint64_t row_bytes, uint32_t bc, uint32_t br)
+{
+    PFN_cuTensorMapEncodeTiled_v12000 enc = tensor_map_encoder();
+    if (!enc) return false;
+    cuuint64_t dims[2] = { cols, rows }, strides[1] = { row_bytes };
+    cuuint32_t box[2] = { bc, br }, es[2] = { 1, 1 };
+    return enc(m, t, 2, (void *)base, dims, strides, box, es, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
+               CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+/* Whether the wgmma route can copy this weight's spans as boxes: rows of
+ * whole 16-byte units, a slot of at most 256 bytes (a box's limit). */
+template <class T>
+static bool mmq_wg_fits(const luma_weight *w)
+{
+    return T::slot <= 256 && luma_row_size(w->type, w->cols) % 16 == 0 && w->rows <= INT32_MAX &&
+           w->cols <= INT32_MAX;
+}
+
 /* The wgmma route: x quantized to f16 as for the other routes (in
- * scratch), then the kernel. */
+ * scratch), tensor maps over it and over the weight, then the kernel.
+ * False (nothing queued) where the route cannot take the product. */
 template <class T, int BN>
-static void mmq_wg_launch(cuda_backend *c, const luma_weight *w, const float *x, int64_t m, float *y)
+static bool mmq_wg_launch(cuda_backend *c, const luma_weight *w, const float *x, int64_t m, float *y)
 {
     static mmq_fit fit;
     const int smem = mmq_wg_shape<T, BN>::smem;
-    if (!mmq_setup_kernel(c, &fit, (const void *)mmq_wg_kernel<T, BN>, smem, MMQ_WG_THREADS)) return;
+    if (!mmq_wg_fits<T>(w) || m > INT32_MAX) return false;
     size_t bytes;
-    if (luma_mul_size((size_t)m, (size_t)w->cols * sizeof(__half), &bytes)) {
-        luma_cuda_failf(c, "matmul: %lld x %lld activations are too large", (long long)m, (long long)w->cols);
-        return;
-    }
+    if (luma_mul_size((size_t)m, (size_t)w->cols * sizeof(__half), &bytes)) return false;
     __half *xh = (__half *)luma_cuda_scratch(c, bytes);
-    if (!xh) return;
+    if (!xh) return true;
+    CUtensorMap tmx, tmw;
+    size_t row_bytes = luma_row_size(w->type, w->cols);
+    if (!tensor_map_2d(&tmx, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, xh, (uint64_t)w->cols, (uint64_t)m,
+                       (uint64_t)w->cols * sizeof(__half), 8, BN) ||
+        !tensor_map_2d(&tmw, CU_TENSOR_MAP_DATA_TYPE_UINT8, w->dev, row_bytes, (uint64_t)w->rows, row_bytes, T::slot,
+                       MMQ_WG_ROWS))
+        return false;
+    if (!mmq_setup_kernel(c, &fit, (const void *)mmq_wg_kernel<T, BN>, smem, MMQ_WG_THREADS)) return true;
     luma_cuda_quantize_act(c, w->type, x, m * w->cols, NULL, NULL, xh);
     mmq_x xa = { xh, NULL, NULL };
     if (LUMA_CUDA_OK(c))
         mmq_queue(c, mmq_wg_kernel<T, BN>, &fit, mmq_args_for(w, xa, m, y), (m + BN - 1) / BN,
-                  (w->rows + MMQ_WG_ROWS - 1) / MMQ_WG_ROWS, smem, MMQ_WG_THREADS);
+                  (w->rows + MMQ_WG_ROWS - 1) / MMQ_WG_ROWS, smem, MMQ_WG_THREADS, tmx, tmw);
+    return true;
 }
 
 template <class T>
-static void mmq_wg_run(cuda_backend *c, const luma_weight *w, const float *x, int64_t m, float *y)
+static bool mmq_wg_run(cuda_backend *c, const luma_weight *w, const float *x, int64_t m, float *y)
 {
-    if (m <= 64) mmq_wg_launch<T, 64>(c, w, x, m, y);
-    else mmq_wg_launch<T, 128>(c, w, x, m, y);
+    return m <= 64 ? mmq_wg_launch<T, 64>(c, w, x, m, y) : mmq_wg_launch<T, 128>(c, w, x, m, y);
 }
 
 /* Activation tiles of 8, 16, 32 or 64 rows (32 at most on the int8
@@ -1421,16 +1484,16 @@ bool luma_cuda_mmq(cuda_backend *c, const luma_weight *w, const float *x, int64_
     bool i8 = mmq8_supports(w->type) && (c->mmq_policy == 2 || (c->mmq_policy == 0 && mmq8_wins(w, m)));
     if (!LUMA_CUDA_OK(c)) return true;
     if (!i8 && c->wgmma && (c->mmq_policy == 3 || (c->mmq_policy == 0 && mmq_wg_wins(c, w, m)))) {
+        bool took = false;
         switch (w->type) {
-        case LUMA_Q4_0: mmq_wg_run<mmq_q4_0>(c, w, x, m, y); break;
-        case LUMA_Q5_0: mmq_wg_run<mmq_q5_0>(c, w, x, m, y); break;
-        case LUMA_Q8_0: mmq_wg_run<mmq_q8_0>(c, w, x, m, y); break;
-        case LUMA_Q4_K: mmq_wg_run<mmq_q4_K>(c, w, x, m, y); break;
-        case LUMA_Q5_K: mmq_wg_run<mmq_q5_K>(c, w, x, m, y); break;
-        case LUMA_Q6_K: mmq_wg_run<mmq_q6_K>(c, w, x, m, y); break;
-        default: break;
+        case LUMA_Q4_0: took = mmq_wg_run<mmq_q4_0>(c, w, x, m, y); break;
+        case LUMA_Q5_0: took = mmq_wg_run<mmq_q5_0>(c, w, x, m, y); break;
+        case LUMA_Q4_K: took = mmq_wg_run<mmq_q4_K>(c, w, x, m, y); break;
+        case LUMA_Q5_K: took = mmq_wg_run<mmq_q5_K>(c, w, x, m, y); break;
+        case LUMA_Q6_K: took = mmq_wg_run<mmq_q6_K>(c, w, x, m, y); break;
+        default: break;   /* Q8_0: a 272-byte span is more than a box */
         }
-        return true;
+        if (took) return true;
     }
     size_t elems, bytes;
     if (luma_mul_size((size_t)m, (size_t)w->cols, &elems) || luma_mul_size(elems, sizeof(__half), &bytes)) {

@@ -832,18 +832,23 @@ static __global__ void __launch_bounds__(MMQ_THREADS, mmq_warps<BM>::min_ctas) m
  * shared memory, for batched decode (m of 33 to 128). A CTA of four
  * warpgroups owns 128 weight rows x BN activation rows (BN = 64 or 128)
  * over its range of k, in stages of 64 k (four per 256-k step):
- *   producers  (warpgroups 2 and 3) copy each 256-k step's raw blocks to
- *              shared memory (cp.async, one step ahead) and a stage's f16
- *              activations (quantize_act's output, the CPU's 8-bit values)
- *              into its B tile two stages ahead, and dequantize a stage's
+ *   producers  (warpgroups 2 and 3): one thread has the tensor memory
+ *              accelerator copy each 256-k step's raw blocks (one step
+ *              ahead) and each stage's f16 activations (quantize_act's
+ *              output, the CPU's 8-bit values; two stages ahead) into
+ *              shared memory, through 2-D tensor maps, completion counted
+ *              in bytes on mbarriers; all of them dequantize a stage's
  *              128 x 64 weights to f16 (T::group, deq_group_h2: within an
  *              f16 ulp of quant.c's values) into its A tile;
  *   consumers  (warpgroups 0 and 1, 64 rows each: wgmma's M) wait for a
  *              stage, issue its four k16 wgmmas (both operands from shared
  *              memory, f32 accumulators in registers) and release the stage
  *              once the next stage's are issued and it is done.
- * MMQ_WG_STAGES buffers; named barriers (ids MMQ_WG_BAR_*) carry "stage
- * full" (producers arrive, consumers wait) and "stage empty" (the reverse).
+ * MMQ_WG_STAGES buffers; named barriers (ids MMQ_WG_BAR_*) carry "A full"
+ * (producers arrive, consumers wait) and "stage empty" (the reverse), an
+ * mbarrier per buffer "B landed". The copies are the async proxy's, so
+ * the proxy fence each producer needs before wgmma reads its A writes does
+ * not wait for them (it did with cp.async: cuda/NOTES.md).
  *
  * Checked against the CPU like the other routes (test_cuda_mmq, policy 3),
  * but slower than cuBLAS on the resident f16 copy on the H100 (cuda/NOTES.md,
@@ -857,12 +862,13 @@ static __global__ void __launch_bounds__(MMQ_THREADS, mmq_warps<BM>::min_ctas) m
  * rows MMQ_WG_SBO apart, chunks 16 x rows bytes apart. T::group gives a
  * thread elements 32a + 8t .. + 7 of a row in order: exactly one 16-byte
  * core-matrix row (chunk 2a + t / 2, half t % 2), so k keeps its natural
- * order and B is the activation rows cut into 16-byte pieces. */
+ * order. B is as the copies land it: boxes of 8 k x BN rows, each BN x 16
+ * contiguous bytes (its own LBO BN x 16 and SBO 128). */
 #define MMQ_WG_ROWS 128       /* weight rows per CTA: two consumer warpgroups */
 #define MMQ_WG_THREADS 512    /* two consumer and two producer warpgroups */
 #define MMQ_WG_PRODUCERS 256
 #define MMQ_WG_K 64           /* k per stage */
-#define MMQ_WG_STAGES 4       /* B is loaded two stages ahead of its use */
+#define MMQ_WG_STAGES 4       /* B is copied two stages ahead of its use */
 #define MMQ_WG_LBO 128        /* bytes between the k halves of a chunk */
 #define MMQ_WG_SBO 256        /* bytes between groups of 8 rows */
 #define MMQ_WG_BAR_FULL 1     /* + stage buffer: the stage's tiles are ready */

@@ -698,6 +698,37 @@ static __device__ __forceinline__ void acc_at(int th, int mt, int nt, int c, int
     nn = 8 * nt + 2 * t + c % 2;
 }
 
+/* y[n0 + nn][r0 + rr] = v inside the product. */
+static __device__ __forceinline__ void store_y(const mmq_args &p, int64_t r0, int64_t n0, int rr, int nn, float v)
+{
+    if (r0 + rr < p.rows && n0 + nn < p.m) p.y[(n0 + nn) * p.rows + r0 + rr] = v;
+}
+
+/* Split k: every CTA of the cluster has put its partial tile in red, the
+ * same units float4s in the same order; rank r sums its slice of them over
+ * all CTAs in rank order (so the bits do not depend on timing) and hands
+ * each sum to out(u, sum). Returns once no CTA reads another's red. */
+template <class F>
+static __device__ __forceinline__ void cluster_sum_slices(float *red, int units, int splits, int nthreads, F out)
+{
+    cg::cluster_group cluster = cg::this_cluster();
+    cluster.sync();
+    const int rank = (int)cluster.block_rank();
+    const int u1 = (rank + 1) * units / splits;
+    for (int u = rank * units / splits + (int)threadIdx.x; u < u1; u += nthreads) {
+        float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        for (int k = 0; k < splits; k++) {
+            float4 v = ((const float4 *)cluster.map_shared_rank(red, k))[u];
+            sum.x += v.x;
+            sum.y += v.y;
+            sum.z += v.z;
+            sum.w += v.w;
+        }
+        out(u, sum);
+    }
+    cluster.sync();   /* no CTA leaves while another still reads its memory */
+}
+
 /* Grid: (activation tiles, weight-row tiles, splits of k); the splits of a
  * tile form one cluster. */
 template <class T, int BM>
@@ -782,7 +813,7 @@ static __global__ void __launch_bounds__(MMQ_THREADS, mmq_warps<BM>::min_ctas) m
                     for (int c = 0; c < 4; c++) {
                         int rr, nn;
                         acc_at(th, mt, nt, c, rr, nn);
-                        if (r0 + rr < p.rows && n0 + nn < p.m) p.y[(n0 + nn) * p.rows + r0 + rr] = acc[mt][nt][c];
+                        store_y(p, r0, n0, rr, nn, acc[mt][nt][c]);
                     }
         return;
     }
@@ -797,20 +828,7 @@ static __global__ void __launch_bounds__(MMQ_THREADS, mmq_warps<BM>::min_ctas) m
             for (int nt = 0; nt < BM / 8; nt++)
 #pragma unroll
                 for (int c = 0; c < 4; c++) red[((mt * (BM / 8) + nt) * 4 + c) * W::row_threads + th] = acc[mt][nt][c];
-    cg::cluster_group cluster = cg::this_cluster();
-    cluster.sync();
-    constexpr int units = W::row_threads * E / 4;   /* float4s of the tile */
-    const int rank = (int)cluster.block_rank();
-    const int u1 = (rank + 1) * units / splits;
-    for (int u = rank * units / splits + (int)threadIdx.x; u < u1; u += MMQ_THREADS) {
-        float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        for (int k = 0; k < splits; k++) {
-            float4 v = ((const float4 *)cluster.map_shared_rank(red, k))[u];
-            sum.x += v.x;
-            sum.y += v.y;
-            sum.z += v.z;
-            sum.w += v.w;
-        }
+    cluster_sum_slices(red, W::row_threads * E / 4, splits, MMQ_THREADS, [&](int u, float4 sum) {
         /* the four floats are row threads 4j .. 4j + 3 of one element e:
          * one quad, t = 0..3 */
         int e = 4 * u / W::row_threads, th0 = 4 * u % W::row_threads;
@@ -820,10 +838,9 @@ static __global__ void __launch_bounds__(MMQ_THREADS, mmq_warps<BM>::min_ctas) m
         for (int j = 0; j < 4; j++) {
             int rr, nn;
             acc_at(th0 + j, mt, nt, c, rr, nn);
-            if (r0 + rr < p.rows && n0 + nn < p.m) p.y[(n0 + nn) * p.rows + r0 + rr] = s[j];
+            store_y(p, r0, n0, rr, nn, s[j]);
         }
-    }
-    cluster.sync();   /* no CTA leaves while another still reads its memory */
+    });
 }
 
 /* ---- the wgmma route (sm_90a) -------------------------------------------------
@@ -1113,7 +1130,7 @@ static __global__ void __launch_bounds__(MMQ_WG_THREADS, 1)
             for (int e = 0; e < E; e++) {
                 int rr, nn;
                 wg_acc_at(th, e, rr, nn);
-                if (r0 + rr < p.rows && n0 + nn < p.m) p.y[(n0 + nn) * p.rows + r0 + rr] = acc[e];
+                store_y(p, r0, n0, rr, nn, acc[e]);
             }
         return;
     }
@@ -1124,30 +1141,16 @@ static __global__ void __launch_bounds__(MMQ_WG_THREADS, 1)
     if (!producer)
 #pragma unroll
         for (int e = 0; e < E; e++) red[e * C + th] = acc[e];
-    cg::cluster_group cluster = cg::this_cluster();
-    cluster.sync();
-    constexpr int units = C * E / 4;   /* float4s of the tile */
-    const int rank = (int)cluster.block_rank();
-    const int u1 = (rank + 1) * units / splits;
-    for (int u = rank * units / splits + th; u < u1; u += ALL) {
-        float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        for (int k = 0; k < splits; k++) {
-            float4 v = ((const float4 *)cluster.map_shared_rank(red, k))[u];
-            sum.x += v.x;
-            sum.y += v.y;
-            sum.z += v.z;
-            sum.w += v.w;
-        }
+    cluster_sum_slices(red, C * E / 4, splits, ALL, [&](int u, float4 sum) {
         int e = 4 * u / C, th0 = 4 * u % C;
         float s4[4] = { sum.x, sum.y, sum.z, sum.w };
 #pragma unroll
         for (int j = 0; j < 4; j++) {
             int rr, nn;
             wg_acc_at(th0 + j, e, rr, nn);
-            if (r0 + rr < p.rows && n0 + nn < p.m) p.y[(n0 + nn) * p.rows + r0 + rr] = s4[j];
+            store_y(p, r0, n0, rr, nn, s4[j]);
         }
-    }
-    cluster.sync();
+    });
 #endif
 }
 

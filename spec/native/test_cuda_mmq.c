@@ -69,6 +69,7 @@ static const int time_ms[] = { 1, 2, 4, 8, 16, 32, 64, 128, 256, 512 };
 #define TOL_CPU_INT8 1e-5   /* the int8 route: the CPU's integers, only the float sums' order differs */
 
 #define SAMPLE_ROWS 32   /* weight rows checked per product */
+#define LINE_SIZE 768    /* one shape's line of errors */
 #define SAMPLE_ACTS 48   /* activation rows checked per product */
 #define TIME_REPS 8
 #define N_COPIES 8                            /* quantized copies timed in rotation */
@@ -230,6 +231,46 @@ done:
 
 /* ---- one weight matrix ---------------------------------------------------- */
 
+/* What a product is checked against: the weight's blocks, the sampled rows
+ * dequantized, the f32 activations. */
+typedef struct product_ref {
+    const luma_weight *w;
+    const uint8_t *host;
+    size_t row_bytes;
+    const float *wref;
+    const int64_t *rows_s;
+    int ns;
+    const float *x;
+} product_ref;
+
+/* Route pt (MMQ8 or MMQ_WG) on the first m activation rows into y2:
+ * within TOL of the reference and tol_cpu of the CPU backend's product
+ * (its error appended to line as " tag error"), and, when repeat, the same
+ * bits a second time (y is then rewritten with the f16 route's product, as
+ * the caller had it). -1 when a product did not run. */
+static int check_route(ctx *cx, enum path pt, const char *name, const char *tag, double tol_cpu, bool repeat,
+                       const product_ref *r, int64_t m, float *y, float *y2, char *line, int *len)
+{
+    const luma_weight *w = r->w;
+    int64_t rows = w->rows, cols = w->cols;
+    for (int64_t k = 0; k < m * rows; k++) y2[k] = NAN;
+    if (product(cx, pt, w, m, y2) != 0) return -1;
+    double e = product_rel_error(r->wref, r->rows_s, r->ns, r->x, m, cols, y2, rows, SAMPLE_ACTS);
+    double ec = cpu_product_rel_error(w->type, r->host, r->row_bytes, r->wref, r->rows_s, r->ns, r->x, m, cols, y2,
+                                      rows, SAMPLE_ACTS);
+    CHECKF(e <= TOL && ec <= tol_cpu,
+           "%s %lldx%lld m=%lld: %s route: max relative error %.3g (tol %.0e), %.3g against the CPU backend's "
+           "product (tol %.0e)", luma_type_name(w->type), (long long)rows, (long long)cols, (long long)m, name, e, TOL,
+           ec, tol_cpu);
+    if (*len < LINE_SIZE) *len += snprintf(line + *len, LINE_SIZE - (size_t)*len, "/%s %.0e", tag, ec);
+    if (!repeat) return 0;
+    if (product(cx, pt, w, m, y) != 0) return -1;
+    CHECKF(memcmp(y, y2, (size_t)(m * rows) * sizeof(float)) == 0,
+           "%s %lldx%lld m=%lld: two runs of the same %s-route product differ", luma_type_name(w->type),
+           (long long)rows, (long long)cols, (long long)m, name);
+    return product(cx, MMQ, w, m, y);
+}
+
 /* Checks mmq for every m against the reference (and twice for the same
  * bits), prints one line of the largest errors, and times the big shapes. */
 static void check_shape(ctx *cx, enum luma_type t, const struct shape *sh, timing tm[N_TIME_MS])
@@ -267,7 +308,8 @@ static void check_shape(ctx *cx, enum luma_type t, const struct shape *sh, timin
                  "upload x"))
         goto free_all;
 
-    char line[768];
+    const product_ref ref = { &w, host, row_bytes, wref, rows_s, ns, x };
+    char line[LINE_SIZE];
     int len = snprintf(line, sizeof line, "%-5s %5lldx%-5lld", luma_type_name(t), (long long)rows, (long long)cols);
     for (int i = 0; i < N_CHECK_MS; i++) {
         int64_t m = check_ms[i];
@@ -284,44 +326,12 @@ static void check_shape(ctx *cx, enum luma_type t, const struct shape *sh, timin
                luma_type_name(t), (long long)rows, (long long)cols, (long long)m, ec, TOL_CPU);
         if (len < (int)sizeof line)
             len += snprintf(line + len, sizeof line - (size_t)len, " %lld:%.0e/%.0e", (long long)m, e, ec);
-        if (has_int8(t)) {
-            for (int64_t k = 0; k < m * rows; k++) y2[k] = NAN;
-            if (product(cx, MMQ8, &w, m, y2) != 0) continue;
-            double e8 = product_rel_error(wref, rows_s, ns, x, m, cols, y2, rows, SAMPLE_ACTS);
-            double ec8 = cpu_product_rel_error(t, host, row_bytes, wref, rows_s, ns, x, m, cols, y2, rows, SAMPLE_ACTS);
-            CHECKF(e8 <= TOL && ec8 <= TOL_CPU_INT8,
-                   "%s %lldx%lld m=%lld: int8 route: max relative error %.3g (tol %.0e), %.3g against the CPU "
-                   "backend's product (tol %.0e)", luma_type_name(t), (long long)rows, (long long)cols, (long long)m,
-                   e8, TOL, ec8, TOL_CPU_INT8);
-            if (len < (int)sizeof line)
-                len += snprintf(line + len, sizeof line - (size_t)len, "/i8 %.0e", ec8);
-            if (m == 16 || m == 100) {
-                if (product(cx, MMQ8, &w, m, y) != 0) continue;
-                CHECKF(memcmp(y, y2, (size_t)(m * rows) * sizeof(float)) == 0,
-                       "%s %lldx%lld m=%lld: two runs of the same int8-route product differ", luma_type_name(t),
-                       (long long)rows, (long long)cols, (long long)m);
-                if (product(cx, MMQ, &w, m, y) != 0) continue;
-            }
-        }
-        if (cx->wg) {
-            for (int64_t k = 0; k < m * rows; k++) y2[k] = NAN;
-            if (product(cx, MMQ_WG, &w, m, y2) != 0) continue;
-            double ew = product_rel_error(wref, rows_s, ns, x, m, cols, y2, rows, SAMPLE_ACTS);
-            double ecw = cpu_product_rel_error(t, host, row_bytes, wref, rows_s, ns, x, m, cols, y2, rows, SAMPLE_ACTS);
-            CHECKF(ew <= TOL && ecw <= TOL_CPU,
-                   "%s %lldx%lld m=%lld: wgmma route: max relative error %.3g (tol %.0e), %.3g against the CPU "
-                   "backend's product (tol %.0e)", luma_type_name(t), (long long)rows, (long long)cols, (long long)m,
-                   ew, TOL, ecw, TOL_CPU);
-            if (len < (int)sizeof line)
-                len += snprintf(line + len, sizeof line - (size_t)len, "/wg %.0e", ecw);
-            if (m == 100 || m == 300) {
-                if (product(cx, MMQ_WG, &w, m, y) != 0) continue;
-                CHECKF(memcmp(y, y2, (size_t)(m * rows) * sizeof(float)) == 0,
-                       "%s %lldx%lld m=%lld: two runs of the same wgmma-route product differ", luma_type_name(t),
-                       (long long)rows, (long long)cols, (long long)m);
-                if (product(cx, MMQ, &w, m, y) != 0) continue;
-            }
-        }
+        if (has_int8(t) && check_route(cx, MMQ8, "int8", "i8", TOL_CPU_INT8, m == 16 || m == 100, &ref, m, y, y2,
+                                       line, &len) != 0)
+            continue;
+        if (cx->wg && check_route(cx, MMQ_WG, "wgmma", "wg", TOL_CPU, m == 100 || m == 300, &ref, m, y, y2, line,
+                                  &len) != 0)
+            continue;
         if (m != 16 && m != 100) continue;
         if (product(cx, MMQ, &w, m, y2) != 0) continue;
         CHECKF(memcmp(y, y2, (size_t)(m * rows) * sizeof(float)) == 0,

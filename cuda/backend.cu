@@ -722,6 +722,17 @@ static int cuda_set_batch_invariant(luma_backend *be, bool on, luma_err *err)
     return 0;
 }
 
+/* Before any weight, as batch invariance (mmq is not used with float
+ * activations). */
+static int cuda_set_float_act(luma_backend *be, bool on, luma_err *err)
+{
+    cuda_backend *c = (cuda_backend *)be;
+    if (c->n_weights > 0 && on != c->float_act)
+        return luma_errf(err, "float activations are set before the weights are loaded");
+    c->float_act = on;
+    return 0;
+}
+
 static const luma_backend_ops cuda_ops = {
     .name = "cuda",
     .free = cuda_free,
@@ -756,6 +767,7 @@ static const luma_backend_ops cuda_ops = {
     .logits_sample = luma_cuda_logits_sample,
     .sync = cuda_sync,
     .set_batch_invariant = cuda_set_batch_invariant,
+    .set_float_act = cuda_set_float_act,
 };
 
 /* Device 0 exists and can run this build's sm_90 code. */

@@ -133,6 +133,12 @@ typedef struct cuda_backend {
      * the matrix-vector path whatever its rows, every attention row on the
      * decode kernel with splits of a fixed length, and no f16 copies. */
     bool invariant;
+    /* Float activations (backend.h set_float_act): block-format products
+     * multiply the dequantized weights by f32 activations on the
+     * matrix-vector path (mmv_float) and by the f16 of the activations on
+     * the tensor cores; nothing quantizes activations to 8 bits and mmq
+     * takes nothing. */
+    bool float_act;
 } cuda_backend;
 
 /* Records the first failure; every later operation of the step is skipped

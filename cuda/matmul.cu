@@ -1478,6 +1478,274 @@ static void mmv_run_many(cuda_backend *c, const luma_weight *const *ws, float *c
     }
 }
 
+/* Float activations (c->float_act): a warp per weight row, its lanes over
+ * units of 8 elements (T::deq8: the CPU's dequantized values, operation by
+ * operation), each unit's 8 products added to the lane's sum for each
+ * activation row by fused multiply-adds in a fixed order, then the warp's
+ * sum. A row's result depends neither on m nor on the other rows. */
+#define MMV_FLOAT_WARPS 4
+
+template <class T>
+static __global__ void __launch_bounds__(MMV_FLOAT_WARPS * 32)
+mmv_float(const uint8_t *__restrict__ w, size_t row_bytes, int64_t rows, int64_t cols,
+          const float *__restrict__ x, int m, float *__restrict__ y)
+{
+    follow_previous_kernel();
+    int lane = threadIdx.x & 31;
+    int64_t r = (int64_t)blockIdx.x * MMV_FLOAT_WARPS + threadIdx.x / 32;
+    if (r >= rows) return;
+    const uint8_t *wr = w + (size_t)r * row_bytes;
+    float acc[MMV_PASS_M];
+#pragma unroll
+    for (int j = 0; j < MMV_PASS_M; j++) acc[j] = 0.0f;
+    for (int64_t e = 8 * (int64_t)lane; e < cols; e += 8 * 32) {
+        float v[8];
+        T::deq8(wr + (size_t)(e / T::qk) * T::bytes, (int)(e % T::qk), v);
+#pragma unroll
+        for (int j = 0; j < MMV_PASS_M; j++) {
+            if (j >= m) break;
+            const float4 *xp = (const float4 *)(x + (size_t)j * (size_t)cols + e);
+            float4 a = xp[0], b = xp[1];
+            float s = acc[j];
+            s = __fmaf_rn(v[0], a.x, s);
+            s = __fmaf_rn(v[1], a.y, s);
+            s = __fmaf_rn(v[2], a.z, s);
+            s = __fmaf_rn(v[3], a.w, s);
+            s = __fmaf_rn(v[4], b.x, s);
+            s = __fmaf_rn(v[5], b.y, s);
+            s = __fmaf_rn(v[6], b.z, s);
+            s = __fmaf_rn(v[7], b.w, s);
+            acc[j] = s;
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < MMV_PASS_M; j++) {
+        if (j >= m) break;
+        float s = warp_sum(acc[j]);
+        if (lane == 0) y[(size_t)j * (size_t)rows + r] = s;
+    }
+}
+
+template <class T>
+static void mmv_float_run(cuda_backend *c, const luma_weight *w, const float *x, int64_t m, float *y)
+{
+    size_t rb = luma_row_size(w->type, w->cols);
+    unsigned ctas = (unsigned)((w->rows + MMV_FLOAT_WARPS - 1) / MMV_FLOAT_WARPS);
+    for (int64_t j0 = 0; j0 < m && LUMA_CUDA_OK(c); j0 += MMV_PASS_M) {
+        int n = (int)(m - j0 < MMV_PASS_M ? m - j0 : MMV_PASS_M);
+        luma_cuda_fail(c,
+                       luma_launch(c, c->stream, ctas, MMV_FLOAT_WARPS * 32, 0, mmv_float<T>, (const uint8_t *)w->dev,
+                                   rb, w->rows, w->cols, x + j0 * w->cols, n, y + j0 * w->rows),
+                       "matmul (float activations)");
+    }
+}
+
+/* Float activations for the K formats (Q4_K, Q5_K, and Q6_K in its
+ * repacked layout): the 8-bit kernels' 16-byte loads and lane parts (part
+ * p of a block: positions 16 h .. 16 h + 15, h = p % 2, of sub-blocks
+ * 2 (p / 2) and 2 (p / 2) + 1, as k_act32 reads them), each weight's
+ * integer made a float exactly (ubyte_f: one byte permute, one add), then
+ * the CPU's dequantized value operation by operation (deq8's), 32 a lane,
+ * multiplied by the f32 activations; two weight rows a warp, so that an
+ * activation load serves both. A row's sum depends neither on m (MAXM only
+ * sizes the accumulators: each activation row's operations are the same)
+ * nor on the other row. */
+static __device__ __forceinline__ float ubyte_f(uint32_t word, int b)
+{
+    /* 2^23 + byte b of word, as a float, minus 2^23 */
+    return __int_as_float(__byte_perm(word, 0x4B000000u, 0x7440u | (uint32_t)b)) - 8388608.0f;
+}
+
+/* deq: the 16 values of sub-block 2 (p / 2) (wa) and of the next (wb) that
+ * part p takes, from a block fetched by the type's own fetch. */
+struct kf_q4_K {
+    typedef type_q4_K T;
+    static __device__ __forceinline__ void qwords(const T::raw_t &r, int p, uint32_t *lo, uint32_t *hi)
+    {
+        int v[4] = { r.q.x, r.q.y, r.q.z, r.q.w };
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            lo[i] = (uint32_t)(v[i] & LOW4);
+            hi[i] = (uint32_t)((v[i] >> 4) & LOW4);
+        }
+    }
+    static __device__ __forceinline__ void deq(const T::raw_t &r, int p, float *wa, float *wb)
+    {
+        uint32_t lo[4], hi[4];
+        qwords(r, p, lo, hi);
+        k_deq(r.hdr, p, lo, hi, wa, wb);
+    }
+    /* d * scale * q - dmin * minimum, as deq8 (and src/quant.c) compute it */
+    static __device__ __forceinline__ void k_deq(const int4 &hdr, int p, const uint32_t *lo, const uint32_t *hi,
+                                                 float *wa, float *wb)
+    {
+        float d = f16_bits((uint32_t)hdr.x & 0xffff), dmin = f16_bits((uint32_t)hdr.x >> 16);
+        int s0, m0, s1, m1, sj = p / 2;
+        scale_min_k4(2 * sj, hdr.y, hdr.z, hdr.w, s0, m0);
+        scale_min_k4(2 * sj + 1, hdr.y, hdr.z, hdr.w, s1, m1);
+        float da = __fmul_rn(d, (float)s0), ma = __fmul_rn(dmin, (float)m0);
+        float db = __fmul_rn(d, (float)s1), mb = __fmul_rn(dmin, (float)m1);
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+#pragma unroll
+            for (int b = 0; b < 4; b++) {
+                wa[4 * i + b] = __fsub_rn(__fmul_rn(da, ubyte_f(lo[i], b)), ma);
+                wb[4 * i + b] = __fsub_rn(__fmul_rn(db, ubyte_f(hi[i], b)), mb);
+            }
+    }
+};
+
+struct kf_q5_K {
+    typedef type_q5_K T;
+    static __device__ __forceinline__ void deq(const T::raw_t &r, int p, float *wa, float *wb)
+    {
+        int sj = p / 2;
+        int v[4] = { r.q.x, r.q.y, r.q.z, r.q.w }, h[4] = { r.qh.x, r.qh.y, r.qh.z, r.qh.w };
+        uint32_t lo[4], hi[4];
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            lo[i] = (uint32_t)((v[i] & LOW4) | ((h[i] >> (2 * sj)) & 0x01010101) << 4);
+            hi[i] = (uint32_t)(((v[i] >> 4) & LOW4) | ((h[i] >> (2 * sj + 1)) & 0x01010101) << 4);
+        }
+        kf_q4_K::k_deq(r.hdr, p, lo, hi, wa, wb);
+    }
+};
+
+struct kf_q6_K {
+    typedef type_q6_K_mmv T;
+    static __device__ __forceinline__ void deq(const T::raw_t &r, int p, float *wa, float *wb)
+    {
+        int v[4] = { r.q.x, r.q.y, r.q.z, r.q.w };
+        float da = r.d * (float)(int8_t)(r.sc & 0xFF), db = r.d * (float)(int8_t)(r.sc >> 8);
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            uint32_t lo = (uint32_t)((v[i] & LOW4) | ((r.h.x >> (2 * i)) & 0x03030303) << 4);
+            uint32_t hi = (uint32_t)(((v[i] >> 4) & LOW4) | ((r.h.y >> (2 * i)) & 0x03030303) << 4);
+#pragma unroll
+            for (int b = 0; b < 4; b++) {
+                wa[4 * i + b] = __fmul_rn(da, ubyte_f(lo, b) - 32.0f);
+                wb[4 * i + b] = __fmul_rn(db, ubyte_f(hi, b) - 32.0f);
+            }
+        }
+    }
+};
+
+#define KF_ROWS 2
+
+template <class K, int MAXM>
+static __global__ void __launch_bounds__(MMV_FLOAT_WARPS * 32)
+mmv_kfloat(const uint8_t *__restrict__ w, size_t row_bytes, int64_t rows, int nb, const float *__restrict__ x,
+           int64_t cols, int m, float *__restrict__ y)
+{
+    typedef typename K::T T;
+    constexpr int stride = 32 / T::lpb;
+    const int lane = threadIdx.x % 32, p = lane % T::lpb;
+    const int64_t r0 = ((int64_t)blockIdx.x * MMV_FLOAT_WARPS + threadIdx.x / 32) * KF_ROWS;
+    if (r0 >= rows) {
+        follow_previous_kernel();
+        return;
+    }
+    const uint8_t *wr[KF_ROWS];
+#pragma unroll
+    for (int r = 0; r < KF_ROWS; r++) wr[r] = w + (size_t)min(r0 + r, rows - 1) * row_bytes;
+    typename T::raw_t raw[KF_ROWS];
+    int ib = lane / T::lpb;
+    if (ib < nb)
+#pragma unroll
+        for (int r = 0; r < KF_ROWS; r++) T::fetch(wr[r] + (size_t)ib * T::bytes, p, raw[r]);
+    follow_previous_kernel();
+    float acc[KF_ROWS][MAXM];
+#pragma unroll
+    for (int r = 0; r < KF_ROWS; r++)
+#pragma unroll
+        for (int j = 0; j < MAXM; j++) acc[r][j] = 0.0f;
+    const int64_t xoff = 64 * (p / 2) + 16 * (p % 2);
+    for (; ib < nb; ib += stride) {
+        float wa[KF_ROWS][16], wb[KF_ROWS][16];
+#pragma unroll
+        for (int r = 0; r < KF_ROWS; r++) K::deq(raw[r], p, wa[r], wb[r]);
+        if (ib + stride < nb)
+#pragma unroll
+            for (int r = 0; r < KF_ROWS; r++) T::fetch(wr[r] + (size_t)(ib + stride) * T::bytes, p, raw[r]);
+#pragma unroll
+        for (int j = 0; j < MAXM; j++) {
+            if (j >= m) break;
+            const float4 *xa = (const float4 *)(x + (size_t)j * (size_t)cols + (size_t)ib * 256 + xoff);
+            const float4 *xb = xa + 8;
+#pragma unroll
+            for (int q = 0; q < 4; q++) {
+                float4 a = xa[q], b = xb[q];
+#pragma unroll
+                for (int r = 0; r < KF_ROWS; r++) {
+                    float s = acc[r][j];
+                    s = __fmaf_rn(wa[r][4 * q], a.x, s);
+                    s = __fmaf_rn(wa[r][4 * q + 1], a.y, s);
+                    s = __fmaf_rn(wa[r][4 * q + 2], a.z, s);
+                    s = __fmaf_rn(wa[r][4 * q + 3], a.w, s);
+                    s = __fmaf_rn(wb[r][4 * q], b.x, s);
+                    s = __fmaf_rn(wb[r][4 * q + 1], b.y, s);
+                    s = __fmaf_rn(wb[r][4 * q + 2], b.z, s);
+                    s = __fmaf_rn(wb[r][4 * q + 3], b.w, s);
+                    acc[r][j] = s;
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < KF_ROWS; r++)
+#pragma unroll
+        for (int j = 0; j < MAXM; j++) {
+            if (j >= m) break;
+            float s = warp_sum(acc[r][j]);
+            if (lane == 0 && r0 + r < rows) y[(size_t)j * (size_t)rows + r0 + r] = s;
+        }
+}
+
+template <class K>
+static void mmv_kfloat_run(cuda_backend *c, const luma_weight *w, const uint8_t *bytes, const float *x, int64_t m,
+                           float *y)
+{
+    int nb = (int)(w->cols / 256);
+    size_t rb = (size_t)nb * (size_t)K::T::bytes;
+    unsigned ctas = (unsigned)((w->rows + MMV_FLOAT_WARPS * KF_ROWS - 1) / (MMV_FLOAT_WARPS * KF_ROWS));
+    for (int64_t j0 = 0; j0 < m && LUMA_CUDA_OK(c); j0 += MMV_PASS_M) {
+        int n = (int)(m - j0 < MMV_PASS_M ? m - j0 : MMV_PASS_M);
+        const float *xj = x + j0 * w->cols;
+        float *yj = y + j0 * w->rows;
+        void (*kernel)(const uint8_t *, size_t, int64_t, int, const float *, int64_t, int, float *) =
+            n == 1 ? mmv_kfloat<K, 1> : n == 2 ? mmv_kfloat<K, 2> : n <= 4 ? mmv_kfloat<K, 4> : mmv_kfloat<K, 8>;
+        luma_cuda_fail(c,
+                       luma_launch(c, c->stream, ctas, MMV_FLOAT_WARPS * 32, 0, kernel, bytes, rb, w->rows, nb, xj,
+                                   w->cols, n, yj),
+                       "matmul (float activations)");
+    }
+}
+
+/* The matrix-vector path with float activations, for the block formats:
+ * the K formats' own kernel where it reads the weight (16-byte aligned
+ * rows), mmv_float's element-wise one elsewhere. */
+static void mm_float(cuda_backend *c, const luma_weight *w, const float *x, int64_t m, float *y)
+{
+    bool k16 = ((uintptr_t)w->dev & 15) == 0 && w->cols % 256 == 0 && !mmv_forced();
+    if (k16 && w->type == LUMA_Q4_K) return mmv_kfloat_run<kf_q4_K>(c, w, (const uint8_t *)w->dev, x, m, y);
+    if (k16 && w->type == LUMA_Q5_K) return mmv_kfloat_run<kf_q5_K>(c, w, (const uint8_t *)w->dev, x, m, y);
+    if (w->type == LUMA_Q6_K && w->dev_mmv && !mmv_forced())
+        return mmv_kfloat_run<kf_q6_K>(c, w, (const uint8_t *)w->dev_mmv, x, m, y);
+    switch (w->type) {
+    case LUMA_Q4_0: mmv_float_run<type_q4_0>(c, w, x, m, y); break;
+    case LUMA_Q4_1: mmv_float_run<type_q4_1>(c, w, x, m, y); break;
+    case LUMA_Q5_0: mmv_float_run<type_q5_0>(c, w, x, m, y); break;
+    case LUMA_Q5_1: mmv_float_run<type_q5_1>(c, w, x, m, y); break;
+    case LUMA_Q8_0: mmv_float_run<type_q8_0>(c, w, x, m, y); break;
+    case LUMA_Q2_K: mmv_float_run<type_q2_K>(c, w, x, m, y); break;
+    case LUMA_Q3_K: mmv_float_run<type_q3_K>(c, w, x, m, y); break;
+    case LUMA_Q4_K: mmv_float_run<type_q4_K>(c, w, x, m, y); break;
+    case LUMA_Q5_K: mmv_float_run<type_q5_K>(c, w, x, m, y); break;
+    case LUMA_Q6_K: mmv_float_run<type_q6_K>(c, w, x, m, y); break;
+    default: luma_cuda_failf(c, "matmul: tensor type %s is not supported by the CUDA backend", luma_type_name(w->type));
+    }
+}
+
 static size_t align256(size_t n)
 {
     return (n + 255) & ~(size_t)255;
@@ -1760,12 +2028,12 @@ static const __half *resident_f16(const cuda_backend *c, const luma_weight *w)
 /* The activations as the tensor-core path multiplies w with them, into xh
  * (m x cols f16). Block formats: the activations' 8-bit values, as every
  * path multiplies them, so that a row's result does not depend on the
- * size of its step. Float weights meet the activations unquantized, as on
- * the matrix-vector path. */
+ * size of its step. Float weights, and every weight with float activations,
+ * meet the activations unquantized, as on the matrix-vector path. */
 static void tensor_act(cuda_backend *c, const luma_weight *w, const float *x, int64_t m, __half *xh)
 {
     int64_t cols = w->cols;
-    if (is_float_type(w->type) || cols % 32 != 0)
+    if (c->float_act || is_float_type(w->type) || cols % 32 != 0)
         luma_launch(c, c->stream, blocks_for(m * cols, DEQ_THREADS), DEQ_THREADS, 0, float_to_f16<LUMA_F32>, x,
                     m * cols, xh);
     else
@@ -1774,10 +2042,12 @@ static void tensor_act(cuda_backend *c, const luma_weight *w, const float *x, in
 }
 
 /* Two weights whose tensor-core activations are the same values: the same
- * width, and both float, or both block formats of one activation format. */
-static bool same_tensor_act(const luma_weight *a, const luma_weight *b)
+ * width, and both float (or float activations), or both block formats of
+ * one activation format. */
+static bool same_tensor_act(const cuda_backend *c, const luma_weight *a, const luma_weight *b)
 {
     if (a->cols != b->cols) return false;
+    if (c->float_act) return true;
     bool fa = is_float_type(a->type) || a->cols % 32 != 0, fb = is_float_type(b->type) || b->cols % 32 != 0;
     if (fa || fb) return fa && fb;
     return luma_type_get(a->type)->act_type == luma_type_get(b->type)->act_type;
@@ -1884,14 +2154,18 @@ static bool matmul_ok(cuda_backend *c, const luma_weight *w)
 static bool takes_vec(const cuda_backend *c, const luma_weight *w, const float *x, int64_t m)
 {
     int64_t max_m = c->invariant ? m : w->type == LUMA_F16 ? MMV_MAX_M_F16 : mmv_max_m();
+    if (c->float_act && !is_float_type(w->type))   /* mmv_float: whole float4 loads of x */
+        return m <= max_m && ((uintptr_t)x & 15) == 0;
     return m <= max_m && mmv_fits(w, x) && !luma_cuda_mmq_small(c, w, x, m);
 }
 
 void luma_cuda_matmul(cuda_backend *c, const luma_weight *w, const float *x, int64_t m, float *y)
 {
     if (!LUMA_CUDA_OK(c) || m <= 0 || w->rows <= 0 || !matmul_ok(c, w)) return;
-    if (takes_vec(c, w, x, m)) mm_vec(c, w, x, m, y);
-    else if (!luma_cuda_mmq(c, w, x, m, y)) mm_tensor(c, w, x, m, y);   /* mmq.cu: where it measured faster */
+    if (takes_vec(c, w, x, m)) {
+        if (c->float_act && !is_float_type(w->type)) mm_float(c, w, x, m, y);
+        else mm_vec(c, w, x, m, y);
+    } else if (!luma_cuda_mmq(c, w, x, m, y)) mm_tensor(c, w, x, m, y);   /* mmq.cu: where it measured faster */
 }
 
 bool luma_cuda_gated_matmul(cuda_backend *c, const luma_weight *w, float *gate, const float *up, int act,
@@ -1899,7 +2173,8 @@ bool luma_cuda_gated_matmul(cuda_backend *c, const luma_weight *w, float *gate, 
 {
     if (!LUMA_CUDA_OK(c) || m <= 0 || w->rows <= 0) return true;
     if (!matmul_ok(c, w)) return true;
-    if (is_float_type(w->type) || !takes_vec(c, w, gate, m) || ((uintptr_t)gate & 15) || ((uintptr_t)up & 15))
+    if (c->float_act || is_float_type(w->type) || !takes_vec(c, w, gate, m) || ((uintptr_t)gate & 15) ||
+        ((uintptr_t)up & 15))
         return false;
     uint8_t *s = (uint8_t *)luma_cuda_scratch(c, act_q_bytes(m, w->cols));
     if (!s) return true;
@@ -1936,7 +2211,7 @@ void luma_cuda_matmul_many(cuda_backend *c, int n, const luma_weight *const *ws,
         const luma_weight *w = ws[i];
         fmt_of[i] = NONE;
         if (w->rows <= 0 || !matmul_ok(c, w)) return;
-        if (is_float_type(w->type) || !takes_vec(c, w, x, m)) continue;
+        if (c->float_act || is_float_type(w->type) || !takes_vec(c, w, x, m)) continue;
         int f = luma_type_get(w->type)->act_type == LUMA_Q8_K;
         fmt_of[i] = f;
         if (!used[f]) {
@@ -1961,7 +2236,7 @@ void luma_cuda_matmul_many(cuda_backend *c, int n, const luma_weight *const *ws,
         tensor_act(c, w, x, m, xh);
         for (int j = i; j < n && j < LUMA_MATMUL_MANY && LUMA_CUDA_OK(c); j++) {
             const luma_weight *v = ws[j];
-            if (fmt_of[j] != NONE || tensor_done[j] || !same_tensor_act(w, v) || !cublas_on_copy(c, v, x, m))
+            if (fmt_of[j] != NONE || tensor_done[j] || !same_tensor_act(c, w, v) || !cublas_on_copy(c, v, x, m))
                 continue;
             tensor_gemm(c, v, xh, NULL, v->rows, m, ys[j]);
             tensor_done[j] = true;

@@ -1477,12 +1477,12 @@ static bool mmq_wg_wins(const cuda_backend *c, const luma_weight *w, int64_t m)
 
 bool luma_cuda_mmq_small(const cuda_backend *c, const luma_weight *w, const float *x, int64_t m)
 {
-    return c->mmq_policy == 0 && !c->invariant && mmq8_wins(w, m) && mmq_fits(w, x, m);
+    return c->mmq_policy == 0 && !c->invariant && !c->float_act && mmq8_wins(w, m) && mmq_fits(w, x, m);
 }
 
 bool luma_cuda_mmq_takes(const cuda_backend *c, const luma_weight *w, const float *x, int64_t m)
 {
-    if (c->mmq_policy < 0 || !mmq_fits(w, x, m)) return false;
+    if (c->mmq_policy < 0 || c->float_act || !mmq_fits(w, x, m)) return false;
     return c->mmq_policy != 0 || (mmq8_supports(w->type) && mmq8_wins(w, m)) || mmq_wg_wins(c, w, m) ||
            mmq_wins(c, w, m);
 }

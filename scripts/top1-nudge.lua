@@ -3,10 +3,12 @@
 -- over the second and the second's id. cuda/NOTES.md ("how sensitive the
 -- model is") runs it on the CPU with and without a one-ulp nudge of the
 -- RMSNorm scale and compares the two outputs.
---   luma scripts/top1-nudge.lua [model.gguf [cpu|cuda]] > out.txt
+-- With "float" as the third argument the model is loaded with float
+-- activations (luma.load's float_act).
+--   luma scripts/top1-nudge.lua [model.gguf [cpu|cuda [float]]] > out.txt
 local luma = require "luma"
-local path = arg[1] or (os.getenv("HOME") .. "/.cache/luma/models/gemma-3-270m-q4_k_m.gguf")
-local c = luma.load(path, { backend = arg[2] or "cpu", kv_mb = 256 })
+local path = (arg[1] ~= "" and arg[1]) or (os.getenv("HOME") .. "/.cache/luma/models/gemma-3-270m-q4_k_m.gguf")
+local c = luma.load(path, { backend = arg[2] or "cpu", kv_mb = 256, float_act = arg[3] == "float" })
 local texts = {
   "The history of astronomy is the history of people trying to understand the sky.",
   "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n",

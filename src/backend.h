@@ -243,6 +243,17 @@ typedef struct luma_backend_ops {
      * batch. Called once, before weight_load. Optional: NULL for a backend
      * that always computes this way (the CPU). */
     int (*set_batch_invariant)(luma_backend *be, bool on, luma_err *err);
+
+    /* Float activations: with on, matmul (and matmul_many, gated_matmul)
+     * multiply the weights' dequantized values by the activations as floats
+     * (f32; f16 where a backend multiplies on tensor cores) instead of
+     * quantizing each activation row to 8 bits for the weight's activation
+     * format. Slower, and closer to the model: a one-ulp change of an
+     * activation then moves the logits by about 1e-2 instead of about 1, so
+     * two backends agree on nearly every top-1 (cuda/NOTES.md, "Float
+     * activations"). Float weights are multiplied as floats either way.
+     * Called once, before weight_load; required of every backend. */
+    int (*set_float_act)(luma_backend *be, bool on, luma_err *err);
 } luma_backend_ops;
 
 struct luma_backend {

@@ -399,6 +399,8 @@ int luma_model_load(const char *path, const luma_model_params *p, luma_model **o
         m->be->ops->set_batch_invariant(m->be, true, err))
         goto fail;
     m->batch_invariant = p->batch_invariant || !m->be->ops->set_batch_invariant;
+    if (p->float_act && m->be->ops->set_float_act(m->be, true, err)) goto fail;
+    m->float_act = p->float_act;
     if (p->progress && p->progress(p->progress_ctx, 0.0f)) {
         luma_errf(err, "loading cancelled");
         goto fail;

@@ -75,6 +75,7 @@ typedef struct luma_model_params {
     int32_t max_rows;          /* rows per step (prompt chunk); 0: 512 */
     bool kv_f32;               /* store keys and values as F32 instead of F16 */
     bool batch_invariant;      /* rows computed alike in every step shape (backend.h), at a cost on the GPU */
+    bool float_act;            /* products take float activations, not 8-bit ones (backend.h) */
     bool vocab_only;
     /* Called with the fraction loaded; returning non-zero cancels the load. */
     int (*progress)(void *ctx, float frac);
@@ -98,6 +99,7 @@ struct luma_model {
     int64_t weight_bytes;              /* bytes of weights read per token */
     bool vocab_only;
     bool batch_invariant;              /* every row computed alike in any step shape */
+    bool float_act;                    /* products take float activations */
     /* Loading progress: bytes of tensors bound so far, of all in the file. */
     const luma_model_params *loading;
     int64_t load_done, load_total;

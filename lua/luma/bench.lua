@@ -125,7 +125,8 @@ function M.run(o, load_model)
   row("model", (info.name or info.arch) .. " (" .. path:match("[^/]*$") .. ")", "")
   row("backend", info.backend .. (info.backend == "cpu" and (", " .. luma.simd() .. ", " ..
       (o.threads > 0 and o.threads or "all") .. " threads") or "") ..
-      (info.batch_invariant and info.backend ~= "cpu" and ", batch-invariant" or ""), "")
+      (info.batch_invariant and info.backend ~= "cpu" and ", batch-invariant" or "") ..
+      (info.float_act and ", float activations" or ""), "")
   row("load", string.format("%.2f", load_s), "s")
   for _, pf in ipairs(prefill) do
     row("prefill " .. pf[1] .. " tokens", string.format("%.1f", pf[1] / pf[2]), "tokens/s")

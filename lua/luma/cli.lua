@@ -74,6 +74,7 @@ local model_opts = {
   ctx = { kind = "integer", short = "c", help = "context length (0: the model's, at most 8192)", default = 0 },
   backend = { kind = "string", help = "cpu, cuda or auto", default = "auto" },
   ["batch-invariant"] = { kind = "flag", help = "every row computed alike in any batch (slower prefill on the GPU)" },
+  ["float-act"] = { kind = "flag", help = "products take float activations, not 8-bit ones (slower, closer to the model)" },
 }
 
 local function with(spec)
@@ -99,7 +100,7 @@ end
 local function load_model(o, extra)
   local path = o.model or fetch.default_model()
   local opts = { backend = o.backend, threads = o.threads, ctx = o.ctx, progress = progress_bar(),
-                 batch_invariant = o["batch-invariant"] or nil }
+                 batch_invariant = o["batch-invariant"] or nil, float_act = o["float-act"] or nil }
   for k, v in pairs(extra or {}) do opts[k] = v end
   return luma.load(path, opts), path
 end

@@ -22,7 +22,16 @@
  *     eagerly and recorded as a CUDA graph by the backend's step_run (as
  *     decode steps run), GB/s of weights and the fraction of the H100's
  *     3000 GB/s; m = 512 (on the first two shapes) with the resident copy
- *     and dequantizing per call, ms per call and TFLOP/s side by side.
+ *     and dequantizing per call, ms per call and TFLOP/s side by side;
+ *   - float activations (check_float: a second backend, set_float_act):
+ *     every block format against the same double reference, within 1e-5
+ *     of sum |w x| on the matrix-vector path (mmv_float, which multiplies
+ *     the CPU's dequantized values by the f32 activations as the CPU
+ *     backend's float product does, in another order) and within f16
+ *     rounding on the tensor cores; a row's bits the same at m = 8 as at
+ *     m = 1; matmul_many and gated_matmul as with 8-bit activations; and,
+ *     outside quick mode, m = 1 timed in a graph on the big Q4_K and Q6_K
+ *     shapes next to the 8-bit kernels.
  * Without a CUDA device it says so and passes. LUMA_CUDA_QUICK=1 keeps to the
  * small shapes and skips the timing (for compute-sanitizer runs);
  * LUMA_CUDA_TIME_TYPES=Q4_K,Q6_K times only the types it names.
@@ -569,6 +578,118 @@ static void check_gated(ctx *cx)
     printf("gated_matmul: %d products and gates equal to gelu_mul / silu_mul and matmul, bit for bit\n", checked);
 }
 
+/* Float activations: the tolerance against the double reference on the
+ * matrix-vector path, where only the order of float sums differs. */
+#define TOL_FLOAT 1e-5
+
+static void check_float(ctx *base)
+{
+    static const int fms[] = { 1, 3, 8, 16, 64 };
+    luma_err err = { { 0 } };
+    ctx cx = *base;
+    cx.be = luma_backend_cuda_new(0, &err);
+    if (!cx.be) {
+        CHECKF(0, "a second CUDA backend did not start: %s", err.msg);
+        return;
+    }
+    const luma_backend_ops *ops = cx.be->ops;
+    CHECKF(ops->set_float_act && ops->set_float_act(cx.be, true, &err) == 0, "set_float_act: %s", err.msg);
+    int checked = 0;
+    for (int ti = 0; ti < N_TYPES; ti++) {
+        enum luma_type t = types[ti];
+        const luma_type_traits *tr = luma_type_get(t);
+        if (!tr->is_quantized) continue;
+        for (int si = 0; si < N_SHAPES; si++) {
+            const struct shape *sh = &shapes[si];
+            int64_t rows = sh->rows, cols = sh->cols;
+            bool big = sh->big != TIME_NONE;
+            if (cols % tr->block_size != 0 || (big && (cx.quick || rows != 4096 || cols != 4096))) continue;
+            size_t row_bytes = luma_row_size(t, cols), bytes = row_bytes * (size_t)rows;
+            uint8_t *host = xmalloc(bytes);
+            random_weights(t, rows * cols, host);
+            luma_weight w = { .type = t, .rows = rows, .cols = cols, .host = host };
+            if (ops->weight_load(cx.be, &w, &err) != 0) {
+                CHECKF(0, "weight_load %s %lldx%lld: %s", tr->name, (long long)rows, (long long)cols, err.msg);
+                free(host);
+                continue;
+            }
+            /* Q6_K: the repacked copy (the K formats' kernel) and, as file_layout,
+             * the file's blocks (the element-wise kernel) */
+            luma_weight file_layout = w;
+            file_layout.dev_mmv = NULL;
+            int64_t rows_s[SAMPLE_ROWS];
+            int ns = rows < SAMPLE_ROWS ? (int)rows : SAMPLE_ROWS;
+            for (int s = 0; s < ns; s++) rows_s[s] = ns == 1 ? 0 : (int64_t)s * (rows - 1) / (ns - 1);
+            float *wref = xmalloc((size_t)ns * (size_t)cols * sizeof(float));
+            for (int s = 0; s < ns; s++)
+                luma_dequantize_row(t, host + (size_t)rows_s[s] * row_bytes, wref + (size_t)s * (size_t)cols, cols);
+            float *x = xmalloc((size_t)64 * (size_t)cols * sizeof(float));
+            float *y = xmalloc((size_t)64 * (size_t)rows * sizeof(float));
+            float *y1 = xmalloc((size_t)rows * sizeof(float));
+            char line[256];
+            int len = snprintf(line, sizeof line, "float %-5s %5lldx%-5lld", tr->name, (long long)rows, (long long)cols);
+            for (size_t mi = 0; mi < sizeof fms / sizeof fms[0]; mi++) {
+                int64_t m = fms[mi];
+                for (int64_t k = 0; k < m * cols; k++) x[k] = bell();
+                for (int64_t k = 0; k < m * rows; k++) y[k] = NAN;
+                if (run_matmul(&cx, &w, x, m, y) != 0) continue;
+                double tol = m <= MMV_MAX_M ? TOL_FLOAT : TOL_F16;
+                double e = product_rel_error(wref, rows_s, ns, x, m, cols, y, rows, SAMPLE_ACTS);
+                CHECKF(e <= tol, "float activations %s %lldx%lld m=%lld: max relative error %.3g > %.1g", tr->name,
+                       (long long)rows, (long long)cols, (long long)m, e, tol);
+                if (len < (int)sizeof line)
+                    len += snprintf(line + len, sizeof line - (size_t)len, "  m=%lld %.1e", (long long)m, e);
+                if (m == MMV_MAX_M && run_matmul(&cx, &w, x, 1, y1) == 0)
+                    CHECKF(memcmp(y, y1, (size_t)rows * sizeof(float)) == 0,
+                           "float activations %s %lldx%lld: row 0 of m = 8 differs from m = 1", tr->name,
+                           (long long)rows, (long long)cols);
+                if (m <= MMV_MAX_M && w.dev_mmv) {
+                    for (int64_t k = 0; k < m * rows; k++) y[k] = NAN;
+                    if (run_matmul(&cx, &file_layout, x, m, y) != 0) continue;
+                    e = product_rel_error(wref, rows_s, ns, x, m, cols, y, rows, SAMPLE_ACTS);
+                    CHECKF(e <= TOL_FLOAT, "float activations %s %lldx%lld m=%lld, the file's layout: max relative "
+                           "error %.3g > %.1g", tr->name, (long long)rows, (long long)cols, (long long)m, e, TOL_FLOAT);
+                    if (len < (int)sizeof line)
+                        len += snprintf(line + len, sizeof line - (size_t)len, " (file %.1e)", e);
+                }
+            }
+            printf("%s\n", line);
+            checked++;
+            free(x);
+            free(y);
+            free(y1);
+            free(wref);
+            free(host);   /* the backend frees its weights with itself */
+        }
+    }
+    printf("float activations: %d weight matrices checked\n", checked);
+    check_many(&cx);
+    check_gated(&cx);
+    /* m = 1 in a graph, next to the 8-bit kernels of the first backend */
+    static const enum luma_type ttypes[] = { LUMA_Q4_K, LUMA_Q6_K };
+    for (int ti = 0; ti < 2 && !cx.quick && cx.graphs; ti++)
+        for (int si = 0; si < N_SHAPES; si++) {
+            const struct shape *sh = &shapes[si];
+            enum luma_type t = ttypes[ti];
+            if (sh->big == TIME_NONE || !timed(&cx, t)) continue;
+            size_t bytes = luma_row_size(t, sh->cols) * (size_t)sh->rows;
+            uint8_t *host = xmalloc(bytes);
+            random_weights(t, sh->rows * sh->cols, host);
+            luma_weight wf = { .type = t, .rows = sh->rows, .cols = sh->cols, .host = host }, wi = wf;
+            if (ops->weight_load(cx.be, &wf, &err) == 0 && base->be->ops->weight_load(base->be, &wi, &err) == 0) {
+                luma_weight pf = wf, pi = wi;
+                pf.dev_f16 = pi.dev_f16 = NULL;
+                double uf = time_matmul(&cx, &pf, bytes, 1, 1), ui = time_matmul(base, &pi, bytes, 1, 1);
+                printf("%s %lldx%lld m=1 in a graph: float activations %.1f us (%.0f GB/s), 8-bit %.1f us\n",
+                       luma_type_name(t), (long long)sh->rows, (long long)sh->cols, uf, (double)bytes / (uf * 1e3), ui);
+            } else {
+                CHECKF(0, "weight_load: %s", err.msg);
+            }
+            free(host);
+        }
+    ops->free(cx.be);
+}
+
 static int run_checks(void)
 {
     luma_err err = { { 0 } };
@@ -597,6 +718,7 @@ static int run_checks(void)
     printf("matmul: %d weight matrices checked%s\n", checked, cx.quick ? " (quick: small shapes only)" : "");
     check_many(&cx);
     check_gated(&cx);
+    check_float(&cx);
 
     if (!cx.quick) {
         printf("\ntiming (per call in a stream of %d, best of %d; weights cold in L2; %% of %.0f GB/s):\n", TIME_CALLS,

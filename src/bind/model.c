@@ -61,6 +61,7 @@ int luma_bind_load(lua_State *L)
     p.kv_f32 = strcmp(luma_bind_optstr(L, 2, "kv_type", "f16"), "f32") == 0;
     p.vocab_only = luma_bind_optbool(L, 2, "vocab_only", false);
     p.batch_invariant = luma_bind_optbool(L, 2, "batch_invariant", false);
+    p.float_act = luma_bind_optbool(L, 2, "float_act", false);
     progress_ctx pc = { L, 0, false };
     if (!lua_isnoneornil(L, 2)) {
         lua_getfield(L, 2, "progress");
@@ -248,6 +249,8 @@ static void push_info(lua_State *L, const luma_model *m)
     lua_setfield(L, -2, "backend");
     lua_pushboolean(L, m->batch_invariant);
     lua_setfield(L, -2, "batch_invariant");
+    lua_pushboolean(L, m->float_act);
+    lua_setfield(L, -2, "float_act");
     int64_t kv_bytes = 0;
     const luma_kv_layout *l = &m->kv_layout;
     for (int p = 0; p < l->n_pools; p++)

@@ -10,7 +10,9 @@
  * weight rows at a time into a panel and runs every activation row against
  * it, paying the decoding once per prefill instead of once per 4 tokens;
  * fewer rows (decode) take the panels' rows kernel, which gives the same
- * results bit for bit. Every operation computes a row the same way whatever
+ * results bit for bit. With float activations (set_float_act) a tile's rows
+ * are dequantized to f32 instead, and every activation row is multiplied
+ * with them as floats (the vector ops' qk_f32). Every operation computes a row the same way whatever
  * the other rows of the step, so a sequence's logits do not depend on how
  * its tokens were batched. */
 #include <math.h>
@@ -54,6 +56,11 @@ typedef struct cpu_backend {
     size_t act_cap;
     uint8_t *panels;           /* one weight panel per thread */
     size_t panels_cap;
+    bool float_act;            /* set_float_act */
+    float *deq;                /* float activations: one dequantized tile per thread */
+    size_t deq_cap;
+    const float **rows;        /* float activations: the activation rows */
+    size_t rows_cap;
     rope_table rope[ROPE_TABLES];
     int rope_next;             /* the slot to refill next */
     luma_kv_layout kvl;
@@ -250,9 +257,56 @@ static void matmul_job_run(void *p, int ith, int nth)
     }
 }
 
+typedef struct {
+    const luma_weight *w;
+    const float *const *x;     /* the n activation rows */
+    int32_t n;
+    float *deq;                /* TILE_W rows of w->cols floats per thread */
+    const luma_vec_ops *vec;
+    luma_buf *y;
+} float_job;
+
+static void matmul_float_run(void *p, int ith, int nth)
+{
+    float_job *j = p;
+    const luma_weight *w = j->w;
+    size_t wrow = luma_row_size(w->type, w->cols);
+    float *deq = j->deq + (size_t)ith * TILE_W * (size_t)w->cols;
+    long tiles = (w->rows + TILE_W - 1) / TILE_W, lo, hi;
+    luma_pool_split(tiles, ith, nth, &lo, &hi);
+    for (long t = lo; t < hi; t++) {
+        int64_t r0 = t * TILE_W;
+        int nr = (int)(w->rows - r0 < TILE_W ? w->rows - r0 : TILE_W);
+        for (int r = 0; r < nr; r++)
+            luma_dequantize_row(w->type, (const uint8_t *)w->host + (size_t)(r0 + r) * wrow,
+                                deq + (size_t)r * (size_t)w->cols, w->cols);
+        j->vec->qk_f32(w->cols, j->x, j->n, deq, (size_t)w->cols, nr, j->y->data + r0, (size_t)w->rows);
+    }
+}
+
+static void matmul_float(cpu_backend *c, const luma_weight *w, const luma_buf *x, luma_buf *y)
+{
+    int32_t n = (int32_t)x->rows;
+    size_t per = (size_t)TILE_W * (size_t)w->cols * sizeof(float);
+    if (!reserve(&c->deq, &c->deq_cap, per * (size_t)luma_pool_size(c->pool)) ||
+        !reserve(&c->rows, &c->rows_cap, sizeof(float *) * (size_t)(n ? n : 1))) {
+        c->failure = "out of memory for dequantized weight rows";
+        return;
+    }
+    for (int32_t i = 0; i < n; i++) c->rows[i] = x->data + (size_t)i * (size_t)x->cols;
+    float_job j = { w, c->rows, n, c->deq, c->vec, y };
+    if (n > 0) luma_pool_run(c->pool, matmul_float_run, &j);
+    y->rows = n;
+    y->cols = w->rows;
+}
+
 static void cpu_matmul(luma_backend *be, const luma_weight *w, const luma_buf *x, luma_buf *y)
 {
     cpu_backend *c = cpu(be);
+    if (c->float_act) {
+        matmul_float(c, w, x, y);
+        return;
+    }
     int32_t n = (int32_t)x->rows;
     matmul_job j = { .w = w, .x = x, .n = n, .y = y };
 #if defined(__x86_64__)
@@ -696,12 +750,20 @@ static void cpu_free(luma_backend *be)
     for (int p = 0; p < LUMA_KV_MAX_POOLS; p++) free(c->kv_mem[p]);
     free(c->act);
     free(c->panels);
+    free(c->deq);
+    free(c->rows);
     for (int i = 0; i < ROPE_TABLES; i++) {
         free(c->rope[i].pos);
         free(c->rope[i].cs);
         free(c->rope[i].pw);
     }
     free(c);
+}
+
+static int cpu_set_float_act(luma_backend *be, bool on, luma_err *err)
+{
+    cpu(be)->float_act = on;
+    return 0;
 }
 
 static const luma_backend_ops cpu_ops = {
@@ -724,6 +786,7 @@ static const luma_backend_ops cpu_ops = {
     .silu_mul = cpu_silu_mul,
     .add = cpu_add,
     .sync = cpu_sync,
+    .set_float_act = cpu_set_float_act,
 };
 
 luma_backend *luma_backend_cpu_new(int n_threads, luma_err *err)

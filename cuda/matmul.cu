@@ -1546,8 +1546,10 @@ static void mmv_float_run(cuda_backend *c, const luma_weight *w, const float *x,
  * 2 (p / 2) and 2 (p / 2) + 1, as k_act32 reads them), each weight's
  * integer made a float exactly (ubyte_f: one byte permute, one add), then
  * the CPU's dequantized value operation by operation (deq8's), 32 a lane,
- * multiplied by the f32 activations; two weight rows a warp, so that an
- * activation load serves both. A row's sum depends neither on m (MAXM only
+ * multiplied by the f32 activations, which kf_order has put in the lanes'
+ * order (float4 q of part p at 4 (8 q + p) of the block's 256, so that the
+ * 8 lanes of a block load 128 contiguous bytes); two weight rows a warp, so
+ * that an activation load serves both. A row's sum depends neither on m (MAXM only
  * sizes the accumulators: each activation row's operations are the same)
  * nor on the other row. */
 static __device__ __forceinline__ float ubyte_f(uint32_t word, int b)
@@ -1659,7 +1661,6 @@ mmv_kfloat(const uint8_t *__restrict__ w, size_t row_bytes, int64_t rows, int nb
     for (int r = 0; r < KF_ROWS; r++)
 #pragma unroll
         for (int j = 0; j < MAXM; j++) acc[r][j] = 0.0f;
-    const int64_t xoff = 64 * (p / 2) + 16 * (p % 2);
     for (; ib < nb; ib += stride) {
         float wa[KF_ROWS][16], wb[KF_ROWS][16];
 #pragma unroll
@@ -1670,11 +1671,10 @@ mmv_kfloat(const uint8_t *__restrict__ w, size_t row_bytes, int64_t rows, int nb
 #pragma unroll
         for (int j = 0; j < MAXM; j++) {
             if (j >= m) break;
-            const float4 *xa = (const float4 *)(x + (size_t)j * (size_t)cols + (size_t)ib * 256 + xoff);
-            const float4 *xb = xa + 8;
+            const float4 *xq = (const float4 *)(x + (size_t)j * (size_t)cols + (size_t)ib * 256) + p;
 #pragma unroll
             for (int q = 0; q < 4; q++) {
-                float4 a = xa[q], b = xb[q];
+                float4 a = xq[8 * q], b = xq[8 * (q + 4)];
 #pragma unroll
                 for (int r = 0; r < KF_ROWS; r++) {
                     float s = acc[r][j];
@@ -1701,6 +1701,42 @@ mmv_kfloat(const uint8_t *__restrict__ w, size_t row_bytes, int64_t rows, int nb
         }
 }
 
+/* xo = x (n floats, n a multiple of 256) in mmv_kfloat's order: float4 q
+ * of lane part p of a block at float4 8 q + p; q < 4 from sub-block
+ * 2 (p / 2), q >= 4 from the next, positions 16 (p % 2) + 4 (q % 4). */
+static __global__ void kf_order(const float *__restrict__ x, int64_t n4, float *__restrict__ xo)
+{
+    follow_previous_kernel();
+    int64_t o = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (o >= n4) return;
+    int within = (int)(o % 64), q = within / 8, p = within % 8;
+    int64_t src = (o / 64) * 256 + 32 * (2 * (p / 2) + q / 4) + 16 * (p % 2) + 4 * (q % 4);
+    ((float4 *)xo)[o] = *(const float4 *)(x + src);
+}
+
+/* Whether mm_float takes mmv_kfloat for w (which reads x through
+ * kf_order). */
+static bool kfloat_takes(const luma_weight *w)
+{
+    if (mmv_forced() || w->cols % 256 != 0) return false;
+    if (w->type == LUMA_Q6_K) return w->dev_mmv != NULL;
+    return (w->type == LUMA_Q4_K || w->type == LUMA_Q5_K) && ((uintptr_t)w->dev & 15) == 0;
+}
+
+static unsigned blocks_for(int64_t n, int threads);
+
+/* x (m rows of cols) in kf_order's order, in the scratch; NULL on failure. */
+static float *kf_ordered(cuda_backend *c, const float *x, int64_t m, int64_t cols)
+{
+    int64_t n4 = m * cols / 4;
+    float *xo = (float *)luma_cuda_scratch(c, (size_t)n4 * sizeof(float4));
+    if (!xo) return NULL;
+    luma_cuda_fail(c, luma_launch(c, c->stream, blocks_for(n4, 256), 256, 0, kf_order, x, n4, xo),
+                   "matmul (float activations, reordered)");
+    return LUMA_CUDA_OK(c) ? xo : NULL;
+}
+
+/* y = W x for a weight kfloat_takes, x already through kf_order. */
 template <class K>
 static void mmv_kfloat_run(cuda_backend *c, const luma_weight *w, const uint8_t *bytes, const float *x, int64_t m,
                            float *y)
@@ -1724,13 +1760,20 @@ static void mmv_kfloat_run(cuda_backend *c, const luma_weight *w, const uint8_t 
 /* The matrix-vector path with float activations, for the block formats:
  * the K formats' own kernel where it reads the weight (16-byte aligned
  * rows), mmv_float's element-wise one elsewhere. */
+static void mm_kfloat(cuda_backend *c, const luma_weight *w, const float *xo, int64_t m, float *y)
+{
+    if (w->type == LUMA_Q4_K) mmv_kfloat_run<kf_q4_K>(c, w, (const uint8_t *)w->dev, xo, m, y);
+    else if (w->type == LUMA_Q5_K) mmv_kfloat_run<kf_q5_K>(c, w, (const uint8_t *)w->dev, xo, m, y);
+    else mmv_kfloat_run<kf_q6_K>(c, w, (const uint8_t *)w->dev_mmv, xo, m, y);
+}
+
 static void mm_float(cuda_backend *c, const luma_weight *w, const float *x, int64_t m, float *y)
 {
-    bool k16 = ((uintptr_t)w->dev & 15) == 0 && w->cols % 256 == 0 && !mmv_forced();
-    if (k16 && w->type == LUMA_Q4_K) return mmv_kfloat_run<kf_q4_K>(c, w, (const uint8_t *)w->dev, x, m, y);
-    if (k16 && w->type == LUMA_Q5_K) return mmv_kfloat_run<kf_q5_K>(c, w, (const uint8_t *)w->dev, x, m, y);
-    if (w->type == LUMA_Q6_K && w->dev_mmv && !mmv_forced())
-        return mmv_kfloat_run<kf_q6_K>(c, w, (const uint8_t *)w->dev_mmv, x, m, y);
+    if (kfloat_takes(w)) {
+        const float *xo = kf_ordered(c, x, m, w->cols);
+        if (xo) mm_kfloat(c, w, xo, m, y);
+        return;
+    }
     switch (w->type) {
     case LUMA_Q4_0: mmv_float_run<type_q4_0>(c, w, x, m, y); break;
     case LUMA_Q4_1: mmv_float_run<type_q4_1>(c, w, x, m, y); break;
@@ -2195,10 +2238,31 @@ static bool cublas_on_copy(cuda_backend *c, const luma_weight *w, const float *x
     return !takes_vec(c, w, x, m) && resident_f16(c, w) && !luma_cuda_mmq_takes(c, w, x, m) && tensor_fits(c, w, m);
 }
 
+/* matmul_many with float activations: the weights on mmv_kfloat share one
+ * kf_order of x, after the others (whose paths may grow the scratch). */
+static void float_many(cuda_backend *c, int n, const luma_weight *const *ws, const float *x, int64_t m,
+                       float *const *ys)
+{
+    bool k[LUMA_MATMUL_MANY] = { false }, any = false;
+    for (int i = 0; i < n && i < LUMA_MATMUL_MANY; i++) {
+        if (ws[i]->rows <= 0 || !matmul_ok(c, ws[i])) return;
+        k[i] = !is_float_type(ws[i]->type) && takes_vec(c, ws[i], x, m) && kfloat_takes(ws[i]);
+        any |= k[i];
+        if (!k[i]) luma_cuda_matmul(c, ws[i], x, m, ys[i]);
+    }
+    const float *xo = any && LUMA_CUDA_OK(c) ? kf_ordered(c, x, m, ws[0]->cols) : NULL;
+    for (int i = 0; i < n && i < LUMA_MATMUL_MANY && xo; i++)
+        if (k[i]) mm_kfloat(c, ws[i], xo, m, ys[i]);
+}
+
 void luma_cuda_matmul_many(cuda_backend *c, int n, const luma_weight *const *ws, const float *x, int64_t m,
                            float *const *ys)
 {
     if (!LUMA_CUDA_OK(c) || m <= 0 || n <= 0) return;
+    if (c->float_act) {
+        float_many(c, n, ws, x, m, ys);
+        return;
+    }
     /* the block-format weights on the matrix-vector path share one
      * quantization of x per activation format (Q8_0, Q8_K); each product is
      * then the kernel luma_cuda_matmul would run, on the same int8 values */
@@ -2211,7 +2275,7 @@ void luma_cuda_matmul_many(cuda_backend *c, int n, const luma_weight *const *ws,
         const luma_weight *w = ws[i];
         fmt_of[i] = NONE;
         if (w->rows <= 0 || !matmul_ok(c, w)) return;
-        if (c->float_act || is_float_type(w->type) || !takes_vec(c, w, x, m)) continue;
+        if (is_float_type(w->type) || !takes_vec(c, w, x, m)) continue;
         int f = luma_type_get(w->type)->act_type == LUMA_Q8_K;
         fmt_of[i] = f;
         if (!used[f]) {

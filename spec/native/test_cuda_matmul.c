@@ -30,8 +30,8 @@
  *     backend's float product does, in another order) and within f16
  *     rounding on the tensor cores; a row's bits the same at m = 8 as at
  *     m = 1; matmul_many and gated_matmul as with 8-bit activations; and,
- *     outside quick mode, m = 1 timed in a graph on the big Q4_K and Q6_K
- *     shapes next to the 8-bit kernels.
+ *     outside quick mode, m = 1 and 8 timed in a graph on the big Q4_K and
+ *     Q6_K shapes next to the 8-bit kernels.
  * Without a CUDA device it says so and passes. LUMA_CUDA_QUICK=1 keeps to the
  * small shapes and skips the timing (for compute-sanitizer runs);
  * LUMA_CUDA_TIME_TYPES=Q4_K,Q6_K times only the types it names.
@@ -665,7 +665,7 @@ static void check_float(ctx *base)
     printf("float activations: %d weight matrices checked\n", checked);
     check_many(&cx);
     check_gated(&cx);
-    /* m = 1 in a graph, next to the 8-bit kernels of the first backend */
+    /* m = 1 and 8 in a graph, next to the 8-bit kernels of the first backend */
     static const enum luma_type ttypes[] = { LUMA_Q4_K, LUMA_Q6_K };
     for (int ti = 0; ti < 2 && !cx.quick && cx.graphs; ti++)
         for (int si = 0; si < N_SHAPES; si++) {
@@ -680,8 +680,10 @@ static void check_float(ctx *base)
                 luma_weight pf = wf, pi = wi;
                 pf.dev_f16 = pi.dev_f16 = NULL;
                 double uf = time_matmul(&cx, &pf, bytes, 1, 1), ui = time_matmul(base, &pi, bytes, 1, 1);
-                printf("%s %lldx%lld m=1 in a graph: float activations %.1f us (%.0f GB/s), 8-bit %.1f us\n",
-                       luma_type_name(t), (long long)sh->rows, (long long)sh->cols, uf, (double)bytes / (uf * 1e3), ui);
+                double uf8 = time_matmul(&cx, &pf, bytes, 8, 1), ui8 = time_matmul(base, &pi, bytes, 8, 1);
+                printf("%s %lldx%lld in a graph: m=1 float activations %.1f us (%.0f GB/s), 8-bit %.1f us; "
+                       "m=8 float %.1f us, 8-bit %.1f us\n", luma_type_name(t), (long long)sh->rows,
+                       (long long)sh->cols, uf, (double)bytes / (uf * 1e3), ui, uf8, ui8);
             } else {
                 CHECKF(0, "weight_load: %s", err.msg);
             }

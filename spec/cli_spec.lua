@@ -78,6 +78,19 @@ describe("the luma command", function()
     assert.are.equal(out, (H.run(cmd)))
   end)
 
+  it("generate --float-act continues greedily as a model loaded with float_act", function()
+    local prompt = "The capital of France is"
+    local cmd = bin .. " generate -m " .. H.quote(model_path) .. " -t 2 -p " .. H.quote(prompt) ..
+                " -n 6 --temp 0 --float-act"
+    local out, err, code = H.run(cmd)
+    assert.are.equal(0, code, err)
+    local model = H.load{ ctx = 64, float_act = true }
+    assert.is_true(model.info.float_act)
+    local want = prompt .. model:detokenize(H.greedy(model, model:tokenize(prompt), 6)) .. "\n"
+    model:close()
+    assert.are.equal(want, out)
+  end)
+
   it("runs a chunk with -e, passing the remaining arguments as ...", function()
     local out, err, code = H.run(bin .. " -e 'local luma = require \"luma\"; print(luma.version, ...)' a 'b c'")
     assert.are.equal(0, code, err)

@@ -49,6 +49,7 @@ describe("luma.load", function()
     assert.matches("'backend' must be a string", failure(luma.load, path, { backend = 1 }))
     assert.matches("'vocab_only' must be a boolean", failure(luma.load, path, { vocab_only = "yes" }))
     assert.matches("'batch_invariant' must be a boolean", failure(luma.load, path, { batch_invariant = 1 }))
+    assert.matches("'float_act' must be a boolean", failure(luma.load, path, { float_act = "yes" }))
     assert.matches("'progress' must be a function", failure(luma.load, path, { progress = 3 }))
   end)
 
@@ -113,6 +114,7 @@ describe("a loaded model", function()
     assert.is_nil(info.vocab_only)
     -- the CPU computes every row alike whatever its step; the GPU only when asked
     assert.are.equal(H.backend == "cpu", info.batch_invariant)
+    assert.is_false(info.float_act)
     assert.matches("luma.Model %(gemma3, 262144 tokens%)", tostring(model))
   end)
 

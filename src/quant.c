@@ -163,7 +163,7 @@ void luma_f16_to_f32_row(const uint16_t *src, float *dst, int64_t n)
  * Bytes 0..3: scales 0..3 (low 6 bits), top 2 bits of scales 4..7;
  * bytes 4..7: the same for the minimums;
  * bytes 8..11: low 4 bits of scales 4..7 (low nibble), of minimums 4..7 (high). */
-static void scale_min_k4(int j, const uint8_t *q, int *sc, int *m)
+void luma_scale_min_k4(int j, const uint8_t *q, int *sc, int *m)
 {
     if (j < 4) {
         *sc = q[j] & 63;
@@ -310,7 +310,7 @@ static void dequant_q4_K(const luma_block_q4_K *x, float *y, int64_t nb)
         float d = luma_f16_to_f32(x->d), dmin = luma_f16_to_f32(x->dmin);
         for (int s = 0; s < 8; s++) {
             int sc, m;
-            scale_min_k4(s, x->scales, &sc, &m);
+            luma_scale_min_k4(s, x->scales, &sc, &m);
             float d1 = d * (float)sc, m1 = dmin * (float)m;
             for (int l = 0; l < 32; l++) {
                 int q = (x->qs[32 * (s / 2) + l] >> (4 * (s % 2))) & 0xF;
@@ -326,7 +326,7 @@ static void dequant_q5_K(const luma_block_q5_K *x, float *y, int64_t nb)
         float d = luma_f16_to_f32(x->d), dmin = luma_f16_to_f32(x->dmin);
         for (int s = 0; s < 8; s++) {
             int sc, m;
-            scale_min_k4(s, x->scales, &sc, &m);
+            luma_scale_min_k4(s, x->scales, &sc, &m);
             float d1 = d * (float)sc, m1 = dmin * (float)m;
             for (int l = 0; l < 32; l++) {
                 int q = ((x->qs[32 * (s / 2) + l] >> (4 * (s % 2))) & 0xF) | ((x->qh[l] >> s) & 1) << 4;
@@ -366,6 +366,16 @@ static void dequant_q8_K(const luma_block_q8_K *x, float *y, int64_t nb)
 }
 
 void luma_dequantize_row(enum luma_type t, const void *src, float *dst, int64_t n)
+{
+    const luma_type_traits *tr = luma_type_get(t);
+    if (!tr || n <= 0) return;
+#if defined(__x86_64__)
+    if (have_avx2() && luma_dequantize_avx2(t, src, dst, n / tr->block_size)) return;
+#endif
+    luma_dequantize_row_ref(t, src, dst, n);
+}
+
+void luma_dequantize_row_ref(enum luma_type t, const void *src, float *dst, int64_t n)
 {
     const luma_type_traits *tr = luma_type_get(t);
     if (!tr || n <= 0) return;
@@ -630,7 +640,7 @@ static float dot_q4_K(int64_t n, const void *w, const void *a)
         int sumi = 0, summ = 0;
         for (int s = 0; s < 8; s++) {
             int sc, m, dot = 0;
-            scale_min_k4(s, x->scales, &sc, &m);
+            luma_scale_min_k4(s, x->scales, &sc, &m);
             for (int l = 0; l < 32; l++)
                 dot += ((x->qs[32 * (s / 2) + l] >> (4 * (s % 2))) & 0xF) * y->qs[32 * s + l];
             sumi += sc * dot;
@@ -650,7 +660,7 @@ static float dot_q5_K(int64_t n, const void *w, const void *a)
         int sumi = 0, summ = 0;
         for (int s = 0; s < 8; s++) {
             int sc, m, dot = 0;
-            scale_min_k4(s, x->scales, &sc, &m);
+            luma_scale_min_k4(s, x->scales, &sc, &m);
             for (int l = 0; l < 32; l++) {
                 int q = ((x->qs[32 * (s / 2) + l] >> (4 * (s % 2))) & 0xF) | ((x->qh[l] >> s) & 1) << 4;
                 dot += q * y->qs[32 * s + l];

@@ -79,9 +79,17 @@ uint16_t luma_f32_to_bf16(float f);
 /* n halves to floats; F16C when the CPU has it. */
 void luma_f16_to_f32_row(const uint16_t *src, float *dst, int64_t n);
 
-/* Scalar reference dequantization of n elements (n a multiple of the block
- * size; a partial last block is not read). Also decodes Q8_K. */
+/* Sub-block j's 6-bit scale and minimum of a Q4_K or Q5_K block, from its
+ * 12 packed bytes q. */
+void luma_scale_min_k4(int j, const uint8_t *q, int *sc, int *m);
+
+/* Dequantization of n elements (n a multiple of the block size; a partial
+ * last block is not read), as src/quant.c spells it out; also decodes Q8_K.
+ * Dispatches to the SIMD version where the CPU has one for t, which gives
+ * the same bits (the same float operations per element). */
 void luma_dequantize_row(enum luma_type t, const void *src, float *dst, int64_t n);
+/* Always the scalar version (tests compare the two). */
+void luma_dequantize_row_ref(enum luma_type t, const void *src, float *dst, int64_t n);
 /* Quantizes n floats to an activation format (F32, Q8_0 or Q8_K; n a
  * multiple of its block size), rounding like GGML's reference quantize_row_q8_0 (half away from zero) and
  * quantize_row_q8_K (half to even, the largest magnitude maps to -127);

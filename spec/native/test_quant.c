@@ -2,9 +2,10 @@
  *   - type traits and row sizes match GGML's block layouts;
  *   - half/bfloat conversions round to nearest even and keep inf, NaN,
  *     subnormals; the F16C row conversion equals the scalar one;
- *   - the scalar dequantizers equal, bit for bit, the gguf Python package on
+ *   - the dequantizers equal, bit for bit, the gguf Python package on
  *     random blocks (spec/data/quant-golden.bin, scripts/gen-quant-golden.py),
- *     and the Q8_0 quantizer gives the package's bytes;
+ *     the SIMD ones the scalar ones on random blocks of every type, and the
+ *     Q8_0 quantizer gives the package's bytes;
  *   - the scalar dots equal a double-precision dot of the dequantized rows;
  *   - the SIMD dots, tiles and activation quantizers equal the scalar ones.
  * Prints a timing line per type (informative, never asserted). */
@@ -488,12 +489,36 @@ static void test_timing(void)
     free(x);
 }
 
+/* luma_dequantize_row (SIMD where the CPU has it) against the scalar
+ * reference, bit for bit, on random blocks of every weight type. */
+static void test_dequant_simd(void)
+{
+    const int64_t n = 4096;
+    for (int ti = 0; ti < N_WEIGHT_TYPES; ti++) {
+        enum luma_type t = weight_types[ti];
+        size_t bytes = luma_row_size(t, n);
+        uint8_t *w = xmalloc(bytes);
+        random_weights(t, n, w);
+        float *ref = xmalloc((size_t)n * sizeof(float)), *got = xmalloc((size_t)n * sizeof(float));
+        luma_dequantize_row_ref(t, w, ref, n);
+        luma_dequantize_row(t, w, got, n);
+        int bad = 0;
+        for (int64_t i = 0; i < n; i++) bad += bits_of(ref[i]) != bits_of(got[i]) && !(isnan(ref[i]) && isnan(got[i]));
+        CHECKF(bad == 0, "%s: %d of %lld dequantized values differ from the scalar reference", luma_type_name(t), bad,
+               (long long)n);
+        free(w);
+        free(ref);
+        free(got);
+    }
+}
+
 int main(void)
 {
     rnd_seed(0x9e3779b97f4a7c15ULL);
     test_traits();
     test_conversions();
     test_golden();
+    test_dequant_simd();
     test_quantize_act();
     test_dots();
     test_float_tails();

@@ -910,3 +910,124 @@ void luma_f16_to_f32_row_avx2(const uint16_t *src, float *dst, int64_t n)
         _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
     for (; i < n; i++) dst[i] = f16(src[i]);
 }
+
+/* ---- dequantizers --------------------------------------------------------- */
+
+/* Each element as its scalar reference in quant.c computes it: the integer
+ * value made a float, one IEEE multiply by the block's (or sub-block's)
+ * scale, and for Q4_K one subtraction of the minimum, never fused: the
+ * same bits. */
+
+/* 8 signed bytes (the low 8 of q) times d, to y[0..7] */
+INLINE void store8_i8(float *y, __m128i q, __m256 d)
+{
+    _mm256_storeu_ps(y, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q))));
+}
+
+/* 32 signed bytes times d */
+INLINE void store32_i8(float *y, __m256i v, __m256 d)
+{
+    __m128i lo = _mm256_castsi256_si128(v), hi = _mm256_extracti128_si256(v, 1);
+    store8_i8(y, lo, d);
+    store8_i8(y + 8, _mm_srli_si128(lo, 8), d);
+    store8_i8(y + 16, hi, d);
+    store8_i8(y + 24, _mm_srli_si128(hi, 8), d);
+}
+
+/* The low and high nibbles of 16 bytes: elements 0..15, then 16..31. */
+INLINE __m256i nibbles16(const uint8_t *qs)
+{
+    __m128i q = _mm_loadu_si128((const __m128i *)qs), m = _mm_set1_epi8(0x0F);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m), _mm_and_si128(q, m));
+}
+
+/* Byte j = 0x10 where bit j of h is set, else 0. */
+INLINE __m256i bits_to_16(uint32_t h)
+{
+    __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)h),
+                                    _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2,
+                                                     2, 3, 3, 3, 3, 3, 3, 3, 3));
+    __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit), _mm256_set1_epi8(0x10));
+}
+
+static void dequant_q4_0(const luma_block_q4_0 *x, float *y, int64_t nb)
+{
+    for (int64_t b = 0; b < nb; b++, x++, y += LUMA_QK)
+        store32_i8(y, _mm256_sub_epi8(nibbles16(x->qs), _mm256_set1_epi8(8)), _mm256_set1_ps(f16(x->d)));
+}
+
+static void dequant_q5_0(const luma_block_q5_0 *x, float *y, int64_t nb)
+{
+    for (int64_t b = 0; b < nb; b++, x++, y += LUMA_QK) {
+        uint32_t qh;
+        memcpy(&qh, x->qh, 4);
+        __m256i v = _mm256_or_si256(nibbles16(x->qs), bits_to_16(qh));
+        store32_i8(y, _mm256_sub_epi8(v, _mm256_set1_epi8(16)), _mm256_set1_ps(f16(x->d)));
+    }
+}
+
+static void dequant_q8_0(const luma_block_q8_0 *x, float *y, int64_t nb)
+{
+    for (int64_t b = 0; b < nb; b++, x++, y += LUMA_QK)
+        store32_i8(y, _mm256_loadu_si256((const __m256i *)x->qs), _mm256_set1_ps(f16(x->d)));
+}
+
+/* Q4_K: sub-block s is the low (s even) or high nibbles of qs[32 (s / 2) ..]. */
+static void dequant_q4_K(const luma_block_q4_K *x, float *y, int64_t nb)
+{
+    for (int64_t b = 0; b < nb; b++, x++, y += LUMA_QK_K) {
+        float d = f16(x->d), dmin = f16(x->dmin);
+        for (int s = 0; s < 8; s++) {
+            int sc, m;
+            luma_scale_min_k4(s, x->scales, &sc, &m);
+            __m256 d1 = _mm256_set1_ps(d * (float)sc), m1 = _mm256_set1_ps(dmin * (float)m);
+            __m256i q = _mm256_loadu_si256((const __m256i *)(x->qs + 32 * (s / 2)));
+            q = _mm256_and_si256(s % 2 ? _mm256_srli_epi16(q, 4) : q, _mm256_set1_epi8(0x0F));
+            __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+            __m128i part[4] = { lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8) };
+            for (int i = 0; i < 4; i++) {
+                __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(part[i]));
+                _mm256_storeu_ps(y + 32 * s + 8 * i, _mm256_sub_ps(_mm256_mul_ps(d1, f), m1));
+            }
+        }
+    }
+}
+
+/* Q6_K: element 128 c + 32 k + l is (4 bits of ql, 2 of qh) - 32, times
+ * d * scales[8 c + 2 k + l / 16]. */
+static void dequant_q6_K(const luma_block_q6_K *x, float *y, int64_t nb)
+{
+    for (int64_t b = 0; b < nb; b++, x++, y += LUMA_QK_K) {
+        float d = f16(x->d);
+        for (int c = 0; c < 2; c++) {
+            __m256i qh = _mm256_loadu_si256((const __m256i *)(x->qh + 32 * c));
+            for (int k = 0; k < 4; k++) {
+                __m256i ql = _mm256_loadu_si256((const __m256i *)(x->ql + 64 * c + 32 * (k % 2)));
+                ql = _mm256_and_si256(k / 2 ? _mm256_srli_epi16(ql, 4) : ql, _mm256_set1_epi8(0x0F));
+                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * k), _mm256_set1_epi8(3));
+                __m256i v = _mm256_sub_epi8(_mm256_or_si256(ql, _mm256_slli_epi16(hi, 4)), _mm256_set1_epi8(32));
+                float *yk = y + 128 * c + 32 * k;
+                __m256 d0 = _mm256_set1_ps(d * (float)x->scales[8 * c + 2 * k]);
+                __m256 d1 = _mm256_set1_ps(d * (float)x->scales[8 * c + 2 * k + 1]);
+                __m128i lo = _mm256_castsi256_si128(v), up = _mm256_extracti128_si256(v, 1);
+                store8_i8(yk, lo, d0);
+                store8_i8(yk + 8, _mm_srli_si128(lo, 8), d0);
+                store8_i8(yk + 16, up, d1);
+                store8_i8(yk + 24, _mm_srli_si128(up, 8), d1);
+            }
+        }
+    }
+}
+
+bool luma_dequantize_avx2(enum luma_type t, const void *src, float *dst, int64_t nb)
+{
+    switch (t) {
+    case LUMA_Q4_0: dequant_q4_0(src, dst, nb); return true;
+    case LUMA_Q5_0: dequant_q5_0(src, dst, nb); return true;
+    case LUMA_Q8_0: dequant_q8_0(src, dst, nb); return true;
+    case LUMA_Q4_K: dequant_q4_K(src, dst, nb); return true;
+    case LUMA_Q6_K: dequant_q6_K(src, dst, nb); return true;
+    default: return false;
+    }
+}

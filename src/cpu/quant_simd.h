@@ -16,6 +16,10 @@ luma_vec_rows_fn luma_vec_rows_avx2(enum luma_type t);
 void luma_quantize_q8_0_avx2(const float *x, luma_block_q8_0 *y, int64_t nb);
 void luma_quantize_q8_K_avx2(const float *x, luma_block_q8_K *y, int64_t nb);
 void luma_f16_to_f32_row_avx2(const uint16_t *src, float *dst, int64_t n);
+/* nb blocks of type t to floats, the same bits as luma_dequantize_row_ref;
+ * false, writing nothing, for a type without an AVX2 version (it has them
+ * for Q4_0, Q5_0, Q8_0, Q4_K and Q6_K). */
+bool luma_dequantize_avx2(enum luma_type t, const void *src, float *dst, int64_t nb);
 
 /* Weight panels, for matmuls over many activation rows (prefill), in the
  * legacy formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0): a panel is

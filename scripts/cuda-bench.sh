@@ -9,6 +9,8 @@
 #      for comparison, without (LUMA_CUDA_GRAPHS=0);
 #   4. the same on the default model when it is present ($LUMA_MODEL or
 #      ~/.cache/luma/models/), with the Lua policy chain;
+#   5. both models again with float activations (--float-act: prefill of
+#      512, decode at batch 1, 8 and 32 sequences);
 # then every table, and a summary of the lines that matter last.
 # PEAK_GBS (3000: an H100's measured copy bandwidth) sets the roofline;
 # LUMA_CMAKE_ARGS passes extra arguments to cmake (where Lua is).
@@ -46,10 +48,17 @@ if [ -f "$DEFAULT" ]; then
 else
     echo "==== the default model is not at $DEFAULT: its benchmark did not run"
 fi
+fa=(--backend cuda -r 2 -n 64 -b 1,8,32 --batch-prompt 128 --peak-gbs "$PEAK_GBS" -p 512 --max-rows 4096 --ctx 8192)
+echo "==== llama 7B shape, float activations"
+"$BUILD/luma" bench -m "$MODEL7" --float-act "${fa[@]}" --kv-mb 20000 | tee "$out/l7-float"
+if [ -f "$DEFAULT" ]; then
+    echo "==== default model, float activations"
+    "$BUILD/luma" bench -m "$DEFAULT" --float-act "${fa[@]}" --kv-mb 8000 | tee "$out/gemma-float"
+fi
 
 echo
 echo "==== summary"
-for f in l7 l7-eager gemma; do
+for f in l7 l7-eager gemma l7-float gemma-float; do
     [ -f "$out/$f" ] || continue
     echo "-- $f"
     grep -E "^(prefill|time to first|decode|fraction|aggregate|Lua policy cost)" "$out/$f"

@@ -1484,6 +1484,11 @@ static void mmv_run_many(cuda_backend *c, const luma_weight *const *ws, float *c
  * activation row by fused multiply-adds in a fixed order, then the warp's
  * sum. A row's result depends neither on m nor on the other rows. */
 #define MMV_FLOAT_WARPS 4
+/* Above this m, float activations take cuBLAS on the resident f16 copy:
+ * at m = 8 mmv_kfloat took 72.5 us on Q4_K 14336 x 4096 (its f32
+ * multiply-adds and activation loads grow with m) against about 47 for
+ * cuBLAS, at m = 4 40.6 against about 47 (cuda/NOTES.md). */
+#define MMV_FLOAT_MAX_M 4
 
 template <class T>
 static __global__ void __launch_bounds__(MMV_FLOAT_WARPS * 32)
@@ -2197,8 +2202,13 @@ static bool matmul_ok(cuda_backend *c, const luma_weight *w)
 static bool takes_vec(const cuda_backend *c, const luma_weight *w, const float *x, int64_t m)
 {
     int64_t max_m = c->invariant ? m : w->type == LUMA_F16 ? MMV_MAX_M_F16 : mmv_max_m();
-    if (c->float_act && !is_float_type(w->type))   /* mmv_float: whole float4 loads of x */
+    /* float activations: mmv_float and mmv_kfloat (whole float4 loads of x)
+     * up to MMV_FLOAT_MAX_M rows where the weight has a resident f16 copy
+     * for cuBLAS, up to max_m where it has none */
+    if (c->float_act && !is_float_type(w->type)) {
+        if (!c->invariant && resident_f16(c, w) && max_m > MMV_FLOAT_MAX_M) max_m = MMV_FLOAT_MAX_M;
         return m <= max_m && ((uintptr_t)x & 15) == 0;
+    }
     return m <= max_m && mmv_fits(w, x) && !luma_cuda_mmq_small(c, w, x, m);
 }
 

@@ -25,13 +25,13 @@
  *     and dequantizing per call, ms per call and TFLOP/s side by side;
  *   - float activations (check_float: a second backend, set_float_act):
  *     every block format against the same double reference, within 1e-5
- *     of sum |w x| on the matrix-vector path (mmv_float, which multiplies
- *     the CPU's dequantized values by the f32 activations as the CPU
- *     backend's float product does, in another order) and within f16
- *     rounding on the tensor cores; a row's bits the same at m = 8 as at
- *     m = 1; matmul_many and gated_matmul as with 8-bit activations; and,
- *     outside quick mode, m = 1 and 8 timed in a graph on the big Q4_K and
- *     Q6_K shapes next to the 8-bit kernels.
+ *     of sum |w x| on the matrix-vector path (m <= 4: mmv_float and
+ *     mmv_kfloat, which multiply the CPU's dequantized values by the f32
+ *     activations as the CPU backend's float product does, in another
+ *     order) and within f16 rounding on the tensor cores; a row's bits the
+ *     same at m = 3 as at m = 1; matmul_many and gated_matmul as with 8-bit activations; and,
+ *     outside quick mode, m = 1, 2, 4 and 8 timed in a graph on the big Q4_K
+ *     and Q6_K shapes next to the 8-bit kernels.
  * Without a CUDA device it says so and passes. LUMA_CUDA_QUICK=1 keeps to the
  * small shapes and skips the timing (for compute-sanitizer runs);
  * LUMA_CUDA_TIME_TYPES=Q4_K,Q6_K times only the types it names.
@@ -579,12 +579,15 @@ static void check_gated(ctx *cx)
 }
 
 /* Float activations: the tolerance against the double reference on the
- * matrix-vector path, where only the order of float sums differs. */
+ * matrix-vector path, where only the order of float sums differs; that
+ * path's largest m (MMV_FLOAT_MAX_M of cuda/matmul.cu: above it the
+ * resident f16 copy and the tensor cores). */
 #define TOL_FLOAT 1e-5
+#define FLOAT_MAX_M 4
 
 static void check_float(ctx *base)
 {
-    static const int fms[] = { 1, 3, 8, 16, 64 };
+    static const int fms[] = { 1, 3, 4, 8, 16, 64 };
     luma_err err = { { 0 } };
     ctx cx = *base;
     cx.be = luma_backend_cuda_new(0, &err);
@@ -633,17 +636,17 @@ static void check_float(ctx *base)
                 for (int64_t k = 0; k < m * cols; k++) x[k] = bell();
                 for (int64_t k = 0; k < m * rows; k++) y[k] = NAN;
                 if (run_matmul(&cx, &w, x, m, y) != 0) continue;
-                double tol = m <= MMV_MAX_M ? TOL_FLOAT : TOL_F16;
+                double tol = m <= FLOAT_MAX_M ? TOL_FLOAT : TOL_F16;
                 double e = product_rel_error(wref, rows_s, ns, x, m, cols, y, rows, SAMPLE_ACTS);
                 CHECKF(e <= tol, "float activations %s %lldx%lld m=%lld: max relative error %.3g > %.1g", tr->name,
                        (long long)rows, (long long)cols, (long long)m, e, tol);
                 if (len < (int)sizeof line)
                     len += snprintf(line + len, sizeof line - (size_t)len, "  m=%lld %.1e", (long long)m, e);
-                if (m == MMV_MAX_M && run_matmul(&cx, &w, x, 1, y1) == 0)
+                if (m == 3 && run_matmul(&cx, &w, x, 1, y1) == 0)
                     CHECKF(memcmp(y, y1, (size_t)rows * sizeof(float)) == 0,
-                           "float activations %s %lldx%lld: row 0 of m = 8 differs from m = 1", tr->name,
+                           "float activations %s %lldx%lld: row 0 of m = 3 differs from m = 1", tr->name,
                            (long long)rows, (long long)cols);
-                if (m <= MMV_MAX_M && w.dev_mmv) {
+                if (m <= FLOAT_MAX_M && w.dev_mmv) {
                     for (int64_t k = 0; k < m * rows; k++) y[k] = NAN;
                     if (run_matmul(&cx, &file_layout, x, m, y) != 0) continue;
                     e = product_rel_error(wref, rows_s, ns, x, m, cols, y, rows, SAMPLE_ACTS);
@@ -665,7 +668,7 @@ static void check_float(ctx *base)
     printf("float activations: %d weight matrices checked\n", checked);
     check_many(&cx);
     check_gated(&cx);
-    /* m = 1 and 8 in a graph, next to the 8-bit kernels of the first backend */
+    /* m = 1 to 8 in a graph, next to the 8-bit kernels of the first backend */
     static const enum luma_type ttypes[] = { LUMA_Q4_K, LUMA_Q6_K };
     for (int ti = 0; ti < 2 && !cx.quick && cx.graphs; ti++)
         for (int si = 0; si < N_SHAPES; si++) {
@@ -677,13 +680,14 @@ static void check_float(ctx *base)
             random_weights(t, sh->rows * sh->cols, host);
             luma_weight wf = { .type = t, .rows = sh->rows, .cols = sh->cols, .host = host }, wi = wf;
             if (ops->weight_load(cx.be, &wf, &err) == 0 && base->be->ops->weight_load(base->be, &wi, &err) == 0) {
-                luma_weight pf = wf, pi = wi;
-                pf.dev_f16 = pi.dev_f16 = NULL;
-                double uf = time_matmul(&cx, &pf, bytes, 1, 1), ui = time_matmul(base, &pi, bytes, 1, 1);
-                double uf8 = time_matmul(&cx, &pf, bytes, 8, 1), ui8 = time_matmul(base, &pi, bytes, 8, 1);
-                printf("%s %lldx%lld in a graph: m=1 float activations %.1f us (%.0f GB/s), 8-bit %.1f us; "
-                       "m=8 float %.1f us, 8-bit %.1f us\n", luma_type_name(t), (long long)sh->rows,
-                       (long long)sh->cols, uf, (double)bytes / (uf * 1e3), ui, uf8, ui8);
+                luma_weight pf = wf, pi = wi;   /* float keeps its f16 copy: cuBLAS above FLOAT_MAX_M */
+                pi.dev_f16 = NULL;
+                printf("%s %lldx%lld in a graph, float activations against 8-bit, us:", luma_type_name(t),
+                       (long long)sh->rows, (long long)sh->cols);
+                for (int64_t m = 1; m <= 8; m *= 2)
+                    printf("  m=%lld %.1f / %.1f", (long long)m, time_matmul(&cx, &pf, bytes, m, 1),
+                           time_matmul(base, &pi, bytes, m, 1));
+                printf("\n");
             } else {
                 CHECKF(0, "weight_load: %s", err.msg);
             }

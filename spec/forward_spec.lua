@@ -174,6 +174,20 @@ describe("gemma3 forward (CPU) against the exact float64 forward", function()
     assert.is_true(id > 10 * fd)
   end)
 
+  it("with float activations gives a token the same bits in a prompt and one token at a time", function()
+    local ids = exact.prompts[1].ids
+    local s = float:sequence()
+    local all = s:eval({ table.unpack(ids, 1, 24) }, { all = true })
+    s:close()
+    s = float:sequence()
+    for i = 1, 24 do
+      local one = s:eval(ids[i])
+      for _, id in ipairs(exact.prompts[1].top[i].ids) do assert.are.equal(all[i][id], one[id]) end
+      assert.are.equal(all[i]:argmax(), one:argmax())
+    end
+    s:close()
+  end)
+
   it("with float activations continues the 5 greedy prompts as the exact model does", function()
     for _, g in ipairs(exact.greedy) do
       local seq = float:sequence()

@@ -12,9 +12,9 @@
  * fewer rows (decode) take the panels' rows kernel, which gives the same
  * results bit for bit. With float activations (set_float_act) a tile's rows
  * are dequantized to f32 instead, and every activation row is multiplied
- * with them as floats (the vector ops' qk_f32). Every operation computes a row the same way whatever
- * the other rows of the step, so a sequence's logits do not depend on how
- * its tokens were batched. */
+ * with them as floats (the vector ops' qk_f32). Every operation computes a
+ * row the same way whatever the other rows of the step, so a sequence's
+ * logits do not depend on how its tokens were batched. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>

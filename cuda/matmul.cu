@@ -697,12 +697,135 @@ struct type_q6_K_mmv {
     }
 };
 
+/* Float activations for the K formats (Q4_K, Q5_K, and Q6_K in its
+ * repacked layout), as block types of the direct kernel: the 8-bit types'
+ * fetch and lane parts (part p of a block: positions 16 h .. 16 h + 15,
+ * h = p % 2, of sub-blocks 2 (p / 2) and 2 (p / 2) + 1, as k_act32 reads
+ * them), each weight's integer made a float exactly (ubyte_f: one byte
+ * permute, one add), then the CPU's dequantized value operation by
+ * operation (deq8's), 32 a lane, multiplied by the f32 activations, which
+ * kf_order has put in the lanes' order (float4 q of part p at 4 (8 q + p)
+ * of the block's 256, so that the 8 lanes of a block load 128 contiguous
+ * bytes). */
+static __device__ __forceinline__ float ubyte_f(uint32_t word, int b)
+{
+    /* 2^23 + byte b of word, as a float, minus 2^23 */
+    return __int_as_float(__byte_perm(word, 0x4B000000u, 0x7440u | (uint32_t)b)) - 8388608.0f;
+}
+
+/* What the three share: the decoded values of sub-block 2 (p / 2) (a) and
+ * of the next (b), the activations in kf_order's order, and their dot. */
+struct kf_base {
+    struct w_t { float a[16], b[16]; };
+    struct x_t { float4 v[8]; };
+    static __device__ void loadx(const act_rows &a, int j, int64_t ib, int p, x_t &x)
+    {
+        const float4 *xq = (const float4 *)(a.f + j * a.f_stride + ib * 256) + p;
+#pragma unroll
+        for (int q = 0; q < 8; q++) x.v[q] = xq[8 * q];
+    }
+    static __device__ float dot(const w_t &w, const x_t &x)
+    {
+        float s = 0.0f;
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            float4 a = x.v[q], b = x.v[q + 4];
+            s = __fmaf_rn(w.a[4 * q], a.x, s);
+            s = __fmaf_rn(w.a[4 * q + 1], a.y, s);
+            s = __fmaf_rn(w.a[4 * q + 2], a.z, s);
+            s = __fmaf_rn(w.a[4 * q + 3], a.w, s);
+            s = __fmaf_rn(w.b[4 * q], b.x, s);
+            s = __fmaf_rn(w.b[4 * q + 1], b.y, s);
+            s = __fmaf_rn(w.b[4 * q + 2], b.z, s);
+            s = __fmaf_rn(w.b[4 * q + 3], b.w, s);
+        }
+        return s;
+    }
+    /* d * scale * q - dmin * minimum, as deq8 (and src/quant.c) compute it,
+     * from the Q4_K/Q5_K header and the 4 words of a part's values */
+    static __device__ __forceinline__ void k_deq(const int4 &hdr, int p, const uint32_t *lo, const uint32_t *hi,
+                                                 w_t &w)
+    {
+        float d = f16_bits((uint32_t)hdr.x & 0xffff), dmin = f16_bits((uint32_t)hdr.x >> 16);
+        int s0, m0, s1, m1, sj = p / 2;
+        scale_min_k4(2 * sj, hdr.y, hdr.z, hdr.w, s0, m0);
+        scale_min_k4(2 * sj + 1, hdr.y, hdr.z, hdr.w, s1, m1);
+        float da = __fmul_rn(d, (float)s0), ma = __fmul_rn(dmin, (float)m0);
+        float db = __fmul_rn(d, (float)s1), mb = __fmul_rn(dmin, (float)m1);
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+#pragma unroll
+            for (int b = 0; b < 4; b++) {
+                w.a[4 * i + b] = __fsub_rn(__fmul_rn(da, ubyte_f(lo[i], b)), ma);
+                w.b[4 * i + b] = __fsub_rn(__fmul_rn(db, ubyte_f(hi[i], b)), mb);
+            }
+    }
+};
+
+struct kf_q4_K : kf_base {
+    static constexpr int qk = 256, bytes = type_q4_K::bytes, lpb = type_q4_K::lpb;
+    typedef type_q4_K::raw_t raw_t;
+    static __device__ void fetch(const uint8_t *b, int p, raw_t &r) { type_q4_K::fetch(b, p, r); }
+    static __device__ void decode(const raw_t &r, int p, w_t &w)
+    {
+        int v[4] = { r.q.x, r.q.y, r.q.z, r.q.w };
+        uint32_t lo[4], hi[4];
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            lo[i] = (uint32_t)(v[i] & LOW4);
+            hi[i] = (uint32_t)((v[i] >> 4) & LOW4);
+        }
+        k_deq(r.hdr, p, lo, hi, w);
+    }
+};
+
+struct kf_q5_K : kf_base {
+    static constexpr int qk = 256, bytes = type_q5_K::bytes, lpb = type_q5_K::lpb;
+    typedef type_q5_K::raw_t raw_t;
+    static __device__ void fetch(const uint8_t *b, int p, raw_t &r) { type_q5_K::fetch(b, p, r); }
+    static __device__ void decode(const raw_t &r, int p, w_t &w)
+    {
+        int sj = p / 2;
+        int v[4] = { r.q.x, r.q.y, r.q.z, r.q.w }, h[4] = { r.qh.x, r.qh.y, r.qh.z, r.qh.w };
+        uint32_t lo[4], hi[4];
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            lo[i] = (uint32_t)((v[i] & LOW4) | ((h[i] >> (2 * sj)) & 0x01010101) << 4);
+            hi[i] = (uint32_t)(((v[i] >> 4) & LOW4) | ((h[i] >> (2 * sj + 1)) & 0x01010101) << 4);
+        }
+        k_deq(r.hdr, p, lo, hi, w);
+    }
+};
+
+/* reads the repacked copy (w->dev_mmv), as type_q6_K_mmv */
+struct kf_q6_K : kf_base {
+    static constexpr int qk = 256, bytes = type_q6_K_mmv::bytes, lpb = type_q6_K_mmv::lpb;
+    typedef type_q6_K_mmv::raw_t raw_t;
+    static __device__ void fetch(const uint8_t *b, int p, raw_t &r) { type_q6_K_mmv::fetch(b, p, r); }
+    static __device__ void decode(const raw_t &r, int p, w_t &w)
+    {
+        int v[4] = { r.q.x, r.q.y, r.q.z, r.q.w };
+        float da = r.d * (float)(int8_t)(r.sc & 0xFF), db = r.d * (float)(int8_t)(r.sc >> 8);
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            uint32_t lo = (uint32_t)((v[i] & LOW4) | ((r.h.x >> (2 * i)) & 0x03030303) << 4);
+            uint32_t hi = (uint32_t)(((v[i] >> 4) & LOW4) | ((r.h.y >> (2 * i)) & 0x03030303) << 4);
+#pragma unroll
+            for (int b = 0; b < 4; b++) {
+                w.a[4 * i + b] = __fmul_rn(da, ubyte_f(lo, b) - 32.0f);
+                w.b[4 * i + b] = __fmul_rn(db, ubyte_f(hi, b) - 32.0f);
+            }
+        }
+    }
+};
+
 /* Which copy of a weight the matrix-vector kernels read for type T (its
  * rows are cols / T::qk blocks of T::bytes either way). */
 template <class T>
 static const uint8_t *mmv_bytes(const luma_weight *w)
 {
-    return (const uint8_t *)(std::is_same<T, type_q6_K_mmv>::value ? w->dev_mmv : w->dev);
+    return (const uint8_t *)(std::is_same<T, type_q6_K_mmv>::value || std::is_same<T, kf_q6_K>::value ? w->dev_mmv
+                                                                                                    : w->dev);
 }
 
 
@@ -1426,7 +1549,8 @@ static void mmv_launch(cuda_backend *c, const luma_weight *w, const act_rows &a,
      * breaks batched = sequential. */
     int forced = mmv_forced();
     bool staged = forced ? forced == 2 : MAXM == 1 && (w->type == LUMA_Q8_0 || w->rows <= MMV_STAGED_MAX_ROWS);
-    if (std::is_same<T, type_q6_K_mmv>::value) staged = false;   /* the staged kernel reads w->dev */
+    /* the staged kernel reads w->dev and takes 8-bit activations */
+    if (std::is_same<T, type_q6_K_mmv>::value || std::is_base_of<kf_base, T>::value) staged = false;
     if (staged) mmv_staged_launch<T, MAXM>(c, w, a, m, y);
     else mmv_direct_launch<T, T, MAXM>(c, &w, &y, 1, 1, a, m);
 }
@@ -1485,7 +1609,7 @@ static void mmv_run_many(cuda_backend *c, const luma_weight *const *ws, float *c
  * sum. A row's result depends neither on m nor on the other rows. */
 #define MMV_FLOAT_WARPS 4
 /* Above this m, float activations take cuBLAS on the resident f16 copy:
- * at m = 8 mmv_kfloat took 72.5 us on Q4_K 14336 x 4096 (its f32
+ * at m = 8 the kf kernels took 72.5 us on Q4_K 14336 x 4096 (their f32
  * multiply-adds and activation loads grow with m) against about 47 for
  * cuBLAS, at m = 4 40.6 against about 47 (cuda/NOTES.md). */
 #define MMV_FLOAT_MAX_M 4
@@ -1545,168 +1669,7 @@ static void mmv_float_run(cuda_backend *c, const luma_weight *w, const float *x,
     }
 }
 
-/* Float activations for the K formats (Q4_K, Q5_K, and Q6_K in its
- * repacked layout): the 8-bit kernels' 16-byte loads and lane parts (part
- * p of a block: positions 16 h .. 16 h + 15, h = p % 2, of sub-blocks
- * 2 (p / 2) and 2 (p / 2) + 1, as k_act32 reads them), each weight's
- * integer made a float exactly (ubyte_f: one byte permute, one add), then
- * the CPU's dequantized value operation by operation (deq8's), 32 a lane,
- * multiplied by the f32 activations, which kf_order has put in the lanes'
- * order (float4 q of part p at 4 (8 q + p) of the block's 256, so that the
- * 8 lanes of a block load 128 contiguous bytes); two weight rows a warp, so
- * that an activation load serves both. A row's sum depends neither on m (MAXM only
- * sizes the accumulators: each activation row's operations are the same)
- * nor on the other row. */
-static __device__ __forceinline__ float ubyte_f(uint32_t word, int b)
-{
-    /* 2^23 + byte b of word, as a float, minus 2^23 */
-    return __int_as_float(__byte_perm(word, 0x4B000000u, 0x7440u | (uint32_t)b)) - 8388608.0f;
-}
-
-/* deq: the 16 values of sub-block 2 (p / 2) (wa) and of the next (wb) that
- * part p takes, from a block fetched by the type's own fetch. */
-struct kf_q4_K {
-    typedef type_q4_K T;
-    static __device__ __forceinline__ void qwords(const T::raw_t &r, int p, uint32_t *lo, uint32_t *hi)
-    {
-        int v[4] = { r.q.x, r.q.y, r.q.z, r.q.w };
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            lo[i] = (uint32_t)(v[i] & LOW4);
-            hi[i] = (uint32_t)((v[i] >> 4) & LOW4);
-        }
-    }
-    static __device__ __forceinline__ void deq(const T::raw_t &r, int p, float *wa, float *wb)
-    {
-        uint32_t lo[4], hi[4];
-        qwords(r, p, lo, hi);
-        k_deq(r.hdr, p, lo, hi, wa, wb);
-    }
-    /* d * scale * q - dmin * minimum, as deq8 (and src/quant.c) compute it */
-    static __device__ __forceinline__ void k_deq(const int4 &hdr, int p, const uint32_t *lo, const uint32_t *hi,
-                                                 float *wa, float *wb)
-    {
-        float d = f16_bits((uint32_t)hdr.x & 0xffff), dmin = f16_bits((uint32_t)hdr.x >> 16);
-        int s0, m0, s1, m1, sj = p / 2;
-        scale_min_k4(2 * sj, hdr.y, hdr.z, hdr.w, s0, m0);
-        scale_min_k4(2 * sj + 1, hdr.y, hdr.z, hdr.w, s1, m1);
-        float da = __fmul_rn(d, (float)s0), ma = __fmul_rn(dmin, (float)m0);
-        float db = __fmul_rn(d, (float)s1), mb = __fmul_rn(dmin, (float)m1);
-#pragma unroll
-        for (int i = 0; i < 4; i++)
-#pragma unroll
-            for (int b = 0; b < 4; b++) {
-                wa[4 * i + b] = __fsub_rn(__fmul_rn(da, ubyte_f(lo[i], b)), ma);
-                wb[4 * i + b] = __fsub_rn(__fmul_rn(db, ubyte_f(hi[i], b)), mb);
-            }
-    }
-};
-
-struct kf_q5_K {
-    typedef type_q5_K T;
-    static __device__ __forceinline__ void deq(const T::raw_t &r, int p, float *wa, float *wb)
-    {
-        int sj = p / 2;
-        int v[4] = { r.q.x, r.q.y, r.q.z, r.q.w }, h[4] = { r.qh.x, r.qh.y, r.qh.z, r.qh.w };
-        uint32_t lo[4], hi[4];
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            lo[i] = (uint32_t)((v[i] & LOW4) | ((h[i] >> (2 * sj)) & 0x01010101) << 4);
-            hi[i] = (uint32_t)(((v[i] >> 4) & LOW4) | ((h[i] >> (2 * sj + 1)) & 0x01010101) << 4);
-        }
-        kf_q4_K::k_deq(r.hdr, p, lo, hi, wa, wb);
-    }
-};
-
-struct kf_q6_K {
-    typedef type_q6_K_mmv T;
-    static __device__ __forceinline__ void deq(const T::raw_t &r, int p, float *wa, float *wb)
-    {
-        int v[4] = { r.q.x, r.q.y, r.q.z, r.q.w };
-        float da = r.d * (float)(int8_t)(r.sc & 0xFF), db = r.d * (float)(int8_t)(r.sc >> 8);
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            uint32_t lo = (uint32_t)((v[i] & LOW4) | ((r.h.x >> (2 * i)) & 0x03030303) << 4);
-            uint32_t hi = (uint32_t)(((v[i] >> 4) & LOW4) | ((r.h.y >> (2 * i)) & 0x03030303) << 4);
-#pragma unroll
-            for (int b = 0; b < 4; b++) {
-                wa[4 * i + b] = __fmul_rn(da, ubyte_f(lo, b) - 32.0f);
-                wb[4 * i + b] = __fmul_rn(db, ubyte_f(hi, b) - 32.0f);
-            }
-        }
-    }
-};
-
-#define KF_ROWS 2
-
-template <class K, int MAXM>
-static __global__ void __launch_bounds__(MMV_FLOAT_WARPS * 32)
-mmv_kfloat(const uint8_t *__restrict__ w, size_t row_bytes, int64_t rows, int nb, const float *__restrict__ x,
-           int64_t cols, int m, float *__restrict__ y)
-{
-    typedef typename K::T T;
-    constexpr int stride = 32 / T::lpb;
-    const int lane = threadIdx.x % 32, p = lane % T::lpb;
-    const int64_t r0 = ((int64_t)blockIdx.x * MMV_FLOAT_WARPS + threadIdx.x / 32) * KF_ROWS;
-    if (r0 >= rows) {
-        follow_previous_kernel();
-        return;
-    }
-    const uint8_t *wr[KF_ROWS];
-#pragma unroll
-    for (int r = 0; r < KF_ROWS; r++) wr[r] = w + (size_t)min(r0 + r, rows - 1) * row_bytes;
-    typename T::raw_t raw[KF_ROWS];
-    int ib = lane / T::lpb;
-    if (ib < nb)
-#pragma unroll
-        for (int r = 0; r < KF_ROWS; r++) T::fetch(wr[r] + (size_t)ib * T::bytes, p, raw[r]);
-    follow_previous_kernel();
-    float acc[KF_ROWS][MAXM];
-#pragma unroll
-    for (int r = 0; r < KF_ROWS; r++)
-#pragma unroll
-        for (int j = 0; j < MAXM; j++) acc[r][j] = 0.0f;
-    for (; ib < nb; ib += stride) {
-        float wa[KF_ROWS][16], wb[KF_ROWS][16];
-#pragma unroll
-        for (int r = 0; r < KF_ROWS; r++) K::deq(raw[r], p, wa[r], wb[r]);
-        if (ib + stride < nb)
-#pragma unroll
-            for (int r = 0; r < KF_ROWS; r++) T::fetch(wr[r] + (size_t)(ib + stride) * T::bytes, p, raw[r]);
-#pragma unroll
-        for (int j = 0; j < MAXM; j++) {
-            if (j >= m) break;
-            const float4 *xq = (const float4 *)(x + (size_t)j * (size_t)cols + (size_t)ib * 256) + p;
-#pragma unroll
-            for (int q = 0; q < 4; q++) {
-                float4 a = xq[8 * q], b = xq[8 * (q + 4)];
-#pragma unroll
-                for (int r = 0; r < KF_ROWS; r++) {
-                    float s = acc[r][j];
-                    s = __fmaf_rn(wa[r][4 * q], a.x, s);
-                    s = __fmaf_rn(wa[r][4 * q + 1], a.y, s);
-                    s = __fmaf_rn(wa[r][4 * q + 2], a.z, s);
-                    s = __fmaf_rn(wa[r][4 * q + 3], a.w, s);
-                    s = __fmaf_rn(wb[r][4 * q], b.x, s);
-                    s = __fmaf_rn(wb[r][4 * q + 1], b.y, s);
-                    s = __fmaf_rn(wb[r][4 * q + 2], b.z, s);
-                    s = __fmaf_rn(wb[r][4 * q + 3], b.w, s);
-                    acc[r][j] = s;
-                }
-            }
-        }
-    }
-#pragma unroll
-    for (int r = 0; r < KF_ROWS; r++)
-#pragma unroll
-        for (int j = 0; j < MAXM; j++) {
-            if (j >= m) break;
-            float s = warp_sum(acc[r][j]);
-            if (lane == 0 && r0 + r < rows) y[(size_t)j * (size_t)rows + r0 + r] = s;
-        }
-}
-
-/* xo = x (n floats, n a multiple of 256) in mmv_kfloat's order: float4 q
+/* xo = x (n floats, n a multiple of 256) in the kf types' order: float4 q
  * of lane part p of a block at float4 8 q + p; q < 4 from sub-block
  * 2 (p / 2), q >= 4 from the next, positions 16 (p % 2) + 4 (q % 4). */
 static __global__ void kf_order(const float *__restrict__ x, int64_t n4, float *__restrict__ xo)
@@ -1719,7 +1682,7 @@ static __global__ void kf_order(const float *__restrict__ x, int64_t n4, float *
     ((float4 *)xo)[o] = *(const float4 *)(x + src);
 }
 
-/* Whether mm_float takes mmv_kfloat for w (which reads x through
+/* Whether mm_float takes a kf type for w (which reads x through
  * kf_order). */
 static bool kfloat_takes(const luma_weight *w)
 {
@@ -1741,37 +1704,19 @@ static float *kf_ordered(cuda_backend *c, const float *x, int64_t m, int64_t col
     return LUMA_CUDA_OK(c) ? xo : NULL;
 }
 
-/* y = W x for a weight kfloat_takes, x already through kf_order. */
-template <class K>
-static void mmv_kfloat_run(cuda_backend *c, const luma_weight *w, const uint8_t *bytes, const float *x, int64_t m,
-                           float *y)
+/* y = W x for a weight kfloat_takes, xo its activations through kf_order,
+ * on the direct kernel. */
+static void mm_kfloat(cuda_backend *c, const luma_weight *w, const float *xo, int64_t m, float *y)
 {
-    int nb = (int)(w->cols / 256);
-    size_t rb = (size_t)nb * (size_t)K::T::bytes;
-    unsigned ctas = (unsigned)((w->rows + MMV_FLOAT_WARPS * KF_ROWS - 1) / (MMV_FLOAT_WARPS * KF_ROWS));
-    for (int64_t j0 = 0; j0 < m && LUMA_CUDA_OK(c); j0 += MMV_PASS_M) {
-        int n = (int)(m - j0 < MMV_PASS_M ? m - j0 : MMV_PASS_M);
-        const float *xj = x + j0 * w->cols;
-        float *yj = y + j0 * w->rows;
-        void (*kernel)(const uint8_t *, size_t, int64_t, int, const float *, int64_t, int, float *) =
-            n == 1 ? mmv_kfloat<K, 1> : n == 2 ? mmv_kfloat<K, 2> : n <= 4 ? mmv_kfloat<K, 4> : mmv_kfloat<K, 8>;
-        luma_cuda_fail(c,
-                       luma_launch(c, c->stream, ctas, MMV_FLOAT_WARPS * 32, 0, kernel, bytes, rb, w->rows, nb, xj,
-                                   w->cols, n, yj),
-                       "matmul (float activations)");
-    }
+    act_rows a = { NULL, NULL, xo, 0, 0, w->cols };
+    if (w->type == LUMA_Q4_K) mmv_run<kf_q4_K>(c, w, a, m, y);
+    else if (w->type == LUMA_Q5_K) mmv_run<kf_q5_K>(c, w, a, m, y);
+    else mmv_run<kf_q6_K>(c, w, a, m, y);
 }
 
 /* The matrix-vector path with float activations, for the block formats:
- * the K formats' own kernel where it reads the weight (16-byte aligned
- * rows), mmv_float's element-wise one elsewhere. */
-static void mm_kfloat(cuda_backend *c, const luma_weight *w, const float *xo, int64_t m, float *y)
-{
-    if (w->type == LUMA_Q4_K) mmv_kfloat_run<kf_q4_K>(c, w, (const uint8_t *)w->dev, xo, m, y);
-    else if (w->type == LUMA_Q5_K) mmv_kfloat_run<kf_q5_K>(c, w, (const uint8_t *)w->dev, xo, m, y);
-    else mmv_kfloat_run<kf_q6_K>(c, w, (const uint8_t *)w->dev_mmv, xo, m, y);
-}
-
+ * the kf types where they read the weight (16-byte aligned rows, or the
+ * repacked Q6_K copy), mmv_float's element-wise kernel elsewhere. */
 static void mm_float(cuda_backend *c, const luma_weight *w, const float *x, int64_t m, float *y)
 {
     if (kfloat_takes(w)) {
@@ -2202,7 +2147,7 @@ static bool matmul_ok(cuda_backend *c, const luma_weight *w)
 static bool takes_vec(const cuda_backend *c, const luma_weight *w, const float *x, int64_t m)
 {
     int64_t max_m = c->invariant ? m : w->type == LUMA_F16 ? MMV_MAX_M_F16 : mmv_max_m();
-    /* float activations: mmv_float and mmv_kfloat (whole float4 loads of x)
+    /* float activations: mmv_float and the kf types (whole float4 loads of x)
      * up to MMV_FLOAT_MAX_M rows where the weight has a resident f16 copy
      * for cuBLAS, up to max_m where it has none */
     if (c->float_act && !is_float_type(w->type)) {
@@ -2248,7 +2193,7 @@ static bool cublas_on_copy(cuda_backend *c, const luma_weight *w, const float *x
     return !takes_vec(c, w, x, m) && resident_f16(c, w) && !luma_cuda_mmq_takes(c, w, x, m) && tensor_fits(c, w, m);
 }
 
-/* matmul_many with float activations: the weights on mmv_kfloat share one
+/* matmul_many with float activations: the weights on the kf types share one
  * kf_order of x, after the others (whose paths may grow the scratch). */
 static void float_many(cuda_backend *c, int n, const luma_weight *const *ws, const float *x, int64_t m,
                        float *const *ys)

@@ -1693,15 +1693,12 @@ static bool kfloat_takes(const luma_weight *w)
 
 static unsigned blocks_for(int64_t n, int threads);
 
-/* x (m rows of cols) in kf_order's order, in the scratch; NULL on failure. */
-static float *kf_ordered(cuda_backend *c, const float *x, int64_t m, int64_t cols)
+/* xo = x (m rows of cols) in kf_order's order (m x cols floats). */
+static void kf_order_into(cuda_backend *c, const float *x, int64_t m, int64_t cols, float *xo)
 {
     int64_t n4 = m * cols / 4;
-    float *xo = (float *)luma_cuda_scratch(c, (size_t)n4 * sizeof(float4));
-    if (!xo) return NULL;
     luma_cuda_fail(c, luma_launch(c, c->stream, blocks_for(n4, 256), 256, 0, kf_order, x, n4, xo),
                    "matmul (float activations, reordered)");
-    return LUMA_CUDA_OK(c) ? xo : NULL;
 }
 
 /* y = W x for a weight kfloat_takes, xo its activations through kf_order,
@@ -1720,8 +1717,9 @@ static void mm_kfloat(cuda_backend *c, const luma_weight *w, const float *xo, in
 static void mm_float(cuda_backend *c, const luma_weight *w, const float *x, int64_t m, float *y)
 {
     if (kfloat_takes(w)) {
-        const float *xo = kf_ordered(c, x, m, w->cols);
-        if (xo) mm_kfloat(c, w, xo, m, y);
+        float *xo = (float *)luma_cuda_scratch(c, (size_t)m * (size_t)w->cols * sizeof(float));
+        if (xo) kf_order_into(c, x, m, w->cols, xo);
+        if (xo && LUMA_CUDA_OK(c)) mm_kfloat(c, w, xo, m, y);
         return;
     }
     switch (w->type) {
@@ -2193,50 +2191,32 @@ static bool cublas_on_copy(cuda_backend *c, const luma_weight *w, const float *x
     return !takes_vec(c, w, x, m) && resident_f16(c, w) && !luma_cuda_mmq_takes(c, w, x, m) && tensor_fits(c, w, m);
 }
 
-/* matmul_many with float activations: the weights on the kf types share one
- * kf_order of x, after the others (whose paths may grow the scratch). */
-static void float_many(cuda_backend *c, int n, const luma_weight *const *ws, const float *x, int64_t m,
-                       float *const *ys)
-{
-    bool k[LUMA_MATMUL_MANY] = { false }, any = false;
-    for (int i = 0; i < n && i < LUMA_MATMUL_MANY; i++) {
-        if (ws[i]->rows <= 0 || !matmul_ok(c, ws[i])) return;
-        k[i] = !is_float_type(ws[i]->type) && takes_vec(c, ws[i], x, m) && kfloat_takes(ws[i]);
-        any |= k[i];
-        if (!k[i]) luma_cuda_matmul(c, ws[i], x, m, ys[i]);
-    }
-    const float *xo = any && LUMA_CUDA_OK(c) ? kf_ordered(c, x, m, ws[0]->cols) : NULL;
-    for (int i = 0; i < n && i < LUMA_MATMUL_MANY && xo; i++)
-        if (k[i]) mm_kfloat(c, ws[i], xo, m, ys[i]);
-}
-
 void luma_cuda_matmul_many(cuda_backend *c, int n, const luma_weight *const *ws, const float *x, int64_t m,
                            float *const *ys)
 {
     if (!LUMA_CUDA_OK(c) || m <= 0 || n <= 0) return;
-    if (c->float_act) {
-        float_many(c, n, ws, x, m, ys);
-        return;
-    }
     /* the block-format weights on the matrix-vector path share one
-     * quantization of x per activation format (Q8_0, Q8_K); each product is
-     * then the kernel luma_cuda_matmul would run, on the same int8 values */
-    enum { NONE = -1 };
+     * preparation of x per activation format: with 8-bit activations one
+     * quantization for Q8_0 and one for Q8_K, with float activations one
+     * kf_order for the kf types (the other block types read x itself); each
+     * product is then the kernel luma_cuda_matmul would run, on the same
+     * values */
+    enum { NONE = -1, FMT_Q8_0 = 0, FMT_Q8_K = 1, FMT_KF = 2, N_FMT = 3 };
     int fmt_of[LUMA_MATMUL_MANY];
-    size_t at[2] = { 0, 0 };
-    bool used[2] = { false, false };
+    size_t at[N_FMT] = { 0 };
+    bool used[N_FMT] = { false };
     size_t need = 0;
     for (int i = 0; i < n && i < LUMA_MATMUL_MANY; i++) {
         const luma_weight *w = ws[i];
         fmt_of[i] = NONE;
         if (w->rows <= 0 || !matmul_ok(c, w)) return;
-        if (is_float_type(w->type) || !takes_vec(c, w, x, m)) continue;
-        int f = luma_type_get(w->type)->act_type == LUMA_Q8_K;
+        if (is_float_type(w->type) || !takes_vec(c, w, x, m) || (c->float_act && !kfloat_takes(w))) continue;
+        int f = c->float_act ? FMT_KF : luma_type_get(w->type)->act_type == LUMA_Q8_K ? FMT_Q8_K : FMT_Q8_0;
         fmt_of[i] = f;
         if (!used[f]) {
             used[f] = true;
             at[f] = need;
-            need += act_q_bytes(m, w->cols);
+            need += f == FMT_KF ? align256((size_t)m * (size_t)w->cols * sizeof(float)) : act_q_bytes(m, w->cols);
         }
     }
     /* the others first: their paths may grow the scratch, and move it.
@@ -2264,14 +2244,19 @@ void luma_cuda_matmul_many(cuda_backend *c, int n, const luma_weight *const *ws,
     if (!need || !LUMA_CUDA_OK(c)) return;
     uint8_t *s = (uint8_t *)luma_cuda_scratch(c, need);
     if (!s) return;
-    bool done[2] = { false, false }, taken[LUMA_MATMUL_MANY] = { false };
+    bool done[N_FMT] = { false }, taken[LUMA_MATMUL_MANY] = { false };
     for (int i = 0; i < n && i < LUMA_MATMUL_MANY && LUMA_CUDA_OK(c); i++) {
         const luma_weight *w = ws[i];
         int f = fmt_of[i];
         if (f == NONE || taken[i]) continue;
         if (!done[f]) {
-            quantize_into(c, w, x, m, s + at[f]);
+            if (f == FMT_KF) kf_order_into(c, x, m, w->cols, (float *)(s + at[f]));
+            else quantize_into(c, w, x, m, s + at[f]);
             done[f] = true;
+        }
+        if (f == FMT_KF) {
+            if (LUMA_CUDA_OK(c)) mm_kfloat(c, w, (const float *)(s + at[f]), m, ys[i]);
+            continue;
         }
         act_rows a = act_rows_at(w, x, m, s + at[f]);
         /* the later weights of the same type join this one's launch */

@@ -12,23 +12,9 @@ local H = require "helper"
 local has_cuda = false
 for _, b in ipairs(luma.backends()) do has_cuda = has_cuda or b == "cuda" end
 
-local PROMPTS = {
-  "The history of astronomy is the history of people trying to understand the sky.",
-  "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n",
-  "Recipe for a simple bread: mix 500 grams of flour, 10 grams of salt and 350 millilitres of water.",
-}
--- and two longer texts for the top-1 counts (249 positions in all)
-local LONG = {
-  "The old lighthouse keeper climbed the spiral stairs every evening, counting the steps as his father had " ..
-    "taught him. Two hundred and twelve steps, no more and no less, and at the top the great lamp waited for him " ..
-    "like an old friend. The sea below was grey and restless, and the gulls cried over the rocks where so many " ..
-    "ships had broken in the years before the light was built.",
-  "In mathematics, a prime number is a natural number greater than 1 that is not a product of two smaller " ..
-    "natural numbers. A natural number greater than 1 that is not prime is called a composite number. For " ..
-    "example, 5 is prime because the only ways of writing it as a product, 1 x 5 or 5 x 1, involve 5 itself.",
-}
-local ALL = { table.unpack(PROMPTS) }
-for _, t in ipairs(LONG) do ALL[#ALL + 1] = t end
+-- five texts (249 positions); the first three are PROMPTS
+local ALL = dofile("spec/data/top1-texts.lua")
+local PROMPTS = { table.unpack(ALL, 1, 3) }
 
 -- Top-1 of two models over every position of texts: agreements, positions,
 -- the largest |difference| over a's top 32 and a's worst margin where they

@@ -295,11 +295,8 @@ static void check_shape(ctx *cx, enum luma_type t, const struct shape *sh, timin
     }
 
     int64_t rows_s[SAMPLE_ROWS];
-    int ns = rows < SAMPLE_ROWS ? (int)rows : SAMPLE_ROWS;
-    for (int s = 0; s < ns; s++) rows_s[s] = ns == 1 ? 0 : (int64_t)s * (rows - 1) / (ns - 1);
-    float *wref = xmalloc((size_t)ns * (size_t)cols * sizeof(float));
-    for (int s = 0; s < ns; s++)
-        luma_dequantize_row(t, host + (size_t)rows_s[s] * row_bytes, wref + (size_t)s * (size_t)cols, cols);
+    int ns;
+    float *wref = sample_weight_rows(t, host, rows, cols, SAMPLE_ROWS, rows_s, &ns);
     float *x = xmalloc((size_t)m_max * (size_t)cols * sizeof(float));
     float *y = xmalloc((size_t)m_max * (size_t)rows * sizeof(float));
     float *y2 = xmalloc((size_t)m_max * (size_t)rows * sizeof(float));

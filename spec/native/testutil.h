@@ -159,6 +159,21 @@ static inline void *xmalloc(size_t n)
 
 /* ---- matrix products ---------------------------------------------------- */
 
+/* The weight rows the product checks sample: ns = min(rows, max) rows
+ * spread evenly over [0, rows) into rows_s, and their dequantized values
+ * (ns x cols floats; the caller frees them). */
+static inline float *sample_weight_rows(enum luma_type t, const uint8_t *w, int64_t rows, int64_t cols, int max,
+                                        int64_t *rows_s, int *ns)
+{
+    size_t row_bytes = luma_row_size(t, cols);
+    *ns = rows < max ? (int)rows : max;
+    for (int s = 0; s < *ns; s++) rows_s[s] = *ns == 1 ? 0 : (int64_t)s * (rows - 1) / (*ns - 1);
+    float *wref = xmalloc((size_t)*ns * (size_t)cols * sizeof(float));
+    for (int s = 0; s < *ns; s++)
+        luma_dequantize_row(t, w + (size_t)rows_s[s] * row_bytes, wref + (size_t)s * (size_t)cols, cols);
+    return wref;
+}
+
 /* Largest error of sampled outputs of y = W x (y: m x rows) relative to
  * sum |w x|, against double precision: wref holds the ns dequantized weight
  * rows rows_s[], and at most about max_acts of the m activation rows are

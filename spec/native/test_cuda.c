@@ -376,12 +376,42 @@ static void test_rmsnorm(void)
 
 /* ---- add_rmsnorm: the fused residual add and norm ----------------------- */
 
+/* The GPU's own add then rmsnorm (a block a row for rows over 1024) of the
+ * same x and y: add_rmsnorm's x and out must be the same bits, whichever of
+ * its kernels (the row in registers up to 8192 columns, loops above) ran. */
+static void add_rmsnorm_bits(const float *x, const float *y, int64_t rows, int64_t cols, const dual *xb,
+                             const dual *ob, const luma_weight *g)
+{
+    luma_err err = { { 0 } };
+    size_t n = (size_t)(rows * cols);
+    dual sx, so;
+    dual_new(&sx, rows, cols);
+    dual_new(&so, rows, cols);
+    dual_set(&sx, x);
+    dual_set(&so, y);
+    gpu->ops->add(gpu, &sx.g, &so.g);
+    gpu->ops->rmsnorm(gpu, &sx.g, g, cols, 1e-6f, &so.g);
+    float *a = xmalloc(2 * n * sizeof(float)), *b = xmalloc(2 * n * sizeof(float));
+    if (gpu->ops->buf_read(gpu, &sx.g, a, &err) != 0 || gpu->ops->buf_read(gpu, &so.g, a + n, &err) != 0 ||
+        gpu->ops->buf_read(gpu, &xb->g, b, &err) != 0 || gpu->ops->buf_read(gpu, &ob->g, b + n, &err) != 0) {
+        CHECKF(0, "buf_read: %s", err.msg);
+    } else {
+        CHECKF(memcmp(a, b, 2 * n * sizeof(float)) == 0,
+               "add_rmsnorm %lldx%lld: not the bits of add then rmsnorm on the GPU", (long long)rows, (long long)cols);
+    }
+    free(a);
+    free(b);
+    dual_free(&sx);
+    dual_free(&so);
+}
+
 /* Against the CPU's separate operations: y normalized with gain yg (or not),
  * added to x, x normalized with gain g into out. */
 static void test_add_rmsnorm(void)
 {
     static const struct { int64_t rows, cols; int post_norm; } cases[] = {
         { 7, 640, 1 }, { 7, 640, 0 }, { 9, 4096, 0 }, { 5, 4096, 1 }, { 3, 90, 1 }, { 130, 2048, 0 },
+        { 1, 4096, 0 }, { 2, 8192, 0 }, { 3, 6144, 1 }, { 2, 10240, 0 }, { 2, 12288, 1 },
     };
     for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
         int64_t rows = cases[k].rows, cols = cases[k].cols;
@@ -408,6 +438,7 @@ static void test_add_rmsnorm(void)
             snprintf(name, sizeof name, "add_rmsnorm %lldx%lld%s (out)", (long long)rows, (long long)cols,
                      post ? " post-norm" : "");
             report(name, dual_err(&ob), 1e-5);
+            if (!post && cols > 1024) add_rmsnorm_bits(x, y, rows, cols, &xb, &ob, &g.g);
         }
         dual_free(&xb);
         dual_free(&yb);

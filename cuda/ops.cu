@@ -13,6 +13,9 @@
  * (__fmul_rn, __fsub_rn: no fused multiply-add) so the rows equal the CPU's
  * luma_dequantize_row bit for bit. */
 #include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include "cuda_internal.h"
 #include "launch.cuh"
@@ -193,9 +196,14 @@ void luma_cuda_gather(luma_backend *be, const luma_buf *x, const int32_t *rows, 
 
 /* ---- RMSNorm ------------------------------------------------------------- */
 
-/* The squares of a float4's elements summed, in one order for every kernel
- * that reduces a row (the bits of a norm must not depend on the kernel). */
-__device__ static inline float sq4(float4 v) { return v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w; }
+/* The squares of a float4's elements summed, with every rounding written
+ * out (left to contraction, x * x + y * y became fma(x, x, y * y) in one
+ * kernel and fma(y, y, x * x) in another): the bits of a norm must not
+ * depend on the kernel that computes it. */
+__device__ static inline float sq4(float4 v)
+{
+    return fmaf(v.w, v.w, fmaf(v.z, v.z, fmaf(v.y, v.y, v.x * v.x)));
+}
 
 template <bool VEC>
 __device__ static float sum_squares(const float *x, int64_t n, int lane, int width)
@@ -204,7 +212,7 @@ __device__ static float sum_squares(const float *x, int64_t n, int lane, int wid
     if (VEC) {
         for (int64_t k = lane; k < n / 4; k += width) ss += sq4(((const float4 *)x)[k]);
     } else {
-        for (int64_t k = lane; k < n; k += width) ss += x[k] * x[k];
+        for (int64_t k = lane; k < n; k += width) ss = fmaf(x[k], x[k], ss);
     }
     return ss;
 }
@@ -296,6 +304,14 @@ __device__ static float row_inv_rms(const float *src, int64_t cols, float eps, f
     return block_inv_rms(sum_squares<VEC>(src, cols, threadIdx.x, THREADS), cols, eps, partial);
 }
 
+/* a + b * s * w for a post-norm residual, as one fused multiply-add of
+ * (b * s) and w onto a: the same rounding in every kernel that adds one */
+__device__ static inline float4 add_scaled(float4 a, float4 b, float s, float4 w)
+{
+    return make_float4(fmaf(b.x * s, w.x, a.x), fmaf(b.y * s, w.y, a.y), fmaf(b.z * s, w.z, a.z),
+                       fmaf(b.w * s, w.w, a.w));
+}
+
 /* add_rmsnorm_kernel<true> for rows of at most THREADS * 4 * F floats with
  * the row in registers: every load of the row (x, y and both gains) is
  * issued at once, where the loops below wait for one load after another (a
@@ -315,6 +331,7 @@ __global__ static void add_rmsnorm_regs(float *x, const float *y, const float *y
 #pragma unroll
     for (int f = 0; f < F; f++) {
         int64_t k = threadIdx.x + (int64_t)f * THREADS;
+        a[f] = b[f] = w[f] = gw[f] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         if (k < n4) {
             a[f] = xr[k];
             b[f] = yr[k];
@@ -329,14 +346,15 @@ __global__ static void add_rmsnorm_regs(float *x, const float *y, const float *y
             if (threadIdx.x + (int64_t)f * THREADS < n4) ss += sq4(b[f]);
         float sy = block_inv_rms(ss, cols, eps, partial);
 #pragma unroll
-        for (int f = 0; f < F; f++)
-            b[f] = make_float4(b[f].x * sy * w[f].x, b[f].y * sy * w[f].y, b[f].z * sy * w[f].z, b[f].w * sy * w[f].w);
+        for (int f = 0; f < F; f++) a[f] = add_scaled(a[f], b[f], sy, w[f]);
+    } else {
+#pragma unroll
+        for (int f = 0; f < F; f++) a[f] = make_float4(a[f].x + b[f].x, a[f].y + b[f].y, a[f].z + b[f].z, a[f].w + b[f].w);
     }
     ss = 0.0f;
 #pragma unroll
     for (int f = 0; f < F; f++) {
         int64_t k = threadIdx.x + (int64_t)f * THREADS;
-        a[f] = make_float4(a[f].x + b[f].x, a[f].y + b[f].y, a[f].z + b[f].z, a[f].w + b[f].w);
         if (k < n4) {
             xr[k] = a[f];
             ss += sq4(a[f]);
@@ -368,14 +386,11 @@ __global__ static void add_rmsnorm_kernel(float *x, const float *y, const float 
     if (VEC) {
         for (int64_t k = threadIdx.x; k < cols / 4; k += THREADS) {
             float4 a = ((float4 *)xr)[k], b = ((const float4 *)yr)[k];
-            if (yg) {
-                float4 w = ((const float4 *)yg)[k];
-                b = make_float4(b.x * sy * w.x, b.y * sy * w.y, b.z * sy * w.z, b.w * sy * w.w);
-            }
-            ((float4 *)xr)[k] = make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w);
+            ((float4 *)xr)[k] = yg ? add_scaled(a, b, sy, ((const float4 *)yg)[k])
+                                   : make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w);
         }
     } else {
-        for (int64_t k = threadIdx.x; k < cols; k += THREADS) xr[k] += yg ? yr[k] * sy * yg[k] : yr[k];
+        for (int64_t k = threadIdx.x; k < cols; k += THREADS) xr[k] = yg ? fmaf(yr[k] * sy, yg[k], xr[k]) : xr[k] + yr[k];
     }
     float sx = row_inv_rms<VEC>(xr, cols, eps, partial);
     if (VEC) {
@@ -403,7 +418,10 @@ void luma_cuda_add_rmsnorm(luma_backend *be, luma_buf *x, const luma_buf *y, con
     const float *ygd = yg ? (const float *)yg->dev : NULL, *gd = (const float *)g->dev;
     bool vec = x->cols % 4 == 0 && aligned16(x->data) && aligned16(y->data) && aligned16(out->data) &&
                aligned16(gd) && (!ygd || aligned16(ygd));
-    int64_t per = (x->cols / 4 + THREADS - 1) / THREADS;   /* float4 a thread */
+    /* float4 a thread of the row in registers; LUMA_CUDA_NORM_REGS=0 (read
+     * at every call, for test_cuda's bit comparison) takes the loops */
+    const char *regs = getenv("LUMA_CUDA_NORM_REGS");
+    int64_t per = regs && strcmp(regs, "0") == 0 ? INT64_MAX : (x->cols / 4 + THREADS - 1) / THREADS;
     unsigned grid = (unsigned)x->rows;
     if (vec && per <= 1)
         luma_launch(c, c->stream, grid, THREADS, 0, add_rmsnorm_regs<1>, x->data, y->data, ygd, gd, x->cols, eps,

@@ -1417,10 +1417,14 @@ static dec_tuning dec_tuning_get(void);
  * a CTA; larger heads (Gemma's 256) on the CUDA cores with 8 warps, whose
  * 8 KB stages leave more warps an SM than the tensor cores' 34 KB tiles of
  * 16 keys (10-30% faster on every case measured). */
-static dec_tuning dec_defaults(dec_tuning t, int32_t dv)
+static dec_tuning dec_defaults(dec_tuning t, int32_t dv, int64_t ctas, int n_sm)
 {
     if (t.mma < 0) t.mma = dv <= 128;
-    if (t.warps == 0) t.warps = dv <= 128 ? 4 : 8;
+    /* 4 warps a CTA on the tensor cores, 8 when the step's rows and kv
+     * heads give fewer CTAs than SMs (7B at batch 1: 371 to 379 tokens/s;
+     * 8 sequences 1,433-1,461 to 1,508): each warp then has fewer tiles of
+     * its CTA's keys to go through one after the other */
+    if (t.warps == 0) t.warps = dv <= 128 && ctas >= n_sm ? 4 : 8;
     /* one split for short contexts on the tensor cores (7B at batch 1: 368
      * to 373 tokens/s, 32 sequences 4,076 to 4,211), not on the CUDA cores
      * (Gemma 3 270M at batch 1: 1,164 to 1,071; 8 sequences 6,070 to 5,137:
@@ -1603,7 +1607,10 @@ static void launch(cuda_backend *c, attn_args *a, bool tc)
     if (st->n_tiles > 0) luma_launch(c, s, dim3((unsigned)st->n_rows, (unsigned)a->n_kv_head), 128, 0, store_kernel<T>,
                                      *a);
     if (st->n_dec > 0) {
-        dec_tuning tu = dec_defaults(dec_tuning_get(), a->dv);
+        /* with batch invariance the warps (whose partial results a CTA
+         * merges in their order) may not follow the step's rows */
+        int64_t ctas = c->invariant ? INT64_MAX : (int64_t)st->n_dec * a->n_kv_head * a->n_hchunks;
+        dec_tuning tu = dec_defaults(dec_tuning_get(), a->dv, ctas, c->n_sm);
         bool mma = false;
         if constexpr (sizeof(T) == 2) mma = tu.mma && a->dk % 16 == 0 && a->dv % 16 == 0;
         if constexpr (sizeof(T) == 2) {

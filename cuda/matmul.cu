@@ -521,15 +521,21 @@ struct type_q4_K {
         r.hdr = *(const int4 *)b;
         r.q = *(const int4 *)(b + 16 + 16 * p);
     }
-    static __device__ void decode(const raw_t &r, int p, w_t &w)
+    /* lane part p's 4-bit values, four a word: sub-block 2 (p / 2) in lo,
+     * 2 (p / 2) + 1 in hi (also the float kernel's, kf_q4_K) */
+    static __device__ __forceinline__ void bits(const raw_t &r, int p, int *lo, int *hi)
     {
-        k_w32::scales(r.hdr, p, w);
         int v[4] = { r.q.x, r.q.y, r.q.z, r.q.w };
 #pragma unroll
         for (int i = 0; i < 4; i++) {
-            w.lo[i] = v[i] & LOW4;
-            w.hi[i] = (v[i] >> 4) & LOW4;
+            lo[i] = v[i] & LOW4;
+            hi[i] = (v[i] >> 4) & LOW4;
         }
+    }
+    static __device__ void decode(const raw_t &r, int p, w_t &w)
+    {
+        k_w32::scales(r.hdr, p, w);
+        bits(r, p, w.lo, w.hi);
     }
     static __device__ void loadx(const act_rows &a, int j, int64_t ib, int p, x_t &x)
     {
@@ -564,16 +570,21 @@ struct type_q5_K {
         r.qh = *(const int4 *)(b + 16 + 16 * (p % 2));
         r.q = *(const int4 *)(b + 48 + 16 * p);
     }
-    static __device__ void decode(const raw_t &r, int p, w_t &w)
+    /* lane part p's 5-bit values, as type_q4_K::bits (also kf_q5_K's) */
+    static __device__ __forceinline__ void bits(const raw_t &r, int p, int *lo, int *hi)
     {
-        k_w32::scales(r.hdr, p, w);
         int sj = p / 2;
         int v[4] = { r.q.x, r.q.y, r.q.z, r.q.w }, h[4] = { r.qh.x, r.qh.y, r.qh.z, r.qh.w };
 #pragma unroll
         for (int i = 0; i < 4; i++) {
-            w.lo[i] = (v[i] & LOW4) | ((h[i] >> (2 * sj)) & 0x01010101) << 4;
-            w.hi[i] = ((v[i] >> 4) & LOW4) | ((h[i] >> (2 * sj + 1)) & 0x01010101) << 4;
+            lo[i] = (v[i] & LOW4) | ((h[i] >> (2 * sj)) & 0x01010101) << 4;
+            hi[i] = ((v[i] >> 4) & LOW4) | ((h[i] >> (2 * sj + 1)) & 0x01010101) << 4;
         }
+    }
+    static __device__ void decode(const raw_t &r, int p, w_t &w)
+    {
+        k_w32::scales(r.hdr, p, w);
+        bits(r, p, w.lo, w.hi);
     }
     static __device__ void loadx(const act_rows &a, int j, int64_t ib, int p, x_t &x)
     {
@@ -768,14 +779,9 @@ struct kf_q4_K : kf_base {
     static __device__ void fetch(const uint8_t *b, int p, raw_t &r) { type_q4_K::fetch(b, p, r); }
     static __device__ void decode(const raw_t &r, int p, w_t &w)
     {
-        int v[4] = { r.q.x, r.q.y, r.q.z, r.q.w };
-        uint32_t lo[4], hi[4];
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            lo[i] = (uint32_t)(v[i] & LOW4);
-            hi[i] = (uint32_t)((v[i] >> 4) & LOW4);
-        }
-        k_deq(r.hdr, p, lo, hi, w);
+        int lo[4], hi[4];
+        type_q4_K::bits(r, p, lo, hi);
+        k_deq(r.hdr, p, (const uint32_t *)lo, (const uint32_t *)hi, w);
     }
 };
 
@@ -785,15 +791,9 @@ struct kf_q5_K : kf_base {
     static __device__ void fetch(const uint8_t *b, int p, raw_t &r) { type_q5_K::fetch(b, p, r); }
     static __device__ void decode(const raw_t &r, int p, w_t &w)
     {
-        int sj = p / 2;
-        int v[4] = { r.q.x, r.q.y, r.q.z, r.q.w }, h[4] = { r.qh.x, r.qh.y, r.qh.z, r.qh.w };
-        uint32_t lo[4], hi[4];
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            lo[i] = (uint32_t)((v[i] & LOW4) | ((h[i] >> (2 * sj)) & 0x01010101) << 4);
-            hi[i] = (uint32_t)(((v[i] >> 4) & LOW4) | ((h[i] >> (2 * sj + 1)) & 0x01010101) << 4);
-        }
-        k_deq(r.hdr, p, lo, hi, w);
+        int lo[4], hi[4];
+        type_q5_K::bits(r, p, lo, hi);
+        k_deq(r.hdr, p, (const uint32_t *)lo, (const uint32_t *)hi, w);
     }
 };
 

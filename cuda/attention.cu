@@ -306,17 +306,25 @@ struct dec_copy {
 };
 
 template <typename T>
-__device__ static dec_copy dec_copy_for(const attn_args &a, int32_t kvh, bool value, int ld)
+__device__ static dec_copy dec_copy_for(const attn_args &a, int32_t kvh, bool value, int ld, int tk)
 {
     dec_copy c;
     int32_t d = value ? a.dv : a.dk;
     int lane = threadIdx.x % 32;
     c.ppr = d * (int)sizeof(T) / 16;
-    c.rpp = max(1, 32 / c.ppr);
-    c.row0 = lane / c.ppr;
-    c.col = lane % c.ppr;
+    if ((c.ppr & (c.ppr - 1)) == 0) {   /* the usual heads (64, 128, 256): shifts, not divisions */
+        int sh = __ffs(c.ppr) - 1;
+        c.rpp = max(1, 32 >> sh);
+        c.row0 = lane >> sh;
+        c.col = lane & (c.ppr - 1);
+        c.passes = (tk + c.rpp - 1) >> (__ffs(c.rpp) - 1);
+    } else {
+        c.rpp = max(1, 32 / c.ppr);
+        c.row0 = lane / c.ppr;
+        c.col = lane % c.ppr;
+        c.passes = (tk + c.rpp - 1) / c.rpp;
+    }
     c.active = c.row0 < c.rpp;
-    c.passes = (a.dec_tk + c.rpp - 1) / c.rpp;
     c.ld = ld;
     c.row_bytes = d * (int32_t)sizeof(T);
     c.lane_off = a.layer_off + (value ? a.v_off : 0) + (size_t)kvh * (size_t)a.block_tokens * (size_t)c.row_bytes +
@@ -462,7 +470,7 @@ __global__ static void __launch_bounds__(DEC_MAX_WARPS * 32, MMA == 128 ? 2 : 1)
     const int VC = H == 8 ? 1 : 2;   /* CUDA cores: 128 value columns per lane group (H = 8 only for dv <= 128) */
     const int MT = MMA > 0 ? MMA / 16 : 1;   /* MMA: m16 tiles of value columns (dv <= MMA) */
     extern __shared__ __align__(16) unsigned char dsm[];
-    const int TK = a.dec_tk, W = a.dec_warps, S = a.dec_stages;
+    const int TK = MMA ? 16 : a.dec_tk, W = a.dec_warps, S = a.dec_stages;   /* decode_shape: 16 on the tensor cores */
     /* q: MMA [2][H][dk + 8] halves (hi, lo), else [H][dk] floats; then the
      * CUDA cores' weights [W][H][TK] */
     float *qs = (float *)dsm;
@@ -470,6 +478,7 @@ __global__ static void __launch_bounds__(DEC_MAX_WARPS * 32, MMA == 128 ? 2 : 1)
     float *ps_all = (float *)(dsm + (MMA ? (size_t)4 * H * (a.dk + 8) : (size_t)4 * H * a.dk));
     T *rings = (T *)(ps_all + (MMA ? 0 : W * H * TK));   /* [W][S][stage_elems]; later the merge */
     __shared__ int last_s;
+    __shared__ float merge_f[DEC_MAX_WARPS * DEC_HEADS], merge_m[DEC_HEADS], merge_l[DEC_HEADS];
 
     int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     int32_t y = blockIdx.x, split = blockIdx.y;
@@ -486,7 +495,7 @@ __global__ static void __launch_bounds__(DEC_MAX_WARPS * 32, MMA == 128 ? 2 : 1)
     int32_t n_tiles = (k1 - k0 + TK - 1) / TK, nt = n_tiles > warp ? (n_tiles - warp + W - 1) / W : 0;
     T *ring = rings + (size_t)warp * S * a.stage_elems;
     int key_l = lane % TK;
-    dec_copy kcp = dec_copy_for<T>(a, kvh, false, a.ldk), vcp = dec_copy_for<T>(a, kvh, true, a.ldv);
+    dec_copy kcp = dec_copy_for<T>(a, kvh, false, a.ldk, TK), vcp = dec_copy_for<T>(a, kvh, true, a.ldv, TK);
     auto issue = [&](int j) {
         int32_t kt = k0 + (warp + j * W) * TK, src = -1, key = kt + key_l;
         T *st = ring + (j % S) * a.stage_elems;
@@ -508,17 +517,18 @@ __global__ static void __launch_bounds__(DEC_MAX_WARPS * 32, MMA == 128 ? 2 : 1)
     }
 
     const float *q = a.q + (size_t)r * (size_t)a.q_cols + (size_t)h0 * (size_t)a.dk;
-    for (int i = tid; i < H * a.dk; i += blockDim.x) {
-        int g = i / a.dk, e = i % a.dk;
-        float x = g < nh ? q[i] : 0.0f;
-        if (MMA) {
-            __half hx = __float2half_rn(x);
-            qh[g * (a.dk + 8) + e] = hx;
-            ql[g * (a.dk + 8) + e] = __float2half_rn(x - __half2float(hx));
-        } else {
-            qs[i] = x;
+#pragma unroll
+    for (int g = 0; g < H; g++)
+        for (int e = tid; e < a.dk; e += blockDim.x) {
+            float x = g < nh ? q[g * a.dk + e] : 0.0f;
+            if (MMA) {
+                __half hx = __float2half_rn(x);
+                qh[g * (a.dk + 8) + e] = hx;
+                ql[g * (a.dk + 8) + e] = __float2half_rn(x - __half2float(hx));
+            } else {
+                qs[g * a.dk + e] = x;
+            }
         }
-    }
     if (hc0 == 0 && p < k1) {
         int32_t b = tab[p >> a.bt_shift];
         if (b >= 0) {
@@ -711,18 +721,31 @@ __global__ static void __launch_bounds__(DEC_MAX_WARPS * 32, MMA == 128 ? 2 : 1)
         }
     }
     __syncthreads();
-    size_t pl = ((size_t)y * (size_t)a.n_head + (size_t)h0) * (size_t)a.n_splits;   /* partial of head h0, split 0 */
-    for (int i = tid; i < nh * a.dv; i += blockDim.x) {
-        int g = i / a.dv, e = i % a.dv;
-        float mx = -INFINITY, sum = 0.0f, acc_o = 0.0f;
-        for (int w = 0; w < W; w++) mx = fmaxf(mx, mm[w * H + g]);
+    /* each head's weights of the warps, exp(m_w - m), and its m and l, once
+     * (a warp with no tile weighs 0: its sums are zeros) */
+    if (tid < nh) {
+        float mx = -INFINITY, sum = 0.0f;
+        for (int w = 0; w < W; w++) mx = fmaxf(mx, mm[w * H + tid]);
         for (int w = 0; w < W; w++) {
-            float mw = mm[w * H + g];
-            if (mw == -INFINITY) continue;   /* a warp with no tile */
-            float f = expf(mw - mx);
-            acc_o += f * mo[(w * H + g) * a.dv + e];
-            sum += f * ml[w * H + g];
+            float mw = mm[w * H + tid], f = 0.0f;
+            if (mw != -INFINITY) {
+                f = expf(mw - mx);
+                sum += f * ml[w * H + tid];
+            }
+            merge_f[w * H + tid] = f;
         }
+        merge_m[tid] = mx;
+        merge_l[tid] = sum;
+    }
+    __syncthreads();
+    size_t pl = ((size_t)y * (size_t)a.n_head + (size_t)h0) * (size_t)a.n_splits;   /* partial of head h0, split 0 */
+    for (int i = tid, g = tid / a.dv, e = tid % a.dv; i < nh * a.dv; i += blockDim.x, e += blockDim.x) {
+        while (e >= a.dv) {
+            e -= a.dv;
+            g++;
+        }
+        float mx = merge_m[g], sum = merge_l[g], acc_o = 0.0f;
+        for (int w = 0; w < W; w++) acc_o += merge_f[w * H + g] * mo[(w * H + g) * a.dv + e];
         if (n_live == 1) {
             a.out[(size_t)r * (size_t)a.out_cols + (size_t)(h0 + g) * (size_t)a.dv + (size_t)e] = acc_o / sum;
         } else {

@@ -374,6 +374,17 @@ __device__ static void copy_block_rows(const attn_args &a, const dec_copy &cp, T
     const uint8_t *from = a.pool + (size_t)b * a.block_bytes + cp.lane_off +
                           (size_t)((kt & (a.block_tokens - 1)) + cp.row0) * (size_t)cp.row_bytes;
     T *to = dst + cp.row0 * cp.ld + cp.col * PER;
+    if (cp.ppr <= 32) {   /* a piece a lane in each of its rows: straight-line copies */
+        const size_t from_step = (size_t)cp.rpp * (size_t)cp.row_bytes;
+        const int to_step = cp.rpp * cp.ld;
+#pragma unroll 8
+        for (int i = 0; i < cp.passes; i++) {
+            if (cp.row0 + i * cp.rpp < a.dec_tk) cp_async16(to, from, true);
+            to += to_step;
+            from += from_step;
+        }
+        return;
+    }
     for (int rr = cp.row0; rr < a.dec_tk; rr += cp.rpp) {
         for (int c = 0; c < cp.ppr - cp.col; c += 32) cp_async16(to + c * PER, from + c * 16, true);
         to += cp.rpp * cp.ld;
@@ -496,18 +507,28 @@ __global__ static void __launch_bounds__(DEC_MAX_WARPS * 32, MMA == 128 ? 2 : 1)
     T *ring = rings + (size_t)warp * S * a.stage_elems;
     int key_l = lane % TK;
     dec_copy kcp = dec_copy_for<T>(a, kvh, false, a.ldk, TK), vcp = dec_copy_for<T>(a, kvh, true, a.ldv, TK);
+    /* the split's first 32 block table entries, one a lane (a tile's
+     * lookup is then a shuffle, not a load on its copies' path) */
+    const int32_t tb0 = k0 >> a.bt_shift, tb_n = ((k1 - 1) >> a.bt_shift) - tb0 + 1;
+    const int32_t tab_lane = lane < tb_n ? tab[tb0 + lane] : -1;
+    auto block_of = [&](int32_t key) -> int32_t {
+        int32_t i = (key >> a.bt_shift) - tb0;
+        int32_t v = __shfl_sync(0xffffffffu, tab_lane, i & 31);
+        return i < 32 ? v : tab[key >> a.bt_shift];
+    };
     auto issue = [&](int j) {
         int32_t kt = k0 + (warp + j * W) * TK, src = -1, key = kt + key_l;
         T *st = ring + (j % S) * a.stage_elems;
         if (kt + TK <= k1 && kt + TK <= spos0 && (kt & (a.block_tokens - 1)) + TK <= a.block_tokens) {
-            int32_t b = tab[kt >> a.bt_shift];
+            int32_t b = block_of(kt);
             if (b >= 0) {
                 copy_block_rows<T>(a, kcp, st, b, kt);
                 copy_block_rows<T>(a, vcp, st + TK * a.ldk, b, kt);
                 return;
             }
         }
-        if (key < k1) src = key >= spos0 ? -2 - (srow0 + key - spos0) : tab[key >> a.bt_shift];
+        int32_t kb = block_of(key < k1 ? key : kt);
+        if (key < k1) src = key >= spos0 ? -2 - (srow0 + key - spos0) : kb;
         copy_rows<T>(a, kcp, st, src, kt, kvh, false);
         copy_rows<T>(a, vcp, st + TK * a.ldk, src, kt, kvh, true);
     };

@@ -17,6 +17,7 @@
 #include <string.h>
 
 #include "cuda_internal.h"
+#include "rope.cuh"
 
 static cuda_backend *cu(luma_backend *be) { return (cuda_backend *)be; }
 
@@ -710,6 +711,41 @@ static void cuda_gated_matmul(luma_backend *be, const luma_weight *w, luma_buf *
     y->cols = w->rows;
 }
 
+/* q, k, v, with q and k rotated where the direct matrix-vector kernel
+ * writes them (RoPE NORM over whole heads, 8-bit activations, decode row
+ * counts); what it did not rotate, qk_rope (both) or rope (one) rotates. */
+static bool cuda_qkv_rope(luma_backend *be, const luma_weight *const *ws, const luma_buf *x, luma_buf *const *ys,
+                          int32_t head_dim, const int32_t *pos, const luma_rope *r)
+{
+    cuda_backend *c = cu(be);
+    /* LUMA_CUDA_QKV_ROPE=0 in the environment: separate products and
+     * rotation (for measuring); read once */
+    static int off = -1;
+    if (off < 0) {
+        const char *e = getenv("LUMA_CUDA_QKV_ROPE");
+        off = e && strcmp(e, "0") == 0;
+    }
+    if (off || r->kind != LUMA_ROPE_NORM || r->n_dims != head_dim || c->float_act || x->rows > MMV_PASS_M ||
+        !LUMA_CUDA_OK(c))
+        return false;
+    float *y[3];
+    for (int i = 0; i < 3; i++) {
+        y[i] = ys[i]->data;
+        ys[i]->rows = x->rows;
+        ys[i]->cols = ws[i]->rows;
+    }
+    rope_args a;
+    const int32_t *d_pos = NULL;
+    if (!luma_cuda_rope_args(c, r, head_dim, ws[0]->rows, &a) ||
+        !(d_pos = luma_cuda_step_array(c, pos, (int32_t)x->rows, "rope")))
+        return true;   /* recorded: sync reports it */
+    int done = luma_cuda_matmul_qkv_rope(c, ws, x->data, x->rows, y, head_dim, &a, d_pos);
+    if (done == 0) luma_cuda_qk_rope(be, ys[0], ys[1], NULL, NULL, head_dim, 0.0f, pos, r);   /* one launch */
+    for (int i = 0; i < 2 && done != 0; i++)
+        if (!(done >> i & 1)) luma_cuda_rope(be, ys[i], head_dim, pos, r);
+    return true;
+}
+
 /* Before any weight: with batch invariance no product takes the tensor
  * cores, so no weight gets an f16 copy. */
 static int cuda_set_batch_invariant(luma_backend *be, bool on, luma_err *err)
@@ -753,6 +789,7 @@ static const luma_backend_ops cuda_ops = {
     .add_rmsnorm = luma_cuda_add_rmsnorm,
     .rope = luma_cuda_rope,
     .qk_rope = luma_cuda_qk_rope,
+    .qkv_rope = cuda_qkv_rope,
     .attention = cuda_attention,
     .gelu_mul = luma_cuda_gelu_mul,
     .silu_mul = luma_cuda_silu_mul,

@@ -77,6 +77,8 @@ typedef struct cuda_graph {
     int32_t failures;          /* recordings that failed */
 } cuda_graph;
 
+#define MMV_PASS_M 8           /* activation rows per matrix-vector kernel */
+
 typedef struct cuda_backend {
     luma_backend base;
     int device;
@@ -139,6 +141,9 @@ typedef struct cuda_backend {
      * the tensor cores; nothing quantizes activations to 8 bits and mmq
      * takes nothing. */
     bool float_act;
+    /* While luma_cuda_matmul_qkv_rope runs: the outputs the direct
+     * matrix-vector kernel rotates as it writes them (matmul.cu). */
+    struct mmv_rope_request *qkv_rope;
 } cuda_backend;
 
 /* Records the first failure; every later operation of the step is skipped
@@ -178,6 +183,16 @@ bool luma_cuda_gated_matmul(cuda_backend *c, const luma_weight *w, float *gate, 
 /* ys[i] = ws[i] x for n <= LUMA_MATMUL_MANY weights of x->cols columns:
  * the same bits as luma_cuda_matmul for each, with one quantization of x
  * for all the matrix-vector products that share its format. */
+/* luma_cuda_matmul_many of q, k and v (ys[0..2]) that also rotates q and k
+ * (RoPE NORM over heads of every one of their columns, at pos: a device
+ * array of m positions; a: luma_cuda_rope_args's tables) where the direct
+ * matrix-vector kernel writes them, with rope_kernel's arithmetic. Returns
+ * which were rotated (bit 0 q, bit 1 k); the caller rotates the others. */
+/* RoPE r's tables for heads of head_dim in rows of cols (cuda/rope.cuh);
+ * false, recorded, when they are not supported. */
+bool luma_cuda_rope_args(cuda_backend *c, const luma_rope *r, int32_t head_dim, int64_t cols, struct rope_args *a);
+int luma_cuda_matmul_qkv_rope(cuda_backend *c, const luma_weight *const *ws, const float *x, int64_t m,
+                              float *const *ys, int32_t head_dim, const struct rope_args *a, const int32_t *pos);
 void luma_cuda_matmul_many(cuda_backend *c, int n, const luma_weight *const *ws, const float *x, int64_t m,
                            float *const *ys);
 /* Queues the quantization of n activations x (n a multiple of the block of

@@ -39,6 +39,7 @@
 #include "cuda_internal.h"
 #include "blocks.cuh"
 #include "launch.cuh"
+#include "rope.cuh"
 #include "act.cuh"
 
 #include <limits.h>
@@ -57,7 +58,6 @@
 #define LUMA_MMV_MAX_M 8
 #endif
 #define MMV_MAX_M_F16 2
-#define MMV_PASS_M 8           /* activation rows per matrix-vector kernel */
 #define MMV_DIRECT_WARPS 4     /* warps per CTA of the direct matrix-vector kernel */
 #define MMV_STAGED_WARPS 8     /* and of the staged one */
 #define MMV_PIECE_BYTES 4096   /* weight bytes a warp of the staged kernel copies at once, at most */
@@ -1095,14 +1095,35 @@ struct mmv_segs {
     unsigned cta_b;            /* the first CTA of a segment of the second type (UINT_MAX: none) */
 };
 
+/* q and k rotated as the direct kernel writes them (luma_cuda_matmul_qkv_rope):
+ * the segments in mask (bit i: segment i) hold heads of head_dim rows, whose
+ * pairs of rows (2i, 2i + 1) turn by frequency i of their head at pos[j] for
+ * activation row j (RoPE NORM). Empty when not ROPE. */
+template <bool ROPE> struct mmv_rope {};
+template <> struct mmv_rope<true> {
+    const int32_t *pos;
+    uint32_t mask;
+    int32_t head_dim;
+    rope_args a;
+};
+
+/* The pending request of luma_cuda_matmul_qkv_rope: q and k's outputs, and
+ * the bits of those a direct launch rotated. */
+struct mmv_rope_request {
+    float *y[2];
+    mmv_rope<true> rp;
+    int done;
+};
+
 /* y[j * rows + r] = W[r] . x[j] for the m <= MAXM activation rows; each warp
  * owns ROWS consecutive weight rows (from r0) and keeps ROWS x MAXM sums. A
  * lane takes blocks ib0, ib0 + stride, ...; the raw bytes of its next block
  * are fetched before the current one is decoded and used, so that a load
  * is in flight while the lane computes. */
-template <class T, int MAXM, int ROWS>
+template <class T, int MAXM, int ROWS, bool ROPE>
 static __device__ __forceinline__ void mmv_direct_rows(const uint8_t *w, float *y, int64_t rows, int64_t r0,
-                                                       size_t row_bytes, int nb, const act_rows &a, int m)
+                                                       size_t row_bytes, int nb, const act_rows &a, int m,
+                                                       const mmv_rope<ROPE> &rp, bool rot)
 {
     constexpr int stride = 32 / T::lpb;  /* blocks of a row covered by the warp at once */
     const int lane = threadIdx.x % 32, p = lane % T::lpb;
@@ -1134,6 +1155,40 @@ static __device__ __forceinline__ void mmv_direct_rows(const uint8_t *w, float *
             }
         }
     }
+    if constexpr (ROPE) {
+        if (rot) {   /* every warp of the CTA (its rows are whole pairs) */
+            int32_t e = (int32_t)(r0 % rp.head_dim) & ~1;   /* the pair's first column in its head */
+            if constexpr (ROWS == 2) {
+                /* the warp holds rows r0 (even) and r0 + 1 */
+#pragma unroll
+                for (int j = 0; j < MAXM; j++) {
+                    float v0 = warp_sum(acc[0][j]), v1 = warp_sum(acc[1][j]);
+                    if (lane == 0 && j < m) {
+                        float ang = rope_angle(rp.a, (float)rp.pos[j], e / 2), y0, y1;
+                        rope_rotate(v0, v1, sinf(ang), cosf(ang), y0, y1);
+                        y[(int64_t)j * rows + r0] = y0;
+                        y[(int64_t)j * rows + r0 + 1] = y1;
+                    }
+                }
+            } else {
+                /* one row a warp (m = 1): the pair's other row is the next
+                 * or the previous warp's */
+                static_assert(ROWS == 1 && MAXM == 1, "one row a warp at one activation row");
+                __shared__ float pair[MMV_DIRECT_WARPS];
+                int warp = threadIdx.x / 32;
+                float v = warp_sum(acc[0][0]);
+                if (lane == 0) pair[warp] = v;
+                __syncthreads();
+                if (lane == 0) {
+                    bool first = (r0 & 1) == 0;
+                    float o = pair[warp ^ 1], ang = rope_angle(rp.a, (float)rp.pos[0], e / 2), y0, y1;
+                    rope_rotate(first ? v : o, first ? o : v, sinf(ang), cosf(ang), y0, y1);
+                    y[r0] = first ? y0 : y1;
+                }
+            }
+            return;
+        }
+    }
 #pragma unroll
     for (int r = 0; r < ROWS; r++)
 #pragma unroll
@@ -1147,19 +1202,20 @@ static __device__ __forceinline__ void mmv_direct_rows(const uint8_t *w, float *
  * mmv_direct_rows takes them, in type TA, or in type TB from CTA cta_b on
  * (q and k in one format, v in another of the same activation format); one
  * type when TA and TB are the same. */
-template <class TA, class TB, int MAXM, int ROWS>
+template <class TA, class TB, int MAXM, int ROWS, bool ROPE>
 static __global__ void __launch_bounds__(MMV_DIRECT_WARPS * 32)
-mmv_direct(mmv_segs sg, act_rows a, int m)
+mmv_direct(mmv_segs sg, act_rows a, int m, const mmv_rope<ROPE> rp)
 {
     /* this CTA's segment (constant indices: the segments stay parameters) */
     const uint8_t *w = sg.w[0];
     float *y = sg.y[0];
     int64_t rows = sg.rows[0], cta0 = 0;
     size_t row_bytes = sg.row_bytes[0];
-    int nb = sg.nb[0];
+    int nb = sg.nb[0], seg = 0;
 #pragma unroll
     for (int i = 1; i < MMV_SEGS; i++)
         if (blockIdx.x >= sg.cta0[i]) {
+            seg = i;
             w = sg.w[i];
             y = sg.y[i];
             rows = sg.rows[i];
@@ -1169,11 +1225,13 @@ mmv_direct(mmv_segs sg, act_rows a, int m)
         }
     const int64_t r0 = (((int64_t)blockIdx.x - cta0) * MMV_DIRECT_WARPS + threadIdx.x / 32) * ROWS;
     if (r0 >= rows) return;
+    bool rot = false;
+    if constexpr (ROPE) rot = (rp.mask >> seg) & 1;
     if constexpr (std::is_same<TA, TB>::value) {
-        mmv_direct_rows<TA, MAXM, ROWS>(w, y, rows, r0, row_bytes, nb, a, m);
+        mmv_direct_rows<TA, MAXM, ROWS, ROPE>(w, y, rows, r0, row_bytes, nb, a, m, rp, rot);
     } else {
-        if (blockIdx.x < sg.cta_b) mmv_direct_rows<TA, MAXM, ROWS>(w, y, rows, r0, row_bytes, nb, a, m);
-        else mmv_direct_rows<TB, MAXM, ROWS>(w, y, rows, r0, row_bytes, nb, a, m);
+        if (blockIdx.x < sg.cta_b) mmv_direct_rows<TA, MAXM, ROWS, ROPE>(w, y, rows, r0, row_bytes, nb, a, m, rp, rot);
+        else mmv_direct_rows<TB, MAXM, ROWS, ROPE>(w, y, rows, r0, row_bytes, nb, a, m, rp, rot);
     }
 }
 
@@ -1517,9 +1575,30 @@ static void mmv_direct_launch(cuda_backend *c, const luma_weight *const *ws, flo
             sg.cta0[i] = UINT_MAX;
         }
     }
+    /* q and k of a pending luma_cuda_matmul_qkv_rope, when their rows are
+     * whole CTAs of whole pairs */
+    mmv_rope_request *rq = c->qkv_rope;
+    uint32_t mask = 0;
+    int done = 0;
+    for (int i = 0; i < n && i < MMV_SEGS && rq; i++)
+        for (int o = 0; o < 2; o++)
+            if (ys[i] == rq->y[o] && ws[i]->rows % (2 * MMV_DIRECT_WARPS) == 0 &&
+                ws[i]->rows % rq->rp.head_dim == 0) {
+                mask |= 1u << i;
+                done |= 1 << o;
+            }
     cudaLaunchAttribute attr;
     cudaLaunchConfig_t cfg = luma_launch_config(c, c->stream, ctas, MMV_DIRECT_WARPS * 32, 0, &attr);
-    luma_cuda_fail(c, cudaLaunchKernelEx(&cfg, mmv_direct<TA, TB, MAXM, ROWS>, sg, a, m),
+    if (mask) {
+        mmv_rope<true> rp = rq->rp;
+        rp.mask = mask;
+        if (luma_cuda_fail(c, cudaLaunchKernelEx(&cfg, mmv_direct<TA, TB, MAXM, ROWS, true>, sg, a, m, rp),
+                           "matmul (matrix-vector kernel, rotating q and k)"))
+            return;
+        rq->done |= done;
+        return;
+    }
+    luma_cuda_fail(c, cudaLaunchKernelEx(&cfg, mmv_direct<TA, TB, MAXM, ROWS, false>, sg, a, m, mmv_rope<false>()),
                    "matmul (matrix-vector kernel)");
 }
 
@@ -2189,6 +2268,27 @@ bool luma_cuda_gated_matmul(cuda_backend *c, const luma_weight *w, float *gate, 
 static bool cublas_on_copy(cuda_backend *c, const luma_weight *w, const float *x, int64_t m)
 {
     return !takes_vec(c, w, x, m) && resident_f16(c, w) && !luma_cuda_mmq_takes(c, w, x, m) && tensor_fits(c, w, m);
+}
+
+int luma_cuda_matmul_qkv_rope(cuda_backend *c, const luma_weight *const *ws, const float *x, int64_t m,
+                              float *const *ys, int32_t head_dim, const rope_args *a, const int32_t *pos)
+{
+    if (m > MMV_PASS_M || head_dim <= 0 || head_dim % 2 != 0 || !pos) {
+        luma_cuda_matmul_many(c, 3, ws, x, m, ys);
+        return 0;
+    }
+    mmv_rope_request rq;
+    rq.y[0] = ys[0];
+    rq.y[1] = ys[1];
+    rq.rp.pos = pos;
+    rq.rp.mask = 0;
+    rq.rp.head_dim = head_dim;
+    rq.rp.a = *a;
+    rq.done = 0;
+    c->qkv_rope = &rq;
+    luma_cuda_matmul_many(c, 3, ws, x, m, ys);
+    c->qkv_rope = NULL;
+    return rq.done;
 }
 
 void luma_cuda_matmul_many(cuda_backend *c, int n, const luma_weight *const *ws, const float *x, int64_t m,

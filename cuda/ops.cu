@@ -20,10 +20,9 @@
 #include "cuda_internal.h"
 #include "launch.cuh"
 #include "act.cuh"
+#include "rope.cuh"
 
 #define THREADS 256
-/* RoPE's per-frequency tables travel as kernel parameters: head_dim <= 1024. */
-#define ROPE_MAX_HALF 256
 
 static cuda_backend *cu(luma_backend *be) { return (cuda_backend *)be; }
 
@@ -446,18 +445,6 @@ void luma_cuda_add_rmsnorm(luma_backend *be, luma_buf *x, const luma_buf *y, con
 
 /* ---- RoPE ---------------------------------------------------------------- */
 
-/* The angle of frequency i at position p, as the CPU's tables make it:
- * (p * pos_scale) * pw[i] / ff[i], pw[i] = base^(-2i/n_dims) computed on the
- * host with powf; ff[i] is 1 when the model has no frequency factors
- * (dividing by 1 is exact). */
-typedef struct rope_args {
-    float ff[ROPE_MAX_HALF];
-    float pw[ROPE_MAX_HALF];
-    float pos_scale;
-    int32_t half, head_dim, heads;
-    bool neox;
-} rope_args;
-
 /* One thread per (row, head, frequency): the angle's sine and cosine, then
  * the pair (2i, 2i + 1) for NORM, (i, i + half) for NEOX. Every head of a
  * row computes the same angle the same way, so the heads of a row are as
@@ -470,18 +457,16 @@ __global__ static void rope_kernel(float *x, int64_t cols, const int32_t *pos, i
     if (t >= n) return;
     int32_t i = (int32_t)(t % a.half);
     int64_t rh = t / a.half, row = rh / a.heads, h = rh % a.heads;
-    float angle = (float)pos[row] * a.pos_scale * a.pw[i] / a.ff[i];
+    float angle = rope_angle(a, (float)pos[row], i);
     float sn = sinf(angle), cs = cosf(angle);
     int32_t ia = a.neox ? i : 2 * i, ib = a.neox ? i + a.half : 2 * i + 1;
     float *v = x + (size_t)row * (size_t)cols + (size_t)h * (size_t)a.head_dim;
-    float x0 = v[ia], x1 = v[ib];
-    v[ia] = x0 * cs - x1 * sn;
-    v[ib] = x0 * sn + x1 * cs;
+    rope_rotate(v[ia], v[ib], sn, cs, v[ia], v[ib]);
 }
 
 /* The frequencies of r for heads of head_dim in rows of cols; false when
  * they are not supported (recorded). */
-static bool rope_args_make(cuda_backend *c, const luma_rope *r, int32_t head_dim, int64_t cols, rope_args *a)
+bool luma_cuda_rope_args(cuda_backend *c, const luma_rope *r, int32_t head_dim, int64_t cols, rope_args *a)
 {
     int32_t half = r->n_dims / 2;
     if (head_dim <= 0 || cols % head_dim != 0 || r->n_dims > head_dim || half > ROPE_MAX_HALF) {
@@ -506,7 +491,7 @@ void luma_cuda_rope(luma_backend *be, luma_buf *x, int32_t head_dim, const int32
     cuda_backend *c = cu(be);
     if (!LUMA_CUDA_OK(c) || x->rows == 0 || r->n_dims < 2) return;
     rope_args a;
-    if (!rope_args_make(c, r, head_dim, x->cols, &a)) return;
+    if (!luma_cuda_rope_args(c, r, head_dim, x->cols, &a)) return;
     const int32_t *d_pos = luma_cuda_step_array(c, pos, (int32_t)x->rows, "rope");
     if (!d_pos) return;
     int64_t half = a.half;
@@ -561,20 +546,19 @@ __global__ static void qk_rope_kernel(float *q, float *k, int64_t q_cols, int64_
 #pragma unroll
         for (int f = 0; f < F; f++) {
             int i = 2 * (lane + 32 * f);
-            float a0 = p * a.pos_scale * a.pw[i] / a.ff[i], a1 = p * a.pos_scale * a.pw[i + 1] / a.ff[i + 1];
+            float a0 = rope_angle(a, p, i), a1 = rope_angle(a, p, i + 1);
             float s0 = sinf(a0), c0 = cosf(a0), s1 = sinf(a1), c1 = cosf(a1);
             float4 u = v[f];
-            v[f] = make_float4(u.x * c0 - u.y * s0, u.x * s0 + u.y * c0, u.z * c1 - u.w * s1, u.z * s1 + u.w * c1);
+            rope_rotate(u.x, u.y, s0, c0, v[f].x, v[f].y);
+            rope_rotate(u.z, u.w, s1, c1, v[f].z, v[f].w);
         }
     } else if (F == 2) {
         float *lo = (float *)&v[0], *hi = (float *)&v[F - 1];
 #pragma unroll
         for (int e = 0; e < 4; e++) {
             int i = 4 * lane + e;
-            float ang = p * a.pos_scale * a.pw[i] / a.ff[i], sn = sinf(ang), cs = cosf(ang);
-            float x0 = lo[e], x1 = hi[e];
-            lo[e] = x0 * cs - x1 * sn;
-            hi[e] = x0 * sn + x1 * cs;
+            float ang = rope_angle(a, p, i), sn = sinf(ang), cs = cosf(ang);
+            rope_rotate(lo[e], hi[e], sn, cs, lo[e], hi[e]);
         }
     } else {
         float *u = (float *)&v[0];
@@ -583,9 +567,10 @@ __global__ static void qk_rope_kernel(float *q, float *k, int64_t q_cols, int64_
         for (int e = 0; e < 4; e++) {
             float other = __shfl_xor_sync(0xffffffffu, u[e], 16);
             int i = 4 * (lane % 16) + e;
-            float ang = p * a.pos_scale * a.pw[i] / a.ff[i], sn = sinf(ang), cs = cosf(ang);
-            float x0 = first ? u[e] : other, x1 = first ? other : u[e];
-            u[e] = first ? x0 * cs - x1 * sn : x0 * sn + x1 * cs;
+            float ang = rope_angle(a, p, i), sn = sinf(ang), cs = cosf(ang);
+            float x0 = first ? u[e] : other, x1 = first ? other : u[e], y0, y1;
+            rope_rotate(x0, x1, sn, cs, y0, y1);
+            u[e] = first ? y0 : y1;
         }
     }
 #pragma unroll
@@ -611,7 +596,7 @@ void luma_cuda_qk_rope(luma_backend *be, luma_buf *q, luma_buf *k, const luma_we
     }
     if (q->rows == 0) return;
     rope_args a;
-    if (!rope_args_make(c, r, head_dim, q->cols, &a)) return;
+    if (!luma_cuda_rope_args(c, r, head_dim, q->cols, &a)) return;
     const int32_t *d_pos = luma_cuda_step_array(c, pos, (int32_t)q->rows, "rope");
     if (!d_pos) return;
     int32_t hq = (int32_t)(q->cols / head_dim), hk = (int32_t)(k->cols / head_dim);

@@ -182,6 +182,13 @@ typedef struct luma_backend_ops {
      * luma_model_qk_rope, which falls back to rmsnorm and rope). */
     void (*qk_rope)(luma_backend *be, luma_buf *q, luma_buf *k, const luma_weight *gq, const luma_weight *gk,
                     int32_t head_dim, float eps, const int32_t *pos, const luma_rope *r);
+    /* matmul_many of wq, wk, wv (ws[0..2]) into q, k, v (ys[0..2]), then q
+     * and k rotated as rope rotates them (no norms), each with the bits
+     * that matmul_many then rope give. Optional: NULL, or false having done
+     * nothing when the backend does not fuse them for this rope (callers
+     * use luma_model_qkv_rope, which falls back). */
+    bool (*qkv_rope)(luma_backend *be, const luma_weight *const *ws, const luma_buf *x, luma_buf *const *ys,
+                     int32_t head_dim, const int32_t *pos, const luma_rope *r);
     /* Stores k and v rows in the KV cache at their positions, then writes
      * attention of each q row over its sequence's cached keys into out. */
     void (*attention)(luma_backend *be, const luma_buf *q, const luma_buf *k, const luma_buf *v,

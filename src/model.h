@@ -136,6 +136,11 @@ void luma_model_attn(const luma_model *m, int il, luma_attn *a);
  * separate rmsnorm and rope operations. */
 void luma_model_qk_rope(const luma_model *m, luma_buf *q, luma_buf *k, const luma_weight *gq,
                         const luma_weight *gk, int32_t head_dim, const int32_t *pos, const luma_rope *r);
+/* q, k, v = wq x, wk x, wv x (ws, ys in that order), then q and k rotated
+ * at pos: through the backend's qkv_rope when it takes them, else as
+ * luma_model_matmuls and luma_model_qk_rope; the same bits either way. */
+void luma_model_qkv_rope(const luma_model *m, const luma_weight *const *ws, const luma_buf *x, luma_buf *const *ys,
+                         int32_t head_dim, const int32_t *pos, const luma_rope *r);
 /* gate = act(gate) * up, then y = w gate: through the backend's fused
  * gated_matmul when it has one, else gelu_mul or silu_mul and matmul. */
 void luma_model_gated_matmul(const luma_model *m, const luma_weight *w, luma_buf *gate, const luma_buf *up,

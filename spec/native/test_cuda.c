@@ -582,6 +582,104 @@ static void test_qk_rope(void)
     }
 }
 
+/* ---- qkv_rope: q, k, v with q and k rotated as the products write them --- */
+
+/* The GPU's qkv_rope against its own matmul_many then qk_rope (no norms):
+ * the same bits, for q, k, v in the Q4_K_M mix and in other block types
+ * (Q8_0 at one row takes the staged kernel, which leaves the rotation to
+ * rope), at the decode row counts the matrix-vector kernels take; and q, k
+ * against the CPU's matmul then rope. */
+static void test_qkv_rope(void)
+{
+    static const struct {
+        enum luma_type t[3];
+        int32_t hq, hk, head_dim;
+    } sets[] = {
+        { { LUMA_Q4_K, LUMA_Q4_K, LUMA_Q6_K }, 8, 2, 128 },
+        { { LUMA_Q4_K, LUMA_Q4_K, LUMA_Q4_K }, 4, 4, 64 },
+        { { LUMA_Q8_0, LUMA_Q5_0, LUMA_Q8_0 }, 4, 1, 256 },
+        { { LUMA_Q6_K, LUMA_Q5_K, LUMA_Q4_0 }, 6, 2, 128 },
+    };
+    static const int32_t ms[] = { 1, 2, 3, 8 };
+    const int64_t cols = 512;
+    if (!gpu->ops->qkv_rope) {
+        CHECKF(0, "the CUDA backend has qkv_rope");
+        return;
+    }
+    int fused = 0;
+    for (size_t si = 0; si < sizeof sets / sizeof sets[0]; si++) {
+        int32_t hd = sets[si].head_dim;
+        int64_t rows[3] = { (int64_t)sets[si].hq * hd, (int64_t)sets[si].hk * hd, (int64_t)sets[si].hk * hd };
+        dual_w w[3];
+        uint8_t *host[3];
+        bool ok = true;
+        for (int i = 0; i < 3; i++) {
+            host[i] = xmalloc(luma_row_size(sets[si].t[i], cols) * (size_t)rows[i]);
+            random_weights(sets[si].t[i], rows[i] * cols, host[i]);
+            ok = ok && dual_weight(&w[i], sets[si].t[i], rows[i], cols, host[i]);
+        }
+        for (size_t mi = 0; mi < sizeof ms / sizeof ms[0] && ok; mi++) {
+            int32_t m = ms[mi];
+            float *x = random_floats((size_t)(m * cols), 1.0f);
+            int32_t *pos = xmalloc((size_t)m * sizeof(int32_t));
+            for (int32_t i = 0; i < m; i++) pos[i] = (int32_t)(rnd() % 8192);
+            luma_rope r = { LUMA_ROPE_NORM, hd, 10000.0f, 1.0f, NULL };
+            dual xb, y[3];
+            luma_buf y2[3] = { { 0 } };
+            luma_err err = { { 0 } };
+            dual_new(&xb, m, cols);
+            dual_set(&xb, x);
+            for (int i = 0; i < 3; i++) {
+                dual_new(&y[i], m, rows[i]);
+                if (gpu->ops->buf_alloc(gpu, &y2[i], m, rows[i], &err) != 0) CHECKF(0, "buf_alloc: %s", err.msg);
+            }
+            tstep t;
+            step_simple(&t, m, NULL, pos, NULL, 0);
+            if (step_begin(&t)) {
+                const luma_weight *wg[3] = { &w[0].g, &w[1].g, &w[2].g };
+                luma_buf *yg[3] = { &y[0].g, &y[1].g, &y[2].g }, *yg2[3] = { &y2[0], &y2[1], &y2[2] };
+                bool took = gpu->ops->qkv_rope(gpu, wg, &xb.g, yg, hd, t.pos, &r);
+                fused += took;
+                gpu->ops->matmul_many(gpu, 3, wg, &xb.g, yg2);
+                gpu->ops->qk_rope(gpu, yg2[0], yg2[1], NULL, NULL, hd, 1e-6f, t.pos, &r);
+                for (int i = 0; i < 3; i++) {
+                    cpu->ops->matmul(cpu, &w[i].c, &xb.c, &y[i].c);
+                    if (i < 2) cpu->ops->rope(cpu, &y[i].c, hd, t.pos, &r);
+                }
+                if (gpu_sync("qkv_rope")) {
+                    for (int i = 0; i < 3; i++) {
+                        size_t n = (size_t)(m * rows[i]);
+                        float *a = xmalloc(n * sizeof(float)), *b = xmalloc(n * sizeof(float));
+                        if (gpu->ops->buf_read(gpu, &y[i].g, a, &err) != 0 ||
+                            gpu->ops->buf_read(gpu, &y2[i], b, &err) != 0)
+                            CHECKF(0, "buf_read: %s", err.msg);
+                        else
+                            CHECKF(memcmp(a, b, n * sizeof(float)) == 0,
+                                   "qkv_rope set %zu, output %d at m=%d: not the bits of matmul_many and qk_rope",
+                                   si, i, (int)m);
+                        free(a);
+                        free(b);
+                    }
+                    char name[80];
+                    snprintf(name, sizeof name, "qkv_rope %s/%s/%s m=%d (q)", luma_type_name(sets[si].t[0]),
+                             luma_type_name(sets[si].t[1]), luma_type_name(sets[si].t[2]), (int)m);
+                    report(name, dual_err(&y[0]), 1e-3);
+                }
+            }
+            step_free(&t);
+            dual_free(&xb);
+            for (int i = 0; i < 3; i++) {
+                dual_free(&y[i]);
+                gpu->ops->buf_free(gpu, &y2[i]);
+            }
+            free(x);
+            free(pos);
+        }
+        for (int i = 0; i < 3; i++) free(host[i]);
+    }
+    CHECKF(fused > 0, "qkv_rope took the decode row counts");
+}
+
 /* ---- elementwise, bias, gather ------------------------------------------ */
 
 enum { OP_ADD, OP_GELU, OP_SILU };
@@ -1449,6 +1547,7 @@ static int run_checks(void)
         test_embed();
         test_rmsnorm();
         test_qk_rope();
+        test_qkv_rope();
         test_add_rmsnorm();
         test_rope();
         test_elementwise();

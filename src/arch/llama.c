@@ -63,12 +63,17 @@ static int llama_forward(luma_model *m, const luma_step *step, luma_err *err)
         luma_model_attn(m, il, &at);
 
         /* a->h holds this layer's normalized input */
-        luma_model_matmuls(m, 3, (const luma_weight *const[]){ &l->wq, &l->wk, &l->wv }, &a->h,
-                           (luma_buf *const[]){ &a->q, &a->k, &a->v });
-        if (l->bq.host) be->add_bias(b, &a->q, &l->bq);
-        if (l->bk.host) be->add_bias(b, &a->k, &l->bk);
-        if (l->bv.host) be->add_bias(b, &a->v, &l->bv);
-        luma_model_qk_rope(m, &a->q, &a->k, NULL, NULL, dk, step->pos, &rope);
+        const luma_weight *const wqkv[] = { &l->wq, &l->wk, &l->wv };
+        luma_buf *const qkv[] = { &a->q, &a->k, &a->v };
+        if (l->bq.host || l->bk.host || l->bv.host) {   /* qwen2: the biases go in before the rotation */
+            luma_model_matmuls(m, 3, wqkv, &a->h, qkv);
+            if (l->bq.host) be->add_bias(b, &a->q, &l->bq);
+            if (l->bk.host) be->add_bias(b, &a->k, &l->bk);
+            if (l->bv.host) be->add_bias(b, &a->v, &l->bv);
+            luma_model_qk_rope(m, &a->q, &a->k, NULL, NULL, dk, step->pos, &rope);
+        } else {
+            luma_model_qkv_rope(m, wqkv, &a->h, qkv, dk, step->pos, &rope);
+        }
         be->attention(b, &a->q, &a->k, &a->v, step, &at, &a->attn);
         be->matmul(b, &l->wo, &a->attn, &a->o);
         luma_model_residual_norm(m, &a->x, &a->o, NULL, &l->ffn_norm, &a->h);

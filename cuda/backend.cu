@@ -680,16 +680,22 @@ static void cuda_free(luma_backend *be)
     free(c);
 }
 
-static void cuda_matmul_many(luma_backend *be, int n, const luma_weight *const *ws, const luma_buf *x,
-                             luma_buf *const *ys)
+/* ys[i] shaped as ws[i] x (x->rows by ws[i]->rows), their data into y. */
+static void many_outputs(int n, const luma_weight *const *ws, const luma_buf *x, luma_buf *const *ys, float **y)
 {
-    cuda_backend *c = cu(be);
-    float *y[LUMA_MATMUL_MANY];
     for (int i = 0; i < n && i < LUMA_MATMUL_MANY; i++) {
         y[i] = ys[i]->data;
         ys[i]->rows = x->rows;
         ys[i]->cols = ws[i]->rows;
     }
+}
+
+static void cuda_matmul_many(luma_backend *be, int n, const luma_weight *const *ws, const luma_buf *x,
+                             luma_buf *const *ys)
+{
+    cuda_backend *c = cu(be);
+    float *y[LUMA_MATMUL_MANY];
+    many_outputs(n, ws, x, ys, y);
     if (LUMA_CUDA_OK(c)) luma_cuda_matmul_many(c, n, ws, x->data, x->rows, y);
 }
 
@@ -729,11 +735,7 @@ static bool cuda_qkv_rope(luma_backend *be, const luma_weight *const *ws, const 
         !LUMA_CUDA_OK(c))
         return false;
     float *y[3];
-    for (int i = 0; i < 3; i++) {
-        y[i] = ys[i]->data;
-        ys[i]->rows = x->rows;
-        ys[i]->cols = ws[i]->rows;
-    }
+    many_outputs(3, ws, x, ys, y);
     rope_args a;
     const int32_t *d_pos = NULL;
     if (!luma_cuda_rope_args(c, r, head_dim, ws[0]->rows, &a) ||

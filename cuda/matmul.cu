@@ -773,29 +773,22 @@ struct kf_base {
     }
 };
 
-struct kf_q4_K : kf_base {
-    static constexpr int qk = 256, bytes = type_q4_K::bytes, lpb = type_q4_K::lpb;
-    typedef type_q4_K::raw_t raw_t;
-    static __device__ void fetch(const uint8_t *b, int p, raw_t &r) { type_q4_K::fetch(b, p, r); }
+/* Q4_K and Q5_K (K: type_q4_K or type_q5_K): K's loads and bits, then
+ * k_deq with the block's scales */
+template <class K>
+struct kf_k : kf_base {
+    static constexpr int qk = 256, bytes = K::bytes, lpb = K::lpb;
+    typedef typename K::raw_t raw_t;
+    static __device__ void fetch(const uint8_t *b, int p, raw_t &r) { K::fetch(b, p, r); }
     static __device__ void decode(const raw_t &r, int p, w_t &w)
     {
         int lo[4], hi[4];
-        type_q4_K::bits(r, p, lo, hi);
+        K::bits(r, p, lo, hi);
         k_deq(r.hdr, p, (const uint32_t *)lo, (const uint32_t *)hi, w);
     }
 };
-
-struct kf_q5_K : kf_base {
-    static constexpr int qk = 256, bytes = type_q5_K::bytes, lpb = type_q5_K::lpb;
-    typedef type_q5_K::raw_t raw_t;
-    static __device__ void fetch(const uint8_t *b, int p, raw_t &r) { type_q5_K::fetch(b, p, r); }
-    static __device__ void decode(const raw_t &r, int p, w_t &w)
-    {
-        int lo[4], hi[4];
-        type_q5_K::bits(r, p, lo, hi);
-        k_deq(r.hdr, p, (const uint32_t *)lo, (const uint32_t *)hi, w);
-    }
-};
+typedef kf_k<type_q4_K> kf_q4_K;
+typedef kf_k<type_q5_K> kf_q5_K;
 
 /* reads the repacked copy (w->dev_mmv), as type_q6_K_mmv */
 struct kf_q6_K : kf_base {

@@ -128,6 +128,10 @@ typedef struct cuda_backend {
      * 3 the same with the wgmma route where it runs, -1 none
      * (luma_cuda_mmq_policy sets it, for measuring) */
     int mmq_policy;
+    /* luma_cuda_g16's choice: 0 its measured rule (which takes nothing
+     * unless LUMA_CUDA_G16 says so), 1 every product it can take, -1 none
+     * (luma_cuda_g16_policy sets it, for measuring) */
+    int g16_policy;
     /* mmq's wgmma route can run (luma_cuda_wgmma_probe; LUMA_CUDA_WGMMA=0
      * in the environment: not) */
     bool wgmma;
@@ -224,6 +228,10 @@ bool luma_cuda_mmq_takes(const cuda_backend *c, const luma_weight *w, const floa
 /* Whether luma_cuda_mmq takes this product although m is small enough for
  * the matrix-vector kernels (its int8 route, where it measured faster). */
 bool luma_cuda_wgmma_probe(cuda_backend *c);
+/* y = W x on W's resident f16 copy wh and the activations' f16 xh (m x
+ * cols) by the tensor memory accelerator and wgmma (sm_90a), where its
+ * policy takes it; false, queuing nothing, where it does not. */
+bool luma_cuda_g16(cuda_backend *c, const luma_weight *w, const __half *wh, const __half *xh, int64_t m, float *y);
 bool luma_cuda_mmq_small(const cuda_backend *c, const luma_weight *w, const float *x, int64_t m);
 
 /* ---- ops.cu -------------------------------------------------------------- */

@@ -2135,6 +2135,7 @@ static void tensor_gemm(cuda_backend *c, const luma_weight *w, const __half *xh,
 {
     int64_t rows = w->rows, cols = w->cols;
     const __half *whole = resident_f16(c, w);
+    if (whole && luma_cuda_g16(c, w, whole, xh, m, y)) return;   /* mmq.cu: where it measured faster */
     cublasStatus_t st = cublasSetStream(c->cublas, c->stream);
     if (st == CUBLAS_STATUS_SUCCESS) st = cublasSetPointerMode(c->cublas, CUBLAS_POINTER_MODE_HOST);
     const float one = 1.0f, zero = 0.0f;

@@ -66,6 +66,7 @@ namespace cg = cooperative_groups;
 #define MMQ_SMEM_BUDGET (112 * 1024)
 /* A CTA's first loads and final reduction, in k-steps, for choosing splits. */
 #define MMQ_FILL 2
+#define G16_TALL_ROWS 8192 /* weights of this many rows take 128-row CTAs, the others 64 */
 #define LOW4 0x0F0F0F0Fu
 /* Bytes between the int8 activation rows of a k-step in shared memory:
  * 256 plus 16, so that the eight rows a quad's loads touch fall in
@@ -1291,13 +1292,14 @@ static PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder(void)
 /* A 2-D tensor map over rows x cols elements of type t (row stride
  * row_bytes) read in boxes of bc x br; false when the driver declines. */
 static bool tensor_map_2d(CUtensorMap *m, CUtensorMapDataType t, const void *base, uint64_t cols, uint64_t rows,
-                          uint64_t row_bytes, uint32_t bc, uint32_t br)
+                          uint64_t row_bytes, uint32_t bc, uint32_t br,
+                          CUtensorMapSwizzle swizzle = CU_TENSOR_MAP_SWIZZLE_NONE)
 {
     PFN_cuTensorMapEncodeTiled_v12000 enc = tensor_map_encoder();
     if (!enc) return false;
     cuuint64_t dims[2] = { cols, rows }, strides[1] = { row_bytes };
     cuuint32_t box[2] = { bc, br }, es[2] = { 1, 1 };
-    return enc(m, t, 2, (void *)base, dims, strides, box, es, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
+    return enc(m, t, 2, (void *)base, dims, strides, box, es, CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
                CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
@@ -1343,6 +1345,230 @@ template <class T>
 static bool mmq_wg_run(cuda_backend *c, const luma_weight *w, const float *x, int64_t m, float *y)
 {
     return m <= 64 ? mmq_wg_launch<T, 64>(c, w, x, m, y) : mmq_wg_launch<T, 128>(c, w, x, m, y);
+}
+
+/* ---- f16 weights on the tensor cores: the resident copies (sm_90a) ------------
+ *
+ * y = W x on a weight's resident f16 copy for batched decode, the product
+ * cuBLAS takes otherwise (matmul.cu, tensor_gemm), on the same operands:
+ * the f16 copy and the activations' f16 (tensor_act). At m <= 256 the
+ * product is bound by reading the copy, so the kernel is arranged around
+ * the copies: a CTA owns 64 NW weight rows (NW consumer warpgroups of 64
+ * rows, wgmma's M) x BN activation rows over its range of k, in stages of
+ * 64 k:
+ *   producer   (the last warp): one thread has the tensor memory
+ *              accelerator copy each stage's A (64 NW rows x 64 k) and B
+ *              (BN x 64 k) into a ring of S::stages buffers, 128-byte
+ *              swizzled (a box row is one 128-byte line, which wgmma reads
+ *              through descriptors in the same swizzle mode), completion
+ *              counted in bytes on the buffer's "full" mbarrier; the
+ *              weights of the first stages are asked for before the wait on
+ *              the previous kernel (they do not depend on it);
+ *   consumers  wait for a stage, issue its four k16 wgmmas (both operands
+ *              in shared memory, f32 accumulators) and, once the next
+ *              stage's are issued and this stage's are done, arrive on its
+ *              "empty" mbarrier, which the producer waits for before it
+ *              reuses the buffer.
+ * Small row counts split k over a cluster, reduced as in mmq_kernel
+ * (partial tiles added in rank order: the same bits every time).
+ *
+ * Measured on the H100 (cuda/NOTES.md, "f16 wgmma on the resident
+ * copies"): 0.9-1.07x cuBLAS, 2.0-2.45 TB/s at m = 16 to 128, like cuBLAS;
+ * the 7B's aggregate decode was 1-3% slower with it. So the rule does not
+ * take it; LUMA_CUDA_G16=lo,hi in the environment makes it take m from lo
+ * to hi, for measuring. */
+#define G16_K 64              /* k per stage: one 128-byte line of f16 */
+#define G16_SMEM_CAP (200 * 1024)
+
+template <int NW, int BN>
+struct g16_shape {
+    static constexpr int threads = 128 * NW + 32;   /* NW consumer warpgroups and a producer warp */
+    static constexpr int rows = 64 * NW;
+    static constexpr int a = rows * G16_K * 2;
+    static constexpr int b = BN * G16_K * 2;
+    static constexpr int stage = a + b;
+    static constexpr int stages = (G16_SMEM_CAP - 1024) / (stage + 16);
+    static constexpr int smem = 1024 + stages * (stage + 16);   /* + alignment to 1024 and the mbarriers */
+    static_assert(rows * BN * 4 <= stages * stage, "the partial tile fits");
+    static_assert(rows <= 256 && BN <= 256, "one box a stage and operand");
+};
+
+#ifdef MMQ_WG_DEVICE
+/* A wgmma descriptor for a K-major tile at shared address a whose rows are
+ * 128-byte lines swizzled in 1024-byte groups of 8 rows (the tile starts on
+ * 1024 bytes; a k16 chunk c of the line starts at a + 32 c). */
+static __device__ __forceinline__ uint64_t g16_desc(uint32_t a)
+{
+    return (uint64_t)((a & 0x3FFFF) >> 4) | (uint64_t)1 << 16 | (uint64_t)(1024 >> 4) << 32 | (uint64_t)1 << 62;
+}
+
+static __device__ __forceinline__ void mbar_arrive(uint64_t *b)
+{
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"((uint32_t)__cvta_generic_to_shared(b)) : "memory");
+}
+
+#endif
+
+/* Grid: (activation tiles, weight-row tiles, splits of k); p.nkb counts
+ * stages of G16_K. */
+template <int NW, int BN>
+static __global__ void __launch_bounds__(128 * NW + 32, 1)
+    g16_kernel(mmq_args p, const __grid_constant__ CUtensorMap tmw, const __grid_constant__ CUtensorMap tmx)
+{
+#ifdef MMQ_WG_DEVICE
+    typedef g16_shape<NW, BN> S;
+    constexpr int E = BN / 2;
+    extern __shared__ uint8_t gsmem[];
+    uint8_t *const smem = gsmem + ((1024 - ((uint32_t)__cvta_generic_to_shared(gsmem) & 1023)) & 1023);
+    const uint32_t sbase = (uint32_t)__cvta_generic_to_shared(smem);
+    uint64_t *full = (uint64_t *)(smem + S::stages * S::stage), *empty = full + S::stages;
+    const int64_t n0 = (int64_t)blockIdx.x * BN, r0 = (int64_t)blockIdx.y * S::rows;
+    const int splits = gridDim.z, split = blockIdx.z;
+    const int st0 = (int)((int64_t)split * p.nkb / splits);
+    const int nst = (int)((int64_t)(split + 1) * p.nkb / splits) - st0;
+    const int warp = __shfl_sync(0xffffffffu, (int)threadIdx.x / 32, 0);   /* warp-uniform to the compiler */
+    float acc[E];
+#pragma unroll
+    for (int e = 0; e < E; e++) acc[e] = 0.0f;
+    if (threadIdx.x == 0) {
+        for (int i = 0; i < S::stages; i++) {
+            mbar_init(&full[i], 1);
+            mbar_init(&empty[i], NW);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+
+    if (warp == 4 * NW) {
+        if (threadIdx.x == 128 * NW) {
+            const int pre = nst < S::stages ? nst : S::stages;
+            for (int st = 0; st < pre; st++) {
+                mbar_expect(&full[st], S::stage);
+                tma_2d(smem + st * S::stage, &tmw, (st0 + st) * G16_K, (int)r0, &full[st]);
+            }
+            wait_for_previous_kernel();
+            let_next_kernel_start();
+            for (int st = 0; st < nst; st++) {
+                const int s = st % S::stages;
+                uint8_t *buf = smem + s * S::stage;
+                if (st >= S::stages) {
+                    mbar_wait(&empty[s], (st / S::stages + 1) & 1);
+                    mbar_expect(&full[s], S::stage);
+                    tma_2d(buf, &tmw, (st0 + st) * G16_K, (int)r0, &full[s]);
+                }
+                tma_2d(buf + S::a, &tmx, (st0 + st) * G16_K, (int)n0, &full[s]);
+            }
+        }
+    } else {
+        wait_for_previous_kernel();   /* before the stores: the kernel before may read y */
+        const uint32_t a_wg = sbase + (uint32_t)(warp / 4) * 64 * 128;
+        for (int st = 0; st < nst; st++) {
+            const int s = st % S::stages;
+            const uint32_t a = a_wg + (uint32_t)(s * S::stage), b = sbase + (uint32_t)(s * S::stage + S::a);
+            mbar_wait(&full[s], (st / S::stages) & 1);
+            asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#pragma unroll
+            for (int c = 0; c < G16_K / 16; c++) wg_mma(acc, g16_desc(a + 32 * c), g16_desc(b + 32 * c));
+            asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+            asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
+            if (st >= 1 && threadIdx.x % 128 == 0) mbar_arrive(&empty[(st - 1) % S::stages]);
+        }
+        asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+        wg_pin(acc);
+    }
+
+    __syncthreads();
+    const int th = threadIdx.x;   /* consumers: 0 .. 128 NW - 1 */
+    if (splits == 1) {
+        if (warp < 4 * NW)
+#pragma unroll
+            for (int e = 0; e < E; e++) {
+                int rr, nn;
+                wg_acc_at(th, e, rr, nn);
+                store_y(p, r0, n0, rr, nn, acc[e]);
+            }
+        return;
+    }
+    /* every copy landed (each full mbarrier was waited for) and every
+     * wgmma is done: the ring holds the partial tile, red[e][thread] */
+    constexpr int C = 128 * NW;
+    float *red = (float *)smem;
+    if (warp < 4 * NW)
+#pragma unroll
+        for (int e = 0; e < E; e++) red[e * C + th] = acc[e];
+    cluster_sum_slices(red, C * E / 4, splits, S::threads, [&](int u, float4 sum) {
+        int e = 4 * u / C, th0 = 4 * u % C;
+        float s4[4] = { sum.x, sum.y, sum.z, sum.w };
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            int rr, nn;
+            wg_acc_at(th0 + q, e, rr, nn);
+            store_y(p, r0, n0, rr, nn, s4[q]);
+        }
+    });
+#endif
+}
+
+/* y = W x through g16_kernel<NW, BN> on the f16 copy wh and the
+ * activations' f16 xh; false (nothing queued) when the driver declines the
+ * tensor maps. */
+template <int NW, int BN>
+static bool g16_launch(cuda_backend *c, const luma_weight *w, const __half *wh, const __half *xh, int64_t m, float *y)
+{
+    typedef g16_shape<NW, BN> S;
+    static mmq_fit fit;
+    CUtensorMap tmw, tmx;
+    const uint64_t cols = (uint64_t)w->cols;
+    if (!tensor_map_2d(&tmw, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, wh, cols, (uint64_t)w->rows, cols * 2, G16_K, S::rows,
+                       CU_TENSOR_MAP_SWIZZLE_128B) ||
+        !tensor_map_2d(&tmx, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, xh, cols, (uint64_t)m, cols * 2, G16_K, BN,
+                       CU_TENSOR_MAP_SWIZZLE_128B))
+        return false;
+    if (!mmq_setup_kernel(c, &fit, (const void *)g16_kernel<NW, BN>, S::smem, S::threads)) return true;
+    mmq_args p = {};
+    p.rows = w->rows;
+    p.m = m;
+    p.cols = w->cols;
+    p.nkb = (int)(w->cols / G16_K);
+    p.y = y;
+    mmq_queue(c, g16_kernel<NW, BN>, &fit, p, (m + BN - 1) / BN, (w->rows + S::rows - 1) / S::rows, S::smem,
+              S::threads, tmw, tmx);
+    return true;
+}
+
+/* Which products g16 takes under policy 0: none, unless LUMA_CUDA_G16=lo,hi
+ * in the environment gives a range of m (above). */
+static bool g16_wins(int64_t m)
+{
+    static int env_lo = -2, env_hi;
+    if (env_lo == -2) {
+        const char *s = getenv("LUMA_CUDA_G16");
+        int lo, hi;
+        if (s && *s && sscanf(s, "%d,%d", &lo, &hi) == 2) {
+            env_hi = hi;
+            env_lo = lo;
+        } else {
+            env_lo = -1;
+        }
+    }
+    return env_lo >= 0 && m >= env_lo && m <= env_hi;
+}
+
+bool luma_cuda_g16(cuda_backend *c, const luma_weight *w, const __half *wh, const __half *xh, int64_t m, float *y)
+{
+    if (!c->wgmma || c->g16_policy < 0 || (c->g16_policy == 0 && !g16_wins(m))) return false;
+    if (w->cols % G16_K != 0 || w->cols > INT32_MAX || w->rows > INT32_MAX || m > INT32_MAX) return false;
+    /* 128-row CTAs (two consumer warpgroups) for tall weights; 64-row ones
+     * (one) below G16_TALL_ROWS rows, so that 4096 rows make 64 tiles that
+     * split k in pairs: 128 CTAs, one wave */
+    if (w->rows >= G16_TALL_ROWS)
+        return m <= 64 ? g16_launch<2, 64>(c, w, wh, xh, m, y) : g16_launch<2, 128>(c, w, wh, xh, m, y);
+    return m <= 64 ? g16_launch<1, 64>(c, w, wh, xh, m, y) : g16_launch<1, 128>(c, w, wh, xh, m, y);
+}
+
+extern "C" void luma_cuda_g16_policy(luma_backend *be, int policy)
+{
+    ((cuda_backend *)be)->g16_policy = policy < 0 ? -1 : policy > 1 ? 1 : policy;
 }
 
 /* Activation tiles of 8, 16, 32 or 64 rows (32 at most on the int8

@@ -12,6 +12,9 @@
  *     within TOL_CPU_INT8 of the CPU backend's own product;
  *   - the wgmma route (policy 3) where it runs (sm_90a code on a compute
  *     capability 9.0 device), within TOL and TOL_CPU, twice the same bits;
+ *   - where it runs too, matmul's product on the resident f16 copy by
+ *     g16_kernel (forced for every m > 8), within TOL and TOL_CPU, twice
+ *     the same bits, and timed against cuBLAS on the same copy;
  *   - the same product twice gives the same bits (split-k partial tiles are
  *     summed in a fixed order);
  *   - the policy: -1 declines everything, 1 takes every supported product;
@@ -46,6 +49,7 @@
 void luma_cuda_mmq_policy(luma_backend *be, int policy);
 bool luma_cuda_mmq_matmul(luma_backend *be, const luma_weight *w, const luma_buf *x, luma_buf *y);
 bool luma_cuda_mmq_has_wgmma(luma_backend *be);
+void luma_cuda_g16_policy(luma_backend *be, int policy);
 
 static const enum luma_type types[] = { LUMA_Q4_K, LUMA_Q6_K, LUMA_Q8_0, LUMA_Q5_K, LUMA_Q4_0, LUMA_Q5_0 };
 #define N_TYPES (int)(sizeof types / sizeof types[0])
@@ -85,7 +89,7 @@ typedef struct ctx {
 } ctx;
 
 /* The ways of computing y = W x that are timed. */
-enum path { MMQ, MMQ8, MMQ_WG, MATMUL_RESIDENT, MATMUL_PER_CALL, N_PATHS };
+enum path { MMQ, MMQ8, MMQ_WG, MATMUL_RESIDENT, MATMUL_PER_CALL, G16, N_PATHS };
 
 /* The policy that forces each mmq route. */
 static int route_policy(enum path pt)
@@ -120,8 +124,11 @@ static int run_path(ctx *cx, enum path pt, const luma_weight *w, int64_t m)
                (long long)w->rows, (long long)w->cols, (long long)m);
         return took ? 0 : -1;
     }
+    /* matmul without mmq; on the resident copy cuBLAS, or g16_kernel for G16 */
     luma_cuda_mmq_policy(cx->be, -1);
+    luma_cuda_g16_policy(cx->be, pt == G16 ? 1 : -1);
     cx->be->ops->matmul(cx->be, w, &xv, &yv);
+    luma_cuda_g16_policy(cx->be, 0);
     return 0;
 }
 
@@ -195,8 +202,9 @@ fail:
  * next copy of the weight. */
 static double time_path(ctx *cx, enum path pt, const copies *cp, int64_t m)
 {
-    const luma_weight *ws = pt == MATMUL_RESIDENT ? cp->f : cp->q;
-    int n = pt == MATMUL_RESIDENT ? cp->nf : cp->nq;
+    bool res = pt == MATMUL_RESIDENT || pt == G16;
+    const luma_weight *ws = res ? cp->f : cp->q;
+    int n = res ? cp->nf : cp->nq;
     luma_err err = { { 0 } };
     cudaEvent_t ev[2 * TIME_REPS];
     int n_ev = 0;
@@ -308,7 +316,8 @@ static void check_shape(ctx *cx, enum luma_type t, const struct shape *sh, timin
     const product_ref ref = { &w, host, row_bytes, wref, rows_s, ns, x };
     char line[LINE_SIZE];
     int len = snprintf(line, sizeof line, "%-5s %5lldx%-5lld", luma_type_name(t), (long long)rows, (long long)cols);
-    for (int i = 0; i < N_CHECK_MS; i++) {
+    const char *g16_only = getenv("LUMA_MMQ_G16_TIMES");   /* only cuBLAS and g16, timed: for measuring */
+    for (int i = 0; i < N_CHECK_MS && !(g16_only && *g16_only); i++) {
         int64_t m = check_ms[i];
         if (m > m_max) continue;
         for (int64_t k = 0; k < m * rows; k++) y[k] = NAN;
@@ -329,6 +338,10 @@ static void check_shape(ctx *cx, enum luma_type t, const struct shape *sh, timin
         if (cx->wg && check_route(cx, MMQ_WG, "wgmma", "wg", TOL_CPU, m == 100 || m == 300, &ref, m, y, y2, line,
                                   &len) != 0)
             continue;
+        if (cx->wg && m > 8 && w.dev_f16 &&
+            check_route(cx, G16, "f16 wgmma", "g16", TOL_CPU, m == 17 || m == 100 || m == 300, &ref, m, y, y2, line,
+                        &len) != 0)
+            continue;
         if (m != 16 && m != 100) continue;
         if (product(cx, MMQ, &w, m, y2) != 0) continue;
         CHECKF(memcmp(y, y2, (size_t)(m * rows) * sizeof(float)) == 0,
@@ -342,11 +355,17 @@ static void check_shape(ctx *cx, enum luma_type t, const struct shape *sh, timin
         if (copies_make(&cp, &w, bytes) == 0) {
             for (int i = 0; i < N_TIME_MS; i++) {
                 int64_t m = time_ms[i];
+                if (g16_only && *g16_only) {
+                    tm[i].us[MATMUL_RESIDENT] = time_path(cx, MATMUL_RESIDENT, &cp, m);
+                    tm[i].us[G16] = cx->wg && m > 8 ? time_path(cx, G16, &cp, m) : 0.0;
+                    continue;
+                }
                 tm[i].us[MMQ] = time_path(cx, MMQ, &cp, m);
                 tm[i].us[MMQ8] = has_int8(t) && m > 1 ? time_path(cx, MMQ8, &cp, m) : 0.0;
                 tm[i].us[MMQ_WG] = cx->wg && m > 8 ? time_path(cx, MMQ_WG, &cp, m) : 0.0;
                 tm[i].us[MATMUL_RESIDENT] = time_path(cx, MATMUL_RESIDENT, &cp, m);
                 tm[i].us[MATMUL_PER_CALL] = m > 8 ? time_path(cx, MATMUL_PER_CALL, &cp, m) : 0.0;
+                tm[i].us[G16] = cx->wg && m > 8 ? time_path(cx, G16, &cp, m) : 0.0;
                 luma_buf xv = luma_buf_rows(&cx->x, 0, m), yv = luma_buf_rows(&cx->y, 0, m);
                 luma_weight per_call = w;
                 per_call.dev_f16 = NULL;
@@ -437,6 +456,11 @@ static void print_timing(enum luma_type t, const struct shape *sh, int64_t m, co
         printf(" %7.1f %6.1f %6.0f |", us[MMQ_WG], flop / (us[MMQ_WG] * 1e6), qbytes / (us[MMQ_WG] * 1e3));
     else
         printf(" %7s %6s %6s |", "-", "-", "-");
+    if (us[G16] > 0)
+        printf(" %7.1f %6.1f %6.0f %5.2fx |", us[G16], flop / (us[G16] * 1e6), fbytes / (us[G16] * 1e3),
+               us[MATMUL_RESIDENT] / us[G16]);
+    else
+        printf(" %7s %6s %6s %6s |", "-", "-", "-", "-");
     double vs_res = us[MMQ] > 0 ? us[MATMUL_RESIDENT] / us[MMQ] : 0.0;
     double vs_pc = us[MMQ] > 0 && us[MATMUL_PER_CALL] > 0 ? us[MATMUL_PER_CALL] / us[MMQ] : 0.0;
     printf(" %5.2fx %-4s", vs_res, vs_res > 1.0 ? "mmq" : m <= 8 ? "mmv" : "cuBLAS");
@@ -486,7 +510,7 @@ static int run_checks(void)
         printf("\ntiming (best of %d, weights cold in L2): microseconds, TFLOP/s, GB/s of the weights each path "
                "reads\n", TIME_REPS);
         printf("type  shape          m |      mmq: us TFLOP/s  GB/s | matmul resident f16 (mmv for m <= 8): us "
-               "TFLOP/s GB/s | per call: us TFLOP/s | int8 route: us TFLOP/s GB/s | wgmma route: us TFLOP/s GB/s | mmq vs resident | vs per call | rule: resident, per call\n");
+               "TFLOP/s GB/s | per call: us TFLOP/s | int8 route: us TFLOP/s GB/s | wgmma route: us TFLOP/s GB/s | f16 wgmma on the copy: us TFLOP/s GB/s vs cuBLAS | mmq vs resident | vs per call | rule: resident, per call\n");
         for (int ti = 0; ti < N_TYPES; ti++)
             for (int si = 0; si < N_SHAPES; si++)
                 if (shapes[si].big && !(only && *only && !strstr(only, luma_type_name(types[ti]))) &&

@@ -1391,6 +1391,7 @@ struct g16_shape {
     static constexpr int smem = 1024 + stages * (stage + 16);   /* + alignment to 1024 and the mbarriers */
     static_assert(rows * BN * 4 <= stages * stage, "the partial tile fits");
     static_assert(rows <= 256 && BN <= 256, "one box a stage and operand");
+    static_assert(stages >= 2, "a consumer frees a stage only after issuing the next one's products");
 };
 
 #ifdef MMQ_WG_DEVICE

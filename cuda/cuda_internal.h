@@ -125,7 +125,8 @@ typedef struct cuda_backend {
     uint64_t n_replays, n_recorded;
     /* luma_cuda_mmq's choice: 0 its measured rule, 1 every product it can
      * take (f16 route), 2 the same with the int8 route for the K formats,
-     * 3 the same with the wgmma route where it runs, -1 none
+     * 3 the same with the wgmma route where it runs, 4 Q4_K by q8g_kernel
+     * (the integer wgmma) where it runs, -1 none
      * (luma_cuda_mmq_policy sets it, for measuring) */
     int mmq_policy;
     /* luma_cuda_g16's choice: 0 its measured rule (which takes nothing

@@ -66,6 +66,8 @@ namespace cg = cooperative_groups;
 #define MMQ_SMEM_BUDGET (112 * 1024)
 /* A CTA's first loads and final reduction, in k-steps, for choosing splits. */
 #define MMQ_FILL 2
+#define Q8G_LO 17          /* q8g_kernel's rule for Q4_K: m from Q8G_LO to Q8G_HI */
+#define Q8G_HI 64
 #define G16_TALL_ROWS 8192 /* weights of this many rows take 128-row CTAs, the others 64 */
 #define LOW4 0x0F0F0F0Fu
 /* Bytes between the int8 activation rows of a k-step in shared memory:
@@ -1572,6 +1574,277 @@ extern "C" void luma_cuda_g16_policy(luma_backend *be, int policy)
     ((cuda_backend *)be)->g16_policy = policy < 0 ? -1 : policy > 1 ? 1 : policy;
 }
 
+/* ---- Q4_K on the integer tensor cores (sm_90a) ---------------------------------
+ *
+ * y = W x straight from Q4_K blocks and the activations' int8 values (one
+ * scale per 256, Q8_K as on the CPU: quantize_act's int8 output), by
+ * wgmma .s8: a superblock of 256 k sums in integers. With the 6-bit scale
+ * of sub-block s split as sc = 8 sh + sl (sh, sl < 8), sh q and sl q are
+ * below 106 and fit int8, so three chains per superblock give, exactly,
+ *   H = sum_k sh q x,  L = sum_k sl q x,  M = sum_k m x
+ * (M's operand is the sub-block's minimum in every column), and the
+ * superblock adds d_x (d (8 H + L) - dmin M) to the f32 result: the CPU's
+ * integers, scaled once per 256 k.
+ *
+ * A CTA owns 64 NW weight rows (NW consumer warpgroups of 64, wgmma's M) x
+ * Q8G_BN activation rows over its range of k, a superblock a stage:
+ *   producer   (the last warp): one thread has the tensor memory
+ *              accelerator copy each stage's raw Q4_K blocks (64 NW rows x
+ *              144 bytes), its int8 activations (Q8G_BN rows x 256, two
+ *              128-byte swizzled lines) and their (d, d sum) pairs into a
+ *              ring of buffers, completion in bytes on "full" mbarriers;
+ *   consumers  make their A operands in registers from the raw blocks (a
+ *              thread holds rows g and g + 8 of its warp's 16, k 4t .. 4t +
+ *              3 and 16 + 4t .. of each 32: the mma.m16n8k32 order), issue
+ *              the three chains' wgmmas a sub-block at a time (two register
+ *              sets, so a set is rewritten only once its wgmmas are done),
+ *              then scale the superblock's sums into f32 and give the
+ *              buffer back on its "empty" mbarrier.
+ * Small row counts split k over a cluster, reduced as in mmq_kernel. */
+#define Q8G_BN 64
+#define Q8G_SPAN 144   /* a Q4_K block */
+#define Q8G_SMEM_CAP (110 * 1024)   /* two CTAs an SM */
+
+template <int NW>
+struct q8g_shape {
+    static constexpr int threads = 128 * NW + 32;
+    static constexpr int rows = 64 * NW;
+    static constexpr int b = Q8G_BN * MMQ_K;        /* two 128-byte lines a row, first (1024-aligned) */
+    static constexpr int raw = rows * Q8G_SPAN;
+    static constexpr int ds = Q8G_BN * 64;          /* 8 (d, d sum) pairs a row */
+    static constexpr int stage = (b + raw + ds + 1023) / 1024 * 1024;
+    static constexpr int stages = (Q8G_SMEM_CAP - 1024) / (stage + 16);
+    static constexpr int smem = 1024 + stages * (stage + 16);
+    static_assert(rows * Q8G_BN * 4 <= stages * stage, "the partial tile fits");
+    static_assert(stages >= 2, "a stage is given back after the next one's products");
+};
+
+#ifdef MMQ_WG_DEVICE
+#define WG_R8(i) "+r"(d[i]), "+r"(d[i + 1]), "+r"(d[i + 2]), "+r"(d[i + 3]), "+r"(d[i + 4]), "+r"(d[i + 5]), \
+                 "+r"(d[i + 6]), "+r"(d[i + 7])
+/* d (+)= A B for one k32 chunk: A (64 x 32 int8) in registers, B (32 x 64)
+ * at descriptor db; d starts over when first. */
+static __device__ __forceinline__ void wg_mma_s8(int (&d)[32], const uint32_t (&a)[4], uint64_t db, bool first)
+{
+    asm volatile("{\n.reg .pred p;\nsetp.eq.u32 p, %37, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k32.s32.s8.s8 "
+                 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+                 "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31},"
+                 " {%32,%33,%34,%35}, %36, p;\n}"
+                 : WG_R8(0), WG_R8(8), WG_R8(16), WG_R8(24)
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"((uint32_t)first));
+}
+#undef WG_R8
+
+/* Keeps r's value live up to here: a register that a wgmma still reads
+ * must not be reused before the wait that says it is done. */
+template <int E>
+static __device__ __forceinline__ void keep_regs(uint32_t (&r)[E])
+{
+#pragma unroll
+    for (int i = 0; i < E; i++) asm volatile("" : "+r"(r[i])::"memory");
+}
+
+template <int E>
+static __device__ __forceinline__ void keep_regs(int (&r)[E])
+{
+#pragma unroll
+    for (int i = 0; i < E; i++) asm volatile("" : "+r"(r[i])::"memory");
+}
+#endif
+
+/* Grid: (activation tiles, weight-row tiles, splits of k); p.nkb counts
+ * superblocks. */
+template <int NW, int DEPTH>
+static __global__ void __launch_bounds__(128 * NW + 32, 1)
+    q8g_kernel(mmq_args p, const __grid_constant__ CUtensorMap tmw, const __grid_constant__ CUtensorMap tmx,
+               const __grid_constant__ CUtensorMap tmd)
+{
+#ifdef MMQ_WG_DEVICE
+    typedef q8g_shape<NW> S;
+    constexpr int E = Q8G_BN / 2;
+    extern __shared__ uint8_t qsmem[];
+    uint8_t *const smem = qsmem + ((1024 - ((uint32_t)__cvta_generic_to_shared(qsmem) & 1023)) & 1023);
+    const uint32_t sbase = (uint32_t)__cvta_generic_to_shared(smem);
+    uint64_t *full = (uint64_t *)(smem + S::stages * S::stage), *empty = full + S::stages;
+    const int64_t n0 = (int64_t)blockIdx.x * Q8G_BN, r0 = (int64_t)blockIdx.y * S::rows;
+    const int splits = gridDim.z, split = blockIdx.z;
+    const int st0 = (int)((int64_t)split * p.nkb / splits);
+    const int nst = (int)((int64_t)(split + 1) * p.nkb / splits) - st0;
+    const int warp = __shfl_sync(0xffffffffu, (int)threadIdx.x / 32, 0);
+    float acc[E];
+#pragma unroll
+    for (int e = 0; e < E; e++) acc[e] = 0.0f;
+    if (threadIdx.x == 0) {
+        for (int i = 0; i < S::stages; i++) {
+            mbar_init(&full[i], 1);
+            mbar_init(&empty[i], NW);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+
+    if (warp == 4 * NW) {
+        if (threadIdx.x == 128 * NW) {
+            const int pre = nst < S::stages ? nst : S::stages;
+            for (int st = 0; st < pre; st++) {
+                mbar_expect(&full[st], S::b + S::raw + S::ds);
+                tma_2d(smem + st * S::stage + S::b, &tmw, (st0 + st) * Q8G_SPAN, (int)r0, &full[st]);
+            }
+            wait_for_previous_kernel();
+            let_next_kernel_start();
+            for (int st = 0; st < nst; st++) {
+                const int s = st % S::stages;
+                uint8_t *buf = smem + s * S::stage;
+                if (st >= S::stages) {
+                    mbar_wait(&empty[s], (st / S::stages + 1) & 1);
+                    mbar_expect(&full[s], S::b + S::raw + S::ds);
+                    tma_2d(buf + S::b, &tmw, (st0 + st) * Q8G_SPAN, (int)r0, &full[s]);
+                }
+                const int k0 = (st0 + st) * MMQ_K;
+                tma_2d(buf, &tmx, k0, (int)n0, &full[s]);
+                tma_2d(buf + Q8G_BN * 128, &tmx, k0 + 128, (int)n0, &full[s]);
+                tma_2d(buf + S::b + S::raw, &tmd, k0 / 16, (int)n0, &full[s]);   /* 2 floats per 32 */
+            }
+        }
+    } else {
+        wait_for_previous_kernel();   /* before the stores: the kernel before may read y */
+        const int wg = warp / 4, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+        const int ra = 64 * wg + 16 * (warp % 4) + g;   /* this thread's rows ra and ra + 8 of the tile */
+        for (int st = 0; st < nst; st++) {
+            const int s = st % S::stages;
+            const uint8_t *buf = smem + s * S::stage;
+            const uint32_t bb = sbase + (uint32_t)(s * S::stage);
+            mbar_wait(&full[s], (st / S::stages) & 1);
+            const uint8_t *wa = buf + S::b + ra * Q8G_SPAN, *wb = wa + 8 * Q8G_SPAN;
+            const uint4 ha = *(const uint4 *)wa, hb = *(const uint4 *)wb;
+            int h[E], l[E], mm[E];
+            uint32_t a[DEPTH][3][4];
+#pragma unroll
+            for (int c = 0; c < 8; c++) {
+                const int set = c % DEPTH;
+                int sca, ma, scb, mb;
+                scale_min_k4(c, ha.y, ha.z, ha.w, sca, ma);
+                scale_min_k4(c, hb.y, hb.z, hb.w, scb, mb);
+                const int off = 16 + 32 * (c / 2) + 4 * t, sh = 4 * (c & 1);
+                const uint32_t qa0 = (*(const uint32_t *)(wa + off) >> sh) & 0x0F0F0F0Fu;
+                const uint32_t qb0 = (*(const uint32_t *)(wb + off) >> sh) & 0x0F0F0F0Fu;
+                const uint32_t qa1 = (*(const uint32_t *)(wa + off + 16) >> sh) & 0x0F0F0F0Fu;
+                const uint32_t qb1 = (*(const uint32_t *)(wb + off + 16) >> sh) & 0x0F0F0F0Fu;
+                /* bytes below 16 times factors below 8: no carries */
+                a[set][0][0] = qa0 * (uint32_t)(sca >> 3);
+                a[set][0][1] = qb0 * (uint32_t)(scb >> 3);
+                a[set][0][2] = qa1 * (uint32_t)(sca >> 3);
+                a[set][0][3] = qb1 * (uint32_t)(scb >> 3);
+                a[set][1][0] = qa0 * (uint32_t)(sca & 7);
+                a[set][1][1] = qb0 * (uint32_t)(scb & 7);
+                a[set][1][2] = qa1 * (uint32_t)(sca & 7);
+                a[set][1][3] = qb1 * (uint32_t)(scb & 7);
+                a[set][2][0] = a[set][2][2] = (uint32_t)ma * 0x01010101u;
+                a[set][2][1] = a[set][2][3] = (uint32_t)mb * 0x01010101u;
+                const uint64_t db = g16_desc(bb + (uint32_t)((c / 4) * (Q8G_BN * 128) + 32 * (c % 4)));
+                asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+                wg_mma_s8(h, a[set][0], db, c == 0);
+                wg_mma_s8(l, a[set][1], db, c == 0);
+                wg_mma_s8(mm, a[set][2], db, c == 0);
+                asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+                asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(DEPTH - 1) : "memory");
+#pragma unroll
+                for (int i = 0; i < 3; i++) keep_regs(a[(c + 1) % DEPTH][i]);   /* its last chunk is done */
+            }
+            asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+#pragma unroll
+            for (int j = 0; j < DEPTH; j++)
+#pragma unroll
+                for (int i = 0; i < 3; i++) keep_regs(a[j][i]);
+            keep_regs(h);
+            keep_regs(l);
+            keep_regs(mm);
+            /* d_x of this thread's activation rows (the pair's first float), then the sums */
+            const float *dsx = (const float *)(buf + S::b + S::raw);
+            const float da = f16_bits(ha.x & 0xffff), dma = f16_bits(ha.x >> 16);
+            const float db_ = f16_bits(hb.x & 0xffff), dmb = f16_bits(hb.x >> 16);
+#pragma unroll
+            for (int e = 0; e < E; e++) {
+                const int nn = 8 * (e / 4) + 2 * t + e % 2;
+                const bool lo = (e % 4) < 2;   /* row ra, else ra + 8 */
+                const float dx = dsx[nn * 16];
+                const float v = (lo ? da : db_) * (float)(8 * h[e] + l[e]) - (lo ? dma : dmb) * (float)mm[e];
+                acc[e] = fmaf(dx, v, acc[e]);
+            }
+            if (threadIdx.x % 128 == 0) mbar_arrive(&empty[s]);
+        }
+    }
+
+    __syncthreads();
+    const int th = threadIdx.x;
+    if (splits == 1) {
+        if (warp < 4 * NW)
+#pragma unroll
+            for (int e = 0; e < E; e++) {
+                int rr, nn;
+                wg_acc_at(th, e, rr, nn);
+                store_y(p, r0, n0, rr, nn, acc[e]);
+            }
+        return;
+    }
+    constexpr int C = 128 * NW;
+    float *red = (float *)smem;
+    if (warp < 4 * NW)
+#pragma unroll
+        for (int e = 0; e < E; e++) red[e * C + th] = acc[e];
+    cluster_sum_slices(red, C * E / 4, splits, S::threads, [&](int u, float4 sum) {
+        int e = 4 * u / C, th0 = 4 * u % C;
+        float s4[4] = { sum.x, sum.y, sum.z, sum.w };
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            int rr, nn;
+            wg_acc_at(th0 + q, e, rr, nn);
+            store_y(p, r0, n0, rr, nn, s4[q]);
+        }
+    });
+#endif
+}
+
+/* y = W x through q8g_kernel<NW, DEPTH> on the Q4_K blocks and the
+ * activations' int8 values xq and (d, d sum) pairs xds; false (nothing
+ * queued) where it cannot take the product. */
+template <int NW, int DEPTH>
+static bool q8g_launch(cuda_backend *c, const luma_weight *w, const int8_t *xq, const float2 *xds, int64_t m,
+                       float *y)
+{
+    typedef q8g_shape<NW> S;
+    static mmq_fit fit;
+    CUtensorMap tmw, tmx, tmd;
+    const uint64_t cols = (uint64_t)w->cols, row_bytes = luma_row_size(w->type, w->cols);
+    if (!tensor_map_2d(&tmw, CU_TENSOR_MAP_DATA_TYPE_UINT8, w->dev, row_bytes, (uint64_t)w->rows, row_bytes,
+                       Q8G_SPAN, S::rows) ||
+        !tensor_map_2d(&tmx, CU_TENSOR_MAP_DATA_TYPE_UINT8, xq, cols, (uint64_t)m, cols, 128, Q8G_BN,
+                       CU_TENSOR_MAP_SWIZZLE_128B) ||
+        !tensor_map_2d(&tmd, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, xds, cols / 16, (uint64_t)m, cols / 16 * 4, 16,
+                       Q8G_BN))
+        return false;
+    if (!mmq_setup_kernel(c, &fit, (const void *)q8g_kernel<NW, DEPTH>, S::smem, S::threads)) return true;
+    mmq_args p = {};
+    p.rows = w->rows;
+    p.m = m;
+    p.cols = w->cols;
+    p.nkb = (int)(w->cols / MMQ_K);
+    p.y = y;
+    mmq_queue(c, q8g_kernel<NW, DEPTH>, &fit, p, (m + Q8G_BN - 1) / Q8G_BN, (w->rows + S::rows - 1) / S::rows, S::smem,
+              S::threads, tmw, tmx, tmd);
+    return true;
+}
+
+/* One consumer warpgroup a CTA, two CTAs an SM: with two in one CTA the
+ * three chains' sums spill at the 168 registers 288 threads leave. Two
+ * register sets of A operands (DEPTH): a chunk's wgmmas run while the next
+ * chunk's operands are made. */
+static bool q8g_run(cuda_backend *c, const luma_weight *w, const int8_t *xq, const float2 *xds, int64_t m, float *y)
+{
+    return q8g_launch<1, 2>(c, w, xq, xds, m, y);   /* a third register set measured the same */
+}
+
 /* Activation tiles of 8, 16, 32 or 64 rows (32 at most on the int8
  * route); a larger m takes several tiles, each reading the weights again
  * (from L2 when they run together). */
@@ -1702,6 +1975,27 @@ static bool mmq_wg_wins(const cuda_backend *c, const luma_weight *w, int64_t m)
     return c->wgmma && env_lo >= 0 && m > env_lo;
 }
 
+/* Whether q8g_kernel takes a Q4_K product under policy 0: m from Q8G_LO to
+ * Q8G_HI, where it beat cuBLAS on the resident copy and mmq's other routes
+ * on the H100 (cuda/NOTES.md); LUMA_CUDA_Q8G=lo,hi in the environment sets
+ * the range instead, for measuring ("9999,0": never). */
+static bool q8g_wins(const cuda_backend *c, const luma_weight *w, int64_t m)
+{
+    static int env_lo = -2, env_hi;
+    if (env_lo == -2) {
+        const char *s = getenv("LUMA_CUDA_Q8G");
+        int lo, hi;
+        if (s && *s && sscanf(s, "%d,%d", &lo, &hi) == 2) {
+            env_hi = hi;
+            env_lo = lo;
+        } else {
+            env_lo = -1;
+        }
+    }
+    int lo = env_lo >= 0 ? env_lo : Q8G_LO, hi = env_lo >= 0 ? env_hi : Q8G_HI;
+    return c->wgmma && w->type == LUMA_Q4_K && m >= lo && m <= hi;
+}
+
 bool luma_cuda_mmq_small(const cuda_backend *c, const luma_weight *w, const float *x, int64_t m)
 {
     return c->mmq_policy == 0 && !c->invariant && !c->float_act && mmq8_wins(w, m) && mmq_fits(w, x, m);
@@ -1711,13 +2005,15 @@ bool luma_cuda_mmq_takes(const cuda_backend *c, const luma_weight *w, const floa
 {
     if (c->mmq_policy < 0 || c->float_act || !mmq_fits(w, x, m)) return false;
     return c->mmq_policy != 0 || (mmq8_supports(w->type) && mmq8_wins(w, m)) || mmq_wg_wins(c, w, m) ||
+           q8g_wins(c, w, m) ||
            mmq_wins(c, w, m);
 }
 
 bool luma_cuda_mmq(cuda_backend *c, const luma_weight *w, const float *x, int64_t m, float *y)
 {
     if (!luma_cuda_mmq_takes(c, w, x, m)) return false;
-    bool i8 = mmq8_supports(w->type) && (c->mmq_policy == 2 || (c->mmq_policy == 0 && mmq8_wins(w, m)));
+    bool q8g = w->type == LUMA_Q4_K && c->wgmma && (c->mmq_policy == 4 || (c->mmq_policy == 0 && q8g_wins(c, w, m)));
+    bool i8 = q8g || (mmq8_supports(w->type) && (c->mmq_policy == 2 || (c->mmq_policy == 0 && mmq8_wins(w, m))));
     if (!LUMA_CUDA_OK(c)) return true;
     if (!i8 && c->wgmma && (c->mmq_policy == 3 || (c->mmq_policy == 0 && mmq_wg_wins(c, w, m)))) {
         bool took = false;
@@ -1752,6 +2048,7 @@ bool luma_cuda_mmq(cuda_backend *c, const luma_weight *w, const float *x, int64_
         luma_cuda_quantize_act(c, w->type, x, (int64_t)elems, NULL, NULL, xh);
     }
     if (!LUMA_CUDA_OK(c)) return true;
+    if (q8g && q8g_run(c, w, xa.xq, xa.xds, m, y)) return true;
     switch (w->type) {
     case LUMA_Q4_0: mmq_run<mmq_q4_0>(c, w, xa, m, y); break;
     case LUMA_Q5_0: mmq_run<mmq_q5_0>(c, w, xa, m, y); break;
@@ -1768,7 +2065,7 @@ bool luma_cuda_mmq(cuda_backend *c, const luma_weight *w, const float *x, int64_
 
 extern "C" void luma_cuda_mmq_policy(luma_backend *be, int policy)
 {
-    ((cuda_backend *)be)->mmq_policy = policy < 0 ? -1 : policy > 3 ? 3 : policy;
+    ((cuda_backend *)be)->mmq_policy = policy < 0 ? -1 : policy > 4 ? 4 : policy;
 }
 
 /* Whether the wgmma route runs here (policy 3 falls back to the f16 route

@@ -1719,18 +1719,23 @@ static __global__ void __launch_bounds__(128 * NW + 32, 1)
             const uint8_t *wa = buf + S::b + ra * Q8G_SPAN, *wb = wa + 8 * Q8G_SPAN;
             const uint4 ha = *(const uint4 *)wa, hb = *(const uint4 *)wb;
             int h[E], l[E], mm[E];
-            uint32_t a[DEPTH][3][4];
+            uint32_t a[DEPTH][3][4], qw[4];
 #pragma unroll
             for (int c = 0; c < 8; c++) {
                 const int set = c % DEPTH;
                 int sca, ma, scb, mb;
                 scale_min_k4(c, ha.y, ha.z, ha.w, sca, ma);
                 scale_min_k4(c, hb.y, hb.z, hb.w, scb, mb);
-                const int off = 16 + 32 * (c / 2) + 4 * t, sh = 4 * (c & 1);
-                const uint32_t qa0 = (*(const uint32_t *)(wa + off) >> sh) & 0x0F0F0F0Fu;
-                const uint32_t qb0 = (*(const uint32_t *)(wb + off) >> sh) & 0x0F0F0F0Fu;
-                const uint32_t qa1 = (*(const uint32_t *)(wa + off + 16) >> sh) & 0x0F0F0F0Fu;
-                const uint32_t qb1 = (*(const uint32_t *)(wb + off + 16) >> sh) & 0x0F0F0F0Fu;
+                if (c % 2 == 0) {   /* sub-blocks 2j and 2j + 1 share their bytes (low and high nibbles) */
+                    const int off = 16 + 32 * (c / 2) + 4 * t;
+                    qw[0] = *(const uint32_t *)(wa + off);
+                    qw[1] = *(const uint32_t *)(wb + off);
+                    qw[2] = *(const uint32_t *)(wa + off + 16);
+                    qw[3] = *(const uint32_t *)(wb + off + 16);
+                }
+                const int sh = 4 * (c & 1);
+                const uint32_t qa0 = (qw[0] >> sh) & 0x0F0F0F0Fu, qb0 = (qw[1] >> sh) & 0x0F0F0F0Fu;
+                const uint32_t qa1 = (qw[2] >> sh) & 0x0F0F0F0Fu, qb1 = (qw[3] >> sh) & 0x0F0F0F0Fu;
                 /* bytes below 16 times factors below 8: no carries */
                 a[set][0][0] = qa0 * (uint32_t)(sca >> 3);
                 a[set][0][1] = qb0 * (uint32_t)(scb >> 3);
@@ -1764,11 +1769,13 @@ static __global__ void __launch_bounds__(128 * NW + 32, 1)
             const float *dsx = (const float *)(buf + S::b + S::raw);
             const float da = f16_bits(ha.x & 0xffff), dma = f16_bits(ha.x >> 16);
             const float db_ = f16_bits(hb.x & 0xffff), dmb = f16_bits(hb.x >> 16);
+            float dxs[E / 2];   /* columns 8 j + 2 t + i */
+#pragma unroll
+            for (int j = 0; j < E / 2; j++) dxs[j] = dsx[(8 * (j / 2) + 2 * t + j % 2) * 16];
 #pragma unroll
             for (int e = 0; e < E; e++) {
-                const int nn = 8 * (e / 4) + 2 * t + e % 2;
                 const bool lo = (e % 4) < 2;   /* row ra, else ra + 8 */
-                const float dx = dsx[nn * 16];
+                const float dx = dxs[2 * (e / 4) + e % 2];
                 const float v = (lo ? da : db_) * (float)(8 * h[e] + l[e]) - (lo ? dma : dmb) * (float)mm[e];
                 acc[e] = fmaf(dx, v, acc[e]);
             }

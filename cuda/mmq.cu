@@ -1007,6 +1007,43 @@ static __device__ __forceinline__ void wg_acc_at(int th, int e, int &rr, int &nn
     nn = 8 * (e / 4) + 2 * t + e % 2;
 }
 
+/* The end of a wgmma kernel, after a __syncthreads that follows the last
+ * wgmma: the C consumer threads (0 .. C - 1, consumer true) hold E
+ * accumulators each in wgmma's D order, which go to y; with split k they
+ * first go to red[e][thread] in the CTA's shared memory at smem, and rank k
+ * of the cluster sums its slice of every CTA's red, in rank order (the same
+ * bits every time). nthreads: the CTA's threads, all of which call this. */
+template <int E, int C>
+static __device__ __forceinline__ void wg_tile_out(const mmq_args &p, int64_t r0, int64_t n0, const float (&acc)[E],
+                                                   bool consumer, int splits, uint8_t *smem, int nthreads)
+{
+    const int th = threadIdx.x;
+    if (splits == 1) {
+        if (consumer)
+#pragma unroll
+            for (int e = 0; e < E; e++) {
+                int rr, nn;
+                wg_acc_at(th, e, rr, nn);
+                store_y(p, r0, n0, rr, nn, acc[e]);
+            }
+        return;
+    }
+    float *red = (float *)smem;
+    if (consumer)
+#pragma unroll
+        for (int e = 0; e < E; e++) red[e * C + th] = acc[e];
+    cluster_sum_slices(red, C * E / 4, splits, nthreads, [&](int u, float4 sum) {
+        int e = 4 * u / C, th0 = 4 * u % C;
+        float s4[4] = { sum.x, sum.y, sum.z, sum.w };
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            int rr, nn;
+            wg_acc_at(th0 + j, e, rr, nn);
+            store_y(p, r0, n0, rr, nn, s4[j]);
+        }
+    });
+}
+
 #endif
 
 /* Grid: (activation tiles, weight-row tiles, splits of k); the splits of a
@@ -1126,34 +1163,7 @@ static __global__ void __launch_bounds__(MMQ_WG_THREADS, 1)
     }
 
     __syncthreads();
-    const int th = threadIdx.x;   /* consumers: 0 .. 255 */
-    if (splits == 1) {
-        if (!producer)
-#pragma unroll
-            for (int e = 0; e < E; e++) {
-                int rr, nn;
-                wg_acc_at(th, e, rr, nn);
-                store_y(p, r0, n0, rr, nn, acc[e]);
-            }
-        return;
-    }
-    /* Split k: the consumers' tile goes to red[e][consumer thread]; rank k
-     * of the cluster then sums its slice of every CTA's red, in rank order. */
-    constexpr int C = ALL - MMQ_WG_PRODUCERS;
-    float *red = (float *)smem;
-    if (!producer)
-#pragma unroll
-        for (int e = 0; e < E; e++) red[e * C + th] = acc[e];
-    cluster_sum_slices(red, C * E / 4, splits, ALL, [&](int u, float4 sum) {
-        int e = 4 * u / C, th0 = 4 * u % C;
-        float s4[4] = { sum.x, sum.y, sum.z, sum.w };
-#pragma unroll
-        for (int j = 0; j < 4; j++) {
-            int rr, nn;
-            wg_acc_at(th0 + j, e, rr, nn);
-            store_y(p, r0, n0, rr, nn, s4[j]);
-        }
-    });
+    wg_tile_out<E, ALL - MMQ_WG_PRODUCERS>(p, r0, n0, acc, !producer, splits, smem, ALL);
 #endif
 }
 
@@ -1481,34 +1491,9 @@ static __global__ void __launch_bounds__(128 * NW + 32, 1)
     }
 
     __syncthreads();
-    const int th = threadIdx.x;   /* consumers: 0 .. 128 NW - 1 */
-    if (splits == 1) {
-        if (warp < 4 * NW)
-#pragma unroll
-            for (int e = 0; e < E; e++) {
-                int rr, nn;
-                wg_acc_at(th, e, rr, nn);
-                store_y(p, r0, n0, rr, nn, acc[e]);
-            }
-        return;
-    }
     /* every copy landed (each full mbarrier was waited for) and every
-     * wgmma is done: the ring holds the partial tile, red[e][thread] */
-    constexpr int C = 128 * NW;
-    float *red = (float *)smem;
-    if (warp < 4 * NW)
-#pragma unroll
-        for (int e = 0; e < E; e++) red[e * C + th] = acc[e];
-    cluster_sum_slices(red, C * E / 4, splits, S::threads, [&](int u, float4 sum) {
-        int e = 4 * u / C, th0 = 4 * u % C;
-        float s4[4] = { sum.x, sum.y, sum.z, sum.w };
-#pragma unroll
-        for (int q = 0; q < 4; q++) {
-            int rr, nn;
-            wg_acc_at(th0 + q, e, rr, nn);
-            store_y(p, r0, n0, rr, nn, s4[q]);
-        }
-    });
+     * wgmma is done: the ring may hold the partial tile */
+    wg_tile_out<E, 128 * NW>(p, r0, n0, acc, warp < 4 * NW, splits, smem, S::threads);
 #endif
 }
 
@@ -1784,32 +1769,7 @@ static __global__ void __launch_bounds__(128 * NW + 32, 1)
     }
 
     __syncthreads();
-    const int th = threadIdx.x;
-    if (splits == 1) {
-        if (warp < 4 * NW)
-#pragma unroll
-            for (int e = 0; e < E; e++) {
-                int rr, nn;
-                wg_acc_at(th, e, rr, nn);
-                store_y(p, r0, n0, rr, nn, acc[e]);
-            }
-        return;
-    }
-    constexpr int C = 128 * NW;
-    float *red = (float *)smem;
-    if (warp < 4 * NW)
-#pragma unroll
-        for (int e = 0; e < E; e++) red[e * C + th] = acc[e];
-    cluster_sum_slices(red, C * E / 4, splits, S::threads, [&](int u, float4 sum) {
-        int e = 4 * u / C, th0 = 4 * u % C;
-        float s4[4] = { sum.x, sum.y, sum.z, sum.w };
-#pragma unroll
-        for (int q = 0; q < 4; q++) {
-            int rr, nn;
-            wg_acc_at(th0 + q, e, rr, nn);
-            store_y(p, r0, n0, rr, nn, s4[q]);
-        }
-    });
+    wg_tile_out<E, 128 * NW>(p, r0, n0, acc, warp < 4 * NW, splits, smem, S::threads);
 #endif
 }
 

@@ -32,7 +32,9 @@
  *     measured rule (policy 0) picks with a resident f16 copy and without.
  * Without a CUDA device it says so and passes. LUMA_CUDA_QUICK=1 keeps to the
  * small shapes and skips the timing; LUMA_MMQ_TYPES="Q4_K,Q6_K" and
- * LUMA_MMQ_SHAPES="14336x4096" keep to those types and big shapes. */
+ * LUMA_MMQ_SHAPES="14336x4096" keep to those types and big shapes;
+ * LUMA_MMQ_G16_TIMES=1 skips the checks and times only cuBLAS on the
+ * resident copy, g16_kernel and the Q4_K integer wgmma kernel. */
 #include "backend.h"
 #include "quant.h"
 #include "testutil.h"
@@ -319,7 +321,7 @@ static void check_shape(ctx *cx, enum luma_type t, const struct shape *sh, timin
     const product_ref ref = { &w, host, row_bytes, wref, rows_s, ns, x };
     char line[LINE_SIZE];
     int len = snprintf(line, sizeof line, "%-5s %5lldx%-5lld", luma_type_name(t), (long long)rows, (long long)cols);
-    const char *g16_only = getenv("LUMA_MMQ_G16_TIMES");   /* only cuBLAS and g16, timed: for measuring */
+    const char *g16_only = getenv("LUMA_MMQ_G16_TIMES");   /* only cuBLAS, g16 and q8g, timed: for measuring */
     for (int i = 0; i < N_CHECK_MS && !(g16_only && *g16_only); i++) {
         int64_t m = check_ms[i];
         if (m > m_max) continue;

@@ -1583,8 +1583,10 @@ extern "C" void luma_cuda_g16_policy(luma_backend *be, int policy)
  *              3 and 16 + 4t .. of each 32: the mma.m16n8k32 order), issue
  *              the three chains' wgmmas a sub-block at a time (two register
  *              sets, so a set is rewritten only once its wgmmas are done),
- *              then scale the superblock's sums into f32 and give the
- *              buffer back on its "empty" mbarrier.
+ *              then scale the superblock's sums into f32; each warp then
+ *              gives the buffer back on its "empty" mbarrier (one arrival
+ *              a warp: the warps read the raw blocks and scales
+ *              themselves, and drift apart after their last wgmma).
  * Small row counts split k over a cluster, reduced as in mmq_kernel. */
 #define Q8G_BN 64
 #define Q8G_SPAN 144   /* a Q4_K block */
@@ -1663,7 +1665,7 @@ static __global__ void __launch_bounds__(128 * NW + 32, 1)
     if (threadIdx.x == 0) {
         for (int i = 0; i < S::stages; i++) {
             mbar_init(&full[i], 1);
-            mbar_init(&empty[i], NW);
+            mbar_init(&empty[i], 4 * NW);   /* every consumer warp: each reads the stage itself */
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
@@ -1764,7 +1766,11 @@ static __global__ void __launch_bounds__(128 * NW + 32, 1)
                 const float v = (lo ? da : db_) * (float)(8 * h[e] + l[e]) - (lo ? dma : dmb) * (float)mm[e];
                 acc[e] = fmaf(dx, v, acc[e]);
             }
-            if (threadIdx.x % 128 == 0) mbar_arrive(&empty[s]);
+            /* each warp gives the stage back once all its lanes are done
+             * reading it (the scales, the raw blocks): warps of a group
+             * drift apart after their last wgmma */
+            __syncwarp();
+            if (lane == 0) mbar_arrive(&empty[s]);
         }
     }
 

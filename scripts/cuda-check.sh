@@ -5,6 +5,10 @@
 #      default model on both backends; test_cuda_matmul: the matrix products);
 #   3. compute-sanitizer memcheck over the whole of test_cuda;
 #   4. compute-sanitizer racecheck over a reduced run (LUMA_CUDA_QUICK=1);
+#   5. both tools over test_cuda_mmq's small shapes (LUMA_CUDA_QUICK=1):
+#      the tensor-core kernels with their copy rings and cluster splits,
+#      whose results the test checks (racecheck's slower warps can show a
+#      ring handed back too early as wrong results, not as hazards);
 # then a summary table, and the table of ops, errors and GPU times that
 # test_cuda printed. Exits non-zero when a step fails.
 #
@@ -74,6 +78,8 @@ sanitizer() {
 
 memcheck() { sanitizer --tool memcheck "./$BUILD/test_cuda"; }
 racecheck() { LUMA_CUDA_QUICK=1 sanitizer --tool racecheck "./$BUILD/test_cuda"; }
+memcheck_mmq() { LUMA_CUDA_QUICK=1 sanitizer --tool memcheck "./$BUILD/test_cuda_mmq"; }
+racecheck_mmq() { LUMA_CUDA_QUICK=1 sanitizer --tool racecheck "./$BUILD/test_cuda_mmq"; }
 
 if [ -n "${LUMA_MODEL:-}" ]; then
     echo "cuda-check: model $LUMA_MODEL"
@@ -86,6 +92,8 @@ if step "configure" configure && step "build" build; then
     step "ctest -R cuda" ctest --test-dir "$BUILD" -R cuda --output-on-failure
     step "memcheck test_cuda" memcheck
     step "racecheck test_cuda (quick)" racecheck
+    step "memcheck test_cuda_mmq (quick)" memcheck_mmq
+    step "racecheck test_cuda_mmq (quick)" racecheck_mmq
 fi
 
 log="$BUILD/Testing/Temporary/LastTest.log"

@@ -11,8 +11,13 @@
  *                 mma.sync.m16n8k32 (s8), each sub-block's integer sum then
  *                 scaled: nothing is dequantized, and the result is the CPU
  *                 backend's product but for the order of float sums.
- * A third, the wgmma route (mmq_wg_kernel, sm_90a), is measured but not
- * chosen by the rule: see its section below.
+ * On sm_90a, three wgmma kernels (sections below):
+ *   q8g_kernel    Q4_K on the integer tensor cores, a superblock summed in
+ *                 integers (the CPU's) and scaled once: chosen by the rule
+ *                 at 17 to 64 activation rows;
+ *   mmq_wg_kernel the f16 route with wgmma: measured, not chosen;
+ *   g16_kernel    wgmma on a weight's resident f16 copy (the product cuBLAS
+ *                 takes otherwise, matmul.cu): measured, not chosen.
  * Two kernels:
  *   quantize_act  (matmul.cu) the activations (m x cols, f32) to f16 in
  *                 scratch, as the cuBLAS path converts them (f16 route), or

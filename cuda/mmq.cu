@@ -1241,6 +1241,28 @@ struct mmq_x {
     const float2 *xds;
 };
 
+/* A range of activation rows "lo,hi" from environment variable name, read
+ * at the first call for r (a static of the rule that asks): true when it is
+ * set, with lo >= 0. The rules' knobs for measuring. */
+struct env_rows {
+    int lo = -2, hi = 0;
+};
+
+static bool env_rows_set(env_rows &r, const char *name)
+{
+    if (r.lo == -2) {
+        const char *s = getenv(name);
+        int lo, hi;
+        if (s && *s && sscanf(s, "%d,%d", &lo, &hi) == 2) {
+            r.hi = hi;
+            r.lo = lo;
+        } else {
+            r.lo = -1;
+        }
+    }
+    return r.lo >= 0;
+}
+
 /* The kernel's arguments for y = W x over m activation rows at xh. */
 static mmq_args mmq_args_for(const luma_weight *w, const mmq_x &x, int64_t m, float *y)
 {
@@ -1518,12 +1540,8 @@ static bool g16_launch(cuda_backend *c, const luma_weight *w, const __half *wh, 
                        CU_TENSOR_MAP_SWIZZLE_128B))
         return false;
     if (!mmq_setup_kernel(c, &fit, (const void *)g16_kernel<NW, BN>, S::smem, S::threads)) return true;
-    mmq_args p = {};
-    p.rows = w->rows;
-    p.m = m;
-    p.cols = w->cols;
-    p.nkb = (int)(w->cols / G16_K);
-    p.y = y;
+    mmq_args p = mmq_args_for(w, mmq_x{}, m, y);
+    p.nkb = (int)(w->cols / G16_K);   /* stages of 64 k, not k-steps */
     mmq_queue(c, g16_kernel<NW, BN>, &fit, p, (m + BN - 1) / BN, (w->rows + S::rows - 1) / S::rows, S::smem,
               S::threads, tmw, tmx);
     return true;
@@ -1533,18 +1551,8 @@ static bool g16_launch(cuda_backend *c, const luma_weight *w, const __half *wh, 
  * in the environment gives a range of m (above). */
 static bool g16_wins(int64_t m)
 {
-    static int env_lo = -2, env_hi;
-    if (env_lo == -2) {
-        const char *s = getenv("LUMA_CUDA_G16");
-        int lo, hi;
-        if (s && *s && sscanf(s, "%d,%d", &lo, &hi) == 2) {
-            env_hi = hi;
-            env_lo = lo;
-        } else {
-            env_lo = -1;
-        }
-    }
-    return env_lo >= 0 && m >= env_lo && m <= env_hi;
+    static env_rows env;
+    return env_rows_set(env, "LUMA_CUDA_G16") && m >= env.lo && m <= env.hi;
 }
 
 bool luma_cuda_g16(cuda_backend *c, const luma_weight *w, const __half *wh, const __half *xh, int64_t m, float *y)
@@ -1803,14 +1811,9 @@ static bool q8g_launch(cuda_backend *c, const luma_weight *w, const int8_t *xq, 
                        Q8G_BN))
         return false;
     if (!mmq_setup_kernel(c, &fit, (const void *)q8g_kernel<NW, DEPTH>, S::smem, S::threads)) return true;
-    mmq_args p = {};
-    p.rows = w->rows;
-    p.m = m;
-    p.cols = w->cols;
-    p.nkb = (int)(w->cols / MMQ_K);
-    p.y = y;
-    mmq_queue(c, q8g_kernel<NW, DEPTH>, &fit, p, (m + Q8G_BN - 1) / Q8G_BN, (w->rows + S::rows - 1) / S::rows, S::smem,
-              S::threads, tmw, tmx, tmd);
+    const mmq_x xa = { NULL, xq, xds };
+    mmq_queue(c, q8g_kernel<NW, DEPTH>, &fit, mmq_args_for(w, xa, m, y), (m + Q8G_BN - 1) / Q8G_BN,
+              (w->rows + S::rows - 1) / S::rows, S::smem, S::threads, tmw, tmx, tmd);
     return true;
 }
 
@@ -1920,21 +1923,12 @@ static const struct mmq8_rule {
 
 static bool mmq8_wins(const luma_weight *w, int64_t m)
 {
-    static int env_lo = -2, env_hi;
-    if (env_lo == -2) {
-        const char *s = getenv("LUMA_CUDA_MMQ8");
-        int lo, hi;
-        if (s && *s && sscanf(s, "%d,%d", &lo, &hi) == 2) {
-            env_hi = hi;
-            env_lo = lo;
-        } else {
-            env_lo = -1;
-        }
-    }
+    static env_rows env;
+    bool set = env_rows_set(env, "LUMA_CUDA_MMQ8");
     for (size_t i = 0; i < sizeof mmq8_rules / sizeof mmq8_rules[0]; i++) {
         const struct mmq8_rule *r = &mmq8_rules[i];
         if (r->type != w->type) continue;
-        return env_lo >= 0 ? m >= env_lo && m <= env_hi : m >= r->lo && m <= r->hi;
+        return set ? m >= env.lo && m <= env.hi : m >= r->lo && m <= r->hi;
     }
     return false;
 }
@@ -1959,18 +1953,9 @@ static bool mmq_wg_wins(const cuda_backend *c, const luma_weight *w, int64_t m)
  * the range instead, for measuring ("9999,0": never). */
 static bool q8g_wins(const cuda_backend *c, const luma_weight *w, int64_t m)
 {
-    static int env_lo = -2, env_hi;
-    if (env_lo == -2) {
-        const char *s = getenv("LUMA_CUDA_Q8G");
-        int lo, hi;
-        if (s && *s && sscanf(s, "%d,%d", &lo, &hi) == 2) {
-            env_hi = hi;
-            env_lo = lo;
-        } else {
-            env_lo = -1;
-        }
-    }
-    int lo = env_lo >= 0 ? env_lo : Q8G_LO, hi = env_lo >= 0 ? env_hi : Q8G_HI;
+    static env_rows env;
+    bool set = env_rows_set(env, "LUMA_CUDA_Q8G");
+    int lo = set ? env.lo : Q8G_LO, hi = set ? env.hi : Q8G_HI;
     return c->wgmma && w->type == LUMA_Q4_K && m >= lo && m <= hi;
 }
 

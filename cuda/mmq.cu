@@ -1447,6 +1447,68 @@ static __device__ __forceinline__ void mbar_arrive(uint64_t *b)
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"((uint32_t)__cvta_generic_to_shared(b)) : "memory");
 }
 
+/* The copy ring of a kernel with one producer thread (g16_kernel,
+ * q8g_kernel): STAGES buffers of STAGE bytes from the first 1024-byte
+ * boundary of the dynamic shared memory dyn (the swizzled copies need it),
+ * a "full" and an "empty" mbarrier for each after them (the empty ones
+ * completing on empty_arrivals arrivals), and this CTA's share [st0, st0 +
+ * nst) of the nkb stages (its split of k: blockIdx.z of gridDim.z). Every
+ * thread of the CTA makes it; the mbarriers are ready when it returns. */
+template <int STAGES, int STAGE>
+struct wg_ring {
+    uint8_t *smem;
+    uint32_t sbase;
+    uint64_t *full, *empty;
+    int st0, nst;
+
+    __device__ __forceinline__ wg_ring(uint8_t *dyn, int nkb, int empty_arrivals)
+    {
+        smem = dyn + ((1024 - ((uint32_t)__cvta_generic_to_shared(dyn) & 1023)) & 1023);
+        sbase = (uint32_t)__cvta_generic_to_shared(smem);
+        full = (uint64_t *)(smem + STAGES * STAGE);
+        empty = full + STAGES;
+        const int splits = gridDim.z, split = blockIdx.z;
+        st0 = (int)((int64_t)split * nkb / splits);
+        nst = (int)((int64_t)(split + 1) * nkb / splits) - st0;
+        if (threadIdx.x == 0) {
+            for (int i = 0; i < STAGES; i++) {
+                mbar_init(&full[i], 1);
+                mbar_init(&empty[i], empty_arrivals);
+            }
+            asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        }
+        __syncthreads();
+    }
+
+    /* The producer thread's loop. The weights of the first stages go before
+     * the wait on the previous kernel (no kernel of a step writes them);
+     * then stage by stage: once the consumers have given its buffer back,
+     * the weights, then the activations. bytes: what one stage's copies
+     * bring in all; weights(st, buf, bar) and acts(st, buf, bar) queue the
+     * copies of stage st0 + st into buffer buf, completing on bar. */
+    template <class W, class A>
+    __device__ __forceinline__ void produce(uint32_t bytes, W weights, A acts) const
+    {
+        const int pre = nst < STAGES ? nst : STAGES;
+        for (int st = 0; st < pre; st++) {
+            mbar_expect(&full[st], bytes);
+            weights(st, smem + st * STAGE, &full[st]);
+        }
+        wait_for_previous_kernel();
+        let_next_kernel_start();
+        for (int st = 0; st < nst; st++) {
+            const int s = st % STAGES;
+            uint8_t *buf = smem + s * STAGE;
+            if (st >= STAGES) {
+                mbar_wait(&empty[s], (st / STAGES + 1) & 1);
+                mbar_expect(&full[s], bytes);
+                weights(st, buf, &full[s]);
+            }
+            acts(st, buf, &full[s]);
+        }
+    }
+};
+
 #endif
 
 /* Grid: (activation tiles, weight-row tiles, splits of k); p.nkb counts
@@ -1459,59 +1521,36 @@ static __global__ void __launch_bounds__(128 * NW + 32, 1)
     typedef g16_shape<NW, BN> S;
     constexpr int E = BN / 2;
     extern __shared__ uint8_t gsmem[];
-    uint8_t *const smem = gsmem + ((1024 - ((uint32_t)__cvta_generic_to_shared(gsmem) & 1023)) & 1023);
-    const uint32_t sbase = (uint32_t)__cvta_generic_to_shared(smem);
-    uint64_t *full = (uint64_t *)(smem + S::stages * S::stage), *empty = full + S::stages;
+    const wg_ring<S::stages, S::stage> ring(gsmem, p.nkb, NW);
     const int64_t n0 = (int64_t)blockIdx.x * BN, r0 = (int64_t)blockIdx.y * S::rows;
-    const int splits = gridDim.z, split = blockIdx.z;
-    const int st0 = (int)((int64_t)split * p.nkb / splits);
-    const int nst = (int)((int64_t)(split + 1) * p.nkb / splits) - st0;
     const int warp = __shfl_sync(0xffffffffu, (int)threadIdx.x / 32, 0);   /* warp-uniform to the compiler */
     float acc[E];
 #pragma unroll
     for (int e = 0; e < E; e++) acc[e] = 0.0f;
-    if (threadIdx.x == 0) {
-        for (int i = 0; i < S::stages; i++) {
-            mbar_init(&full[i], 1);
-            mbar_init(&empty[i], NW);
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
-    __syncthreads();
 
     if (warp == 4 * NW) {
-        if (threadIdx.x == 128 * NW) {
-            const int pre = nst < S::stages ? nst : S::stages;
-            for (int st = 0; st < pre; st++) {
-                mbar_expect(&full[st], S::stage);
-                tma_2d(smem + st * S::stage, &tmw, (st0 + st) * G16_K, (int)r0, &full[st]);
-            }
-            wait_for_previous_kernel();
-            let_next_kernel_start();
-            for (int st = 0; st < nst; st++) {
-                const int s = st % S::stages;
-                uint8_t *buf = smem + s * S::stage;
-                if (st >= S::stages) {
-                    mbar_wait(&empty[s], (st / S::stages + 1) & 1);
-                    mbar_expect(&full[s], S::stage);
-                    tma_2d(buf, &tmw, (st0 + st) * G16_K, (int)r0, &full[s]);
-                }
-                tma_2d(buf + S::a, &tmx, (st0 + st) * G16_K, (int)n0, &full[s]);
-            }
-        }
+        if (threadIdx.x == 128 * NW)
+            ring.produce(
+                S::stage,
+                [&](int st, uint8_t *buf, uint64_t *bar) {
+                    tma_2d(buf, &tmw, (ring.st0 + st) * G16_K, (int)r0, bar);
+                },
+                [&](int st, uint8_t *buf, uint64_t *bar) {
+                    tma_2d(buf + S::a, &tmx, (ring.st0 + st) * G16_K, (int)n0, bar);
+                });
     } else {
         wait_for_previous_kernel();   /* before the stores: the kernel before may read y */
-        const uint32_t a_wg = sbase + (uint32_t)(warp / 4) * 64 * 128;
-        for (int st = 0; st < nst; st++) {
+        const uint32_t a_wg = ring.sbase + (uint32_t)(warp / 4) * 64 * 128;
+        for (int st = 0; st < ring.nst; st++) {
             const int s = st % S::stages;
-            const uint32_t a = a_wg + (uint32_t)(s * S::stage), b = sbase + (uint32_t)(s * S::stage + S::a);
-            mbar_wait(&full[s], (st / S::stages) & 1);
+            const uint32_t a = a_wg + (uint32_t)(s * S::stage), b = ring.sbase + (uint32_t)(s * S::stage + S::a);
+            mbar_wait(&ring.full[s], (st / S::stages) & 1);
             asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 #pragma unroll
             for (int c = 0; c < G16_K / 16; c++) wg_mma(acc, g16_desc(a + 32 * c), g16_desc(b + 32 * c));
             asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
             asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
-            if (st >= 1 && threadIdx.x % 128 == 0) mbar_arrive(&empty[(st - 1) % S::stages]);
+            if (st >= 1 && threadIdx.x % 128 == 0) mbar_arrive(&ring.empty[(st - 1) % S::stages]);
         }
         asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
         wg_pin(acc);
@@ -1520,7 +1559,7 @@ static __global__ void __launch_bounds__(128 * NW + 32, 1)
     __syncthreads();
     /* every copy landed (each full mbarrier was waited for) and every
      * wgmma is done: the ring may hold the partial tile */
-    wg_tile_out<E, 128 * NW>(p, r0, n0, acc, warp < 4 * NW, splits, smem, S::threads);
+    wg_tile_out<E, 128 * NW>(p, r0, n0, acc, warp < 4 * NW, gridDim.z, ring.smem, S::threads);
 #endif
 }
 
@@ -1664,58 +1703,36 @@ static __global__ void __launch_bounds__(128 * NW + 32, 1)
     typedef q8g_shape<NW> S;
     constexpr int E = Q8G_BN / 2;
     extern __shared__ uint8_t qsmem[];
-    uint8_t *const smem = qsmem + ((1024 - ((uint32_t)__cvta_generic_to_shared(qsmem) & 1023)) & 1023);
-    const uint32_t sbase = (uint32_t)__cvta_generic_to_shared(smem);
-    uint64_t *full = (uint64_t *)(smem + S::stages * S::stage), *empty = full + S::stages;
+    /* every consumer warp gives a stage back: each reads it itself */
+    const wg_ring<S::stages, S::stage> ring(qsmem, p.nkb, 4 * NW);
     const int64_t n0 = (int64_t)blockIdx.x * Q8G_BN, r0 = (int64_t)blockIdx.y * S::rows;
-    const int splits = gridDim.z, split = blockIdx.z;
-    const int st0 = (int)((int64_t)split * p.nkb / splits);
-    const int nst = (int)((int64_t)(split + 1) * p.nkb / splits) - st0;
     const int warp = __shfl_sync(0xffffffffu, (int)threadIdx.x / 32, 0);
     float acc[E];
 #pragma unroll
     for (int e = 0; e < E; e++) acc[e] = 0.0f;
-    if (threadIdx.x == 0) {
-        for (int i = 0; i < S::stages; i++) {
-            mbar_init(&full[i], 1);
-            mbar_init(&empty[i], 4 * NW);   /* every consumer warp: each reads the stage itself */
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
-    __syncthreads();
 
     if (warp == 4 * NW) {
-        if (threadIdx.x == 128 * NW) {
-            const int pre = nst < S::stages ? nst : S::stages;
-            for (int st = 0; st < pre; st++) {
-                mbar_expect(&full[st], S::b + S::raw + S::ds);
-                tma_2d(smem + st * S::stage + S::b, &tmw, (st0 + st) * Q8G_SPAN, (int)r0, &full[st]);
-            }
-            wait_for_previous_kernel();
-            let_next_kernel_start();
-            for (int st = 0; st < nst; st++) {
-                const int s = st % S::stages;
-                uint8_t *buf = smem + s * S::stage;
-                if (st >= S::stages) {
-                    mbar_wait(&empty[s], (st / S::stages + 1) & 1);
-                    mbar_expect(&full[s], S::b + S::raw + S::ds);
-                    tma_2d(buf + S::b, &tmw, (st0 + st) * Q8G_SPAN, (int)r0, &full[s]);
-                }
-                const int k0 = (st0 + st) * MMQ_K;
-                tma_2d(buf, &tmx, k0, (int)n0, &full[s]);
-                tma_2d(buf + Q8G_BN * 128, &tmx, k0 + 128, (int)n0, &full[s]);
-                tma_2d(buf + S::b + S::raw, &tmd, k0 / 16, (int)n0, &full[s]);   /* 2 floats per 32 */
-            }
-        }
+        if (threadIdx.x == 128 * NW)
+            ring.produce(
+                S::b + S::raw + S::ds,
+                [&](int st, uint8_t *buf, uint64_t *bar) {
+                    tma_2d(buf + S::b, &tmw, (ring.st0 + st) * Q8G_SPAN, (int)r0, bar);
+                },
+                [&](int st, uint8_t *buf, uint64_t *bar) {
+                    const int k0 = (ring.st0 + st) * MMQ_K;
+                    tma_2d(buf, &tmx, k0, (int)n0, bar);
+                    tma_2d(buf + Q8G_BN * 128, &tmx, k0 + 128, (int)n0, bar);
+                    tma_2d(buf + S::b + S::raw, &tmd, k0 / 16, (int)n0, bar);   /* 2 floats per 32 */
+                });
     } else {
         wait_for_previous_kernel();   /* before the stores: the kernel before may read y */
         const int wg = warp / 4, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
         const int ra = 64 * wg + 16 * (warp % 4) + g;   /* this thread's rows ra and ra + 8 of the tile */
-        for (int st = 0; st < nst; st++) {
+        for (int st = 0; st < ring.nst; st++) {
             const int s = st % S::stages;
-            const uint8_t *buf = smem + s * S::stage;
-            const uint32_t bb = sbase + (uint32_t)(s * S::stage);
-            mbar_wait(&full[s], (st / S::stages) & 1);
+            const uint8_t *buf = ring.smem + s * S::stage;
+            const uint32_t bb = ring.sbase + (uint32_t)(s * S::stage);
+            mbar_wait(&ring.full[s], (st / S::stages) & 1);
             const uint8_t *wa = buf + S::b + ra * Q8G_SPAN, *wb = wa + 8 * Q8G_SPAN;
             const uint4 ha = *(const uint4 *)wa, hb = *(const uint4 *)wb;
             int h[E], l[E], mm[E];
@@ -1783,12 +1800,12 @@ static __global__ void __launch_bounds__(128 * NW + 32, 1)
              * reading it (the scales, the raw blocks): warps of a group
              * drift apart after their last wgmma */
             __syncwarp();
-            if (lane == 0) mbar_arrive(&empty[s]);
+            if (lane == 0) mbar_arrive(&ring.empty[s]);
         }
     }
 
     __syncthreads();
-    wg_tile_out<E, 128 * NW>(p, r0, n0, acc, warp < 4 * NW, splits, smem, S::threads);
+    wg_tile_out<E, 128 * NW>(p, r0, n0, acc, warp < 4 * NW, gridDim.z, ring.smem, S::threads);
 #endif
 }
 

@@ -185,19 +185,19 @@ void luma_cuda_matmul(cuda_backend *c, const luma_weight *w, const float *x, int
  * other paths, float weights); the caller then runs the two operations. */
 bool luma_cuda_gated_matmul(cuda_backend *c, const luma_weight *w, float *gate, const float *up, int act,
                             int64_t m, float *y);
-/* ys[i] = ws[i] x for n <= LUMA_MATMUL_MANY weights of x->cols columns:
- * the same bits as luma_cuda_matmul for each, with one quantization of x
- * for all the matrix-vector products that share its format. */
+/* RoPE r's tables for heads of head_dim in rows of cols (cuda/rope.cuh);
+ * false, recorded, when they are not supported. */
+bool luma_cuda_rope_args(cuda_backend *c, const luma_rope *r, int32_t head_dim, int64_t cols, struct rope_args *a);
 /* luma_cuda_matmul_many of q, k and v (ys[0..2]) that also rotates q and k
  * (RoPE NORM over heads of every one of their columns, at pos: a device
  * array of m positions; a: luma_cuda_rope_args's tables) where the direct
  * matrix-vector kernel writes them, with rope_kernel's arithmetic. Returns
  * which were rotated (bit 0 q, bit 1 k); the caller rotates the others. */
-/* RoPE r's tables for heads of head_dim in rows of cols (cuda/rope.cuh);
- * false, recorded, when they are not supported. */
-bool luma_cuda_rope_args(cuda_backend *c, const luma_rope *r, int32_t head_dim, int64_t cols, struct rope_args *a);
 int luma_cuda_matmul_qkv_rope(cuda_backend *c, const luma_weight *const *ws, const float *x, int64_t m,
                               float *const *ys, int32_t head_dim, const struct rope_args *a, const int32_t *pos);
+/* ys[i] = ws[i] x for n <= LUMA_MATMUL_MANY weights of x->cols columns:
+ * the same bits as luma_cuda_matmul for each, with one quantization of x
+ * for all the matrix-vector products that share its format. */
 void luma_cuda_matmul_many(cuda_backend *c, int n, const luma_weight *const *ws, const float *x, int64_t m,
                            float *const *ys);
 /* Queues the quantization of n activations x (n a multiple of the block of
@@ -226,13 +226,15 @@ void luma_cuda_repack_q6_K(cuda_backend *c, const luma_weight *w, uint8_t *out);
 bool luma_cuda_mmq(cuda_backend *c, const luma_weight *w, const float *x, int64_t m, float *y);
 /* Whether luma_cuda_mmq would take this product (it queues nothing). */
 bool luma_cuda_mmq_takes(const cuda_backend *c, const luma_weight *w, const float *x, int64_t m);
-/* Whether luma_cuda_mmq takes this product although m is small enough for
- * the matrix-vector kernels (its int8 route, where it measured faster). */
+/* Whether this build's code for the device has the wgmma kernels (sm_90a
+ * machine code on a compute capability 9.0 device). */
 bool luma_cuda_wgmma_probe(cuda_backend *c);
 /* y = W x on W's resident f16 copy wh and the activations' f16 xh (m x
  * cols) by the tensor memory accelerator and wgmma (sm_90a), where its
  * policy takes it; false, queuing nothing, where it does not. */
 bool luma_cuda_g16(cuda_backend *c, const luma_weight *w, const __half *wh, const __half *xh, int64_t m, float *y);
+/* Whether luma_cuda_mmq takes this product although m is small enough for
+ * the matrix-vector kernels (its int8 route, where it measured faster). */
 bool luma_cuda_mmq_small(const cuda_backend *c, const luma_weight *w, const float *x, int64_t m);
 
 /* ---- ops.cu -------------------------------------------------------------- */

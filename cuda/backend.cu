@@ -166,22 +166,24 @@ static int keep_f16(cuda_backend *c, luma_weight *w, cuda_weight_copy *slot, lum
     return 0;
 }
 
-/* Gives a Q6_K matrix its repacked copy for the matrix-vector kernels
- * (luma_cuda_repack_q6_K): 224 bytes a block against the file's 210, read
- * with 4 loads a lane instead of 11. Where the device has no room for it
- * the weight goes without (the kernels then read the file's layout). */
+/* Gives a Q6_K or Q8_0 matrix its repacked copy for the matrix-vector
+ * kernels (luma_cuda_repack): Q6_K in 224 bytes a block against the file's
+ * 210, read with 4 loads a lane instead of 11; Q8_0 as 136 bytes for four
+ * blocks (the same bytes), read with 8-byte loads instead of 2-byte ones.
+ * Where the device has no room for it the weight goes without (the kernels
+ * then read the file's layout). */
 static int keep_mmv(cuda_backend *c, luma_weight *w, cuda_weight_copy *slot, luma_err *err)
 {
-    if (!c->repack_q6k || w->type != LUMA_Q6_K || w->rows < 2 || w->cols % 256 != 0) return 0;
-    size_t bytes;
-    if (luma_mul_size((size_t)w->rows, (size_t)(w->cols / 256) * LUMA_Q6_K_MMV_BYTES, &bytes)) return 0;
+    if ((w->type == LUMA_Q6_K && !c->repack_q6k) || (w->type == LUMA_Q8_0 && !c->repack_q8_0)) return 0;
+    size_t bytes = luma_cuda_mmv_bytes(w);
+    if (bytes == 0) return 0;
     void *p = NULL;
     if (cudaMalloc(&p, bytes) != cudaSuccess) {
         cudaGetLastError();
         return 0;
     }
-    luma_cuda_repack_q6_K(c, w, (uint8_t *)p);
-    if (await_copy(c, p, "repacking a Q6_K weight", err)) return -1;
+    luma_cuda_repack(c, w, (uint8_t *)p);
+    if (await_copy(c, p, "repacking a weight for the matrix-vector kernels", err)) return -1;
     slot->mmv = p;
     w->dev_mmv = p;
     return 0;
@@ -854,8 +856,9 @@ luma_backend *luma_backend_cuda_new(int device, luma_err *err)
     c->graphs_on = !(graphs && strcmp(graphs, "0") == 0);
     const char *pdl = getenv("LUMA_CUDA_PDL");
     c->pdl = !(pdl && strcmp(pdl, "0") == 0);
-    const char *q6k = getenv("LUMA_CUDA_Q6K_MMV");
+    const char *q6k = getenv("LUMA_CUDA_Q6K_MMV"), *q8 = getenv("LUMA_CUDA_Q8_0_MMV");
     c->repack_q6k = !(q6k && strcmp(q6k, "0") == 0);
+    c->repack_q8_0 = !(q8 && strcmp(q8, "0") == 0);
     const char *what = "selecting the device";
     e = cudaSetDevice(device);
     if (e == cudaSuccess) {

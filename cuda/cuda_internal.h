@@ -114,9 +114,10 @@ typedef struct cuda_backend {
     /* Kernels launched as programmatic dependents (cuda/launch.cuh;
      * LUMA_CUDA_PDL=0 in the environment turns it off). */
     bool pdl;
-    /* Q6_K matrices get a repacked copy for the matrix-vector kernels
-     * (luma_weight.dev_mmv; LUMA_CUDA_Q6K_MMV=0 in the environment: not). */
-    bool repack_q6k;
+    /* Q6_K and Q8_0 matrices get a repacked copy for the matrix-vector
+     * kernels (luma_weight.dev_mmv; LUMA_CUDA_Q6K_MMV=0, LUMA_CUDA_Q8_0_MMV=0
+     * in the environment: not). */
+    bool repack_q6k, repack_q8_0;
     cuda_graph graphs[CUDA_GRAPHS];
     uint64_t n_steps;          /* steps run through step_run */
     uint64_t buf_gen;          /* bumped when a weight, buffer or KV pool is made or freed */
@@ -211,11 +212,17 @@ void luma_cuda_quantize_act(cuda_backend *c, enum luma_type t, const float *x, i
  * (rows x cols, row-major): the tensor-core path's operand. Not for F16
  * weights; failures are recorded. */
 void luma_cuda_weight_to_f16(cuda_backend *c, const luma_weight *w, __half *out);
-/* A Q6_K weight (w->dev) repacked into out for the matrix-vector kernels:
- * rows x cols / 256 blocks of LUMA_Q6_K_MMV_BYTES (matmul.cu,
- * type_q6_K_mmv, has the layout). Queued; failures are recorded. */
+/* The matrix-vector kernels' own layouts (matmul.cu has them: type_q6_K_mmv,
+ * type_q8_0_mmv): a Q6_K block of 256 in LUMA_Q6_K_MMV_BYTES, four Q8_0
+ * blocks of 32 in LUMA_Q8_0_MMV_BYTES. */
 #define LUMA_Q6_K_MMV_BYTES 224
-void luma_cuda_repack_q6_K(cuda_backend *c, const luma_weight *w, uint8_t *out);
+#define LUMA_Q8_0_MMV_BYTES 136
+/* Bytes of w repacked into its type's layout, 0 where it has none (another
+ * type, a width the layout does not divide, a single row). */
+size_t luma_cuda_mmv_bytes(const luma_weight *w);
+/* w (w->dev) repacked into out (luma_cuda_mmv_bytes(w) bytes). Queued;
+ * failures are recorded. */
+void luma_cuda_repack(cuda_backend *c, const luma_weight *w, uint8_t *out);
 
 /* ---- mmq.cu -------------------------------------------------------------- */
 

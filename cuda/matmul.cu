@@ -708,6 +708,46 @@ struct type_q6_K_mmv {
     }
 };
 
+/* Q8_0 as weight_load repacks it for the matrix-vector kernels
+ * (luma_cuda_repack): the GGUF block's 34 bytes keep only 2-byte alignment,
+ * so type_q8_0 loads its 8 weights a lane as four 2-byte pieces and the
+ * staged kernel goes through shared memory instead. Four blocks make one
+ * repacked block of 128 elements in the same 136 bytes, 8-byte aligned:
+ *   [0, 128)     the four blocks' 32 int8 values each, in order;
+ *   [128, 136)   their four scales d (f16), in order.
+ * Lane part p (8 a block) takes elements 16 p .. 16 p + 15, half p % 2 of
+ * block p / 2: two 8-byte loads and a 2-byte one for 16 weights. */
+struct type_q8_0_mmv {
+    static constexpr int qk = 128, bytes = LUMA_Q8_0_MMV_BYTES, lpb = 8;
+    struct raw_t { int2 lo, hi; uint16_t d; };
+    struct w_t { int q[4]; float d; };
+    struct x_t { int4 q; float d; };
+    static __device__ void fetch(const uint8_t *b, int p, raw_t &r)
+    {
+        r.lo = *(const int2 *)(b + 16 * p);
+        r.hi = *(const int2 *)(b + 16 * p + 8);
+        r.d = *(const uint16_t *)(b + 128 + 2 * (p / 2));
+    }
+    static __device__ void decode(const raw_t &r, int p, w_t &w)
+    {
+        w.d = f16_bits(r.d);
+        w.q[0] = r.lo.x;
+        w.q[1] = r.lo.y;
+        w.q[2] = r.hi.x;
+        w.q[3] = r.hi.y;
+    }
+    static __device__ void loadx(const act_rows &a, int j, int64_t ib, int p, x_t &x)
+    {
+        x.q = *(const int4 *)(a.q + j * a.q_stride + ib * 32 + 4 * p);
+        x.d = a.ds[j * a.ds_stride + ib * 4 + p / 2].x;
+    }
+    static __device__ float dot(const w_t &w, const x_t &x)
+    {
+        int s = __dp4a(w.q[0], x.q.x, __dp4a(w.q[1], x.q.y, __dp4a(w.q[2], x.q.z, __dp4a(w.q[3], x.q.w, 0))));
+        return w.d * x.d * (float)s;
+    }
+};
+
 /* Float activations for the K formats (Q4_K, Q5_K, and Q6_K in its
  * repacked layout), as block types of the direct kernel: the 8-bit types'
  * fetch and lane parts (part p of a block: positions 16 h .. 16 h + 15,
@@ -817,8 +857,10 @@ struct kf_q6_K : kf_base {
 template <class T>
 static const uint8_t *mmv_bytes(const luma_weight *w)
 {
-    return (const uint8_t *)(std::is_same<T, type_q6_K_mmv>::value || std::is_same<T, kf_q6_K>::value ? w->dev_mmv
-                                                                                                    : w->dev);
+    return (const uint8_t *)(std::is_same<T, type_q6_K_mmv>::value || std::is_same<T, kf_q6_K>::value ||
+                                     std::is_same<T, type_q8_0_mmv>::value
+                                 ? w->dev_mmv
+                                 : w->dev);
 }
 
 
@@ -1596,11 +1638,12 @@ static void mmv_direct_launch(cuda_backend *c, const luma_weight *const *ws, flo
 }
 
 /* Which kernel a weight takes (cuda/NOTES.md has the measurements): the
- * staged one where the direct one loses, that is Q8_0 (its 34-byte blocks
- * allow only 2-byte loads from device memory) and matrices of few rows
- * (the direct kernel gives them few warps, each with one block in flight);
- * the direct one elsewhere, which measured faster at m = 1 on the other
- * types (at m = 2 to 8 neither wins everywhere). */
+ * staged one where the direct one loses, that is Q8_0 in the file's layout
+ * (its 34-byte blocks allow only 2-byte loads from device memory) and
+ * matrices of few rows (the direct kernel gives them few warps, each with
+ * one block in flight); the direct one elsewhere, which measured faster at
+ * m = 1 on the other types (at m = 2 to 8 neither wins everywhere), and
+ * for the repacked copies (type_q6_K_mmv, type_q8_0_mmv). */
 /* LUMA_CUDA_MMV=direct or =staged in the environment forces one kernel
  * (for measuring); read once. */
 static int mmv_forced(void)
@@ -1622,7 +1665,9 @@ static void mmv_launch(cuda_backend *c, const luma_weight *w, const act_rows &a,
     int forced = mmv_forced();
     bool staged = forced ? forced == 2 : MAXM == 1 && (w->type == LUMA_Q8_0 || w->rows <= MMV_STAGED_MAX_ROWS);
     /* the staged kernel reads w->dev and takes 8-bit activations */
-    if (std::is_same<T, type_q6_K_mmv>::value || std::is_base_of<kf_base, T>::value) staged = false;
+    if (std::is_same<T, type_q6_K_mmv>::value || std::is_same<T, type_q8_0_mmv>::value ||
+        std::is_base_of<kf_base, T>::value)
+        staged = false;
     if (staged) mmv_staged_launch<T, MAXM>(c, w, a, m, y);
     else mmv_direct_launch<T, T, MAXM>(c, &w, &y, 1, 1, a, m);
 }
@@ -1865,8 +1910,9 @@ static bool all_repacked(const luma_weight *const *ws, int n)
 
 /* One launch per pass for n weights of one block type and width (the
  * direct kernel); false, queuing nothing, for a type that keeps its own
- * kernel choice (Q8_0, whose 34-byte blocks the direct kernel reads 2 bytes
- * at a time) or when a kernel is forced (LUMA_CUDA_MMV). */
+ * kernel choice (Q8_0 without its repacked copy, whose 34-byte blocks the
+ * direct kernel reads 2 bytes at a time) or when a kernel is forced
+ * (LUMA_CUDA_MMV). */
 static bool mm_vec_run_many(cuda_backend *c, const luma_weight *const *ws, float *const *ys, int n,
                             const act_rows &a, int64_t m)
 {
@@ -1883,6 +1929,10 @@ static bool mm_vec_run_many(cuda_backend *c, const luma_weight *const *ws, float
     case LUMA_Q6_K:
         if (all_repacked(ws, n)) mmv_run_many<type_q6_K_mmv>(c, ws, ys, n, a, m);
         else mmv_run_many<type_q6_K>(c, ws, ys, n, a, m);
+        return true;
+    case LUMA_Q8_0:
+        if (!all_repacked(ws, n)) return false;
+        mmv_run_many<type_q8_0_mmv>(c, ws, ys, n, a, m);
         return true;
     default: return false;
     }
@@ -1914,6 +1964,8 @@ static bool mm_vec_run_pair(cuda_backend *c, const luma_weight *const *ws, float
         mmv_run_many<type_q4_K, type_q6_K_mmv>(c, ws, ys, n, a, m, n_a);
     else if (ta == LUMA_Q5_K && tb == LUMA_Q6_K && all_repacked(ws + n_a, n - n_a))
         mmv_run_many<type_q5_K, type_q6_K_mmv>(c, ws, ys, n, a, m, n_a);
+    else if (ta == LUMA_Q5_0 && tb == LUMA_Q8_0 && all_repacked(ws + n_a, n - n_a))
+        mmv_run_many<type_q5_0, type_q8_0_mmv>(c, ws, ys, n, a, m, n_a);
     else if (ta == LUMA_Q5_0 && tb == LUMA_Q8_0)
         mmv_run_many<type_q5_0, type_q8_0>(c, ws, ys, n, a, m, n_a);
     else
@@ -1931,7 +1983,10 @@ static void mm_vec_run(cuda_backend *c, const luma_weight *w, const act_rows &a,
     case LUMA_Q4_1: mmv_run<type_q4_1>(c, w, a, m, y); break;
     case LUMA_Q5_0: mmv_run<type_q5_0>(c, w, a, m, y); break;
     case LUMA_Q5_1: mmv_run<type_q5_1>(c, w, a, m, y); break;
-    case LUMA_Q8_0: mmv_run<type_q8_0>(c, w, a, m, y); break;
+    case LUMA_Q8_0:
+        if (w->dev_mmv) mmv_run<type_q8_0_mmv>(c, w, a, m, y);
+        else mmv_run<type_q8_0>(c, w, a, m, y);
+        break;
     case LUMA_Q2_K: mmv_run<type_q2_K>(c, w, a, m, y); break;
     case LUMA_Q3_K: mmv_run<type_q3_K>(c, w, a, m, y); break;
     case LUMA_Q4_K: mmv_run<type_q4_K>(c, w, a, m, y); break;
@@ -2072,11 +2127,41 @@ static __global__ void repack_q6_K(const uint8_t *__restrict__ src, int64_t n_bl
         to[i] = make_int4((int)out[4 * i], (int)out[4 * i + 1], (int)out[4 * i + 2], (int)out[4 * i + 3]);
 }
 
-void luma_cuda_repack_q6_K(cuda_backend *c, const luma_weight *w, uint8_t *out)
+/* One thread per repacked block: four GGUF Q8_0 blocks (d, qs[32]) to
+ * type_q8_0_mmv's layout. */
+static __global__ void repack_q8_0(const uint8_t *__restrict__ src, int64_t n_blocks, uint8_t *__restrict__ dst)
 {
-    int64_t n = w->rows * (w->cols / 256);
-    luma_launch(c, c->stream, blocks_for(n, 128), 128, 0, repack_q6_K, (const uint8_t *)w->dev, n, out);
-    luma_cuda_fail(c, cudaGetLastError(), "repacking a Q6_K weight");
+    follow_previous_kernel();
+    int64_t ib = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (ib >= n_blocks) return;
+    const uint8_t *b = src + ib * 4 * 34;
+    uint32_t out[LUMA_Q8_0_MMV_BYTES / 4];
+    uint8_t *o = (uint8_t *)out;
+    for (int k = 0; k < 4; k++) {
+        for (int e = 0; e < 32; e++) o[32 * k + e] = b[34 * k + 2 + e];
+        o[128 + 2 * k] = b[34 * k];
+        o[128 + 2 * k + 1] = b[34 * k + 1];
+    }
+    int2 *to = (int2 *)(dst + ib * LUMA_Q8_0_MMV_BYTES);
+    for (int i = 0; i < LUMA_Q8_0_MMV_BYTES / 8; i++) to[i] = make_int2((int)out[2 * i], (int)out[2 * i + 1]);
+}
+
+size_t luma_cuda_mmv_bytes(const luma_weight *w)
+{
+    int64_t qk = w->type == LUMA_Q6_K ? 256 : w->type == LUMA_Q8_0 ? 128 : 0;
+    size_t block = w->type == LUMA_Q6_K ? LUMA_Q6_K_MMV_BYTES : LUMA_Q8_0_MMV_BYTES, bytes;
+    if (qk == 0 || w->rows < 2 || w->cols % qk != 0) return 0;
+    if (luma_mul_size((size_t)w->rows, (size_t)(w->cols / qk) * block, &bytes)) return 0;
+    return bytes;
+}
+
+void luma_cuda_repack(cuda_backend *c, const luma_weight *w, uint8_t *out)
+{
+    bool q6 = w->type == LUMA_Q6_K;
+    int64_t n = w->rows * (w->cols / (q6 ? 256 : 128));
+    if (q6) luma_launch(c, c->stream, blocks_for(n, 128), 128, 0, repack_q6_K, (const uint8_t *)w->dev, n, out);
+    else luma_launch(c, c->stream, blocks_for(n, 128), 128, 0, repack_q8_0, (const uint8_t *)w->dev, n, out);
+    luma_cuda_fail(c, cudaGetLastError(), "repacking a weight for the matrix-vector kernels");
 }
 
 /* The whole weight as f16 with nothing to dequantize: F16 weights

@@ -166,15 +166,15 @@ static int keep_f16(cuda_backend *c, luma_weight *w, cuda_weight_copy *slot, lum
     return 0;
 }
 
-/* Gives a Q6_K or Q8_0 matrix its repacked copy for the matrix-vector
- * kernels (luma_cuda_repack): Q6_K in 224 bytes a block against the file's
- * 210, read with 4 loads a lane instead of 11; Q8_0 as 136 bytes for four
- * blocks (the same bytes), read with 8-byte loads instead of 2-byte ones.
- * Where the device has no room for it the weight goes without (the kernels
- * then read the file's layout). */
+/* Gives a Q6_K, Q4_0, Q5_0 or Q8_0 matrix its repacked copy for the
+ * matrix-vector kernels (luma_cuda_repack): Q6_K in 224 bytes a block
+ * against the file's 210, read with 4 loads a lane instead of 11; the
+ * others as four blocks in the same bytes, read with 8-byte loads instead
+ * of 2-byte ones. Where the device has no room for it the weight goes
+ * without (the kernels then read the file's layout). */
 static int keep_mmv(cuda_backend *c, luma_weight *w, cuda_weight_copy *slot, luma_err *err)
 {
-    if ((w->type == LUMA_Q6_K && !c->repack_q6k) || (w->type == LUMA_Q8_0 && !c->repack_q8_0)) return 0;
+    if (w->type == LUMA_Q6_K ? !c->repack_q6k : !c->repack_x4) return 0;
     size_t bytes = luma_cuda_mmv_bytes(w);
     if (bytes == 0) return 0;
     void *p = NULL;
@@ -856,9 +856,9 @@ luma_backend *luma_backend_cuda_new(int device, luma_err *err)
     c->graphs_on = !(graphs && strcmp(graphs, "0") == 0);
     const char *pdl = getenv("LUMA_CUDA_PDL");
     c->pdl = !(pdl && strcmp(pdl, "0") == 0);
-    const char *q6k = getenv("LUMA_CUDA_Q6K_MMV"), *q8 = getenv("LUMA_CUDA_Q8_0_MMV");
+    const char *q6k = getenv("LUMA_CUDA_Q6K_MMV"), *x4 = getenv("LUMA_CUDA_X4_MMV");
     c->repack_q6k = !(q6k && strcmp(q6k, "0") == 0);
-    c->repack_q8_0 = !(q8 && strcmp(q8, "0") == 0);
+    c->repack_x4 = !(x4 && strcmp(x4, "0") == 0);
     const char *what = "selecting the device";
     e = cudaSetDevice(device);
     if (e == cudaSuccess) {

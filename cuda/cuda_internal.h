@@ -114,10 +114,10 @@ typedef struct cuda_backend {
     /* Kernels launched as programmatic dependents (cuda/launch.cuh;
      * LUMA_CUDA_PDL=0 in the environment turns it off). */
     bool pdl;
-    /* Q6_K and Q8_0 matrices get a repacked copy for the matrix-vector
-     * kernels (luma_weight.dev_mmv; LUMA_CUDA_Q6K_MMV=0, LUMA_CUDA_Q8_0_MMV=0
-     * in the environment: not). */
-    bool repack_q6k, repack_q8_0;
+    /* Q6_K matrices, and Q4_0, Q5_0 and Q8_0 ones, get a repacked copy for
+     * the matrix-vector kernels (luma_weight.dev_mmv; LUMA_CUDA_Q6K_MMV=0,
+     * LUMA_CUDA_X4_MMV=0 in the environment: not). */
+    bool repack_q6k, repack_x4;
     cuda_graph graphs[CUDA_GRAPHS];
     uint64_t n_steps;          /* steps run through step_run */
     uint64_t buf_gen;          /* bumped when a weight, buffer or KV pool is made or freed */
@@ -213,10 +213,12 @@ void luma_cuda_quantize_act(cuda_backend *c, enum luma_type t, const float *x, i
  * weights; failures are recorded. */
 void luma_cuda_weight_to_f16(cuda_backend *c, const luma_weight *w, __half *out);
 /* The matrix-vector kernels' own layouts (matmul.cu has them: type_q6_K_mmv,
- * type_q8_0_mmv): a Q6_K block of 256 in LUMA_Q6_K_MMV_BYTES, four Q8_0
- * blocks of 32 in LUMA_Q8_0_MMV_BYTES. */
+ * type_x4): a Q6_K block of 256 in LUMA_Q6_K_MMV_BYTES; four Q4_0, Q5_0 or
+ * Q8_0 blocks of 32 in the same bytes as in the file. */
 #define LUMA_Q6_K_MMV_BYTES 224
-#define LUMA_Q8_0_MMV_BYTES 136
+#define LUMA_X4_Q4_0_BYTES 72
+#define LUMA_X4_Q5_0_BYTES 88
+#define LUMA_X4_Q8_0_BYTES 136
 /* Bytes of w repacked into its type's layout, 0 where it has none (another
  * type, a width the layout does not divide, a single row). */
 size_t luma_cuda_mmv_bytes(const luma_weight *w);

@@ -708,27 +708,51 @@ struct type_q6_K_mmv {
     }
 };
 
-/* Q8_0 as weight_load repacks it for the matrix-vector kernels
- * (luma_cuda_repack): the GGUF block's 34 bytes keep only 2-byte alignment,
- * so type_q8_0 loads its 8 weights a lane as four 2-byte pieces and the
- * staged kernel goes through shared memory instead. Four blocks make one
- * repacked block of 128 elements in the same 136 bytes, 8-byte aligned:
- *   [0, 128)     the four blocks' 32 int8 values each, in order;
- *   [128, 136)   their four scales d (f16), in order.
- * Lane part p (8 a block) takes elements 16 p .. 16 p + 15, half p % 2 of
- * block p / 2: two 8-byte loads and a 2-byte one for 16 weights. */
-struct type_q8_0_mmv {
-    static constexpr int qk = 128, bytes = LUMA_Q8_0_MMV_BYTES, lpb = 8;
+/* The formats with blocks of 32 and one f16 scale (Q4_0, Q5_0, Q8_0) as
+ * weight_load repacks them for the matrix-vector kernels (luma_cuda_repack):
+ * their 18-, 22- and 34-byte blocks keep only 2-byte alignment, so the
+ * file's layout is read two bytes at a time (and Q8_0 goes through the
+ * staged kernel's shared memory instead). Four blocks make one repacked
+ * block of 128 elements in the same bytes, 8-byte aligned (x4_layout):
+ *   [0, 4 QS)           the four blocks' QS bytes of values, in order;
+ *   [4 QS, 4 QS + 16)   Q5_0 only: their four 32-bit high-bit words;
+ *   then 8 bytes        their four scales d (f16), in order.
+ * Lane part p (8 a block) takes block k = p / 2 and its part h = p % 2 in
+ * the file's type (elements 16 h .. 16 h + 15 of Q8_0; of Q4_0 and Q5_0 the
+ * low and high nibbles of qs[8 h .. 8 h + 7]): its values with one or two
+ * 8-byte loads, then the file's type decodes and multiplies them. */
+template <int QS, int QH>
+struct x4_layout {
+    static constexpr int qs = 0, qh = 4 * QS, d = 4 * QS + 4 * QH, bytes = d + 8;
+};
+typedef x4_layout<16, 0> x4_q4_0;
+typedef x4_layout<16, 4> x4_q5_0;
+typedef x4_layout<32, 0> x4_q8_0;
+static_assert(x4_q4_0::bytes == LUMA_X4_Q4_0_BYTES && x4_q5_0::bytes == LUMA_X4_Q5_0_BYTES &&
+                  x4_q8_0::bytes == LUMA_X4_Q8_0_BYTES,
+              "cuda_internal.h's sizes of the repacked blocks");
+
+template <class T, class L>
+struct type_x4 {
+    static constexpr int qk = 128, bytes = L::bytes, lpb = 8;
+    typedef typename T::raw_t raw_t;
+    typedef typename T::w_t w_t;
+    typedef typename T::x_t x_t;
+    static __device__ void fetch(const uint8_t *b, int p, raw_t &r);
+    static __device__ void decode(const raw_t &r, int p, w_t &w) { T::decode(r, p % 2, w); }
+    static __device__ void loadx(const act_rows &a, int j, int64_t ib, int p, x_t &x)
+    {
+        T::loadx(a, j, ib * 4 + p / 2, p % 2, x);
+    }
+    static __device__ float dot(const w_t &w, const x_t &x) { return T::dot(w, x); }
+};
+
+/* Q8_0 with 16 elements a part, where type_q8_0 has 8 (its lpb is 4) */
+struct type_q8_0_16 {
     struct raw_t { int2 lo, hi; uint16_t d; };
     struct w_t { int q[4]; float d; };
     struct x_t { int4 q; float d; };
-    static __device__ void fetch(const uint8_t *b, int p, raw_t &r)
-    {
-        r.lo = *(const int2 *)(b + 16 * p);
-        r.hi = *(const int2 *)(b + 16 * p + 8);
-        r.d = *(const uint16_t *)(b + 128 + 2 * (p / 2));
-    }
-    static __device__ void decode(const raw_t &r, int p, w_t &w)
+    static __device__ void decode(const raw_t &r, int, w_t &w)
     {
         w.d = f16_bits(r.d);
         w.q[0] = r.lo.x;
@@ -736,10 +760,11 @@ struct type_q8_0_mmv {
         w.q[2] = r.hi.x;
         w.q[3] = r.hi.y;
     }
-    static __device__ void loadx(const act_rows &a, int j, int64_t ib, int p, x_t &x)
+    /* ib: the block of 32, h: its half */
+    static __device__ void loadx(const act_rows &a, int j, int64_t ib, int h, x_t &x)
     {
-        x.q = *(const int4 *)(a.q + j * a.q_stride + ib * 32 + 4 * p);
-        x.d = a.ds[j * a.ds_stride + ib * 4 + p / 2].x;
+        x.q = *(const int4 *)(a.q + j * a.q_stride + ib * 8 + 4 * h);
+        x.d = a.ds[j * a.ds_stride + ib].x;
     }
     static __device__ float dot(const w_t &w, const x_t &x)
     {
@@ -747,6 +772,37 @@ struct type_q8_0_mmv {
         return w.d * x.d * (float)s;
     }
 };
+
+template <>
+__device__ void type_x4<type_q4_0, x4_q4_0>::fetch(const uint8_t *b, int p, raw_t &r)
+{
+    int2 q = *(const int2 *)(b + 8 * p);   /* block p / 2's qs[8 h ..] */
+    r.q[0] = q.x;
+    r.q[1] = q.y;
+    r.d = *(const uint16_t *)(b + x4_q4_0::d + 2 * (p / 2));
+}
+
+template <>
+__device__ void type_x4<type_q5_0, x4_q5_0>::fetch(const uint8_t *b, int p, raw_t &r)
+{
+    int2 q = *(const int2 *)(b + 8 * p);
+    r.q[0] = q.x;
+    r.q[1] = q.y;
+    r.qh = *(const uint32_t *)(b + x4_q5_0::qh + 4 * (p / 2));
+    r.d = *(const uint16_t *)(b + x4_q5_0::d + 2 * (p / 2));
+}
+
+template <>
+__device__ void type_x4<type_q8_0_16, x4_q8_0>::fetch(const uint8_t *b, int p, raw_t &r)
+{
+    r.lo = *(const int2 *)(b + 16 * p);   /* block p / 2's qs[16 h ..] */
+    r.hi = *(const int2 *)(b + 16 * p + 8);
+    r.d = *(const uint16_t *)(b + x4_q8_0::d + 2 * (p / 2));
+}
+
+typedef type_x4<type_q4_0, x4_q4_0> type_q4_0_mmv;
+typedef type_x4<type_q5_0, x4_q5_0> type_q5_0_mmv;
+typedef type_x4<type_q8_0_16, x4_q8_0> type_q8_0_mmv;
 
 /* Float activations for the K formats (Q4_K, Q5_K, and Q6_K in its
  * repacked layout), as block types of the direct kernel: the 8-bit types'
@@ -852,15 +908,22 @@ struct kf_q6_K : kf_base {
     }
 };
 
+/* Whether type T reads the repacked copy (w->dev_mmv) rather than the
+ * file's blocks (w->dev). */
+template <class T>
+static constexpr bool reads_repacked()
+{
+    return std::is_same<T, type_q6_K_mmv>::value || std::is_same<T, kf_q6_K>::value ||
+           std::is_same<T, type_q4_0_mmv>::value || std::is_same<T, type_q5_0_mmv>::value ||
+           std::is_same<T, type_q8_0_mmv>::value;
+}
+
 /* Which copy of a weight the matrix-vector kernels read for type T (its
  * rows are cols / T::qk blocks of T::bytes either way). */
 template <class T>
 static const uint8_t *mmv_bytes(const luma_weight *w)
 {
-    return (const uint8_t *)(std::is_same<T, type_q6_K_mmv>::value || std::is_same<T, kf_q6_K>::value ||
-                                     std::is_same<T, type_q8_0_mmv>::value
-                                 ? w->dev_mmv
-                                 : w->dev);
+    return (const uint8_t *)(reads_repacked<T>() ? w->dev_mmv : w->dev);
 }
 
 
@@ -1643,7 +1706,7 @@ static void mmv_direct_launch(cuda_backend *c, const luma_weight *const *ws, flo
  * matrices of few rows (the direct kernel gives them few warps, each with
  * one block in flight); the direct one elsewhere, which measured faster at
  * m = 1 on the other types (at m = 2 to 8 neither wins everywhere), and
- * for the repacked copies (type_q6_K_mmv, type_q8_0_mmv). */
+ * for the repacked copies (reads_repacked). */
 /* LUMA_CUDA_MMV=direct or =staged in the environment forces one kernel
  * (for measuring); read once. */
 static int mmv_forced(void)
@@ -1665,9 +1728,7 @@ static void mmv_launch(cuda_backend *c, const luma_weight *w, const act_rows &a,
     int forced = mmv_forced();
     bool staged = forced ? forced == 2 : MAXM == 1 && (w->type == LUMA_Q8_0 || w->rows <= MMV_STAGED_MAX_ROWS);
     /* the staged kernel reads w->dev and takes 8-bit activations */
-    if (std::is_same<T, type_q6_K_mmv>::value || std::is_same<T, type_q8_0_mmv>::value ||
-        std::is_base_of<kf_base, T>::value)
-        staged = false;
+    if (reads_repacked<T>() || std::is_base_of<kf_base, T>::value) staged = false;
     if (staged) mmv_staged_launch<T, MAXM>(c, w, a, m, y);
     else mmv_direct_launch<T, T, MAXM>(c, &w, &y, 1, 1, a, m);
 }
@@ -1901,11 +1962,12 @@ static void quantize_into(cuda_backend *c, const luma_weight *w, const float *x,
 
 static void mm_vec_run(cuda_backend *c, const luma_weight *w, const act_rows &a, int64_t m, float *y);
 
-static bool all_repacked(const luma_weight *const *ws, int n)
+/* How many of the n weights have a repacked copy. */
+static int n_repacked(const luma_weight *const *ws, int n)
 {
-    for (int i = 0; i < n; i++)
-        if (!ws[i]->dev_mmv) return false;
-    return true;
+    int k = 0;
+    for (int i = 0; i < n; i++) k += ws[i]->dev_mmv != NULL;
+    return k;
 }
 
 /* One launch per pass for n weights of one block type and width (the
@@ -1918,20 +1980,28 @@ static bool mm_vec_run_many(cuda_backend *c, const luma_weight *const *ws, float
 {
     if (mmv_forced()) return false;
     switch (ws[0]->type) {
-    case LUMA_Q4_0: mmv_run_many<type_q4_0>(c, ws, ys, n, a, m); return true;
+    case LUMA_Q4_0:
+        if (n_repacked(ws, n) == n) mmv_run_many<type_q4_0_mmv>(c, ws, ys, n, a, m);
+        else if (n_repacked(ws, n) == 0) mmv_run_many<type_q4_0>(c, ws, ys, n, a, m);
+        else return false;
+        return true;
     case LUMA_Q4_1: mmv_run_many<type_q4_1>(c, ws, ys, n, a, m); return true;
-    case LUMA_Q5_0: mmv_run_many<type_q5_0>(c, ws, ys, n, a, m); return true;
+    case LUMA_Q5_0:
+        if (n_repacked(ws, n) == n) mmv_run_many<type_q5_0_mmv>(c, ws, ys, n, a, m);
+        else if (n_repacked(ws, n) == 0) mmv_run_many<type_q5_0>(c, ws, ys, n, a, m);
+        else return false;
+        return true;
     case LUMA_Q5_1: mmv_run_many<type_q5_1>(c, ws, ys, n, a, m); return true;
     case LUMA_Q2_K: mmv_run_many<type_q2_K>(c, ws, ys, n, a, m); return true;
     case LUMA_Q3_K: mmv_run_many<type_q3_K>(c, ws, ys, n, a, m); return true;
     case LUMA_Q4_K: mmv_run_many<type_q4_K>(c, ws, ys, n, a, m); return true;
     case LUMA_Q5_K: mmv_run_many<type_q5_K>(c, ws, ys, n, a, m); return true;
     case LUMA_Q6_K:
-        if (all_repacked(ws, n)) mmv_run_many<type_q6_K_mmv>(c, ws, ys, n, a, m);
+        if (n_repacked(ws, n) == n) mmv_run_many<type_q6_K_mmv>(c, ws, ys, n, a, m);
         else mmv_run_many<type_q6_K>(c, ws, ys, n, a, m);
         return true;
     case LUMA_Q8_0:
-        if (!all_repacked(ws, n)) return false;
+        if (n_repacked(ws, n) != n) return false;
         mmv_run_many<type_q8_0_mmv>(c, ws, ys, n, a, m);
         return true;
     default: return false;
@@ -1960,13 +2030,13 @@ static bool mm_vec_run_pair(cuda_backend *c, const luma_weight *const *ws, float
 {
     if (mmv_forced() || n > MMV_SEGS) return false;
     enum luma_type ta = ws[0]->type, tb = ws[n_a]->type;
-    if (ta == LUMA_Q4_K && tb == LUMA_Q6_K && all_repacked(ws + n_a, n - n_a))
+    if (ta == LUMA_Q4_K && tb == LUMA_Q6_K && n_repacked(ws + n_a, n - n_a) == n - n_a)
         mmv_run_many<type_q4_K, type_q6_K_mmv>(c, ws, ys, n, a, m, n_a);
-    else if (ta == LUMA_Q5_K && tb == LUMA_Q6_K && all_repacked(ws + n_a, n - n_a))
+    else if (ta == LUMA_Q5_K && tb == LUMA_Q6_K && n_repacked(ws + n_a, n - n_a) == n - n_a)
         mmv_run_many<type_q5_K, type_q6_K_mmv>(c, ws, ys, n, a, m, n_a);
-    else if (ta == LUMA_Q5_0 && tb == LUMA_Q8_0 && all_repacked(ws + n_a, n - n_a))
-        mmv_run_many<type_q5_0, type_q8_0_mmv>(c, ws, ys, n, a, m, n_a);
-    else if (ta == LUMA_Q5_0 && tb == LUMA_Q8_0)
+    else if (ta == LUMA_Q5_0 && tb == LUMA_Q8_0 && n_repacked(ws, n) == n)
+        mmv_run_many<type_q5_0_mmv, type_q8_0_mmv>(c, ws, ys, n, a, m, n_a);
+    else if (ta == LUMA_Q5_0 && tb == LUMA_Q8_0 && n_repacked(ws, n) == 0)
         mmv_run_many<type_q5_0, type_q8_0>(c, ws, ys, n, a, m, n_a);
     else
         return false;
@@ -1979,9 +2049,15 @@ static void mm_vec_run(cuda_backend *c, const luma_weight *w, const act_rows &a,
     case LUMA_F32: mmv_run<type_f32>(c, w, a, m, y); break;
     case LUMA_F16: mmv_run<type_f16>(c, w, a, m, y); break;
     case LUMA_BF16: mmv_run<type_bf16>(c, w, a, m, y); break;
-    case LUMA_Q4_0: mmv_run<type_q4_0>(c, w, a, m, y); break;
+    case LUMA_Q4_0:
+        if (w->dev_mmv) mmv_run<type_q4_0_mmv>(c, w, a, m, y);
+        else mmv_run<type_q4_0>(c, w, a, m, y);
+        break;
     case LUMA_Q4_1: mmv_run<type_q4_1>(c, w, a, m, y); break;
-    case LUMA_Q5_0: mmv_run<type_q5_0>(c, w, a, m, y); break;
+    case LUMA_Q5_0:
+        if (w->dev_mmv) mmv_run<type_q5_0_mmv>(c, w, a, m, y);
+        else mmv_run<type_q5_0>(c, w, a, m, y);
+        break;
     case LUMA_Q5_1: mmv_run<type_q5_1>(c, w, a, m, y); break;
     case LUMA_Q8_0:
         if (w->dev_mmv) mmv_run<type_q8_0_mmv>(c, w, a, m, y);
@@ -2127,29 +2203,41 @@ static __global__ void repack_q6_K(const uint8_t *__restrict__ src, int64_t n_bl
         to[i] = make_int4((int)out[4 * i], (int)out[4 * i + 1], (int)out[4 * i + 2], (int)out[4 * i + 3]);
 }
 
-/* One thread per repacked block: four GGUF Q8_0 blocks (d, qs[32]) to
- * type_q8_0_mmv's layout. */
-static __global__ void repack_q8_0(const uint8_t *__restrict__ src, int64_t n_blocks, uint8_t *__restrict__ dst)
+/* One thread per repacked block: four GGUF blocks of sb bytes (d, then qh
+ * of qh bytes, then qs of qs bytes) to x4_layout's [qs x 4][qh x 4][d x 4]. */
+static __global__ void repack_x4(const uint8_t *__restrict__ src, int64_t n_blocks, int sb, int qh, int qs,
+                                 uint8_t *__restrict__ dst)
 {
     follow_previous_kernel();
     int64_t ib = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (ib >= n_blocks) return;
-    const uint8_t *b = src + ib * 4 * 34;
-    uint32_t out[LUMA_Q8_0_MMV_BYTES / 4];
-    uint8_t *o = (uint8_t *)out;
+    const uint8_t *b = src + ib * 4 * sb;
+    uint8_t *o = dst + ib * (4 * (qs + qh) + 8);   /* 8-byte aligned: its bytes one at a time */
     for (int k = 0; k < 4; k++) {
-        for (int e = 0; e < 32; e++) o[32 * k + e] = b[34 * k + 2 + e];
-        o[128 + 2 * k] = b[34 * k];
-        o[128 + 2 * k + 1] = b[34 * k + 1];
+        const uint8_t *bk = b + k * sb;
+        for (int e = 0; e < qs; e++) o[k * qs + e] = bk[2 + qh + e];
+        for (int e = 0; e < qh; e++) o[4 * qs + k * qh + e] = bk[2 + e];
+        o[4 * (qs + qh) + 2 * k] = bk[0];
+        o[4 * (qs + qh) + 2 * k + 1] = bk[1];
     }
-    int2 *to = (int2 *)(dst + ib * LUMA_Q8_0_MMV_BYTES);
-    for (int i = 0; i < LUMA_Q8_0_MMV_BYTES / 8; i++) to[i] = make_int2((int)out[2 * i], (int)out[2 * i + 1]);
+}
+
+/* The repacked layout of a type: elements and bytes of a repacked block,
+ * 0 for a type without one. */
+static void mmv_layout(enum luma_type t, int64_t *qk, size_t *bytes)
+{
+    *qk = t == LUMA_Q6_K ? 256 : t == LUMA_Q4_0 || t == LUMA_Q5_0 || t == LUMA_Q8_0 ? 128 : 0;
+    *bytes = t == LUMA_Q6_K   ? LUMA_Q6_K_MMV_BYTES
+             : t == LUMA_Q4_0 ? x4_q4_0::bytes
+             : t == LUMA_Q5_0 ? x4_q5_0::bytes
+                              : x4_q8_0::bytes;
 }
 
 size_t luma_cuda_mmv_bytes(const luma_weight *w)
 {
-    int64_t qk = w->type == LUMA_Q6_K ? 256 : w->type == LUMA_Q8_0 ? 128 : 0;
-    size_t block = w->type == LUMA_Q6_K ? LUMA_Q6_K_MMV_BYTES : LUMA_Q8_0_MMV_BYTES, bytes;
+    int64_t qk;
+    size_t block, bytes;
+    mmv_layout(w->type, &qk, &block);
     if (qk == 0 || w->rows < 2 || w->cols % qk != 0) return 0;
     if (luma_mul_size((size_t)w->rows, (size_t)(w->cols / qk) * block, &bytes)) return 0;
     return bytes;
@@ -2157,10 +2245,16 @@ size_t luma_cuda_mmv_bytes(const luma_weight *w)
 
 void luma_cuda_repack(cuda_backend *c, const luma_weight *w, uint8_t *out)
 {
-    bool q6 = w->type == LUMA_Q6_K;
-    int64_t n = w->rows * (w->cols / (q6 ? 256 : 128));
-    if (q6) luma_launch(c, c->stream, blocks_for(n, 128), 128, 0, repack_q6_K, (const uint8_t *)w->dev, n, out);
-    else luma_launch(c, c->stream, blocks_for(n, 128), 128, 0, repack_q8_0, (const uint8_t *)w->dev, n, out);
+    int64_t qk;
+    size_t block;
+    mmv_layout(w->type, &qk, &block);
+    int64_t n = w->rows * (w->cols / qk);
+    const uint8_t *src = (const uint8_t *)w->dev;
+    unsigned ctas = blocks_for(n, 128);
+    if (w->type == LUMA_Q6_K) luma_launch(c, c->stream, ctas, 128, 0, repack_q6_K, src, n, out);
+    else if (w->type == LUMA_Q4_0) luma_launch(c, c->stream, ctas, 128, 0, repack_x4, src, n, 18, 0, 16, out);
+    else if (w->type == LUMA_Q5_0) luma_launch(c, c->stream, ctas, 128, 0, repack_x4, src, n, 22, 4, 16, out);
+    else luma_launch(c, c->stream, ctas, 128, 0, repack_x4, src, n, 34, 0, 32, out);
     luma_cuda_fail(c, cudaGetLastError(), "repacking a weight for the matrix-vector kernels");
 }
 

@@ -15,10 +15,10 @@
  *     quantized as src/quant.c does it): within float rounding (1e-5) on
  *     the matrix-vector path, within f16 rounding on the tensor cores;
  *   - weight_load keeps an f16 copy of every matrix but the F16 ones (the
- *     test's few GB are far inside the copies' budget), and a copy repacked
- *     for the matrix-vector kernels of the Q6_K and Q8_0 ones whose width
- *     the layout divides; m <= 8 runs both on it and, the copy hidden, on
- *     the file's blocks;
+ *     test's few GB are far inside the copies' budget), and a copy
+ *     repacked for the matrix-vector kernels of the Q6_K, Q4_0, Q5_0 and
+ *     Q8_0 ones whose width the layout divides; m <= 8 runs both on it and,
+ *     the copy hidden, on the file's blocks;
  *   - then a timing table for the big shapes (cudaEvent around 16 calls
  *     queued back to back behind a long memset, so that the host's launches
  *     are not timed, on weight copies that are cold in L2): m = 1 and 8 both
@@ -209,17 +209,20 @@ static int run_batch(batch *b, int graph)
 }
 
 /* Bytes of the copy weight_load repacks w into for the matrix-vector
- * kernels (cuda/matmul.cu: Q6_K blocks of 256 in 224 bytes, four Q8_0
- * blocks in 136), 0 where it makes none: another type, a width the layout
- * does not divide, one row, or the copy turned off in the environment. */
+ * kernels (cuda/matmul.cu: Q6_K blocks of 256 in 224 bytes; four Q4_0, Q5_0
+ * or Q8_0 blocks in the file's bytes), 0 where it makes none: another type,
+ * a width the layout does not divide, one row, or the copy turned off in the
+ * environment. */
 static size_t repacked_bytes(const luma_weight *w)
 {
-    const char *q6k = getenv("LUMA_CUDA_Q6K_MMV"), *q8 = getenv("LUMA_CUDA_Q8_0_MMV");
+    const char *q6k = getenv("LUMA_CUDA_Q6K_MMV"), *x4 = getenv("LUMA_CUDA_X4_MMV");
+    bool x4_on = !(x4 && strcmp(x4, "0") == 0);
     if (w->rows < 2) return 0;
     if (w->type == LUMA_Q6_K && w->cols % 256 == 0 && !(q6k && strcmp(q6k, "0") == 0))
         return (size_t)w->rows * (size_t)(w->cols / 256) * 224;
-    if (w->type == LUMA_Q8_0 && w->cols % 128 == 0 && !(q8 && strcmp(q8, "0") == 0))
-        return (size_t)w->rows * (size_t)(w->cols / 128) * 136;
+    bool x4_type = w->type == LUMA_Q4_0 || w->type == LUMA_Q5_0 || w->type == LUMA_Q8_0;
+    if (x4_type && w->cols % 128 == 0 && x4_on)
+        return (size_t)w->rows * luma_row_size(w->type, w->cols);   /* the same bytes, rearranged */
     return 0;
 }
 
@@ -345,7 +348,7 @@ static void check_shape(ctx *cx, enum luma_type t, const struct shape *sh, timin
     bool copy_expected = t != LUMA_F16;
     CHECKF((w.dev_f16 != NULL) == copy_expected, "weight_load %s %lldx%lld %s an f16 copy", tr->name,
            (long long)rows, (long long)cols, copy_expected ? "did not keep" : "kept");
-    /* Q6_K and Q8_0 matrices also get a copy repacked for the matrix-vector
+    /* Q6_K, Q4_0, Q5_0 and Q8_0 matrices also get a copy repacked for the matrix-vector
      * kernels where their layout divides a row; file_layout is the same
      * weight without it (the kernels then read the file's blocks, as where
      * the device had no room for the copy) */
@@ -473,6 +476,7 @@ static void check_many(ctx *cx)
         { { LUMA_Q5_0, LUMA_Q5_0, LUMA_Q4_K }, { 97, 33, 64 } },
         { { LUMA_Q5_0, LUMA_Q5_0, LUMA_Q8_0 }, { 160, 96, 33 } },
         { { LUMA_Q8_0, LUMA_Q8_0, LUMA_Q8_0 }, { 129, 64, 255 } },
+        { { LUMA_Q4_0, LUMA_Q4_0, LUMA_Q4_0 }, { 64, 191, 97 } },
     };
     static const int64_t many_ms[] = { 1, 3, 8, 16 };
     const luma_backend_ops *ops = cx->be->ops;
@@ -634,8 +638,8 @@ static void check_float(ctx *base)
                 continue;
             }
             /* Q6_K: the repacked copy (the K formats' kernel) and, as file_layout,
-             * the file's blocks (the element-wise kernel); Q8_0's float path
-             * reads the file's blocks either way */
+             * the file's blocks (the element-wise kernel); Q4_0, Q5_0 and Q8_0's
+             * float path reads the file's blocks either way */
             luma_weight file_layout = w;
             file_layout.dev_mmv = NULL;
             int64_t rows_s[SAMPLE_ROWS];

@@ -1607,8 +1607,8 @@ static void mmv_staged_launch(cuda_backend *c, const luma_weight *w, const act_r
     static const mmv_limits lim = mmv_setup((const void *)mmv_staged<T, MAXM>);
     if (luma_cuda_fail(c, lim.e, "matmul (matrix-vector kernel setup)")) return;
     mmv_plan pl;
-    pl.w = (const uint8_t *)w->dev;
-    pl.row_bytes = luma_row_size(w->type, w->cols);
+    pl.w = mmv_bytes<T>(w);
+    pl.row_bytes = (size_t)(w->cols / T::qk) * (size_t)T::bytes;
     pl.end16 = pl.row_bytes * (size_t)w->rows & ~(size_t)15;
     pl.rows = w->rows;
     pl.groups = (w->rows + ROWS - 1) / ROWS;
@@ -1705,8 +1705,8 @@ static void mmv_direct_launch(cuda_backend *c, const luma_weight *const *ws, flo
  * (its 34-byte blocks allow only 2-byte loads from device memory) and
  * matrices of few rows (the direct kernel gives them few warps, each with
  * one block in flight); the direct one elsewhere, which measured faster at
- * m = 1 on the other types (at m = 2 to 8 neither wins everywhere), and
- * for the repacked copies (reads_repacked). */
+ * m = 1 on the other types (at m = 2 to 8 neither wins everywhere),
+ * including the repacked copies of Q4_0, Q5_0 and Q8_0. */
 /* LUMA_CUDA_MMV=direct or =staged in the environment forces one kernel
  * (for measuring); read once. */
 static int mmv_forced(void)
@@ -1726,9 +1726,12 @@ static void mmv_launch(cuda_backend *c, const luma_weight *w, const act_rows &a,
      * give results that depend on m (a row shared by several warps), which
      * breaks batched = sequential. */
     int forced = mmv_forced();
-    bool staged = forced ? forced == 2 : MAXM == 1 && (w->type == LUMA_Q8_0 || w->rows <= MMV_STAGED_MAX_ROWS);
-    /* the staged kernel reads w->dev and takes 8-bit activations */
-    if (reads_repacked<T>() || std::is_base_of<kf_base, T>::value) staged = false;
+    bool staged = forced ? forced == 2
+                         : MAXM == 1 && (std::is_same<T, type_q8_0>::value || w->rows <= MMV_STAGED_MAX_ROWS);
+    /* the staged kernel takes 8-bit activations; the repacked Q6_K on the
+     * direct one measured faster than the file's on the staged one, at 1024
+     * rows too (cuda/NOTES.md) */
+    if (std::is_same<T, type_q6_K_mmv>::value || std::is_base_of<kf_base, T>::value) staged = false;
     if (staged) mmv_staged_launch<T, MAXM>(c, w, a, m, y);
     else mmv_direct_launch<T, T, MAXM>(c, &w, &y, 1, 1, a, m);
 }

@@ -21,7 +21,9 @@
  *   warp copies pieces of its rows into shared memory with bulk copies
  *   (cp.async.bulk, a whole piece per instruction) and several warps may
  *   split a row; in both, lpb lanes share a block, accumulate, and reduce
- *   with shuffles at the end.
+ *   with shuffles at the end. Q6_K, Q4_0, Q5_0 and Q8_0 weights are read
+ *   from a copy weight_load repacked into aligned blocks
+ *   (luma_weight.dev_mmv: type_q6_K_mmv, type_x4) where it made one.
  *
  * - larger m (prefill, big batches): tensor cores through cuBLAS. The
  *   weights in f16 (the same values as luma_dequantize_row, rounded to f16)

@@ -910,6 +910,60 @@ struct kf_q6_K : kf_base {
     }
 };
 
+/* Float activations for the repacked Q4_0, Q5_0 and Q8_0 copies, as block
+ * types of the direct kernel: type_x4's loads and its file type's decode
+ * into 16 int8 values (the offset folded in), each made the CPU's
+ * dequantized value d * q (__fmul_rn, as deq8 and src/quant.c), then f32
+ * multiply-adds with the activations, read in place: part p's two runs of
+ * 8 values start at element 32 (p / 2) + STEP (p % 2) of the block and GAP
+ * after it (Q8_0: 16 h and 16 h + 8; Q4_0 and Q5_0, whose part holds the
+ * low and high nibbles of qs[8 h ..]: 8 h and 16 + 8 h). */
+template <class T, class L, int STEP, int GAP>
+struct kf_x4 {
+    static constexpr int qk = 128, bytes = L::bytes, lpb = 8;
+    typedef typename type_x4<T, L>::raw_t raw_t;
+    struct w_t { float v[16]; };
+    struct x_t { float4 v[4]; };
+    static __device__ void fetch(const uint8_t *b, int p, raw_t &r) { type_x4<T, L>::fetch(b, p, r); }
+    static __device__ void decode(const raw_t &r, int p, w_t &w)
+    {
+        typename T::w_t t;
+        T::decode(r, p % 2, t);
+        const int *q = (const int *)&t;   /* the four words of values lead T::w_t, then d */
+        float d = t.d;
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+#pragma unroll
+            for (int b = 0; b < 4; b++) w.v[4 * i + b] = __fmul_rn(d, (float)(int8_t)(q[i] >> (8 * b)));
+    }
+    static __device__ void loadx(const act_rows &a, int j, int64_t ib, int p, x_t &x)
+    {
+        const float *f = a.f + j * a.f_stride + ib * 128 + 32 * (p / 2) + STEP * (p % 2);
+        x.v[0] = *(const float4 *)f;
+        x.v[1] = *(const float4 *)(f + 4);
+        x.v[2] = *(const float4 *)(f + GAP);
+        x.v[3] = *(const float4 *)(f + GAP + 4);
+    }
+    static __device__ float dot(const w_t &w, const x_t &x)
+    {
+        float s = 0.0f;
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            s = __fmaf_rn(w.v[4 * q], x.v[q].x, s);
+            s = __fmaf_rn(w.v[4 * q + 1], x.v[q].y, s);
+            s = __fmaf_rn(w.v[4 * q + 2], x.v[q].z, s);
+            s = __fmaf_rn(w.v[4 * q + 3], x.v[q].w, s);
+        }
+        return s;
+    }
+};
+static_assert(offsetof(type_q4_0::w_t, lo) == 0 && offsetof(type_q4_0::w_t, hi) == 8 &&
+                  offsetof(type_q8_0_16::w_t, q) == 0,
+              "kf_x4 reads a part's values as the first four words of its file type's w_t");
+typedef kf_x4<type_q4_0, x4_q4_0, 8, 16> kf_q4_0;
+typedef kf_x4<type_q5_0, x4_q5_0, 8, 16> kf_q5_0;
+typedef kf_x4<type_q8_0_16, x4_q8_0, 16, 8> kf_q8_0;
+
 /* Whether type T reads the repacked copy (w->dev_mmv) rather than the
  * file's blocks (w->dev). */
 template <class T>
@@ -917,7 +971,8 @@ static constexpr bool reads_repacked()
 {
     return std::is_same<T, type_q6_K_mmv>::value || std::is_same<T, kf_q6_K>::value ||
            std::is_same<T, type_q4_0_mmv>::value || std::is_same<T, type_q5_0_mmv>::value ||
-           std::is_same<T, type_q8_0_mmv>::value;
+           std::is_same<T, type_q8_0_mmv>::value || std::is_same<T, kf_q4_0>::value ||
+           std::is_same<T, kf_q5_0>::value || std::is_same<T, kf_q8_0>::value;
 }
 
 /* Which copy of a weight the matrix-vector kernels read for type T (its
@@ -1733,7 +1788,9 @@ static void mmv_launch(cuda_backend *c, const luma_weight *w, const act_rows &a,
     /* the staged kernel takes 8-bit activations; the repacked Q6_K on the
      * direct one measured faster than the file's on the staged one, at 1024
      * rows too (cuda/NOTES.md) */
-    if (std::is_same<T, type_q6_K_mmv>::value || std::is_base_of<kf_base, T>::value) staged = false;
+    if (std::is_same<T, type_q6_K_mmv>::value || std::is_base_of<kf_base, T>::value ||
+        std::is_same<T, kf_q4_0>::value || std::is_same<T, kf_q5_0>::value || std::is_same<T, kf_q8_0>::value)
+        staged = false;
     if (staged) mmv_staged_launch<T, MAXM>(c, w, a, m, y);
     else mmv_direct_launch<T, T, MAXM>(c, &w, &y, 1, 1, a, m);
 }
@@ -1896,13 +1953,21 @@ static void mm_kfloat(cuda_backend *c, const luma_weight *w, const float *xo, in
 
 /* The matrix-vector path with float activations, for the block formats:
  * the kf types where they read the weight (16-byte aligned rows, or the
- * repacked Q6_K copy), mmv_float's element-wise kernel elsewhere. */
+ * repacked Q6_K copy), the kf_x4 types on the repacked Q4_0, Q5_0 and Q8_0
+ * copies, mmv_float's element-wise kernel elsewhere. */
 static void mm_float(cuda_backend *c, const luma_weight *w, const float *x, int64_t m, float *y)
 {
     if (kfloat_takes(w)) {
         float *xo = (float *)luma_cuda_scratch(c, (size_t)m * (size_t)w->cols * sizeof(float));
         if (xo) kf_order_into(c, x, m, w->cols, xo);
         if (xo && LUMA_CUDA_OK(c)) mm_kfloat(c, w, xo, m, y);
+        return;
+    }
+    if (w->dev_mmv && w->type != LUMA_Q6_K) {   /* the repacked Q4_0, Q5_0 and Q8_0: x as it is */
+        act_rows a = { NULL, NULL, x, 0, 0, w->cols };
+        if (w->type == LUMA_Q4_0) mmv_run<kf_q4_0>(c, w, a, m, y);
+        else if (w->type == LUMA_Q5_0) mmv_run<kf_q5_0>(c, w, a, m, y);
+        else mmv_run<kf_q8_0>(c, w, a, m, y);
         return;
     }
     switch (w->type) {

@@ -33,8 +33,8 @@
  *     activations as the CPU backend's float product does, in another
  *     order) and within f16 rounding on the tensor cores; a row's bits the
  *     same at m = 3 as at m = 1; matmul_many and gated_matmul as with 8-bit activations; and,
- *     outside quick mode, m = 1, 2, 4 and 8 timed in a graph on the big Q4_K
- *     and Q6_K shapes next to the 8-bit kernels.
+ *     outside quick mode, m = 1, 2, 4 and 8 timed in a graph on the big Q4_K,
+ *     Q6_K, Q5_0 and Q8_0 shapes next to the 8-bit kernels.
  * Without a CUDA device it says so and passes. LUMA_CUDA_QUICK=1 keeps to the
  * small shapes and skips the timing (for compute-sanitizer runs);
  * LUMA_CUDA_TIME_TYPES=Q4_K,Q6_K times only the types it names.
@@ -637,9 +637,9 @@ static void check_float(ctx *base)
                 free(host);
                 continue;
             }
-            /* Q6_K: the repacked copy (the K formats' kernel) and, as file_layout,
-             * the file's blocks (the element-wise kernel); Q4_0, Q5_0 and Q8_0's
-             * float path reads the file's blocks either way */
+            /* Q6_K, Q4_0, Q5_0 and Q8_0: the repacked copy (the kf and kf_x4
+             * kernels) and, as file_layout, the file's blocks (the
+             * element-wise kernel) */
             luma_weight file_layout = w;
             file_layout.dev_mmv = NULL;
             int64_t rows_s[SAMPLE_ROWS];
@@ -688,8 +688,8 @@ static void check_float(ctx *base)
     check_many(&cx);
     check_gated(&cx);
     /* m = 1 to 8 in a graph, next to the 8-bit kernels of the first backend */
-    static const enum luma_type ttypes[] = { LUMA_Q4_K, LUMA_Q6_K };
-    for (int ti = 0; ti < 2 && !cx.quick && cx.graphs; ti++)
+    static const enum luma_type ttypes[] = { LUMA_Q4_K, LUMA_Q6_K, LUMA_Q5_0, LUMA_Q8_0 };
+    for (int ti = 0; ti < (int)(sizeof ttypes / sizeof ttypes[0]) && !cx.quick && cx.graphs; ti++)
         for (int si = 0; si < N_SHAPES; si++) {
             const struct shape *sh = &shapes[si];
             enum luma_type t = ttypes[ti];

@@ -99,14 +99,36 @@ static void drop_f16(cuda_backend *c)
     c->f16_mode = CUDA_F16_PER_CALL;
 }
 
+/* Frees every repacked copy and makes no more: the matrix-vector kernels
+ * read the file's blocks from now on (luma_weight.dev_mmv still names the
+ * freed copies; mmv_on tells the kernels' dispatch not to). Recorded steps
+ * that read them are recorded again. */
+static void drop_mmv(cuda_backend *c)
+{
+    if (c->n_mmv > 0) cudaStreamSynchronize(c->stream);
+    for (int32_t i = 0; i < c->n_weights; i++) {
+        cudaFree(c->weights[i].mmv);
+        c->weights[i].mmv = NULL;
+    }
+    c->n_mmv = 0;
+    c->mmv_on = false;
+    c->buf_gen++;
+}
+
 /* cudaMalloc that, when the device is full, makes room by dropping the f16
- * copies: they never cost an allocation the backend could make without them. */
+ * copies, then the repacked ones: they never cost an allocation the backend
+ * could make without them. */
 static cudaError_t dev_malloc(cuda_backend *c, void **p, size_t n)
 {
     cudaError_t e = cudaMalloc(p, n);
     if (e == cudaErrorMemoryAllocation && c->n_f16 > 0) {
         cudaGetLastError();
         drop_f16(c);
+        e = cudaMalloc(p, n);
+    }
+    if (e == cudaErrorMemoryAllocation && c->n_mmv > 0) {
+        cudaGetLastError();
+        drop_mmv(c);
         e = cudaMalloc(p, n);
     }
     return e;
@@ -171,10 +193,11 @@ static int keep_f16(cuda_backend *c, luma_weight *w, cuda_weight_copy *slot, lum
  * against the file's 210, read with 4 loads a lane instead of 11; the
  * others as four blocks in the same bytes, read with 8-byte loads instead
  * of 2-byte ones. Where the device has no room for it the weight goes
- * without (the kernels then read the file's layout). */
+ * without (the kernels then read the file's layout), and a later
+ * allocation that finds the device full frees them all (dev_malloc). */
 static int keep_mmv(cuda_backend *c, luma_weight *w, cuda_weight_copy *slot, luma_err *err)
 {
-    if (w->type == LUMA_Q6_K ? !c->repack_q6k : !c->repack_x4) return 0;
+    if (!c->mmv_on || (w->type == LUMA_Q6_K ? !c->repack_q6k : !c->repack_x4)) return 0;
     size_t bytes = luma_cuda_mmv_bytes(w);
     if (bytes == 0) return 0;
     void *p = NULL;
@@ -186,6 +209,7 @@ static int keep_mmv(cuda_backend *c, luma_weight *w, cuda_weight_copy *slot, lum
     if (await_copy(c, p, "repacking a weight for the matrix-vector kernels", err)) return -1;
     slot->mmv = p;
     w->dev_mmv = p;
+    c->n_mmv++;
     return 0;
 }
 
@@ -547,7 +571,7 @@ static uint64_t graph_where(const cuda_backend *c)
     uint64_t h = 1469598103934665603ull;
     uint64_t v[] = { (uint64_t)(uintptr_t)c->step_mem, (uint64_t)(uintptr_t)c->scratch,
                      (uint64_t)(uintptr_t)c->attn_scratch, c->buf_gen, (uint64_t)c->f16_mode,
-                     (uint64_t)c->n_f16 };
+                     (uint64_t)c->n_f16, (uint64_t)c->mmv_on };
     for (size_t i = 0; i < sizeof v / sizeof v[0]; i++) h = (h ^ v[i]) * 1099511628211ull;
     return h;
 }
@@ -859,6 +883,7 @@ luma_backend *luma_backend_cuda_new(int device, luma_err *err)
     const char *q6k = getenv("LUMA_CUDA_Q6K_MMV"), *x4 = getenv("LUMA_CUDA_X4_MMV");
     c->repack_q6k = !(q6k && strcmp(q6k, "0") == 0);
     c->repack_x4 = !(x4 && strcmp(x4, "0") == 0);
+    c->mmv_on = true;
     const char *what = "selecting the device";
     e = cudaSetDevice(device);
     if (e == cudaSuccess) {

@@ -116,8 +116,12 @@ typedef struct cuda_backend {
     bool pdl;
     /* Q6_K matrices, and Q4_0, Q5_0 and Q8_0 ones, get a repacked copy for
      * the matrix-vector kernels (luma_weight.dev_mmv; LUMA_CUDA_Q6K_MMV=0,
-     * LUMA_CUDA_X4_MMV=0 in the environment: not). */
-    bool repack_q6k, repack_x4;
+     * LUMA_CUDA_X4_MMV=0 in the environment: not). Like the f16 copies they
+     * give way: an allocation that finds the device full frees them all and
+     * clears mmv_on, after which no kernel reads a dev_mmv and no more are
+     * made. */
+    bool repack_q6k, repack_x4, mmv_on;
+    int32_t n_mmv;
     cuda_graph graphs[CUDA_GRAPHS];
     uint64_t n_steps;          /* steps run through step_run */
     uint64_t buf_gen;          /* bumped when a weight, buffer or KV pool is made or freed */

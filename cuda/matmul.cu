@@ -1922,12 +1922,19 @@ static __global__ void kf_order(const float *__restrict__ x, int64_t n4, float *
     ((float4 *)xo)[o] = *(const float4 *)(x + src);
 }
 
+/* Whether the kernels may read w's repacked copy: it has one, and the
+ * backend has not dropped the copies since (dev_malloc in backend.cu). */
+static bool has_mmv(const cuda_backend *c, const luma_weight *w)
+{
+    return c->mmv_on && w->dev_mmv != NULL;
+}
+
 /* Whether mm_float takes a kf type for w (which reads x through
  * kf_order). */
-static bool kfloat_takes(const luma_weight *w)
+static bool kfloat_takes(const cuda_backend *c, const luma_weight *w)
 {
     if (mmv_forced() || w->cols % 256 != 0) return false;
-    if (w->type == LUMA_Q6_K) return w->dev_mmv != NULL;
+    if (w->type == LUMA_Q6_K) return has_mmv(c, w);
     return (w->type == LUMA_Q4_K || w->type == LUMA_Q5_K) && ((uintptr_t)w->dev & 15) == 0;
 }
 
@@ -1957,13 +1964,13 @@ static void mm_kfloat(cuda_backend *c, const luma_weight *w, const float *xo, in
  * copies, mmv_float's element-wise kernel elsewhere. */
 static void mm_float(cuda_backend *c, const luma_weight *w, const float *x, int64_t m, float *y)
 {
-    if (kfloat_takes(w)) {
+    if (kfloat_takes(c, w)) {
         float *xo = (float *)luma_cuda_scratch(c, (size_t)m * (size_t)w->cols * sizeof(float));
         if (xo) kf_order_into(c, x, m, w->cols, xo);
         if (xo && LUMA_CUDA_OK(c)) mm_kfloat(c, w, xo, m, y);
         return;
     }
-    if (w->dev_mmv && w->type != LUMA_Q6_K) {   /* the repacked Q4_0, Q5_0 and Q8_0: x as it is */
+    if (has_mmv(c, w) && w->type != LUMA_Q6_K) {   /* the repacked Q4_0, Q5_0 and Q8_0: x as it is */
         act_rows a = { NULL, NULL, x, 0, 0, w->cols };
         if (w->type == LUMA_Q4_0) mmv_run<kf_q4_0>(c, w, a, m, y);
         else if (w->type == LUMA_Q5_0) mmv_run<kf_q5_0>(c, w, a, m, y);
@@ -2032,11 +2039,11 @@ static void quantize_into(cuda_backend *c, const luma_weight *w, const float *x,
 
 static void mm_vec_run(cuda_backend *c, const luma_weight *w, const act_rows &a, int64_t m, float *y);
 
-/* How many of the n weights have a repacked copy. */
-static int n_repacked(const luma_weight *const *ws, int n)
+/* How many of the n weights have a repacked copy the kernels may read. */
+static int n_repacked(const cuda_backend *c, const luma_weight *const *ws, int n)
 {
     int k = 0;
-    for (int i = 0; i < n; i++) k += ws[i]->dev_mmv != NULL;
+    for (int i = 0; i < n; i++) k += has_mmv(c, ws[i]);
     return k;
 }
 
@@ -2051,14 +2058,14 @@ static bool mm_vec_run_many(cuda_backend *c, const luma_weight *const *ws, float
     if (mmv_forced()) return false;
     switch (ws[0]->type) {
     case LUMA_Q4_0:
-        if (n_repacked(ws, n) == n) mmv_run_many<type_q4_0_mmv>(c, ws, ys, n, a, m);
-        else if (n_repacked(ws, n) == 0) mmv_run_many<type_q4_0>(c, ws, ys, n, a, m);
+        if (n_repacked(c, ws, n) == n) mmv_run_many<type_q4_0_mmv>(c, ws, ys, n, a, m);
+        else if (n_repacked(c, ws, n) == 0) mmv_run_many<type_q4_0>(c, ws, ys, n, a, m);
         else return false;
         return true;
     case LUMA_Q4_1: mmv_run_many<type_q4_1>(c, ws, ys, n, a, m); return true;
     case LUMA_Q5_0:
-        if (n_repacked(ws, n) == n) mmv_run_many<type_q5_0_mmv>(c, ws, ys, n, a, m);
-        else if (n_repacked(ws, n) == 0) mmv_run_many<type_q5_0>(c, ws, ys, n, a, m);
+        if (n_repacked(c, ws, n) == n) mmv_run_many<type_q5_0_mmv>(c, ws, ys, n, a, m);
+        else if (n_repacked(c, ws, n) == 0) mmv_run_many<type_q5_0>(c, ws, ys, n, a, m);
         else return false;
         return true;
     case LUMA_Q5_1: mmv_run_many<type_q5_1>(c, ws, ys, n, a, m); return true;
@@ -2067,11 +2074,11 @@ static bool mm_vec_run_many(cuda_backend *c, const luma_weight *const *ws, float
     case LUMA_Q4_K: mmv_run_many<type_q4_K>(c, ws, ys, n, a, m); return true;
     case LUMA_Q5_K: mmv_run_many<type_q5_K>(c, ws, ys, n, a, m); return true;
     case LUMA_Q6_K:
-        if (n_repacked(ws, n) == n) mmv_run_many<type_q6_K_mmv>(c, ws, ys, n, a, m);
+        if (n_repacked(c, ws, n) == n) mmv_run_many<type_q6_K_mmv>(c, ws, ys, n, a, m);
         else mmv_run_many<type_q6_K>(c, ws, ys, n, a, m);
         return true;
     case LUMA_Q8_0:
-        if (n_repacked(ws, n) != n) return false;
+        if (n_repacked(c, ws, n) != n) return false;
         mmv_run_many<type_q8_0_mmv>(c, ws, ys, n, a, m);
         return true;
     default: return false;
@@ -2100,13 +2107,13 @@ static bool mm_vec_run_pair(cuda_backend *c, const luma_weight *const *ws, float
 {
     if (mmv_forced() || n > MMV_SEGS) return false;
     enum luma_type ta = ws[0]->type, tb = ws[n_a]->type;
-    if (ta == LUMA_Q4_K && tb == LUMA_Q6_K && n_repacked(ws + n_a, n - n_a) == n - n_a)
+    if (ta == LUMA_Q4_K && tb == LUMA_Q6_K && n_repacked(c, ws + n_a, n - n_a) == n - n_a)
         mmv_run_many<type_q4_K, type_q6_K_mmv>(c, ws, ys, n, a, m, n_a);
-    else if (ta == LUMA_Q5_K && tb == LUMA_Q6_K && n_repacked(ws + n_a, n - n_a) == n - n_a)
+    else if (ta == LUMA_Q5_K && tb == LUMA_Q6_K && n_repacked(c, ws + n_a, n - n_a) == n - n_a)
         mmv_run_many<type_q5_K, type_q6_K_mmv>(c, ws, ys, n, a, m, n_a);
-    else if (ta == LUMA_Q5_0 && tb == LUMA_Q8_0 && n_repacked(ws, n) == n)
+    else if (ta == LUMA_Q5_0 && tb == LUMA_Q8_0 && n_repacked(c, ws, n) == n)
         mmv_run_many<type_q5_0_mmv, type_q8_0_mmv>(c, ws, ys, n, a, m, n_a);
-    else if (ta == LUMA_Q5_0 && tb == LUMA_Q8_0 && n_repacked(ws, n) == 0)
+    else if (ta == LUMA_Q5_0 && tb == LUMA_Q8_0 && n_repacked(c, ws, n) == 0)
         mmv_run_many<type_q5_0, type_q8_0>(c, ws, ys, n, a, m, n_a);
     else
         return false;
@@ -2120,17 +2127,17 @@ static void mm_vec_run(cuda_backend *c, const luma_weight *w, const act_rows &a,
     case LUMA_F16: mmv_run<type_f16>(c, w, a, m, y); break;
     case LUMA_BF16: mmv_run<type_bf16>(c, w, a, m, y); break;
     case LUMA_Q4_0:
-        if (w->dev_mmv) mmv_run<type_q4_0_mmv>(c, w, a, m, y);
+        if (has_mmv(c, w)) mmv_run<type_q4_0_mmv>(c, w, a, m, y);
         else mmv_run<type_q4_0>(c, w, a, m, y);
         break;
     case LUMA_Q4_1: mmv_run<type_q4_1>(c, w, a, m, y); break;
     case LUMA_Q5_0:
-        if (w->dev_mmv) mmv_run<type_q5_0_mmv>(c, w, a, m, y);
+        if (has_mmv(c, w)) mmv_run<type_q5_0_mmv>(c, w, a, m, y);
         else mmv_run<type_q5_0>(c, w, a, m, y);
         break;
     case LUMA_Q5_1: mmv_run<type_q5_1>(c, w, a, m, y); break;
     case LUMA_Q8_0:
-        if (w->dev_mmv) mmv_run<type_q8_0_mmv>(c, w, a, m, y);
+        if (has_mmv(c, w)) mmv_run<type_q8_0_mmv>(c, w, a, m, y);
         else mmv_run<type_q8_0>(c, w, a, m, y);
         break;
     case LUMA_Q2_K: mmv_run<type_q2_K>(c, w, a, m, y); break;
@@ -2138,7 +2145,7 @@ static void mm_vec_run(cuda_backend *c, const luma_weight *w, const act_rows &a,
     case LUMA_Q4_K: mmv_run<type_q4_K>(c, w, a, m, y); break;
     case LUMA_Q5_K: mmv_run<type_q5_K>(c, w, a, m, y); break;
     case LUMA_Q6_K:
-        if (w->dev_mmv) mmv_run<type_q6_K_mmv>(c, w, a, m, y);
+        if (has_mmv(c, w)) mmv_run<type_q6_K_mmv>(c, w, a, m, y);
         else mmv_run<type_q6_K>(c, w, a, m, y);
         break;
     default: luma_cuda_failf(c, "matmul: tensor type %s is not supported by the CUDA backend", luma_type_name(w->type));
@@ -2553,7 +2560,7 @@ void luma_cuda_matmul_many(cuda_backend *c, int n, const luma_weight *const *ws,
         const luma_weight *w = ws[i];
         fmt_of[i] = NONE;
         if (w->rows <= 0 || !matmul_ok(c, w)) return;
-        if (is_float_type(w->type) || !takes_vec(c, w, x, m) || (c->float_act && !kfloat_takes(w))) continue;
+        if (is_float_type(w->type) || !takes_vec(c, w, x, m) || (c->float_act && !kfloat_takes(c, w))) continue;
         int f = c->float_act ? FMT_KF : luma_type_get(w->type)->act_type == LUMA_Q8_K ? FMT_Q8_K : FMT_Q8_0;
         fmt_of[i] = f;
         if (!used[f]) {

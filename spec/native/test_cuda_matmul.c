@@ -18,7 +18,8 @@
  *     test's few GB are far inside the copies' budget), and a copy
  *     repacked for the matrix-vector kernels of the Q6_K, Q4_0, Q5_0 and
  *     Q8_0 ones whose width the layout divides; m <= 8 runs both on it and,
- *     the copy hidden, on the file's blocks;
+ *     the copy hidden, on the file's blocks; both copies give way to an
+ *     allocation that needs their memory (check_drop);
  *   - then a timing table for the big shapes (cudaEvent around 16 calls
  *     queued back to back behind a long memset, so that the host's launches
  *     are not timed, on weight copies that are cold in L2): m = 1 and 8 both
@@ -715,6 +716,67 @@ static void check_float(ctx *base)
     ops->free(cx.be);
 }
 
+/* The copies give way to allocations: on a backend of its own, a Q8_0
+ * weight with both copies (f16 and repacked), then an activation buffer
+ * that fits only once both are freed (more than the free memory and the f16
+ * copy together, less than that with the repacked copy too). It must be
+ * allocated, and the weight must then multiply with the bits it gives
+ * without its repacked copy, within float rounding of the CPU backend. */
+static void check_drop(void)
+{
+    const enum luma_type t = LUMA_Q8_0;
+    const int64_t rows = 14336, cols = 4096;
+    luma_err err = { { 0 } };
+    ctx cx = { 0 };
+    cx.be = luma_backend_cuda_new(0, &err);
+    if (!cx.be) {
+        CHECKF(0, "a second CUDA backend: %s", err.msg);
+        return;
+    }
+    const luma_backend_ops *ops = cx.be->ops;
+    size_t row_bytes = luma_row_size(t, cols), bytes = row_bytes * (size_t)rows;
+    uint8_t *host = xmalloc(bytes);
+    random_weights(t, rows * cols, host);
+    luma_weight w = { .type = t, .rows = rows, .cols = cols, .host = host };
+    float *x = xmalloc((size_t)cols * sizeof(float)), *want = xmalloc((size_t)rows * sizeof(float)),
+          *got = xmalloc((size_t)rows * sizeof(float));
+    for (int64_t k = 0; k < cols; k++) x[k] = bell();
+    luma_buf big = { 0 };
+    if (ops->weight_load(cx.be, &w, &err) != 0) {
+        CHECKF(0, "weight_load: %s", err.msg);
+        goto done;
+    }
+    size_t mmv = repacked_bytes(&w), f16 = (size_t)rows * (size_t)cols * 2, free_b = 0, total_b = 0;
+    CHECKF(w.dev_f16 != NULL && w.dev_mmv != NULL && mmv > 0, "drop: the weight has both copies");
+    luma_weight file_layout = w;
+    file_layout.dev_mmv = NULL;
+    if (run_matmul(&cx, &file_layout, x, 1, want) != 0 || !cuda_ok(cudaMemGetInfo(&free_b, &total_b), "cudaMemGetInfo"))
+        goto done;
+    const int64_t per_row = 1 << 20;   /* floats: 4 MiB a row */
+    int64_t big_rows = (int64_t)((free_b + f16 + mmv / 2) / (per_row * sizeof(float))) + 1;
+    CHECKF(ops->buf_alloc(cx.be, &big, big_rows, per_row, &err) == 0,
+           "drop: %lld MiB, which fit once the copies are freed, not allocated: %s", (long long)(big_rows * 4),
+           err.msg);
+    ops->buf_free(cx.be, &big);
+    if (run_matmul(&cx, &w, x, 1, got) != 0) goto done;
+    CHECKF(memcmp(got, want, (size_t)rows * sizeof(float)) == 0,
+           "drop: after the copies gave way the product differs from the file's blocks'");
+    int64_t rows_s[SAMPLE_ROWS];
+    int ns;
+    float *wref = sample_weight_rows(t, host, rows, cols, SAMPLE_ROWS, rows_s, &ns);
+    double ec = cpu_product_rel_error(t, host, row_bytes, wref, rows_s, ns, x, 1, cols, got, rows, SAMPLE_ACTS);
+    CHECKF(ec <= TOL_CPU_INT8, "drop: max error %.3g against the CPU backend's product > %.1g", ec, TOL_CPU_INT8);
+    printf("copies gave way to a %lld MiB buffer; the product after it: %.0e against the CPU\n",
+           (long long)(big_rows * 4), ec);
+    free(wref);
+done:
+    free(x);
+    free(want);
+    free(got);
+    free(host);
+    ops->free(cx.be);
+}
+
 static int run_checks(void)
 {
     luma_err err = { { 0 } };
@@ -759,6 +821,7 @@ static int run_checks(void)
     }
     if (cx.queue) cudaFree(cx.queue);
     cx.be->ops->free(cx.be);
+    check_drop();
     return 0;
 }
 

@@ -721,7 +721,9 @@ static void check_float(ctx *base)
  * that fits only once both are freed (more than the free memory and the f16
  * copy together, less than that with the repacked copy too). It must be
  * allocated, and the weight must then multiply with the bits it gives
- * without its repacked copy, within float rounding of the CPU backend. */
+ * without its repacked copy, within float rounding of the CPU backend.
+ * (Under compute-sanitizer the out-of-memory it provokes shows as API
+ * errors of dev_malloc's cudaMalloc and cudaGetLastError.) */
 static void check_drop(void)
 {
     const enum luma_type t = LUMA_Q8_0;

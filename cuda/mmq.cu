@@ -1882,7 +1882,12 @@ static bool mmq_fits(const luma_weight *w, const float *x, int64_t m)
  * 4096 x 14336). That path is the matrix-vector kernels up to m = 8, then
  * cuBLAS on the weight's resident f16 copy when the backend keeps one, or
  * cuBLAS after dequantizing the weight per call. A bound between two
- * measured m where the kernel won at both is taken to hold in between. */
+ * measured m where the kernel won at both is taken to hold in between.
+ * Below m = 9 matmul takes the matrix-vector path first wherever it can
+ * read the weight (takes_vec, matmul.cu; the int8 route of
+ * luma_cuda_mmq_small aside), so the lower bounds under 9 only hold for
+ * weights it cannot: that path multiplies the CPU's integers, which this
+ * kernel's f16 route for the legacy formats does not. */
 static const struct mmq_rule {
     enum luma_type type;
     int16_t lo, hi_res, hi_pc;   /* lo <= m <= hi_res with a resident copy, hi_pc without */

@@ -11,6 +11,9 @@
 #      ~/.cache/luma/models/), with the Lua policy chain;
 #   5. both models again with float activations (--float-act: prefill of
 #      512, decode at batch 1, 8 and 32 sequences);
+#   6. the 7B shape with every matrix in Q8_0 (`--mix q8_0`, 7.2 GB: the
+#      repacked copies of the matrix-vector kernels): decode at batch 1
+#      and 8 sequences, with the copies and without (LUMA_CUDA_X4_MMV=0);
 # then every table, and a summary of the lines that matter last.
 # PEAK_GBS (3000: an H100's measured copy bandwidth) sets the roofline;
 # LUMA_CMAKE_ARGS passes extra arguments to cmake (where Lua is).
@@ -21,6 +24,7 @@ JOBS=${JOBS:-$(nproc)}
 PEAK_GBS=${PEAK_GBS:-3000}
 VOCAB=${LUMA_VOCAB:-../shared/testdata/tokenizer/ggml-vocab-llama-spm.gguf}
 MODEL7=${MODEL7:-/tmp/luma-llama-7b.gguf}
+MODEL7Q8=${MODEL7Q8:-/tmp/luma-llama-7b-q8_0.gguf}
 DEFAULT=${LUMA_MODEL:-$HOME/.cache/luma/models/gemma-3-270m-q4_k_m.gguf}
 export PATH="$PATH:/usr/local/cuda/bin"
 out=$(mktemp -d)
@@ -55,10 +59,18 @@ if [ -f "$DEFAULT" ]; then
     echo "==== default model, float activations"
     "$BUILD/luma" bench -m "$DEFAULT" --float-act "${fa[@]}" --kv-mb 8000 | tee "$out/gemma-float"
 fi
+if [ ! -f "$MODEL7Q8" ]; then
+    "$BUILD/luma" synth -p llama-7b --mix q8_0 --vocab "$VOCAB" -o "$MODEL7Q8" >/dev/null || exit 1
+fi
+q8=(--backend cuda -r 2 -p 16 -n 128 -b 1,8 --batch-prompt 128 --peak-gbs "$PEAK_GBS" --kv-mb 8000)
+echo "==== llama 7B shape, Q8_0"
+"$BUILD/luma" bench -m "$MODEL7Q8" "${q8[@]}" | tee "$out/l7-q8_0"
+echo "==== llama 7B shape, Q8_0, LUMA_CUDA_X4_MMV=0"
+LUMA_CUDA_X4_MMV=0 "$BUILD/luma" bench -m "$MODEL7Q8" "${q8[@]}" | tee "$out/l7-q8_0-file"
 
 echo
 echo "==== summary"
-for f in l7 l7-eager gemma l7-float gemma-float; do
+for f in l7 l7-eager gemma l7-float gemma-float l7-q8_0 l7-q8_0-file; do
     [ -f "$out/$f" ] || continue
     echo "-- $f"
     grep -E "^(prefill|time to first|decode|fraction|aggregate|Lua policy cost)" "$out/$f"

@@ -102,7 +102,7 @@ static void drop_f16(cuda_backend *c)
 /* Frees every repacked copy and makes no more: the matrix-vector kernels
  * read the file's blocks from now on (luma_weight.dev_mmv still names the
  * freed copies; mmv_on tells the kernels' dispatch not to). Recorded steps
- * that read them are recorded again. */
+ * that read them are recorded again: graph_where hashes mmv_on. */
 static void drop_mmv(cuda_backend *c)
 {
     if (c->n_mmv > 0) cudaStreamSynchronize(c->stream);
@@ -112,7 +112,6 @@ static void drop_mmv(cuda_backend *c)
     }
     c->n_mmv = 0;
     c->mmv_on = false;
-    c->buf_gen++;
 }
 
 /* cudaMalloc that, when the device is full, makes room by dropping the f16

@@ -822,9 +822,13 @@ static __device__ __forceinline__ float ubyte_f(uint32_t word, int b)
     return __int_as_float(__byte_perm(word, 0x4B000000u, 0x7440u | (uint32_t)b)) - 8388608.0f;
 }
 
+/* The block types that take float activations (kf_base's and kf_x4): the
+ * staged kernel, which takes 8-bit ones, is not for them. */
+struct kf_float {};
+
 /* What the three share: the decoded values of sub-block 2 (p / 2) (a) and
  * of the next (b), the activations in kf_order's order, and their dot. */
-struct kf_base {
+struct kf_base : kf_float {
     struct w_t { float a[16], b[16]; };
     struct x_t { float4 v[8]; };
     static __device__ void loadx(const act_rows &a, int j, int64_t ib, int p, x_t &x)
@@ -919,7 +923,7 @@ struct kf_q6_K : kf_base {
  * after it (Q8_0: 16 h and 16 h + 8; Q4_0 and Q5_0, whose part holds the
  * low and high nibbles of qs[8 h ..]: 8 h and 16 + 8 h). */
 template <class T, class L, int STEP, int GAP>
-struct kf_x4 {
+struct kf_x4 : kf_float {
     static constexpr int qk = 128, bytes = L::bytes, lpb = 8;
     typedef typename type_x4<T, L>::raw_t raw_t;
     struct w_t { float v[16]; };
@@ -1788,9 +1792,7 @@ static void mmv_launch(cuda_backend *c, const luma_weight *w, const act_rows &a,
     /* the staged kernel takes 8-bit activations; the repacked Q6_K on the
      * direct one measured faster than the file's on the staged one, at 1024
      * rows too (cuda/NOTES.md) */
-    if (std::is_same<T, type_q6_K_mmv>::value || std::is_base_of<kf_base, T>::value ||
-        std::is_same<T, kf_q4_0>::value || std::is_same<T, kf_q5_0>::value || std::is_same<T, kf_q8_0>::value)
-        staged = false;
+    if (std::is_same<T, type_q6_K_mmv>::value || std::is_base_of<kf_float, T>::value) staged = false;
     if (staged) mmv_staged_launch<T, MAXM>(c, w, a, m, y);
     else mmv_direct_launch<T, T, MAXM>(c, &w, &y, 1, 1, a, m);
 }

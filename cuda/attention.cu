@@ -532,37 +532,104 @@ __global__ static void __launch_bounds__(DEC_MAX_WARPS * 32, MMA == 128 ? 2 : 1)
         copy_rows<T>(a, kcp, st, src, kt, kvh, false);
         copy_rows<T>(a, vcp, st + TK * a.ldk, src, kt, kvh, true);
     };
-    for (int j = 0; j < S - 1; j++) {
-        if (j < nt) issue(j);
-        cp_async_commit();
-    }
-
+    /* q of the CTA's heads to shared memory and, in the CTA holding the
+     * row's position, the row's k and v to its cache slot. Their loads go
+     * out first, before the first tiles' copies, and the slot's stores wait
+     * until after the barrier: the CTA waits once for what the kernel before
+     * wrote (q cost a quarter of the warps' stalls at 128 rows when each
+     * element's load was followed by its conversion, behind the copies) */
     const float *q = a.q + (size_t)r * (size_t)a.q_cols + (size_t)h0 * (size_t)a.dk;
-#pragma unroll
-    for (int g = 0; g < H; g++)
-        for (int e = tid; e < a.dk; e += blockDim.x) {
-            float x = g < nh ? q[g * a.dk + e] : 0.0f;
-            if (MMA) {
-                __half hx = __float2half_rn(x);
-                qh[g * (a.dk + 8) + e] = hx;
-                ql[g * (a.dk + 8) + e] = __float2half_rn(x - __half2float(hx));
-            } else {
-                qs[g * a.dk + e] = x;
-            }
-        }
+    const float *k_row = a.k + (size_t)r * (size_t)a.k_cols + (size_t)kvh * (size_t)a.dk;
+    const float *v_row = a.v + (size_t)r * (size_t)a.v_cols + (size_t)kvh * (size_t)a.dv;
+    T *kd = NULL, *vd = NULL;
     if (hc0 == 0 && p < k1) {
         int32_t b = tab[p >> a.bt_shift];
         if (b >= 0) {
             size_t slot = (size_t)kvh * (size_t)a.block_tokens + (size_t)(p & (a.block_tokens - 1));
             uint8_t *layer = a.pool + (size_t)b * a.block_bytes + a.layer_off;
-            T *kd = (T *)layer + slot * (size_t)a.dk, *vd = (T *)(layer + a.v_off) + slot * (size_t)a.dv;
-            const float *ks = a.k + (size_t)r * (size_t)a.k_cols + (size_t)kvh * (size_t)a.dk;
-            const float *vs = a.v + (size_t)r * (size_t)a.v_cols + (size_t)kvh * (size_t)a.dv;
-            for (int32_t e = tid; e < a.dk; e += blockDim.x) from_float(ks[e], kd + e);
-            for (int32_t e = tid; e < a.dv; e += blockDim.x) from_float(vs[e], vd + e);
+            kd = (T *)layer + slot * (size_t)a.dk;
+            vd = (T *)(layer + a.v_off) + slot * (size_t)a.dv;
         }
     }
+    /* float4 pieces when every row and head starts on 16 bytes (dk % 4 == 0:
+     * a piece is one head's) */
+    const bool vec = ((a.q_cols | a.k_cols | a.v_cols | a.dk | a.dv) & 3) == 0 &&
+                     (((uintptr_t)a.q | (uintptr_t)a.k | (uintptr_t)a.v) & 15) == 0;
+    const int QJ = 2;   /* pieces of q a thread has in flight */
+    const int32_t nq = nh * a.dk, nq_all = H * a.dk, nkv = a.dk + a.dv, step4 = 4 * (int32_t)blockDim.x;
+    const int32_t kv_at = 4 * tid;   /* this thread's first piece of k then v */
+    float4 xq[QJ], kv4 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    auto load_q = [&](int32_t i0) {
+#pragma unroll
+        for (int j = 0; j < QJ; j++) {
+            int32_t i = i0 + j * step4;
+            xq[j] = i < nq ? *(const float4 *)(q + i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        }
+    };
+    auto store_q = [&](int32_t i0) {
+#pragma unroll
+        for (int j = 0; j < QJ; j++) {
+            int32_t i = i0 + j * step4;
+            if (i >= nq_all) break;
+            int32_t g = i / a.dk, e = i - g * a.dk;
+            float v[4] = { xq[j].x, xq[j].y, xq[j].z, xq[j].w };
+            if (MMA) {
+                __half hv[4], lv[4];
+#pragma unroll
+                for (int u = 0; u < 4; u++) {
+                    hv[u] = __float2half_rn(v[u]);
+                    lv[u] = __float2half_rn(v[u] - __half2float(hv[u]));
+                }
+                *(uint2 *)(qh + g * (a.dk + 8) + e) = *(const uint2 *)hv;
+                *(uint2 *)(ql + g * (a.dk + 8) + e) = *(const uint2 *)lv;
+            } else {
+                *(float4 *)(qs + g * a.dk + e) = xq[j];
+            }
+        }
+    };
+    if (vec) {
+        if (kd && kv_at < nkv) kv4 = *(const float4 *)(kv_at < a.dk ? k_row + kv_at : v_row + (kv_at - a.dk));
+        load_q(kv_at);
+    }
+    for (int j = 0; j < S - 1; j++) {
+        if (j < nt) issue(j);
+        cp_async_commit();
+    }
+    if (vec) {
+        store_q(kv_at);
+        for (int32_t i0 = kv_at + QJ * step4; i0 < nq_all; i0 += QJ * step4) {
+            load_q(i0);
+            store_q(i0);
+        }
+    } else {
+#pragma unroll
+        for (int g = 0; g < H; g++)
+            for (int e = tid; e < a.dk; e += blockDim.x) {
+                float x = g < nh ? q[g * a.dk + e] : 0.0f;
+                if (MMA) {
+                    __half hx = __float2half_rn(x);
+                    qh[g * (a.dk + 8) + e] = hx;
+                    ql[g * (a.dk + 8) + e] = __float2half_rn(x - __half2float(hx));
+                } else {
+                    qs[g * a.dk + e] = x;
+                }
+            }
+    }
     __syncthreads();
+    if (kd) {
+        if (vec) {
+            for (int32_t e = kv_at; e < nkv; e += step4) {
+                float4 x = e == kv_at ? kv4 : *(const float4 *)(e < a.dk ? k_row + e : v_row + (e - a.dk));
+                float v[4] = { x.x, x.y, x.z, x.w };
+                T *to = e < a.dk ? kd + e : vd + (e - a.dk);
+#pragma unroll
+                for (int u = 0; u < 4; u++) from_float(v[u], to + u);
+            }
+        } else {
+            for (int32_t e = tid; e < a.dk; e += blockDim.x) from_float(k_row[e], kd + e);
+            for (int32_t e = tid; e < a.dv; e += blockDim.x) from_float(v_row[e], vd + e);
+        }
+    }
 
     /* MMA: o[i] holds O^T fragments of value columns [16 i, 16 i + 16),
      * m_row and l_row this lane's head's (lane / 4) maximum and share of
@@ -760,22 +827,46 @@ __global__ static void __launch_bounds__(DEC_MAX_WARPS * 32, MMA == 128 ? 2 : 1)
     }
     __syncthreads();
     size_t pl = ((size_t)y * (size_t)a.n_head + (size_t)h0) * (size_t)a.n_splits;   /* partial of head h0, split 0 */
-    for (int i = tid, g = tid / a.dv, e = tid % a.dv; i < nh * a.dv; i += blockDim.x, e += blockDim.x) {
-        while (e >= a.dv) {
-            e -= a.dv;
-            g++;
-        }
-        float mx = merge_m[g], sum = merge_l[g], acc_o = 0.0f;
-        for (int w = 0; w < W; w++) acc_o += merge_f[w * H + g] * mo[(w * H + g) * a.dv + e];
+    auto emit = [&](int g, int e, float acc_o) {
         if (n_live == 1) {
-            a.out[(size_t)r * (size_t)a.out_cols + (size_t)(h0 + g) * (size_t)a.dv + (size_t)e] = acc_o / sum;
+            a.out[(size_t)r * (size_t)a.out_cols + (size_t)(h0 + g) * (size_t)a.dv + (size_t)e] = acc_o / merge_l[g];
         } else {
             size_t at = pl + (size_t)g * (size_t)a.n_splits + (size_t)split;
             a.part[at * (size_t)a.dv + (size_t)e] = acc_o;
             if (e == 0) {
-                a.part_ml[2 * at] = mx;
-                a.part_ml[2 * at + 1] = sum;
+                a.part_ml[2 * at] = merge_m[g];
+                a.part_ml[2 * at + 1] = merge_l[g];
             }
+        }
+    };
+    if ((a.dv & 3) == 0) {
+        /* 4 columns a thread: one shared-memory load of each warp's sums
+         * for them (the same sums in the same order as one at a time) */
+        for (int32_t i = 4 * tid; i < nh * a.dv; i += 4 * (int32_t)blockDim.x) {
+            int g = i / a.dv, e = i - g * a.dv;
+            float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            for (int w = 0; w < W; w++) {
+                float f = merge_f[w * H + g];
+                float4 x = *(const float4 *)(mo + (w * H + g) * a.dv + e);
+                acc.x += f * x.x;
+                acc.y += f * x.y;
+                acc.z += f * x.z;
+                acc.w += f * x.w;
+            }
+            emit(g, e, acc.x);
+            emit(g, e + 1, acc.y);
+            emit(g, e + 2, acc.z);
+            emit(g, e + 3, acc.w);
+        }
+    } else {
+        for (int i = tid, g = tid / a.dv, e = tid % a.dv; i < nh * a.dv; i += blockDim.x, e += blockDim.x) {
+            while (e >= a.dv) {
+                e -= a.dv;
+                g++;
+            }
+            float acc_o = 0.0f;
+            for (int w = 0; w < W; w++) acc_o += merge_f[w * H + g] * mo[(w * H + g) * a.dv + e];
+            emit(g, e, acc_o);
         }
     }
     if (n_live == 1 || !a.merge_here) return;

@@ -77,6 +77,14 @@ void *luma_cuda_scratch(cuda_backend *c, size_t n)
     return c->scratch;
 }
 
+/* Whether the switch `name` is turned off in the environment (set to 0):
+ * the backend's paths that can be turned off for measuring. */
+static bool env_off(const char *name)
+{
+    const char *v = getenv(name);
+    return v && strcmp(v, "0") == 0;
+}
+
 /* ---- memory ------------------------------------------------------------- */
 
 /* The f16 copies of the weights may take 3/5 of the memory free at the first
@@ -85,15 +93,22 @@ void *luma_cuda_scratch(cuda_backend *c, size_t n)
 #define F16_SHARE_NUM 3
 #define F16_SHARE_DEN 5
 
+/* Frees the copy `which` of every weight, once the queued work that may
+ * read the n there are has finished. */
+static void free_copies(cuda_backend *c, int32_t n, void *cuda_weight_copy::*which)
+{
+    if (n > 0) cudaStreamSynchronize(c->stream);
+    for (int32_t i = 0; i < c->n_weights; i++) {
+        cudaFree(c->weights[i].*which);
+        c->weights[i].*which = NULL;
+    }
+}
+
 /* Frees every f16 copy and makes no more: large products dequantize per
  * call from now on. */
 static void drop_f16(cuda_backend *c)
 {
-    if (c->n_f16 > 0) cudaStreamSynchronize(c->stream);
-    for (int32_t i = 0; i < c->n_weights; i++) {
-        cudaFree(c->weights[i].f16);
-        c->weights[i].f16 = NULL;
-    }
+    free_copies(c, c->n_f16, &cuda_weight_copy::f16);
     c->f16_bytes = 0;
     c->n_f16 = 0;
     c->f16_mode = CUDA_F16_PER_CALL;
@@ -105,11 +120,7 @@ static void drop_f16(cuda_backend *c)
  * that read them are recorded again: graph_where hashes mmv_on. */
 static void drop_mmv(cuda_backend *c)
 {
-    if (c->n_mmv > 0) cudaStreamSynchronize(c->stream);
-    for (int32_t i = 0; i < c->n_weights; i++) {
-        cudaFree(c->weights[i].mmv);
-        c->weights[i].mmv = NULL;
-    }
+    free_copies(c, c->n_mmv, &cuda_weight_copy::mmv);
     c->n_mmv = 0;
     c->mmv_on = false;
 }
@@ -751,11 +762,7 @@ static bool cuda_qkv_rope(luma_backend *be, const luma_weight *const *ws, const 
     cuda_backend *c = cu(be);
     /* LUMA_CUDA_QKV_ROPE=0 in the environment: separate products and
      * rotation (for measuring); read once */
-    static int off = -1;
-    if (off < 0) {
-        const char *e = getenv("LUMA_CUDA_QKV_ROPE");
-        off = e && strcmp(e, "0") == 0;
-    }
+    static const bool off = env_off("LUMA_CUDA_QKV_ROPE");
     if (off || r->kind != LUMA_ROPE_NORM || r->n_dims != head_dim || c->float_act || x->rows > MMV_PASS_M ||
         !LUMA_CUDA_OK(c))
         return false;
@@ -875,13 +882,10 @@ luma_backend *luma_backend_cuda_new(int device, luma_err *err)
     }
     c->base.ops = &cuda_ops;
     c->device = device;
-    const char *graphs = getenv("LUMA_CUDA_GRAPHS");
-    c->graphs_on = !(graphs && strcmp(graphs, "0") == 0);
-    const char *pdl = getenv("LUMA_CUDA_PDL");
-    c->pdl = !(pdl && strcmp(pdl, "0") == 0);
-    const char *q6k = getenv("LUMA_CUDA_Q6K_MMV"), *x4 = getenv("LUMA_CUDA_X4_MMV");
-    c->repack_q6k = !(q6k && strcmp(q6k, "0") == 0);
-    c->repack_x4 = !(x4 && strcmp(x4, "0") == 0);
+    c->graphs_on = !env_off("LUMA_CUDA_GRAPHS");
+    c->pdl = !env_off("LUMA_CUDA_PDL");
+    c->repack_q6k = !env_off("LUMA_CUDA_Q6K_MMV");
+    c->repack_x4 = !env_off("LUMA_CUDA_X4_MMV");
     c->mmv_on = true;
     const char *what = "selecting the device";
     e = cudaSetDevice(device);
@@ -904,8 +908,7 @@ luma_backend *luma_backend_cuda_new(int device, luma_err *err)
         cuda_free(&c->base);
         return NULL;
     }
-    const char *wg = getenv("LUMA_CUDA_WGMMA");
-    c->wgmma = !(wg && strcmp(wg, "0") == 0) && luma_cuda_wgmma_probe(c);
+    c->wgmma = !env_off("LUMA_CUDA_WGMMA") && luma_cuda_wgmma_probe(c);
     if (cudaMalloc(&c->cublas_ws, CUBLAS_WORKSPACE) != cudaSuccess) {
         cudaGetLastError();
         luma_errf(err, "CUDA backend: no GPU memory for the cuBLAS workspace");

@@ -2058,16 +2058,17 @@ static bool mm_vec_run_many(cuda_backend *c, const luma_weight *const *ws, float
                             const act_rows &a, int64_t m)
 {
     if (mmv_forced()) return false;
+    int rp = n_repacked(c, ws, n);
     switch (ws[0]->type) {
     case LUMA_Q4_0:
-        if (n_repacked(c, ws, n) == n) mmv_run_many<type_q4_0_mmv>(c, ws, ys, n, a, m);
-        else if (n_repacked(c, ws, n) == 0) mmv_run_many<type_q4_0>(c, ws, ys, n, a, m);
+        if (rp == n) mmv_run_many<type_q4_0_mmv>(c, ws, ys, n, a, m);
+        else if (rp == 0) mmv_run_many<type_q4_0>(c, ws, ys, n, a, m);
         else return false;
         return true;
     case LUMA_Q4_1: mmv_run_many<type_q4_1>(c, ws, ys, n, a, m); return true;
     case LUMA_Q5_0:
-        if (n_repacked(c, ws, n) == n) mmv_run_many<type_q5_0_mmv>(c, ws, ys, n, a, m);
-        else if (n_repacked(c, ws, n) == 0) mmv_run_many<type_q5_0>(c, ws, ys, n, a, m);
+        if (rp == n) mmv_run_many<type_q5_0_mmv>(c, ws, ys, n, a, m);
+        else if (rp == 0) mmv_run_many<type_q5_0>(c, ws, ys, n, a, m);
         else return false;
         return true;
     case LUMA_Q5_1: mmv_run_many<type_q5_1>(c, ws, ys, n, a, m); return true;
@@ -2076,11 +2077,11 @@ static bool mm_vec_run_many(cuda_backend *c, const luma_weight *const *ws, float
     case LUMA_Q4_K: mmv_run_many<type_q4_K>(c, ws, ys, n, a, m); return true;
     case LUMA_Q5_K: mmv_run_many<type_q5_K>(c, ws, ys, n, a, m); return true;
     case LUMA_Q6_K:
-        if (n_repacked(c, ws, n) == n) mmv_run_many<type_q6_K_mmv>(c, ws, ys, n, a, m);
+        if (rp == n) mmv_run_many<type_q6_K_mmv>(c, ws, ys, n, a, m);
         else mmv_run_many<type_q6_K>(c, ws, ys, n, a, m);
         return true;
     case LUMA_Q8_0:
-        if (n_repacked(c, ws, n) != n) return false;
+        if (rp != n) return false;
         mmv_run_many<type_q8_0_mmv>(c, ws, ys, n, a, m);
         return true;
     default: return false;

@@ -760,19 +760,18 @@ static void check_drop(void)
      * fails (the f16 copy alone then makes room, and the product still
      * reads the repacked copy): measured again, a larger buffer the next
      * time, until the repacked copy has given way too. */
+    bool same = false;
     for (int attempt = 0; attempt < 4; attempt++) {
         CHECKF(ops->buf_alloc(cx.be, &big, big_rows, per_row, &err) == 0,
                "drop: %lld MiB, which fit once the copies are freed, not allocated: %s", (long long)(big_rows * 4),
                err.msg);
         ops->buf_free(cx.be, &big);
         if (run_matmul(&cx, &w, x, 1, got) != 0) goto done;
-        if (memcmp(got, want, (size_t)rows * sizeof(float)) == 0 ||
-            !cuda_ok(cudaMemGetInfo(&free_b, &total_b), "cudaMemGetInfo"))
-            break;
+        same = memcmp(got, want, (size_t)rows * sizeof(float)) == 0;
+        if (same || !cuda_ok(cudaMemGetInfo(&free_b, &total_b), "cudaMemGetInfo")) break;
         big_rows = (int64_t)((free_b + mmv / 2) / (per_row * sizeof(float))) + 1;
     }
-    CHECKF(memcmp(got, want, (size_t)rows * sizeof(float)) == 0,
-           "drop: after the copies gave way the product differs from the file's blocks'");
+    CHECKF(same, "drop: after the copies gave way the product differs from the file's blocks'");
     int64_t rows_s[SAMPLE_ROWS];
     int ns;
     float *wref = sample_weight_rows(t, host, rows, cols, SAMPLE_ROWS, rows_s, &ns);

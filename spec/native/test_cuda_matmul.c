@@ -736,10 +736,16 @@ static void check_drop(void)
         return;
     }
     const luma_backend_ops *ops = cx.be->ops;
+    luma_weight w = { .type = t, .rows = rows, .cols = cols };
+    if (repacked_bytes(&w) == 0) {   /* LUMA_CUDA_X4_MMV=0: no repacked copy to give way */
+        printf("drop: not run (the repacked copies are turned off: LUMA_CUDA_X4_MMV=0)\n");
+        ops->free(cx.be);
+        return;
+    }
     size_t row_bytes = luma_row_size(t, cols), bytes = row_bytes * (size_t)rows;
     uint8_t *host = xmalloc(bytes);
     random_weights(t, rows * cols, host);
-    luma_weight w = { .type = t, .rows = rows, .cols = cols, .host = host };
+    w.host = host;
     float *x = xmalloc((size_t)cols * sizeof(float)), *want = xmalloc((size_t)rows * sizeof(float)),
           *got = xmalloc((size_t)rows * sizeof(float));
     for (int64_t k = 0; k < cols; k++) x[k] = bell();

@@ -407,6 +407,14 @@ __device__ static void split_weights(const attn_args &a, size_t at, int32_t n_li
     for (int32_t s = lane; s < n_live; s += 32) wt[s] = expf(__ldcg(ml + 2 * s) - mx) / sum;
 }
 
+/* x as f16 hi + lo: hi its rounding, lo the rounding of what hi left out
+ * (q's two parts on the tensor cores, below). */
+__device__ __forceinline__ static void split_hi_lo(float x, __half &hi, __half &lo)
+{
+    hi = __float2half_rn(x);
+    lo = __float2half_rn(x - __half2float(hi));
+}
+
 /* The scores of a decode tile in an F16 cache on the tensor cores: the
  * CTA's query heads are the rows of an m16n8k16 product (rows past H are
  * zero), the tile's 16 keys its columns (two n8 halves), K rows as they lie
@@ -576,10 +584,7 @@ __global__ static void __launch_bounds__(DEC_MAX_WARPS * 32, MMA == 128 ? 2 : 1)
             if (MMA) {
                 __half hv[4], lv[4];
 #pragma unroll
-                for (int u = 0; u < 4; u++) {
-                    hv[u] = __float2half_rn(v[u]);
-                    lv[u] = __float2half_rn(v[u] - __half2float(hv[u]));
-                }
+                for (int u = 0; u < 4; u++) split_hi_lo(v[u], hv[u], lv[u]);
                 *(uint2 *)(qh + g * (a.dk + 8) + e) = *(const uint2 *)hv;
                 *(uint2 *)(ql + g * (a.dk + 8) + e) = *(const uint2 *)lv;
             } else {
@@ -607,9 +612,7 @@ __global__ static void __launch_bounds__(DEC_MAX_WARPS * 32, MMA == 128 ? 2 : 1)
             for (int e = tid; e < a.dk; e += blockDim.x) {
                 float x = g < nh ? q[g * a.dk + e] : 0.0f;
                 if (MMA) {
-                    __half hx = __float2half_rn(x);
-                    qh[g * (a.dk + 8) + e] = hx;
-                    ql[g * (a.dk + 8) + e] = __float2half_rn(x - __half2float(hx));
+                    split_hi_lo(x, qh[g * (a.dk + 8) + e], ql[g * (a.dk + 8) + e]);
                 } else {
                     qs[g * a.dk + e] = x;
                 }

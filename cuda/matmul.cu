@@ -2049,6 +2049,28 @@ static int n_repacked(const cuda_backend *c, const luma_weight *const *ws, int n
     return k;
 }
 
+/* mmv_run on w's repacked copy (block type R) where the kernels may read
+ * one, on the file's blocks (F) elsewhere. */
+template <class R, class F>
+static void mmv_run_either(cuda_backend *c, const luma_weight *w, const act_rows &a, int64_t m, float *y)
+{
+    if (has_mmv(c, w)) mmv_run<R>(c, w, a, m, y);
+    else mmv_run<F>(c, w, a, m, y);
+}
+
+/* mmv_run_many on the repacked copies (R) when all n weights have one (rp
+ * of them do), on the file's blocks (F) when none has; false, queuing
+ * nothing, for a mix. */
+template <class R, class F>
+static bool mmv_run_many_either(cuda_backend *c, const luma_weight *const *ws, float *const *ys, int n,
+                                const act_rows &a, int64_t m, int rp)
+{
+    if (rp == n) mmv_run_many<R>(c, ws, ys, n, a, m);
+    else if (rp == 0) mmv_run_many<F>(c, ws, ys, n, a, m);
+    else return false;
+    return true;
+}
+
 /* One launch per pass for n weights of one block type and width (the
  * direct kernel); false, queuing nothing, for a type that keeps its own
  * kernel choice (Q8_0 without its repacked copy, whose 34-byte blocks the
@@ -2060,17 +2082,9 @@ static bool mm_vec_run_many(cuda_backend *c, const luma_weight *const *ws, float
     if (mmv_forced()) return false;
     int rp = n_repacked(c, ws, n);
     switch (ws[0]->type) {
-    case LUMA_Q4_0:
-        if (rp == n) mmv_run_many<type_q4_0_mmv>(c, ws, ys, n, a, m);
-        else if (rp == 0) mmv_run_many<type_q4_0>(c, ws, ys, n, a, m);
-        else return false;
-        return true;
+    case LUMA_Q4_0: return mmv_run_many_either<type_q4_0_mmv, type_q4_0>(c, ws, ys, n, a, m, rp);
     case LUMA_Q4_1: mmv_run_many<type_q4_1>(c, ws, ys, n, a, m); return true;
-    case LUMA_Q5_0:
-        if (rp == n) mmv_run_many<type_q5_0_mmv>(c, ws, ys, n, a, m);
-        else if (rp == 0) mmv_run_many<type_q5_0>(c, ws, ys, n, a, m);
-        else return false;
-        return true;
+    case LUMA_Q5_0: return mmv_run_many_either<type_q5_0_mmv, type_q5_0>(c, ws, ys, n, a, m, rp);
     case LUMA_Q5_1: mmv_run_many<type_q5_1>(c, ws, ys, n, a, m); return true;
     case LUMA_Q2_K: mmv_run_many<type_q2_K>(c, ws, ys, n, a, m); return true;
     case LUMA_Q3_K: mmv_run_many<type_q3_K>(c, ws, ys, n, a, m); return true;
@@ -2129,28 +2143,16 @@ static void mm_vec_run(cuda_backend *c, const luma_weight *w, const act_rows &a,
     case LUMA_F32: mmv_run<type_f32>(c, w, a, m, y); break;
     case LUMA_F16: mmv_run<type_f16>(c, w, a, m, y); break;
     case LUMA_BF16: mmv_run<type_bf16>(c, w, a, m, y); break;
-    case LUMA_Q4_0:
-        if (has_mmv(c, w)) mmv_run<type_q4_0_mmv>(c, w, a, m, y);
-        else mmv_run<type_q4_0>(c, w, a, m, y);
-        break;
+    case LUMA_Q4_0: mmv_run_either<type_q4_0_mmv, type_q4_0>(c, w, a, m, y); break;
     case LUMA_Q4_1: mmv_run<type_q4_1>(c, w, a, m, y); break;
-    case LUMA_Q5_0:
-        if (has_mmv(c, w)) mmv_run<type_q5_0_mmv>(c, w, a, m, y);
-        else mmv_run<type_q5_0>(c, w, a, m, y);
-        break;
+    case LUMA_Q5_0: mmv_run_either<type_q5_0_mmv, type_q5_0>(c, w, a, m, y); break;
     case LUMA_Q5_1: mmv_run<type_q5_1>(c, w, a, m, y); break;
-    case LUMA_Q8_0:
-        if (has_mmv(c, w)) mmv_run<type_q8_0_mmv>(c, w, a, m, y);
-        else mmv_run<type_q8_0>(c, w, a, m, y);
-        break;
+    case LUMA_Q8_0: mmv_run_either<type_q8_0_mmv, type_q8_0>(c, w, a, m, y); break;
     case LUMA_Q2_K: mmv_run<type_q2_K>(c, w, a, m, y); break;
     case LUMA_Q3_K: mmv_run<type_q3_K>(c, w, a, m, y); break;
     case LUMA_Q4_K: mmv_run<type_q4_K>(c, w, a, m, y); break;
     case LUMA_Q5_K: mmv_run<type_q5_K>(c, w, a, m, y); break;
-    case LUMA_Q6_K:
-        if (has_mmv(c, w)) mmv_run<type_q6_K_mmv>(c, w, a, m, y);
-        else mmv_run<type_q6_K>(c, w, a, m, y);
-        break;
+    case LUMA_Q6_K: mmv_run_either<type_q6_K_mmv, type_q6_K>(c, w, a, m, y); break;
     default: luma_cuda_failf(c, "matmul: tensor type %s is not supported by the CUDA backend", luma_type_name(w->type));
     }
 }

@@ -39,4 +39,18 @@ static __device__ __forceinline__ uint32_t pack_h2(float lo, float hi)
     return *(const uint32_t *)&h;
 }
 
+/* rs_kernel (mmq.cu) takes Q4_K weights as wgmma's A operand straight from
+ * their quant bytes: for half a superblock (128 k, 64 bytes a row) thread t
+ * of a quad reads bytes 16 t .. 16 t + 15, and each 32-bit word u of them
+ * gives the k16 chunks 2 u (low nibbles) and 2 u + 1 (high nibbles), bytes
+ * 0 and 2 in the A slots 2 t, 2 t + 1, bytes 1 and 3 in 2 t + 8, 2 t + 9.
+ * The activations are stored in that k order: element el (0 .. 127) of a
+ * half superblock goes to position rs_q4k_pos(el). In Q4_K, byte l of the
+ * 32-byte pair p holds elements 64 p + l (low nibble) and 64 p + 32 + l. */
+static __host__ __device__ __forceinline__ int rs_q4k_pos(int el)
+{
+    int p = el >> 6, e = (el >> 5) & 1, l = el & 31, t = 2 * p + (l >> 4), i = l & 15;
+    return 16 * (2 * (i >> 2) + e) + 8 * (i & 1) + 2 * t + ((i >> 1) & 1);
+}
+
 #endif

@@ -131,7 +131,8 @@ typedef struct cuda_backend {
     /* luma_cuda_mmq's choice: 0 its measured rule, 1 every product it can
      * take (f16 route), 2 the same with the int8 route for the K formats,
      * 3 the same with the wgmma route where it runs, 4 Q4_K by q8g_kernel
-     * (the integer wgmma) where it runs, -1 none
+     * (the integer wgmma) where it runs, 5 Q4_K by rs_kernel (f16 wgmma
+     * on weights dequantized in registers) where it runs, -1 none
      * (luma_cuda_mmq_policy sets it, for measuring) */
     int mmq_policy;
     /* luma_cuda_g16's choice: 0 its measured rule (which takes nothing
@@ -212,6 +213,9 @@ void luma_cuda_matmul_many(cuda_backend *c, int n, const luma_weight *const *ws,
  * into the f16 of each d * q. Failures are recorded. */
 void luma_cuda_quantize_act(cuda_backend *c, enum luma_type t, const float *x, int64_t n, int8_t *q, float2 *ds,
                             __half *xh);
+/* The same values as luma_cuda_quantize_act's f16 for a Q4_K weight, each
+ * half superblock in rs_kernel's k order (mmq.cu, blocks.cuh). */
+void luma_cuda_quantize_act_rs(cuda_backend *c, const float *x, int64_t n, __half *xh);
 /* Queues the dequantization of all of w (from w->dev) to f16 into out
  * (rows x cols, row-major): the tensor-core path's operand. Not for F16
  * weights; failures are recorded. */

@@ -1116,7 +1116,7 @@ struct type_f32 {
  * multiplies the same values. */
 enum act_scheme { ACT_Q8_0, ACT_Q8_K };
 
-template <int SCHEME, bool F16, int ACT = -1>
+template <int SCHEME, bool F16, int ACT = -1, bool PERM = false>
 static __global__ void quantize_act(const float *__restrict__ x, int64_t n8, int8_t *__restrict__ q,
                                     float2 *__restrict__ ds, __half *__restrict__ xh, const float *__restrict__ up,
                                     float *__restrict__ gated)
@@ -1177,6 +1177,16 @@ static __global__ void quantize_act(const float *__restrict__ x, int64_t n8, int
         for (int j = 0; j < 8; j++) iq[j] = min(127, __float2int_rn(__fmul_rn(iscale, v[j])));
         d = amax == 0.0f ? 0.0f : 1.0f / iscale;
     }
+    if (F16 && PERM) {
+        /* each half superblock in rs_kernel's k order (blocks.cuh) */
+        if (live) {
+            int64_t base = 8 * i & ~(int64_t)127;
+            int l0 = (int)(8 * i & 127);
+#pragma unroll
+            for (int j = 0; j < 8; j++) xh[base + rs_q4k_pos(l0 + j)] = __float2half_rn(d * (float)iq[j]);
+        }
+        return;
+    }
     if (F16) {
         if (live)
             ((uint4 *)xh)[i] = make_uint4(pack_h2(d * (float)iq[0], d * (float)iq[1]),
@@ -1227,6 +1237,19 @@ void luma_cuda_quantize_act(cuda_backend *c, enum luma_type t, const float *x, i
                             __half *xh)
 {
     quantize_launch<-1>(c, t, NULL, x, NULL, n, q, ds, xh);
+}
+
+void luma_cuda_quantize_act_rs(cuda_backend *c, const float *x, int64_t n, __half *xh)
+{
+    if (n % 256 != 0 || ((uintptr_t)x & 15) != 0) {
+        luma_cuda_failf(c, "matmul: %lld activations at %p cannot be quantized for Q4_K", (long long)n,
+                        (const void *)x);
+        return;
+    }
+    int64_t n8 = n / 8;
+    luma_launch(c, c->stream, (unsigned)((n8 + 255) / 256), 256, 0, quantize_act<ACT_Q8_K, true, -1, true>, x, n8,
+                (int8_t *)NULL, (float2 *)NULL, xh, (const float *)NULL, (float *)NULL);
+    luma_cuda_fail(c, cudaGetLastError(), "matmul (quantizing activations)");
 }
 
 /* Weight rows per warp (direct kernel) or row group (staged kernel): two

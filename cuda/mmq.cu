@@ -11,10 +11,13 @@
  *                 mma.sync.m16n8k32 (s8), each sub-block's integer sum then
  *                 scaled: nothing is dequantized, and the result is the CPU
  *                 backend's product but for the order of float sums.
- * On sm_90a, three wgmma kernels (sections below):
+ * On sm_90a, four wgmma kernels (sections below):
  *   q8g_kernel    Q4_K on the integer tensor cores, a superblock summed in
  *                 integers (the CPU's) and scaled once: chosen by the rule
  *                 at 17 to 64 activation rows;
+ *   rs_kernel     Q4_K on the f16 tensor cores, the weights dequantized in
+ *                 registers as wgmma's A operand: chosen by the rule for
+ *                 tall weights at 17 to 128 rows, wide ones at 65 to 256;
  *   mmq_wg_kernel the f16 route with wgmma: measured, not chosen;
  *   g16_kernel    wgmma on a weight's resident f16 copy (the product cuBLAS
  *                 takes otherwise, matmul.cu): measured, not chosen.
@@ -73,6 +76,10 @@ namespace cg = cooperative_groups;
 #define MMQ_FILL 2
 #define Q8G_LO 17          /* q8g_kernel's rule for Q4_K: m from Q8G_LO to Q8G_HI */
 #define Q8G_HI 64
+#define RS_TALL_LO 17       /* rs_kernel's rule (rs_wins) */
+#define RS_TALL_HI 128
+#define RS_WIDE_LO 65
+#define RS_WIDE_HI 256
 #define G16_TALL_ROWS 8192 /* weights of this many rows take 128-row CTAs, the others 64 */
 #define LOW4 0x0F0F0F0Fu
 /* Bytes between the int8 activation rows of a k-step in shared memory:
@@ -1452,7 +1459,8 @@ static __device__ __forceinline__ void mbar_arrive(uint64_t *b)
  * boundary of the dynamic shared memory dyn (the swizzled copies need it),
  * a "full" and an "empty" mbarrier for each after them (the empty ones
  * completing on empty_arrivals arrivals), and this CTA's share [st0, st0 +
- * nst) of the nkb stages (its split of k: blockIdx.z of gridDim.z). Every
+ * nst) of the nkb stages (its split of k: blockIdx.z of gridDim.z), in
+ * whole units of `unit` stages (nkb a multiple of it). Every
  * thread of the CTA makes it; the mbarriers are ready when it returns. */
 template <int STAGES, int STAGE>
 struct wg_ring {
@@ -1461,15 +1469,15 @@ struct wg_ring {
     uint64_t *full, *empty;
     int st0, nst;
 
-    __device__ __forceinline__ wg_ring(uint8_t *dyn, int nkb, int empty_arrivals)
+    __device__ __forceinline__ wg_ring(uint8_t *dyn, int nkb, int empty_arrivals, int unit = 1)
     {
         smem = dyn + ((1024 - ((uint32_t)__cvta_generic_to_shared(dyn) & 1023)) & 1023);
         sbase = (uint32_t)__cvta_generic_to_shared(smem);
         full = (uint64_t *)(smem + STAGES * STAGE);
         empty = full + STAGES;
-        const int splits = gridDim.z, split = blockIdx.z;
-        st0 = (int)((int64_t)split * nkb / splits);
-        nst = (int)((int64_t)(split + 1) * nkb / splits) - st0;
+        const int splits = gridDim.z, split = blockIdx.z, nu = nkb / unit;
+        st0 = unit * (int)((int64_t)split * nu / splits);
+        nst = unit * (int)((int64_t)(split + 1) * nu / splits) - st0;
         if (threadIdx.x == 0) {
             for (int i = 0; i < STAGES; i++) {
                 mbar_init(&full[i], 1);
@@ -1843,6 +1851,266 @@ static bool q8g_run(cuda_backend *c, const luma_weight *w, const int8_t *xq, con
     return q8g_launch<1, 2>(c, w, xq, xds, m, y);   /* a third register set measured the same */
 }
 
+/* ---- Q4_K dequantized into wgmma's registers (sm_90a) ---------------------------
+ *
+ * y = W x straight from the Q4_K blocks on the f16 tensor cores, the
+ * weights as wgmma's A operand in registers. Nothing of the weights goes
+ * through shared memory but their raw bytes, and no warp waits on another
+ * to dequantize: each consumer thread turns the quant bytes of its own A
+ * fragments into f16 with a few instructions (0x6400 | q is the f16 of
+ * 1024 + q; minus 1024, times the sub-block's f16 scale d sc, minus its
+ * f16 minimum dmin m: one HSUB2 and one HFMA2 per two weights), so the
+ * dequantization costs about two instructions a weight against the 64
+ * clocks of tensor work that a k16 chunk of 64 rows x 128 activations is.
+ * The k order inside a half superblock follows the quant bytes
+ * (rs_q4k_pos, blocks.cuh); the activations' f16 are written in that
+ * order (luma_cuda_quantize_act_rs).
+ *
+ * A CTA owns 64 NW weight rows (NW consumer warpgroups) x BN activation
+ * rows over its range of k, half a superblock (128 k) a stage:
+ *   producer   (the last warp): one thread has the tensor memory
+ *              accelerator copy each stage's activations (two boxes of
+ *              BN x 64 k, 128-byte swizzled, as wgmma reads B), the rows'
+ *              16-byte block headers and their 64 quant bytes of the half
+ *              into a ring of buffers;
+ *   consumers  read their rows' header and quant bytes, make the stage's
+ *              eight A fragments in one of two register sets, issue its
+ *              eight wgmmas, then wait for the stage before (whose set is
+ *              then free) and give its buffer back (one arrival a warp:
+ *              every warp reads the raw bytes itself).
+ * Small row counts split k over a cluster, reduced as in mmq_kernel. */
+#define RS_K 128                    /* k per stage: half a Q4_K superblock */
+#define RS_SMEM_CAP (220 * 1024)    /* one CTA an SM */
+
+template <int NW, int BN>
+struct rs_shape {
+    static constexpr int threads = 128 * NW + 32;
+    static constexpr int rows = 64 * NW;
+    static constexpr int b = BN * RS_K * 2;   /* first: the swizzled lines want 1024-byte alignment */
+    static constexpr int hdr = rows * 16;     /* d, dmin and the 12 scale bytes of each row's block */
+    static constexpr int qs = rows * 64;      /* the half's quant bytes of each row */
+    static constexpr int stage = (b + hdr + qs + 1023) / 1024 * 1024;
+    static constexpr int fit = (RS_SMEM_CAP - 1024) / (stage + 16);
+    static constexpr int stages = fit < 8 ? fit : 8;
+    static constexpr int smem = 1024 + stages * (stage + 16);
+    static_assert(rows * BN * 4 <= stages * stage, "the partial tile fits");
+    static_assert(stages >= 2, "a stage is given back once the next one's products are issued");
+};
+
+#ifdef MMQ_WG_DEVICE
+#define WG_D8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
+                 "+f"(d[i + 6]), "+f"(d[i + 7])
+/* d += A B for one k16 chunk: A (64 x 16 f16) in registers a0..a3 (the
+ * warp's 16 rows in mma.m16n8k16's A order), B (16 x BN) at descriptor db. */
+static __device__ __forceinline__ void wg_mma_rs(float (&d)[64], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                                 uint64_t db)
+{
+    asm volatile("{\n.reg .pred p;\nsetp.eq.u32 p, 1, 1;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+                 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+                 "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
+                 "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
+                 "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63},"
+                 " {%64,%65,%66,%67}, %68, p, 1, 1, 0;\n}"
+                 : WG_D8(0), WG_D8(8), WG_D8(16), WG_D8(24), WG_D8(32), WG_D8(40), WG_D8(48), WG_D8(56)
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(db));
+}
+
+static __device__ __forceinline__ void wg_mma_rs(float (&d)[32], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                                 uint64_t db)
+{
+    asm volatile("{\n.reg .pred p;\nsetp.eq.u32 p, 1, 1;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+                 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+                 "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31},"
+                 " {%32,%33,%34,%35}, %36, p, 1, 1, 0;\n}"
+                 : WG_D8(0), WG_D8(8), WG_D8(16), WG_D8(24)
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(db));
+}
+#undef WG_D8
+
+/* The f16 pair (q * s - m) of the nibbles at bits 0..3 and 16..19 of w. */
+static __device__ __forceinline__ uint32_t rs_deq2(uint32_t w, __half2 s, __half2 nm)
+{
+    uint32_t h = (w & 0x000F000Fu) | 0x64006400u;   /* 1024 + q, exactly */
+    __half2 q = __hsub2(*(const __half2 *)&h, __half2(__ushort_as_half(0x6400), __ushort_as_half(0x6400)));
+    __half2 r = __hfma2(q, s, nm);
+    return *(const uint32_t *)&r;
+}
+
+/* The f16 pairs (d sc, d sc) and (-dmin m, -dmin m) of sub-blocks 2 p and
+ * 2 p + 1 (s[0], nm[0]: first half of the superblock) and 4 + 2 p, 5 + 2 p
+ * (s[1], nm[1]) of the Q4_K block whose 16-byte header is h; sel is
+ * rs_sel(p). The same roundings as f32 products rounded to f16. */
+static __device__ __forceinline__ uint32_t rs_sel(int p)
+{
+    return (uint32_t)(2 * p) | 0x40u | (uint32_t)(2 * p + 1) << 8 | 0x4000u;
+}
+
+static __device__ __forceinline__ void rs_scales(const uint4 &h, uint32_t sel, __half2 (&s)[2], __half2 (&nm)[2])
+{
+    const uint32_t sc_lo = h.y & 0x3F3F3F3Fu, mn_lo = h.z & 0x3F3F3F3Fu;
+    const uint32_t sc_hi = (h.w & 0x0F0F0F0Fu) | ((h.y >> 2) & 0x30303030u);
+    const uint32_t mn_hi = ((h.w >> 4) & 0x0F0F0F0Fu) | ((h.z >> 2) & 0x30303030u);
+    const uint32_t dd = __byte_perm(h.x, 0, 0x1010), nd = __byte_perm(h.x, 0, 0x3232) ^ 0x80008000u;
+    const __half2 k1024 = __half2(__ushort_as_half(0x6400), __ushort_as_half(0x6400));
+    const uint32_t v[4] = { __byte_perm(sc_lo, 0x64646464u, sel), __byte_perm(sc_hi, 0x64646464u, sel),
+                            __byte_perm(mn_lo, 0x64646464u, sel), __byte_perm(mn_hi, 0x64646464u, sel) };
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        s[i] = __hmul2(__hsub2(*(const __half2 *)&v[i], k1024), *(const __half2 *)&dd);
+        nm[i] = __hmul2(__hsub2(*(const __half2 *)&v[2 + i], k1024), *(const __half2 *)&nd);
+    }
+}
+#endif
+
+
+/* Grid: (activation tiles, weight-row tiles, splits of k); p.nkb counts
+ * rounds of U stages (half superblocks). */
+template <int NW, int BN, int U>
+static __global__ void __launch_bounds__(128 * NW + 32, 1)
+    rs_kernel(mmq_args p, const __grid_constant__ CUtensorMap tmh, const __grid_constant__ CUtensorMap tmq,
+              const __grid_constant__ CUtensorMap tmx)
+{
+#ifdef MMQ_WG_DEVICE
+    typedef rs_shape<NW, BN> S;
+    constexpr int E = BN / 2;
+    extern __shared__ uint8_t rsmem[];
+    const wg_ring<S::stages, S::stage> ring(rsmem, p.nkb * U, 4 * NW, U);
+    const int64_t n0 = (int64_t)blockIdx.x * BN, r0 = (int64_t)blockIdx.y * S::rows;
+    const int warp = __shfl_sync(0xffffffffu, (int)threadIdx.x / 32, 0);   /* warp-uniform to the compiler */
+    float acc[E];
+#pragma unroll
+    for (int e = 0; e < E; e++) acc[e] = 0.0f;
+
+    if (warp == 4 * NW) {
+        if (threadIdx.x == 128 * NW)
+            ring.produce(
+                S::b + S::hdr + S::qs,
+                [&](int st, uint8_t *buf, uint64_t *bar) {
+                    const int gs = ring.st0 + st, at = 144 * (gs / 2);
+                    tma_2d(buf + S::b, &tmh, at, (int)r0, bar);
+                    tma_2d(buf + S::b + S::hdr, &tmq, at + 16 + 64 * (gs % 2), (int)r0, bar);
+                },
+                [&](int st, uint8_t *buf, uint64_t *bar) {
+                    const int k0 = (ring.st0 + st) * RS_K;
+                    tma_2d(buf, &tmx, k0, (int)n0, bar);
+                    tma_2d(buf + BN * 128, &tmx, k0 + 64, (int)n0, bar);
+                });
+    } else {
+        wait_for_previous_kernel();   /* before the stores: the kernel before may read y */
+        const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+        const int ra = 64 * (warp / 4) + 16 * (warp % 4) + g;   /* this thread's rows ra and ra + 8 of the tile */
+        uint32_t a0[32], a1[32];   /* two register sets of a stage's eight A fragments */
+#pragma unroll
+        for (int i = 0; i < 32; i++) a0[i] = a1[i] = 0;
+        const uint32_t sel = rs_sel(t / 2);
+        __half2 sa[2], ma[2], sb[2], mb[2];   /* this superblock's scales: [0] first half, [1] second */
+        auto make = [&](uint32_t (&a)[32], int st, bool first_half) {
+            const int s = st % S::stages;
+            const uint8_t *buf = ring.smem + s * S::stage;
+            mbar_wait(&ring.full[s], (st / S::stages) & 1);
+            if (first_half) {
+                rs_scales(*(const uint4 *)(buf + S::b + 16 * ra), sel, sa, ma);
+                rs_scales(*(const uint4 *)(buf + S::b + 16 * ra + 128), sel, sb, mb);
+            }
+            const uint4 qa = *(const uint4 *)(buf + S::b + S::hdr + 64 * ra + 16 * t);
+            const uint4 qb = *(const uint4 *)(buf + S::b + S::hdr + 64 * ra + 512 + 16 * t);
+            const int hf = first_half ? 0 : 1;
+            const __half2 sa0 = __low2half2(sa[hf]), sa1 = __high2half2(sa[hf]), ma0 = __low2half2(ma[hf]),
+                          ma1 = __high2half2(ma[hf]), sb0 = __low2half2(sb[hf]), sb1 = __high2half2(sb[hf]),
+                          mb0 = __low2half2(mb[hf]), mb1 = __high2half2(mb[hf]);
+            const uint32_t wa[4] = { qa.x, qa.y, qa.z, qa.w }, wb[4] = { qb.x, qb.y, qb.z, qb.w };
+#pragma unroll
+            for (int u = 0; u < 4; u++) {
+                uint32_t *lo = a + 8 * u, *hi = a + 8 * u + 4;
+                lo[0] = rs_deq2(wa[u], sa0, ma0);
+                lo[1] = rs_deq2(wb[u], sb0, mb0);
+                lo[2] = rs_deq2(wa[u] >> 8, sa0, ma0);
+                lo[3] = rs_deq2(wb[u] >> 8, sb0, mb0);
+                hi[0] = rs_deq2(wa[u] >> 4, sa1, ma1);
+                hi[1] = rs_deq2(wb[u] >> 4, sb1, mb1);
+                hi[2] = rs_deq2(wa[u] >> 12, sa1, ma1);
+                hi[3] = rs_deq2(wb[u] >> 12, sb1, mb1);
+            }
+        };
+        auto issue = [&](const uint32_t (&a)[32], int st) {
+            const uint32_t bb = ring.sbase + (uint32_t)((st % S::stages) * S::stage);
+            const uint64_t d0 = g16_desc(bb);   /* chunk c: + its offset / 16 in the address field */
+            asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#pragma unroll
+            for (int c = 0; c < 8; c++)
+                wg_mma_rs(acc, a[4 * c], a[4 * c + 1], a[4 * c + 2], a[4 * c + 3],
+                          d0 + (uint64_t)(((c / 4) * (BN * 128) + 32 * (c % 4)) >> 4));
+            asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+        };
+        auto give_back = [&](int st) {
+            __syncwarp();
+            if (lane == 0) mbar_arrive(&ring.empty[st % S::stages]);
+        };
+        /* U stages a round, their register sets alternating: a set is
+         * rewritten only after the wait that says its wgmmas are done, and
+         * nothing is in flight from one round to the next (ptxas serializes
+         * the wgmmas otherwise) */
+        for (int st = 0; st < ring.nst; st += U) {
+#pragma unroll
+            for (int u = 0; u < U; u++) {
+                if (u % 2 == 0) make(a0, st + u, true);   /* rounds start on a superblock: st0, U even */
+                else make(a1, st + u, false);
+                if (u % 2 == 0) issue(a0, st + u);
+                else issue(a1, st + u);
+                asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
+                if (u % 2 == 0) keep_regs(a1);
+                else keep_regs(a0);
+                if (u > 0) give_back(st + u - 1);
+            }
+            asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+            keep_regs(a0);
+            keep_regs(a1);
+            give_back(st + U - 1);
+        }
+        wg_pin(acc);
+    }
+
+    __syncthreads();
+    wg_tile_out<E, 128 * NW>(p, r0, n0, acc, warp < 4 * NW, gridDim.z, ring.smem, S::threads);
+#endif
+}
+
+/* y = W x through rs_kernel<NW, BN> on the Q4_K blocks and the
+ * activations' f16 xp in rs_kernel's k order; false (nothing queued) when
+ * the driver declines the tensor maps. */
+template <int NW, int BN, int U>
+static bool rs_launch(cuda_backend *c, const luma_weight *w, const __half *xp, int64_t m, float *y)
+{
+    typedef rs_shape<NW, BN> S;
+    static mmq_fit fit;
+    CUtensorMap tmh, tmq, tmx;
+    if (w->cols % (RS_K * U) != 0) return false;
+    const uint64_t cols = (uint64_t)w->cols, row_bytes = luma_row_size(w->type, w->cols);
+    if (!tensor_map_2d(&tmh, CU_TENSOR_MAP_DATA_TYPE_UINT8, w->dev, row_bytes, (uint64_t)w->rows, row_bytes, 16,
+                       S::rows) ||
+        !tensor_map_2d(&tmq, CU_TENSOR_MAP_DATA_TYPE_UINT8, w->dev, row_bytes, (uint64_t)w->rows, row_bytes, 64,
+                       S::rows) ||
+        !tensor_map_2d(&tmx, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, xp, cols, (uint64_t)m, cols * 2, 64, BN,
+                       CU_TENSOR_MAP_SWIZZLE_128B))
+        return false;
+    if (!mmq_setup_kernel(c, &fit, (const void *)rs_kernel<NW, BN, U>, S::smem, S::threads)) return true;
+    mmq_args p = mmq_args_for(w, mmq_x{ xp, NULL, NULL }, m, y);
+    p.nkb = (int)(w->cols / (RS_K * U));   /* rounds of U stages, not k-steps */
+    mmq_queue(c, rs_kernel<NW, BN, U>, &fit, p, (m + BN - 1) / BN, (w->rows + S::rows - 1) / S::rows, S::smem,
+              S::threads, tmh, tmq, tmx);
+    return true;
+}
+
+/* Rounds of four stages (512 k) where the width allows, else two. */
+static bool rs_run(cuda_backend *c, const luma_weight *w, const __half *xp, int64_t m, float *y)
+{
+    if (w->cols % (4 * RS_K) == 0)
+        return m <= 64 ? rs_launch<2, 64, 4>(c, w, xp, m, y) : rs_launch<2, 128, 4>(c, w, xp, m, y);
+    return m <= 64 ? rs_launch<2, 64, 2>(c, w, xp, m, y) : rs_launch<2, 128, 2>(c, w, xp, m, y);
+}
+
 /* Activation tiles of 8, 16, 32 or 64 rows (32 at most on the int8
  * route); a larger m takes several tiles, each reading the weights again
  * (from L2 when they run together). */
@@ -1981,6 +2249,21 @@ static bool q8g_wins(const cuda_backend *c, const luma_weight *w, int64_t m)
     return c->wgmma && w->type == LUMA_Q4_K && m >= lo && m <= hi;
 }
 
+/* Whether rs_kernel takes a Q4_K product under policy 0: where it beat
+ * cuBLAS on the resident copy and q8g_kernel on the H100 (cuda/NOTES.md):
+ * weights at least twice as tall as wide (llama's gate and up) at m =
+ * RS_TALL_LO .. RS_TALL_HI, at least twice as wide as tall (down) at
+ * RS_WIDE_LO .. RS_WIDE_HI. LUMA_CUDA_RS=lo,hi in the environment takes
+ * every shape from lo to hi instead, for measuring ("9999,0": never). */
+static bool rs_wins(const cuda_backend *c, const luma_weight *w, int64_t m)
+{
+    static env_rows env;
+    if (!c->wgmma || w->type != LUMA_Q4_K) return false;
+    if (env_rows_set(env, "LUMA_CUDA_RS")) return m >= env.lo && m <= env.hi;
+    if (w->rows >= 2 * w->cols) return m >= RS_TALL_LO && m <= RS_TALL_HI;
+    return w->cols >= 2 * w->rows && m >= RS_WIDE_LO && m <= RS_WIDE_HI;
+}
+
 bool luma_cuda_mmq_small(const cuda_backend *c, const luma_weight *w, const float *x, int64_t m)
 {
     return c->mmq_policy == 0 && !c->invariant && !c->float_act && mmq8_wins(w, m) && mmq_fits(w, x, m);
@@ -1990,13 +2273,23 @@ bool luma_cuda_mmq_takes(const cuda_backend *c, const luma_weight *w, const floa
 {
     if (c->mmq_policy < 0 || c->float_act || !mmq_fits(w, x, m)) return false;
     return c->mmq_policy != 0 || (mmq8_supports(w->type) && mmq8_wins(w, m)) || mmq_wg_wins(c, w, m) ||
-           q8g_wins(c, w, m) ||
-           mmq_wins(c, w, m);
+           q8g_wins(c, w, m) || rs_wins(c, w, m) || mmq_wins(c, w, m);
 }
 
 bool luma_cuda_mmq(cuda_backend *c, const luma_weight *w, const float *x, int64_t m, float *y)
 {
     if (!luma_cuda_mmq_takes(c, w, x, m)) return false;
+    if (w->type == LUMA_Q4_K && c->wgmma && (c->mmq_policy == 5 || (c->mmq_policy == 0 && rs_wins(c, w, m)))) {
+        size_t bytes;
+        if (luma_mul_size((size_t)m, (size_t)w->cols * sizeof(__half), &bytes)) {
+            luma_cuda_failf(c, "matmul: %lld x %lld activations are too large", (long long)m, (long long)w->cols);
+            return true;
+        }
+        __half *xp = (__half *)luma_cuda_scratch(c, bytes);
+        if (!xp) return true;
+        luma_cuda_quantize_act_rs(c, x, m * w->cols, xp);
+        if (!LUMA_CUDA_OK(c) || rs_run(c, w, xp, m, y)) return true;
+    }
     bool q8g = w->type == LUMA_Q4_K && c->wgmma && (c->mmq_policy == 4 || (c->mmq_policy == 0 && q8g_wins(c, w, m)));
     bool i8 = q8g || (mmq8_supports(w->type) && (c->mmq_policy == 2 || (c->mmq_policy == 0 && mmq8_wins(w, m))));
     if (!LUMA_CUDA_OK(c)) return true;
@@ -2050,7 +2343,7 @@ bool luma_cuda_mmq(cuda_backend *c, const luma_weight *w, const float *x, int64_
 
 extern "C" void luma_cuda_mmq_policy(luma_backend *be, int policy)
 {
-    ((cuda_backend *)be)->mmq_policy = policy < 0 ? -1 : policy > 4 ? 4 : policy;
+    ((cuda_backend *)be)->mmq_policy = policy < 0 ? -1 : policy > 5 ? 5 : policy;
 }
 
 /* Whether the wgmma route runs here (policy 3 falls back to the f16 route

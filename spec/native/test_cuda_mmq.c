@@ -15,6 +15,9 @@
  *   - where it runs too, Q4_K by the integer wgmma kernel (policy 4),
  *     within TOL_CPU_INT8 of the CPU backend's product, twice the same
  *     bits, and timed;
+ *   - where it runs too, Q4_K by rs_kernel (policy 5: f16 wgmma on weights
+ *     dequantized in registers), within TOL and TOL_CPU, twice the same
+ *     bits, and timed;
  *   - where it runs too, matmul's product on the resident f16 copy by
  *     g16_kernel (forced for every m > 8), within TOL and TOL_CPU, twice
  *     the same bits, and timed against cuBLAS on the same copy;
@@ -94,12 +97,12 @@ typedef struct ctx {
 } ctx;
 
 /* The ways of computing y = W x that are timed. */
-enum path { MMQ, MMQ8, MMQ_WG, MATMUL_RESIDENT, MATMUL_PER_CALL, G16, MMQ_Q8G, N_PATHS };
+enum path { MMQ, MMQ8, MMQ_WG, MATMUL_RESIDENT, MATMUL_PER_CALL, G16, MMQ_Q8G, MMQ_RS, N_PATHS };
 
 /* The policy that forces each mmq route. */
 static int route_policy(enum path pt)
 {
-    return pt == MMQ8 ? 2 : pt == MMQ_WG ? 3 : pt == MMQ_Q8G ? 4 : 1;
+    return pt == MMQ8 ? 2 : pt == MMQ_WG ? 3 : pt == MMQ_Q8G ? 4 : pt == MMQ_RS ? 5 : 1;
 }
 
 /* Whether mmq has its int8 route for t (policy 2 takes it). */
@@ -122,7 +125,7 @@ static int run_path(ctx *cx, enum path pt, const luma_weight *w, int64_t m)
 {
     luma_buf xv = luma_buf_rows(&cx->x, 0, m), yv = luma_buf_rows(&cx->y, 0, m);
     yv.cols = w->rows;
-    if (pt == MMQ || pt == MMQ8 || pt == MMQ_WG || pt == MMQ_Q8G) {
+    if (pt == MMQ || pt == MMQ8 || pt == MMQ_WG || pt == MMQ_Q8G || pt == MMQ_RS) {
         luma_cuda_mmq_policy(cx->be, route_policy(pt));
         bool took = luma_cuda_mmq_matmul(cx->be, w, &xv, &yv);
         CHECKF(took, "%s %lldx%lld m=%lld: mmq declined a product it supports", luma_type_name(w->type),
@@ -347,6 +350,10 @@ static void check_shape(ctx *cx, enum luma_type t, const struct shape *sh, timin
             check_route(cx, MMQ_Q8G, "int8 wgmma", "q8g", TOL_CPU_INT8, m == 17 || m == 100 || m == 300, &ref, m, y,
                         y2, line, &len) != 0)
             continue;
+        if (cx->wg && t == LUMA_Q4_K &&
+            check_route(cx, MMQ_RS, "f16 wgmma from registers", "rs", TOL_CPU, m == 17 || m == 100 || m == 300,
+                        &ref, m, y, y2, line, &len) != 0)
+            continue;
         if (cx->wg && m > 8 && w.dev_f16 &&
             check_route(cx, G16, "f16 wgmma", "g16", TOL_CPU, m == 17 || m == 100 || m == 300, &ref, m, y, y2, line,
                         &len) != 0)
@@ -368,6 +375,7 @@ static void check_shape(ctx *cx, enum luma_type t, const struct shape *sh, timin
                     tm[i].us[MATMUL_RESIDENT] = time_path(cx, MATMUL_RESIDENT, &cp, m);
                     tm[i].us[G16] = cx->wg && m > 8 ? time_path(cx, G16, &cp, m) : 0.0;
                     tm[i].us[MMQ_Q8G] = cx->wg && t == LUMA_Q4_K && m > 8 ? time_path(cx, MMQ_Q8G, &cp, m) : 0.0;
+                    tm[i].us[MMQ_RS] = cx->wg && t == LUMA_Q4_K && m > 8 ? time_path(cx, MMQ_RS, &cp, m) : 0.0;
                     continue;
                 }
                 tm[i].us[MMQ] = time_path(cx, MMQ, &cp, m);
@@ -377,6 +385,7 @@ static void check_shape(ctx *cx, enum luma_type t, const struct shape *sh, timin
                 tm[i].us[MATMUL_PER_CALL] = m > 8 ? time_path(cx, MATMUL_PER_CALL, &cp, m) : 0.0;
                 tm[i].us[G16] = cx->wg && m > 8 ? time_path(cx, G16, &cp, m) : 0.0;
                 tm[i].us[MMQ_Q8G] = cx->wg && t == LUMA_Q4_K && m > 8 ? time_path(cx, MMQ_Q8G, &cp, m) : 0.0;
+                tm[i].us[MMQ_RS] = cx->wg && t == LUMA_Q4_K && m > 8 ? time_path(cx, MMQ_RS, &cp, m) : 0.0;
                 luma_buf xv = luma_buf_rows(&cx->x, 0, m), yv = luma_buf_rows(&cx->y, 0, m);
                 luma_weight per_call = w;
                 per_call.dev_f16 = NULL;
@@ -477,6 +486,11 @@ static void print_timing(enum luma_type t, const struct shape *sh, int64_t m, co
                us[MATMUL_RESIDENT] / us[MMQ_Q8G]);
     else
         printf(" %7s %6s %6s %6s |", "-", "-", "-", "-");
+    if (us[MMQ_RS] > 0)
+        printf(" %7.1f %6.1f %6.0f %5.2fx |", us[MMQ_RS], flop / (us[MMQ_RS] * 1e6), qbytes / (us[MMQ_RS] * 1e3),
+               us[MATMUL_RESIDENT] / us[MMQ_RS]);
+    else
+        printf(" %7s %6s %6s %6s |", "-", "-", "-", "-");
     double vs_res = us[MMQ] > 0 ? us[MATMUL_RESIDENT] / us[MMQ] : 0.0;
     double vs_pc = us[MMQ] > 0 && us[MATMUL_PER_CALL] > 0 ? us[MATMUL_PER_CALL] / us[MMQ] : 0.0;
     printf(" %5.2fx %-4s", vs_res, vs_res > 1.0 ? "mmq" : m <= 8 ? "mmv" : "cuBLAS");
@@ -526,7 +540,7 @@ static int run_checks(void)
         printf("\ntiming (best of %d, weights cold in L2): microseconds, TFLOP/s, GB/s of the weights each path "
                "reads\n", TIME_REPS);
         printf("type  shape          m |      mmq: us TFLOP/s  GB/s | matmul resident f16 (mmv for m <= 8): us "
-               "TFLOP/s GB/s | per call: us TFLOP/s | int8 route: us TFLOP/s GB/s | wgmma route: us TFLOP/s GB/s | f16 wgmma on the copy: us TFLOP/s GB/s vs cuBLAS | Q4_K int8 wgmma: us TFLOP/s GB/s vs cuBLAS | mmq vs resident | vs per call | rule: resident, per call\n");
+               "TFLOP/s GB/s | per call: us TFLOP/s | int8 route: us TFLOP/s GB/s | wgmma route: us TFLOP/s GB/s | f16 wgmma on the copy: us TFLOP/s GB/s vs cuBLAS | Q4_K int8 wgmma: us TFLOP/s GB/s vs cuBLAS | Q4_K f16 wgmma from registers: us TFLOP/s GB/s vs cuBLAS | mmq vs resident | vs per call | rule: resident, per call\n");
         for (int ti = 0; ti < N_TYPES; ti++)
             for (int si = 0; si < N_SHAPES; si++)
                 if (shapes[si].big && !(only && *only && !strstr(only, luma_type_name(types[ti]))) &&

@@ -1207,10 +1207,11 @@ static __global__ void quantize_act(const float *__restrict__ x, int64_t n8, int
     if (lane % 4 == 0) ds[i / 4] = make_float2(d, d * (float)sum);
 }
 
-/* Queues quantize_act for t's activation format: the f16 of d * q into xh,
- * or the int8 values and scales into q and ds; with ACT >= 0 (the int8
- * output only) x is first replaced by act(x) * up. */
-template <int ACT>
+/* Queues quantize_act for t's activation format: the f16 of d * q into xh
+ * (in rs_kernel's k order when RS, for Q4_K), or the int8 values and scales
+ * into q and ds; with ACT >= 0 (the int8 output only) x is first replaced
+ * by act(x) * up. */
+template <int ACT, bool RS = false>
 static void quantize_launch(cuda_backend *c, enum luma_type t, float *gated, const float *x, const float *up,
                             int64_t n, int8_t *q, float2 *ds, __half *xh)
 {
@@ -1222,7 +1223,9 @@ static void quantize_launch(cuda_backend *c, enum luma_type t, float *gated, con
     }
     int64_t n8 = n / 8;
     unsigned grid = (unsigned)((n8 + 255) / 256);
-    if constexpr (ACT < 0) {
+    if constexpr (RS) {
+        luma_launch(c, c->stream, grid, 256, 0, quantize_act<ACT_Q8_K, true, -1, true>, x, n8, q, ds, xh, up, gated);
+    } else if constexpr (ACT < 0) {
         if (xh && k) luma_launch(c, c->stream, grid, 256, 0, quantize_act<ACT_Q8_K, true>, x, n8, q, ds, xh, up, gated);
         else if (xh) luma_launch(c, c->stream, grid, 256, 0, quantize_act<ACT_Q8_0, true>, x, n8, q, ds, xh, up, gated);
     }
@@ -1241,15 +1244,7 @@ void luma_cuda_quantize_act(cuda_backend *c, enum luma_type t, const float *x, i
 
 void luma_cuda_quantize_act_rs(cuda_backend *c, const float *x, int64_t n, __half *xh)
 {
-    if (n % 256 != 0 || ((uintptr_t)x & 15) != 0) {
-        luma_cuda_failf(c, "matmul: %lld activations at %p cannot be quantized for Q4_K", (long long)n,
-                        (const void *)x);
-        return;
-    }
-    int64_t n8 = n / 8;
-    luma_launch(c, c->stream, (unsigned)((n8 + 255) / 256), 256, 0, quantize_act<ACT_Q8_K, true, -1, true>, x, n8,
-                (int8_t *)NULL, (float2 *)NULL, xh, (const float *)NULL, (float *)NULL);
-    luma_cuda_fail(c, cudaGetLastError(), "matmul (quantizing activations)");
+    quantize_launch<-1, true>(c, LUMA_Q4_K, NULL, x, NULL, n, NULL, NULL, xh);
 }
 
 /* Weight rows per warp (direct kernel) or row group (staged kernel): two

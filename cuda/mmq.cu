@@ -2279,15 +2279,15 @@ bool luma_cuda_mmq_takes(const cuda_backend *c, const luma_weight *w, const floa
 bool luma_cuda_mmq(cuda_backend *c, const luma_weight *w, const float *x, int64_t m, float *y)
 {
     if (!luma_cuda_mmq_takes(c, w, x, m)) return false;
+    size_t elems, bytes;
+    if (luma_mul_size((size_t)m, (size_t)w->cols, &elems) || luma_mul_size(elems, sizeof(__half), &bytes)) {
+        luma_cuda_failf(c, "matmul: %lld x %lld activations are too large", (long long)m, (long long)w->cols);
+        return true;
+    }
     if (w->type == LUMA_Q4_K && c->wgmma && (c->mmq_policy == 5 || (c->mmq_policy == 0 && rs_wins(c, w, m)))) {
-        size_t bytes;
-        if (luma_mul_size((size_t)m, (size_t)w->cols * sizeof(__half), &bytes)) {
-            luma_cuda_failf(c, "matmul: %lld x %lld activations are too large", (long long)m, (long long)w->cols);
-            return true;
-        }
         __half *xp = (__half *)luma_cuda_scratch(c, bytes);
         if (!xp) return true;
-        luma_cuda_quantize_act_rs(c, x, m * w->cols, xp);
+        luma_cuda_quantize_act_rs(c, x, (int64_t)elems, xp);
         if (!LUMA_CUDA_OK(c) || rs_run(c, w, xp, m, y)) return true;
     }
     bool q8g = w->type == LUMA_Q4_K && c->wgmma && (c->mmq_policy == 4 || (c->mmq_policy == 0 && q8g_wins(c, w, m)));
@@ -2304,11 +2304,6 @@ bool luma_cuda_mmq(cuda_backend *c, const luma_weight *w, const float *x, int64_
         default: break;   /* Q8_0: a 272-byte span is more than a box */
         }
         if (took) return true;
-    }
-    size_t elems, bytes;
-    if (luma_mul_size((size_t)m, (size_t)w->cols, &elems) || luma_mul_size(elems, sizeof(__half), &bytes)) {
-        luma_cuda_failf(c, "matmul: %lld x %lld activations are too large", (long long)m, (long long)w->cols);
-        return true;
     }
     mmq_x xa = { NULL, NULL, NULL };
     if (i8) {

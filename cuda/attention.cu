@@ -23,7 +23,11 @@
  *            The number of splits follows the step's dec_keys_bound, not its
  *            context lengths, so that a decode step recorded as a CUDA graph
  *            replays unchanged for every step of its bucket: splits past a
- *            row's keys return at once.
+ *            row's keys return at once. Many rows of short contexts (a
+ *            step of at least DEC_LEAN_MIN rows x kv heads, at most
+ *            DEC_LEAN_KEYS keys) take decode_lean_kernel instead: a warp
+ *            per row and kv head over all its keys, no splits, nothing
+ *            shared between warps.
  *   prefill  long chunks are cut into tiles of LUMA_CUDA_ATTN_TILE (128)
  *            query rows, attended with an online softmax (flash attention):
  *            no score matrix is ever materialized beyond a tile of keys.
@@ -56,6 +60,9 @@
 #define DEC_MAX_STAGES 4      /* stages of a decode warp's ring at most */
 #define DEC_HEADS 8           /* query heads per decode CTA: a kv head's group or part of it (4 when dv > 128) */
 #define DEC_MAX_SPLITS 256    /* splits of a decode row's keys at most */
+#define DEC_LEAN_WARPS 4     /* warps of a decode_lean_kernel CTA at most */
+#define DEC_LEAN_MIN 256      /* decode_lean_kernel from this many units (dec_tuning) */
+#define DEC_LEAN_KEYS 256     /* and at most this many keys a row */
 #define DEC_P_SCALE 16384.0f  /* softmax weights (<= 1) times this on the tensor cores: f16 stays normal longer */
 #define PF_QT 16              /* query rows per CUDA-core prefill CTA */
 #define PF_SUB (LUMA_CUDA_ATTN_TILE / PF_QT)   /* its CTAs per tile */
@@ -429,7 +436,7 @@ __device__ static void tile_scores_mma(const attn_args &a, const __half *qh, con
 {
     int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, ldq = a.dk + 8;
     int k_row = lane % 8 + 8 * (lane / 16), k_col = 8 * (lane / 8 % 2);
-    float s0[4] = { 0.0f, 0.0f, 0.0f, 0.0f }, s1[4] = { 0.0f, 0.0f, 0.0f, 0.0f };
+    float s[4][4] = {};   /* keys 0-7 and 8-15 against hi, then against lo: four chains of products */
     for (int kc = 0; kc < a.dk / 16; kc++) {
         uint32_t kf[4], hi[4] = { 0, 0, 0, 0 }, lo[4] = { 0, 0, 0, 0 };
         ldsm4(kf, ks + k_row * a.ldk + kc * 16 + k_col);
@@ -440,15 +447,15 @@ __device__ static void tile_scores_mma(const attn_args &a, const __half *qh, con
             lo[0] = *(const uint32_t *)(ql + at);
             lo[2] = *(const uint32_t *)(ql + at + 8);
         }
-        mma16816(s0, hi, kf[0], kf[1]);
-        mma16816(s1, hi, kf[2], kf[3]);
-        mma16816(s0, lo, kf[0], kf[1]);
-        mma16816(s1, lo, kf[2], kf[3]);
+        mma16816(s[0], hi, kf[0], kf[1]);
+        mma16816(s[1], hi, kf[2], kf[3]);
+        mma16816(s[2], lo, kf[0], kf[1]);
+        mma16816(s[3], lo, kf[2], kf[3]);
     }
-    x[0] = s0[0];
-    x[1] = s0[1];
-    x[2] = s1[0];
-    x[3] = s1[1];
+    x[0] = s[0][0] + s[2][0];
+    x[1] = s[0][1] + s[2][1];
+    x[2] = s[1][0] + s[3][0];
+    x[3] = s[1][1] + s[3][1];
 }
 
 /* grid (decode rows, splits, kv heads x head chunks), dec_warps warps. One
@@ -906,6 +913,213 @@ __global__ static void __launch_bounds__(DEC_MAX_WARPS * 32, MMA == 128 ? 2 : 1)
         to[3] = sum.w;
     }
     if (tid == 0) *counter = 0;
+}
+
+/* ---- decode, a warp a unit ----------------------------------------------- */
+
+/* The decode kernel for many rows of short contexts (decode_lean_launch):
+ * grid (decode rows, units / warps), one warp per unit, a unit being one
+ * row, one kv head and the query heads of it that decode_kernel's CTA
+ * would take (H <= 8: the rows of the scores' m16 tiles), over all of the
+ * row's keys. F16 caches with dk = dv = D (64 or 128). Nothing is shared
+ * between the warps of a CTA: no q staging, no barrier, no merge of warps,
+ * no splits. The unit's q stays in registers as the A fragments of the
+ * scores (f16 hi + lo, as decode_kernel's), its keys stream in tiles of 16
+ * through the warp's own ring of dec_stages stages (cp.async; a tile
+ * inside one cache block is one running address: its K and V are 4 KB
+ * each for D = 128), and the per-tile work is decode_kernel's tensor-core
+ * path. The row's own k and v: as decode_kernel (taken from the step,
+ * stored by the unit of head chunk 0). */
+template <int D>
+__global__ static void __launch_bounds__(DEC_LEAN_WARPS * 32) decode_lean_kernel(const attn_args a)
+{
+    follow_previous_kernel();
+    constexpr int LD = D + 8, TILE = 16 * LD, STAGE = 2 * TILE, KC = D / 16;
+    constexpr int PPR = D / 8, RPP = 32 / PPR, PASSES = 16 / RPP;   /* 16-byte pieces of a row; rows a pass */
+    extern __shared__ __align__(16) unsigned char dsm[];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, S = a.dec_stages;
+    const int32_t z = a.n_kv_head * a.n_hchunks, zz = (int32_t)blockIdx.y * (int32_t)(blockDim.x / 32) + warp;
+    if (zz >= z) return;
+    const int32_t y = (int32_t)blockIdx.x;
+    const int32_t kvh = zz / a.n_hchunks, hc0 = zz % a.n_hchunks * a.heads_per_cta;
+    const int32_t nh = min(a.heads_per_cta, a.group - hc0), h0 = kvh * a.group + hc0;
+    const int32_t r = a.dec_rows[y], p = a.pos[r], seq = a.row_seq[r], k0 = first_key(a, p), k1 = p + 1;
+    const int32_t *tab = block_table(a, seq);
+    const int32_t spos0 = a.seq_pos0[seq], srow0 = a.seq_row0[seq];
+    __half *ring = (__half *)dsm + (size_t)warp * (size_t)S * STAGE;
+
+    /* the row's first 32 block table entries, one a lane */
+    const int32_t tb0 = k0 >> a.bt_shift, tb_n = ((k1 - 1) >> a.bt_shift) - tb0 + 1;
+    const int32_t tab_lane = lane < tb_n ? tab[tb0 + lane] : -1;
+    auto block_of = [&](int32_t key) -> int32_t {
+        int32_t i = (key >> a.bt_shift) - tb0;
+        int32_t v = __shfl_sync(0xffffffffu, tab_lane, i & 31);
+        return i < 32 ? v : tab[key >> a.bt_shift];
+    };
+    const size_t head_off = a.layer_off + (size_t)kvh * (size_t)a.block_tokens * (size_t)(D * 2);
+    const int32_t n_tiles = (k1 - k0 + 15) / 16;
+    /* tile j's K rows to stage j % S, its V rows TILE halves after them */
+    auto issue = [&](int32_t j, int slot) {
+        const int32_t kt = k0 + 16 * j;
+        __half *st = ring + slot * STAGE;
+        const int32_t in_block = kt & (a.block_tokens - 1);
+        if (kt + 16 <= k1 && kt + 16 <= spos0 && in_block + 16 <= a.block_tokens) {
+            const int32_t b = block_of(kt);
+            if (b >= 0) {
+                const uint8_t *kb = a.pool + (size_t)b * a.block_bytes + head_off + (size_t)in_block * (D * 2);
+#pragma unroll
+                for (int i = 0; i < 16 * PPR / 32; i++) {
+                    const int q = lane + 32 * i, row = q / PPR, col = q % PPR;
+                    cp_async16(st + row * LD + col * 8, kb + (size_t)q * 16, true);
+                    cp_async16(st + TILE + row * LD + col * 8, kb + a.v_off + (size_t)q * 16, true);
+                }
+                return;
+            }
+        }
+        const int row0 = lane / PPR, col = lane % PPR;
+#pragma unroll
+        for (int i = 0; i < PASSES; i++) {
+            const int rr = row0 + i * RPP;
+            const int32_t key = kt + rr;
+            __half *kd = st + rr * LD + col * 8, *vd = kd + TILE;
+            const int32_t kb = block_of(min(key, k1 - 1));   /* every lane takes part in the shuffle */
+            const int32_t b = key < k1 && key < spos0 ? kb : -1;
+            if (key >= k1) {
+                cp_async16(kd, a.pool, false);
+                cp_async16(vd, a.pool, false);
+            } else if (key >= spos0) {
+                const int32_t sr = srow0 + key - spos0;
+                piece_from_floats(a.k + (size_t)sr * (size_t)a.k_cols + (size_t)kvh * D + col * 8, kd);
+                piece_from_floats(a.v + (size_t)sr * (size_t)a.v_cols + (size_t)kvh * D + col * 8, vd);
+            } else {
+                const uint8_t *from = a.pool + (size_t)(b < 0 ? 0 : b) * a.block_bytes + head_off +
+                                      (size_t)(key & (a.block_tokens - 1)) * (D * 2) + (size_t)col * 16;
+                cp_async16(kd, from, b >= 0);
+                cp_async16(vd, from + a.v_off, b >= 0);
+            }
+        }
+    };
+    for (int j = 0; j < S - 1; j++) {
+        if (j < n_tiles) issue(j, j);
+        cp_async_commit();
+    }
+
+    /* q of the unit's heads as A fragments (rows g < nh), f16 hi + lo */
+    uint32_t qh[KC][2], ql[KC][2];
+    {
+        const float *q = a.q + (size_t)r * (size_t)a.q_cols + (size_t)(h0 + g) * D + 2 * t;
+#pragma unroll
+        for (int kc = 0; kc < KC; kc++)
+#pragma unroll
+            for (int hf = 0; hf < 2; hf++) {
+                float x0 = 0.0f, x1 = 0.0f;
+                if (g < nh) {
+                    x0 = q[kc * 16 + 8 * hf];
+                    x1 = q[kc * 16 + 8 * hf + 1];
+                }
+                __half h0h, h0l, h1h, h1l;
+                split_hi_lo(x0, h0h, h0l);
+                split_hi_lo(x1, h1h, h1l);
+                __half2 hh = __halves2half2(h0h, h1h), hl = __halves2half2(h0l, h1l);
+                qh[kc][hf] = *(const uint32_t *)&hh;
+                ql[kc][hf] = *(const uint32_t *)&hl;
+            }
+    }
+    /* the row's own k and v to its slot (head chunk 0) */
+    if (hc0 == 0) {
+        const int32_t b = tab[p >> a.bt_shift];
+        if (b >= 0) {
+            uint8_t *slot = a.pool + (size_t)b * a.block_bytes + head_off + (size_t)(p & (a.block_tokens - 1)) * (D * 2);
+            const float *kr = a.k + (size_t)r * (size_t)a.k_cols + (size_t)kvh * D;
+            const float *vr = a.v + (size_t)r * (size_t)a.v_cols + (size_t)kvh * D;
+            for (int e = lane; e < D; e += 32) {
+                ((__half *)slot)[e] = __float2half_rn(kr[e]);
+                ((__half *)(slot + a.v_off))[e] = __float2half_rn(vr[e]);
+            }
+        }
+    }
+
+    float o[KC][4], m_row = -INFINITY, l_row = 0.0f;
+#pragma unroll
+    for (int i = 0; i < KC; i++) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+    const int lrow = lane % 8 + 8 * (lane / 16), lcol = 8 * (lane / 8 % 2);   /* ldmatrix addresses */
+    for (int32_t j = 0, rd = 0, wr = S - 1; j < n_tiles; j++) {   /* rd: tile j's stage, wr: tile j + S - 1's */
+        if (j + S - 1 < n_tiles) issue(j + S - 1, wr);
+        cp_async_commit();
+        cp_async_wait_n(S - 1);
+        __syncwarp();
+        const int32_t kt = k0 + 16 * j, n = min(16, k1 - kt);
+        const __half *ks = ring + rd * STAGE, *vs = ks + TILE;
+        rd = rd + 1 == S ? 0 : rd + 1;
+        wr = wr + 1 == S ? 0 : wr + 1;
+        float s[4][4] = {};   /* four chains of products, as tile_scores_mma's */
+#pragma unroll
+        for (int kc = 0; kc < KC; kc++) {
+            uint32_t kf[4];
+            ldsm4(kf, ks + lrow * LD + kc * 16 + lcol);
+            const uint32_t hi[4] = { qh[kc][0], 0u, qh[kc][1], 0u }, lo[4] = { ql[kc][0], 0u, ql[kc][1], 0u };
+            mma16816(s[0], hi, kf[0], kf[1]);
+            mma16816(s[1], hi, kf[2], kf[3]);
+            mma16816(s[2], lo, kf[0], kf[1]);
+            mma16816(s[3], lo, kf[2], kf[3]);
+        }
+        float x[4] = { s[0][0] + s[2][0], s[0][1] + s[2][1], s[1][0] + s[3][0], s[1][1] + s[3][1] }, mx = -INFINITY;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int key = (i / 2) * 8 + 2 * t + (i & 1);
+            x[i] = key < n ? score(a, x[i]) : -INFINITY;
+            mx = fmaxf(mx, x[i]);
+        }
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_new = fmaxf(m_row, mx);   /* finite: the tile holds key kt */
+        const float cr = expf(m_row - m_new);
+        float sum = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            x[i] = expf(x[i] - m_new);
+            sum += x[i];
+        }
+        l_row = l_row * cr + sum;
+        m_row = m_new;
+#pragma unroll
+        for (int i = 0; i < 4; i++) x[i] *= DEC_P_SCALE;
+        const uint32_t bh0 = pack_half2(x[0], x[1]), bh1 = pack_half2(x[2], x[3]);
+        const float2 r0 = __half22float2(*(const __half2 *)&bh0), r1 = __half22float2(*(const __half2 *)&bh1);
+        const uint32_t bl0 = pack_half2(x[0] - r0.x, x[1] - r0.y), bl1 = pack_half2(x[2] - r1.x, x[3] - r1.y);
+        const float c0 = __shfl_sync(0xffffffffu, cr, 8 * t), c1 = __shfl_sync(0xffffffffu, cr, 8 * t + 4);
+#pragma unroll
+        for (int i = 0; i < KC; i++) {
+            o[i][0] *= c0;
+            o[i][1] *= c1;
+            o[i][2] *= c0;
+            o[i][3] *= c1;
+            uint32_t vf[4];
+            ldsm4_t(vf, vs + lrow * LD + lcol + i * 16);
+            mma16816(o[i], vf, bh0, bh1);
+            mma16816(o[i], vf, bl0, bl1);
+        }
+        __syncwarp();   /* the stage is read before the next issue rewrites it */
+    }
+
+    /* heads 2t and 2t + 1 of this lane's columns: their l and m sit in the
+     * quads at lanes 8t and 8t + 4 */
+    l_row += __shfl_xor_sync(0xffffffffu, l_row, 1);
+    l_row += __shfl_xor_sync(0xffffffffu, l_row, 2);
+    const float l0 = __shfl_sync(0xffffffffu, l_row, 8 * t), l1 = __shfl_sync(0xffffffffu, l_row, 8 * t + 4);
+    const float unscale = 1.0f / DEC_P_SCALE;
+    const int hd[2] = { 2 * t, 2 * t + 1 };
+    const float lh[2] = { l0, l1 };
+#pragma unroll
+    for (int u = 0; u < 2; u++) {
+        if (hd[u] >= nh) continue;
+        float *to = a.out + (size_t)r * (size_t)a.out_cols + (size_t)(h0 + hd[u]) * D + g;
+#pragma unroll
+        for (int i = 0; i < KC; i++) {
+            to[16 * i] = o[i][u] * unscale / lh[u];
+            to[16 * i + 8] = o[i][2 + u] * unscale / lh[u];
+        }
+    }
 }
 
 /* grid (decode rows, query heads, dv / 128 rounded up), 8 warps: merges 128
@@ -1454,6 +1668,7 @@ int luma_cuda_attention_setup(const luma_kv_layout *l, luma_err *err)
         (const void *)decode_kernel<__half, 4, 0>,   (const void *)decode_kernel<__half, 8, 0>,
         (const void *)decode_kernel<float, 1, 0>,    (const void *)decode_kernel<float, 2, 0>,
         (const void *)decode_kernel<float, 4, 0>,    (const void *)decode_kernel<float, 8, 0>,
+        (const void *)decode_lean_kernel<64>,        (const void *)decode_lean_kernel<128>,
     };
     dec_smem_max = (size_t)optin;
     for (size_t i = 0; i < sizeof decoders / sizeof decoders[0]; i++) {
@@ -1545,9 +1760,11 @@ typedef struct dec_tuning {
     int merge_kb;              /* partials a row's last split merges itself at most; more: combine_kernel */
     int mma;                   /* F16 caches on the tensor cores (dk, dv multiples of 16) */
     int one_split;             /* steps whose keys bound is at most this many: one split a row */
+    int lean_min;              /* decode_lean_kernel from this many units (rows x kv heads x head chunks) */
+    int lean_keys;             /* and at most this many keys a row */
 } dec_tuning;
 
-/* LUMA_CUDA_ATTN_DECODE="stages,stage_bytes,warps,waves,min_split,merge_kb,mma,one_split" */
+/* LUMA_CUDA_ATTN_DECODE="stages,stage_bytes,warps,waves,min_split,merge_kb,mma,one_split,lean_min,lean_keys" */
 static dec_tuning dec_tuning_get(void);
 
 /* The defaults that depend on the heads (cuda/NOTES.md, "Decode:
@@ -1575,11 +1792,11 @@ static dec_tuning dec_tuning_get(void)
 {
     /* stages 0, warps 0, mma -1 and one_split -1: the defaults for the layer's heads
      * (dec_defaults, decode_launch) */
-    dec_tuning t = { 0, 8192, 0, 1, 64, 64, -1, -1 };
+    dec_tuning t = { 0, 8192, 0, 1, 64, 64, -1, -1, DEC_LEAN_MIN, DEC_LEAN_KEYS };
     const char *s = getenv("LUMA_CUDA_ATTN_DECODE");
     if (s && *s)
-        sscanf(s, "%d,%d,%d,%d,%d,%d,%d,%d", &t.stages, &t.stage_bytes, &t.warps, &t.waves, &t.min_split,
-               &t.merge_kb, &t.mma, &t.one_split);
+        sscanf(s, "%d,%d,%d,%d,%d,%d,%d,%d,%d,%d", &t.stages, &t.stage_bytes, &t.warps, &t.waves, &t.min_split,
+               &t.merge_kb, &t.mma, &t.one_split, &t.lean_min, &t.lean_keys);
     if (t.stages != 0) t.stages = t.stages < 2 ? 2 : t.stages > DEC_MAX_STAGES ? DEC_MAX_STAGES : t.stages;
     if (t.warps != 0) t.warps = t.warps < 1 ? 1 : t.warps > DEC_MAX_WARPS ? DEC_MAX_WARPS : t.warps;
     if (t.waves < 1) t.waves = 1;
@@ -1728,6 +1945,40 @@ static void decode_launch(cuda_backend *c, attn_args *a, const dec_tuning &tunin
                     (size_t)a->n_splits * sizeof(float), combine_kernel, *a);
 }
 
+/* Launches decode_lean_kernel<D> over the step's decode rows. */
+template <int D>
+static void decode_lean_launch(cuda_backend *c, attn_args *a, const dec_tuning &tu)
+{
+    static cudaFuncAttributes fa;
+    static const cudaError_t setup = cudaFuncGetAttributes(&fa, (const void *)decode_lean_kernel<D>);
+    if (luma_cuda_fail(c, setup, "attention (decode kernel)")) return;
+    const cuda_step *st = &c->step;
+    const int32_t z = a->n_kv_head * a->n_hchunks;
+    const int warps = z < DEC_LEAN_WARPS ? z : DEC_LEAN_WARPS, stages = tu.stages ? tu.stages : 3;
+    const size_t smem = (size_t)warps * (size_t)stages * 2 * 16 * (D + 8) * sizeof(__half);
+    const int occ = decode_occupancy(fa, warps * 32, smem);
+    if (occ < 1 || smem > dec_smem_max) {
+        luma_cuda_failf(c, "attention: the decode kernel does not fit an SM (%zu bytes of shared memory)", smem);
+        return;
+    }
+    a->dec_stages = stages;
+    luma_launch(c, c->stream, dim3((unsigned)st->n_dec, (unsigned)((z + warps - 1) / warps)), warps * 32, smem,
+                decode_lean_kernel<D>, *a);
+}
+
+/* Whether decode_lean_kernel takes the step's decode rows: F16 caches with
+ * dk = dv of 64 or 128 on the tensor cores, at least lean_min units (rows x
+ * kv heads x head chunks: enough warps to fill the GPU), at most lean_keys
+ * keys a row (the step's bound; each warp goes through them alone), and
+ * not under batch invariance (the kernel taken follows the step's rows). */
+static bool lean_covers(const cuda_backend *c, const attn_args *a, const dec_tuning &tu)
+{
+    int64_t units = (int64_t)c->step.n_dec * a->n_kv_head * a->n_hchunks, keys = c->step.dec_keys_bound;
+    if (a->window > 0 && a->window < keys) keys = a->window;
+    return tu.mma && !c->invariant && a->dk == a->dv && (a->dk == 64 || a->dk == 128) && a->heads_per_cta <= 8 &&
+           units >= tu.lean_min && keys <= tu.lean_keys;
+}
+
 template <typename T, int MMA>
 static void decode_heads(cuda_backend *c, attn_args *a, const dec_tuning &tu)
 {
@@ -1752,7 +2003,10 @@ static void launch(cuda_backend *c, attn_args *a, bool tc)
         bool mma = false;
         if constexpr (sizeof(T) == 2) mma = tu.mma && a->dk % 16 == 0 && a->dv % 16 == 0;
         if constexpr (sizeof(T) == 2) {
-            if (mma && a->dv <= 128) decode_heads<T, 128>(c, a, tu);
+            if (mma && lean_covers(c, a, tu)) {
+                if (a->dk == 64) decode_lean_launch<64>(c, a, tu);
+                else decode_lean_launch<128>(c, a, tu);
+            } else if (mma && a->dv <= 128) decode_heads<T, 128>(c, a, tu);
             else if (mma) decode_heads<T, 256>(c, a, tu);
         }
         if (!mma) decode_heads<T, 0>(c, a, tu);

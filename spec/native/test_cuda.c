@@ -22,6 +22,8 @@
  *     tensor-core prefill rounds q and the softmax weights to f16: its steps
  *     are held to 2e-3 (numpy's model of that rounding gives 2e-4 to 7e-4
  *     on these shapes), the f32 kernels to 1e-4 (F16 cache) and 2e-5 (F32);
+ *     the F16 shapes of heads of 64 and 128 again with every decode row on
+ *     decode_lean_kernel (the kernel the defaults give many short rows);
  *   - decode steps on the 7B llama shape and gemma's (F16 cache): 32 and
  *     128 rows of 128 to 512 keys, 128 rows of 600 to 1100 keys under a
  *     window of 512 (gemma), one row of 4096 and one of 32768 keys; each
@@ -1024,6 +1026,16 @@ static void test_attention_shape(const attn_shape *sh, enum luma_type type)
             attend(&e, &as.t.s, &e.full, label, type == LUMA_F16 ? steps[k].timing : UNTIMED);
             snprintf(label, sizeof label, "attn %s %s %s w%d", sh->name, luma_type_name(type), steps[k].what, WINDOW);
             attend(&e, &as.t.s, &e.win, label, UNTIMED);
+            /* the decode rows again on decode_lean_kernel (which the
+             * defaults give many rows of short contexts only) */
+            if (type == LUMA_F16 && sh->dk == sh->dv && (sh->dk == 64 || sh->dk == 128)) {
+                setenv("LUMA_CUDA_ATTN_DECODE", "0,8192,0,1,64,64,-1,-1,0,1000000", 1);
+                snprintf(label, sizeof label, "attn %s f16 %s lean w0", sh->name, steps[k].what);
+                attend(&e, &as.t.s, &e.full, label, UNTIMED);
+                snprintf(label, sizeof label, "attn %s f16 %s lean w%d", sh->name, steps[k].what, WINDOW);
+                attend(&e, &as.t.s, &e.win, label, UNTIMED);
+                unsetenv("LUMA_CUDA_ATTN_DECODE");
+            }
         }
         step_free(&as.t);
     }
@@ -1054,8 +1066,9 @@ static void test_attention(void)
  * hi]. Checked against the CPU, then timed at the bandwidth of reading each
  * row's visible K and V once (F16 cache). LUMA_CUDA_DECODE_CONFIGS, a list
  * of decode tunings separated by ';' (each "stages,stage_bytes,warps,waves,
- * min_split,merge_kb,mma[,one_split]", as cuda/attention.cu reads LUMA_CUDA_ATTN_DECODE,
- * set to each in turn), also checks and times each of them. */
+ * min_split,merge_kb,mma[,one_split,lean_min,lean_keys]", as cuda/attention.cu reads
+ * LUMA_CUDA_ATTN_DECODE, set to each in turn), also checks and times each of
+ * them; LUMA_CUDA_DECODE_CASE=i runs case i alone (for a profiler). */
 typedef struct dec_case {
     const char *name;
     int32_t n_head, n_kv, d;   /* query heads over kv heads of d dimensions (keys and values) */
@@ -1282,8 +1295,9 @@ static void test_decode_timing(void)
         printf("decode timing: not run (LUMA_CUDA_QUICK)\n");
         return;
     }
-    const char *configs = getenv("LUMA_CUDA_DECODE_CONFIGS");
-    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) decode_case(&cases[i], configs);
+    const char *configs = getenv("LUMA_CUDA_DECODE_CONFIGS"), *one = getenv("LUMA_CUDA_DECODE_CASE");
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
+        if (!one || !*one || (size_t)atoi(one) == i) decode_case(&cases[i], configs);
 }
 
 /* ---- prefill: CUDA cores against tensor cores --------------------------- */

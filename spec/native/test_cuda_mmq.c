@@ -3,7 +3,7 @@
  * built from luma_dequantize_row and the f32 activations:
  *   - Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K weights (random blocks with sane
  *     half scales: random_weights of testutil.h), llama-8B's shapes
- *     4096 x 4096, 14336 x 4096 and 4096 x 14336 and small ones that leave
+ *     4096 x 4096, 14336 x 4096, 4096 x 14336, 1024 x 4096 and small ones that leave
  *     partial tiles (333 rows, 130 rows, one k-step of 256 columns, one
  *     row tile over 14336 columns), m from 1 to 512, multiples of the
  *     activation tiles and not: each output's error relative to sum |w x|
@@ -64,7 +64,7 @@ static const enum luma_type types[] = { LUMA_Q4_K, LUMA_Q6_K, LUMA_Q8_0, LUMA_Q5
 
 static const struct shape { int64_t rows, cols; int big; } shapes[] = {
     { 333, 512, 0 }, { 130, 256, 0 }, { 1000, 768, 0 }, { 128, 14336, 0 },
-    { 4096, 4096, 1 }, { 14336, 4096, 1 }, { 4096, 14336, 1 },
+    { 4096, 4096, 1 }, { 14336, 4096, 1 }, { 4096, 14336, 1 }, { 1024, 4096, 1 },
 };
 #define N_SHAPES (int)(sizeof shapes / sizeof shapes[0])
 

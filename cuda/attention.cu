@@ -933,7 +933,6 @@ __global__ static void __launch_bounds__(DEC_MAX_WARPS * 32, MMA == 128 ? 2 : 1)
 template <int D>
 __global__ static void __launch_bounds__(DEC_LEAN_WARPS * 32) decode_lean_kernel(const attn_args a)
 {
-    follow_previous_kernel();
     constexpr int LD = D + 8, TILE = 16 * LD, STAGE = 2 * TILE, KC = D / 16;
     constexpr int PPR = D / 8, RPP = 32 / PPR, PASSES = 16 / RPP;   /* 16-byte pieces of a row; rows a pass */
     extern __shared__ __align__(16) unsigned char dsm[];
@@ -999,45 +998,68 @@ __global__ static void __launch_bounds__(DEC_LEAN_WARPS * 32) decode_lean_kernel
             }
         }
     };
-    for (int j = 0; j < S - 1; j++) {
+    /* Before the wait for the kernel before: the step's metadata and the
+     * cache's keys of earlier steps are written by no kernel of the step,
+     * so the first tiles that hold only such keys go out now (the chain of
+     * loads to a tile's address is the longest wait of a unit). q, the
+     * step's k and v rows and the stores come after the wait. */
+    const int32_t own_b = block_of(p);   /* every lane: the shuffle */
+    int pre = 0;
+    for (; pre < S - 1 && pre < n_tiles && k0 + 16 * (pre + 1) <= spos0; pre++) {
+        issue(pre, pre);
+        cp_async_commit();
+    }
+    wait_for_previous_kernel();
+    let_next_kernel_start();
+    for (int j = pre; j < S - 1; j++) {
         if (j < n_tiles) issue(j, j);
         cp_async_commit();
     }
 
-    /* q of the unit's heads as A fragments (rows g < nh), f16 hi + lo */
-    uint32_t qh[KC][2], ql[KC][2];
+    /* q of the unit's heads (rows g < nh of the A fragments) and the row's
+     * own k and v (head chunk 0 stores them): loaded now, used once the
+     * first tile has come, so that their latency hides behind its */
+    float qf[KC][2][2], kf_own[D / 32], vf_own[D / 32];
     {
         const float *q = a.q + (size_t)r * (size_t)a.q_cols + (size_t)(h0 + g) * D + 2 * t;
 #pragma unroll
         for (int kc = 0; kc < KC; kc++)
 #pragma unroll
             for (int hf = 0; hf < 2; hf++) {
-                float x0 = 0.0f, x1 = 0.0f;
-                if (g < nh) {
-                    x0 = q[kc * 16 + 8 * hf];
-                    x1 = q[kc * 16 + 8 * hf + 1];
-                }
+                qf[kc][hf][0] = g < nh ? q[kc * 16 + 8 * hf] : 0.0f;
+                qf[kc][hf][1] = g < nh ? q[kc * 16 + 8 * hf + 1] : 0.0f;
+            }
+        const float *kr = a.k + (size_t)r * (size_t)a.k_cols + (size_t)kvh * D;
+        const float *vr = a.v + (size_t)r * (size_t)a.v_cols + (size_t)kvh * D;
+#pragma unroll
+        for (int i = 0; i < D / 32; i++) {
+            kf_own[i] = hc0 == 0 ? kr[lane + 32 * i] : 0.0f;
+            vf_own[i] = hc0 == 0 ? vr[lane + 32 * i] : 0.0f;
+        }
+    }
+    uint32_t qh[KC][2], ql[KC][2];   /* q as f16 hi + lo A fragments */
+    auto first_tile = [&]() {
+#pragma unroll
+        for (int kc = 0; kc < KC; kc++)
+#pragma unroll
+            for (int hf = 0; hf < 2; hf++) {
                 __half h0h, h0l, h1h, h1l;
-                split_hi_lo(x0, h0h, h0l);
-                split_hi_lo(x1, h1h, h1l);
+                split_hi_lo(qf[kc][hf][0], h0h, h0l);
+                split_hi_lo(qf[kc][hf][1], h1h, h1l);
                 __half2 hh = __halves2half2(h0h, h1h), hl = __halves2half2(h0l, h1l);
                 qh[kc][hf] = *(const uint32_t *)&hh;
                 ql[kc][hf] = *(const uint32_t *)&hl;
             }
-    }
-    /* the row's own k and v to its slot (head chunk 0) */
-    if (hc0 == 0) {
-        const int32_t b = tab[p >> a.bt_shift];
-        if (b >= 0) {
-            uint8_t *slot = a.pool + (size_t)b * a.block_bytes + head_off + (size_t)(p & (a.block_tokens - 1)) * (D * 2);
-            const float *kr = a.k + (size_t)r * (size_t)a.k_cols + (size_t)kvh * D;
-            const float *vr = a.v + (size_t)r * (size_t)a.v_cols + (size_t)kvh * D;
-            for (int e = lane; e < D; e += 32) {
-                ((__half *)slot)[e] = __float2half_rn(kr[e]);
-                ((__half *)(slot + a.v_off))[e] = __float2half_rn(vr[e]);
+        if (hc0 == 0 && own_b >= 0) {
+            __half *slot = (__half *)(a.pool + (size_t)own_b * a.block_bytes + head_off +
+                                      (size_t)(p & (a.block_tokens - 1)) * (D * 2));
+#pragma unroll
+            for (int i = 0; i < D / 32; i++) {
+                slot[lane + 32 * i] = __float2half_rn(kf_own[i]);
+                ((__half *)((uint8_t *)slot + a.v_off))[lane + 32 * i] = __float2half_rn(vf_own[i]);
             }
         }
-    }
+    };
 
     float o[KC][4], m_row = -INFINITY, l_row = 0.0f;
 #pragma unroll
@@ -1048,6 +1070,7 @@ __global__ static void __launch_bounds__(DEC_LEAN_WARPS * 32) decode_lean_kernel
         cp_async_commit();
         cp_async_wait_n(S - 1);
         __syncwarp();
+        if (j == 0) first_tile();
         const int32_t kt = k0 + 16 * j, n = min(16, k1 - kt);
         const __half *ks = ring + rd * STAGE, *vs = ks + TILE;
         rd = rd + 1 == S ? 0 : rd + 1;

@@ -458,6 +458,61 @@ __device__ static void tile_scores_mma(const attn_args &a, const __half *qh, con
     x[3] = s[1][1] + s[3][1];
 }
 
+/* The online softmax of a decode tile on the tensor cores and its p V:
+ * x holds this lane's scores (keys 2t + {0, 1} and 8 + 2t + {0, 1} of head
+ * lane / 4, t = lane % 4; keys from n on are past the range), m_row and
+ * l_row its head's running maximum and share of the sum; o[i] the O^T
+ * fragments of value columns [16 i, 16 i + 16) for i < nvt, the tile's V
+ * rows at vs, ldv halves apart. The weights go to the tensor cores as the
+ * B operand of O^T += V^T P^T (the scores' accumulator layout is B's),
+ * times DEC_P_SCALE (in (0, 1] they would reach f16's subnormals early),
+ * split into f16 hi + lo parts like q; the rescale of heads 2t and
+ * 2t + 1, whose quads start at lanes 8t and 8t + 4. */
+template <int MT>
+__device__ __forceinline__ static void tile_softmax_pv(const attn_args &a, float (&x)[4], int32_t n, const __half *vs,
+                                                       int ldv, int nvt, float &m_row, float &l_row, float (&o)[MT][4])
+{
+    const int lane = threadIdx.x % 32, t = lane % 4;
+    float mx = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const int key = (i / 2) * 8 + 2 * t + (i & 1);
+        x[i] = key < n ? score(a, x[i]) : -INFINITY;
+        mx = fmaxf(mx, x[i]);
+    }
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float m_new = fmaxf(m_row, mx);   /* finite: every tile holds a key of the range */
+    const float cr = expf(m_row - m_new);
+    float sum = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        x[i] = expf(x[i] - m_new);
+        sum += x[i];
+    }
+    l_row = l_row * cr + sum;
+    m_row = m_new;
+#pragma unroll
+    for (int i = 0; i < 4; i++) x[i] *= DEC_P_SCALE;
+    const uint32_t bh0 = pack_half2(x[0], x[1]), bh1 = pack_half2(x[2], x[3]);
+    const float2 r0 = __half22float2(*(const __half2 *)&bh0), r1 = __half22float2(*(const __half2 *)&bh1);
+    const uint32_t bl0 = pack_half2(x[0] - r0.x, x[1] - r0.y), bl1 = pack_half2(x[2] - r1.x, x[3] - r1.y);
+    const float c0 = __shfl_sync(0xffffffffu, cr, 8 * t), c1 = __shfl_sync(0xffffffffu, cr, 8 * t + 4);
+    const __half *vh = vs + (lane % 8 + 8 * (lane / 16)) * ldv + 8 * (lane / 8 % 2);
+#pragma unroll
+    for (int i = 0; i < MT; i++) {
+        if (i >= nvt) break;
+        o[i][0] *= c0;
+        o[i][1] *= c1;
+        o[i][2] *= c0;
+        o[i][3] *= c1;
+        uint32_t vf[4];
+        ldsm4_t(vf, vh + i * 16);
+        mma16816(o[i], vf, bh0, bh1);
+        mma16816(o[i], vf, bl0, bl1);
+    }
+}
+
 /* grid (decode rows, splits, kv heads x head chunks), dec_warps warps. One
  * CTA: one query row, up to H query heads of one kv head (each K and V row
  * is read once for them all), keys [k0, k1) of the row. The keys are cut
@@ -669,49 +724,7 @@ __global__ static void __launch_bounds__(DEC_MAX_WARPS * 32, MMA == 128 ? 2 : 1)
         if (MMA) {
             float x[4];
             tile_scores_mma<H>(a, qh, ql, (const __half *)ks, x);
-            int t = lane % 4;
-            float mx = -INFINITY;
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-                int key = (i / 2) * 8 + 2 * t + (i & 1);
-                x[i] = key < n ? score(a, x[i]) : -INFINITY;
-                mx = fmaxf(mx, x[i]);
-            }
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            float m_new = fmaxf(m_row, mx);   /* finite: the tile holds key kt */
-            float cr = expf(m_row - m_new), sum = 0.0f;
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-                x[i] = expf(x[i] - m_new);
-                sum += x[i];
-            }
-            l_row = l_row * cr + sum;
-            m_row = m_new;
-            /* the weights as B fragments (keys 2t + {0, 1} and 8 + 2t +
-             * {0, 1} of head lane / 4), times DEC_P_SCALE (in (0, 1] they
-             * would reach f16's subnormals early), hi + lo; the rescale of
-             * heads 2t and 2t + 1, whose quads start at lanes 8t and 8t + 4 */
-#pragma unroll
-            for (int i = 0; i < 4; i++) x[i] *= DEC_P_SCALE;
-            uint32_t bh0 = pack_half2(x[0], x[1]), bh1 = pack_half2(x[2], x[3]);
-            float2 r0 = __half22float2(*(const __half2 *)&bh0), r1 = __half22float2(*(const __half2 *)&bh1);
-            uint32_t bl0 = pack_half2(x[0] - r0.x, x[1] - r0.y), bl1 = pack_half2(x[2] - r1.x, x[3] - r1.y);
-            float c0 = __shfl_sync(0xffffffffu, cr, 8 * t), c1 = __shfl_sync(0xffffffffu, cr, 8 * t + 4);
-            int v_row = lane % 8 + 8 * (lane / 16), v_col = 8 * (lane / 8 % 2);
-            const __half *vh = (const __half *)vs + v_row * a.ldv + v_col;
-#pragma unroll
-            for (int i = 0; i < MT; i++) {
-                if (i >= a.dv / 16) break;
-                o[i][0] *= c0;
-                o[i][1] *= c1;
-                o[i][2] *= c0;
-                o[i][3] *= c1;
-                uint32_t vf[4];
-                ldsm4_t(vf, vh + i * 16);
-                mma16816(o[i], vf, bh0, bh1);
-                mma16816(o[i], vf, bl0, bl1);
-            }
+            tile_softmax_pv<MT>(a, x, n, (const __half *)vs, a.ldv, a.dv / 16, m_row, l_row, o);
         } else {
             float *ps = ps_all + warp * H * TK, corr[H];
             int part = lane / TK, lpk = 32 / TK;
@@ -1086,42 +1099,8 @@ __global__ static void __launch_bounds__(DEC_LEAN_WARPS * 32) decode_lean_kernel
             mma16816(s[2], lo, kf[0], kf[1]);
             mma16816(s[3], lo, kf[2], kf[3]);
         }
-        float x[4] = { s[0][0] + s[2][0], s[0][1] + s[2][1], s[1][0] + s[3][0], s[1][1] + s[3][1] }, mx = -INFINITY;
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            const int key = (i / 2) * 8 + 2 * t + (i & 1);
-            x[i] = key < n ? score(a, x[i]) : -INFINITY;
-            mx = fmaxf(mx, x[i]);
-        }
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float m_new = fmaxf(m_row, mx);   /* finite: the tile holds key kt */
-        const float cr = expf(m_row - m_new);
-        float sum = 0.0f;
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            x[i] = expf(x[i] - m_new);
-            sum += x[i];
-        }
-        l_row = l_row * cr + sum;
-        m_row = m_new;
-#pragma unroll
-        for (int i = 0; i < 4; i++) x[i] *= DEC_P_SCALE;
-        const uint32_t bh0 = pack_half2(x[0], x[1]), bh1 = pack_half2(x[2], x[3]);
-        const float2 r0 = __half22float2(*(const __half2 *)&bh0), r1 = __half22float2(*(const __half2 *)&bh1);
-        const uint32_t bl0 = pack_half2(x[0] - r0.x, x[1] - r0.y), bl1 = pack_half2(x[2] - r1.x, x[3] - r1.y);
-        const float c0 = __shfl_sync(0xffffffffu, cr, 8 * t), c1 = __shfl_sync(0xffffffffu, cr, 8 * t + 4);
-#pragma unroll
-        for (int i = 0; i < KC; i++) {
-            o[i][0] *= c0;
-            o[i][1] *= c1;
-            o[i][2] *= c0;
-            o[i][3] *= c1;
-            uint32_t vf[4];
-            ldsm4_t(vf, vs + lrow * LD + lcol + i * 16);
-            mma16816(o[i], vf, bh0, bh1);
-            mma16816(o[i], vf, bl0, bl1);
-        }
+        float x[4] = { s[0][0] + s[2][0], s[0][1] + s[2][1], s[1][0] + s[3][0], s[1][1] + s[3][1] };
+        tile_softmax_pv<KC>(a, x, n, vs, LD, KC, m_row, l_row, o);
         __syncwarp();   /* the stage is read before the next issue rewrites it */
     }
 

@@ -970,7 +970,7 @@ __global__ static void __launch_bounds__(DEC_LEAN_WARPS * 32) decode_lean_kernel
     };
     const size_t head_off = a.layer_off + (size_t)kvh * (size_t)a.block_tokens * (size_t)(D * 2);
     const int32_t n_tiles = (k1 - k0 + 15) / 16;
-    /* tile j's K rows to stage j % S, its V rows TILE halves after them */
+    /* tile j's K rows to stage `slot` of the ring, its V rows TILE halves after them */
     auto issue = [&](int32_t j, int slot) {
         const int32_t kt = k0 + 16 * j;
         __half *st = ring + slot * STAGE;
@@ -1104,7 +1104,7 @@ __global__ static void __launch_bounds__(DEC_LEAN_WARPS * 32) decode_lean_kernel
         __syncwarp();   /* the stage is read before the next issue rewrites it */
     }
 
-    /* heads 2t and 2t + 1 of this lane's columns: their l and m sit in the
+    /* heads 2t and 2t + 1 of this lane's columns: their sums l sit in the
      * quads at lanes 8t and 8t + 4 */
     l_row += __shfl_xor_sync(0xffffffffu, l_row, 1);
     l_row += __shfl_xor_sync(0xffffffffu, l_row, 2);

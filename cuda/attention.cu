@@ -156,6 +156,28 @@ __device__ static const int32_t *block_table(const attn_args &a, int32_t seq)
     return a.blocks + a.block_off[a.pool_index * a.n_seqs + seq];
 }
 
+/* The cache blocks of a decode row's keys [k0, k1): the first 32 block
+ * table entries are held one a lane, so that a key's lookup is a shuffle,
+ * not a load on its copies' path. Every lane of the warp calls of()
+ * together. */
+struct lane_blocks {
+    const attn_args &a;
+    const int32_t *tab;
+    int32_t tb0, mine;
+    __device__ lane_blocks(const attn_args &args, const int32_t *table, int32_t k0, int32_t k1)
+        : a(args), tab(table), tb0(k0 >> args.bt_shift)
+    {
+        const int32_t n = ((k1 - 1) >> a.bt_shift) - tb0 + 1, lane = (int32_t)(threadIdx.x % 32);
+        mine = lane < n ? tab[tb0 + lane] : -1;
+    }
+    __device__ int32_t of(int32_t key) const
+    {
+        const int32_t i = (key >> a.bt_shift) - tb0;
+        const int32_t v = __shfl_sync(0xffffffffu, mine, i & 31);
+        return i < 32 ? v : tab[key >> a.bt_shift];
+    }
+};
+
 __device__ static int32_t first_key(const attn_args &a, int32_t p)
 {
     return a.window > 0 && p - a.window + 1 > 0 ? p - a.window + 1 : 0;
@@ -577,27 +599,19 @@ __global__ static void __launch_bounds__(DEC_MAX_WARPS * 32, MMA == 128 ? 2 : 1)
     T *ring = rings + (size_t)warp * S * a.stage_elems;
     int key_l = lane % TK;
     dec_copy kcp = dec_copy_for<T>(a, kvh, false, a.ldk, TK), vcp = dec_copy_for<T>(a, kvh, true, a.ldv, TK);
-    /* the split's first 32 block table entries, one a lane (a tile's
-     * lookup is then a shuffle, not a load on its copies' path) */
-    const int32_t tb0 = k0 >> a.bt_shift, tb_n = ((k1 - 1) >> a.bt_shift) - tb0 + 1;
-    const int32_t tab_lane = lane < tb_n ? tab[tb0 + lane] : -1;
-    auto block_of = [&](int32_t key) -> int32_t {
-        int32_t i = (key >> a.bt_shift) - tb0;
-        int32_t v = __shfl_sync(0xffffffffu, tab_lane, i & 31);
-        return i < 32 ? v : tab[key >> a.bt_shift];
-    };
+    const lane_blocks blocks(a, tab, k0, k1);   /* the split's */
     auto issue = [&](int j) {
         int32_t kt = k0 + (warp + j * W) * TK, src = -1, key = kt + key_l;
         T *st = ring + (j % S) * a.stage_elems;
         if (kt + TK <= k1 && kt + TK <= spos0 && (kt & (a.block_tokens - 1)) + TK <= a.block_tokens) {
-            int32_t b = block_of(kt);
+            int32_t b = blocks.of(kt);
             if (b >= 0) {
                 copy_block_rows<T>(a, kcp, st, b, kt);
                 copy_block_rows<T>(a, vcp, st + TK * a.ldk, b, kt);
                 return;
             }
         }
-        int32_t kb = block_of(key < k1 ? key : kt);
+        int32_t kb = blocks.of(key < k1 ? key : kt);
         if (key < k1) src = key >= spos0 ? -2 - (srow0 + key - spos0) : kb;
         copy_rows<T>(a, kcp, st, src, kt, kvh, false);
         copy_rows<T>(a, vcp, st + TK * a.ldk, src, kt, kvh, true);
@@ -960,14 +974,7 @@ __global__ static void __launch_bounds__(DEC_LEAN_WARPS * 32) decode_lean_kernel
     const int32_t spos0 = a.seq_pos0[seq], srow0 = a.seq_row0[seq];
     __half *ring = (__half *)dsm + (size_t)warp * (size_t)S * STAGE;
 
-    /* the row's first 32 block table entries, one a lane */
-    const int32_t tb0 = k0 >> a.bt_shift, tb_n = ((k1 - 1) >> a.bt_shift) - tb0 + 1;
-    const int32_t tab_lane = lane < tb_n ? tab[tb0 + lane] : -1;
-    auto block_of = [&](int32_t key) -> int32_t {
-        int32_t i = (key >> a.bt_shift) - tb0;
-        int32_t v = __shfl_sync(0xffffffffu, tab_lane, i & 31);
-        return i < 32 ? v : tab[key >> a.bt_shift];
-    };
+    const lane_blocks blocks(a, tab, k0, k1);   /* the row's */
     const size_t head_off = a.layer_off + (size_t)kvh * (size_t)a.block_tokens * (size_t)(D * 2);
     const int32_t n_tiles = (k1 - k0 + 15) / 16;
     /* tile j's K rows to stage `slot` of the ring, its V rows TILE halves after them */
@@ -976,7 +983,7 @@ __global__ static void __launch_bounds__(DEC_LEAN_WARPS * 32) decode_lean_kernel
         __half *st = ring + slot * STAGE;
         const int32_t in_block = kt & (a.block_tokens - 1);
         if (kt + 16 <= k1 && kt + 16 <= spos0 && in_block + 16 <= a.block_tokens) {
-            const int32_t b = block_of(kt);
+            const int32_t b = blocks.of(kt);
             if (b >= 0) {
                 const uint8_t *kb = a.pool + (size_t)b * a.block_bytes + head_off + (size_t)in_block * (D * 2);
 #pragma unroll
@@ -994,7 +1001,7 @@ __global__ static void __launch_bounds__(DEC_LEAN_WARPS * 32) decode_lean_kernel
             const int rr = row0 + i * RPP;
             const int32_t key = kt + rr;
             __half *kd = st + rr * LD + col * 8, *vd = kd + TILE;
-            const int32_t kb = block_of(min(key, k1 - 1));   /* every lane takes part in the shuffle */
+            const int32_t kb = blocks.of(min(key, k1 - 1));   /* every lane takes part in the shuffle */
             const int32_t b = key < k1 && key < spos0 ? kb : -1;
             if (key >= k1) {
                 cp_async16(kd, a.pool, false);
@@ -1016,7 +1023,7 @@ __global__ static void __launch_bounds__(DEC_LEAN_WARPS * 32) decode_lean_kernel
      * so the first tiles that hold only such keys go out now (the chain of
      * loads to a tile's address is the longest wait of a unit). q, the
      * step's k and v rows and the stores come after the wait. */
-    const int32_t own_b = block_of(p);   /* every lane: the shuffle */
+    const int32_t own_b = blocks.of(p);   /* every lane: the shuffle */
     int pre = 0;
     for (; pre < S - 1 && pre < n_tiles && k0 + 16 * (pre + 1) <= spos0; pre++) {
         issue(pre, pre);

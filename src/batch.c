@@ -4,8 +4,9 @@
  *
  * Rows of a pass are the chunks' tokens in order. A chunk longer than the
  * room left in a pass continues in the next one. Logits are computed only for
- * each chunk's last token (or all its tokens when asked), LUMA_LOGIT_ROWS at a
- * time, into host memory or into a logits set that stays with the backend.
+ * each chunk's last token (or all its tokens when asked): into host memory
+ * LUMA_LOGIT_ROWS at a time, or into a logits set that stays with the
+ * backend, all of a pass's rows in one product.
  *
  * Sets come from a small pool per model: a decode loop that releases each
  * step's set reuses its allocation instead of making one per step. */
@@ -15,11 +16,6 @@
 
 #include "model.h"
 #include "sample.h"
-
-/* Released sets kept for reuse, at most this many and this many bytes. */
-#define POOL_SETS 4
-#define POOL_BYTES ((int64_t)256 << 20)
-
 
 int64_t luma_model_out_rows(const luma_chunk *chunks, int32_t n_chunks)
 {
@@ -78,15 +74,18 @@ static int project_logits(luma_model *m, int32_t n_out, logits_dst *dst, luma_er
 {
     luma_backend *be = m->be;
     const luma_weight *w = m->output.host ? &m->output : &m->tok_embd;
+    if (!dst->host) {
+        /* A set holds every row: one product reads the output matrix once
+         * for all of them. */
+        luma_buf rows = luma_buf_rows(&m->acts.out_rows, 0, n_out);
+        luma_buf y = luma_buf_rows(dst->set, dst->row, n_out);
+        be->ops->matmul(be, w, &rows, &y);
+        dst->row += n_out;
+        return 0;
+    }
     for (int32_t r0 = 0; r0 < n_out; r0 += LUMA_LOGIT_ROWS) {
         int32_t n = n_out - r0 < LUMA_LOGIT_ROWS ? n_out - r0 : LUMA_LOGIT_ROWS;
         luma_buf rows = luma_buf_rows(&m->acts.out_rows, r0, n);
-        if (!dst->host) {
-            luma_buf y = luma_buf_rows(dst->set, dst->row, n);
-            be->ops->matmul(be, w, &rows, &y);
-            dst->row += n;
-            continue;
-        }
         be->ops->matmul(be, w, &rows, &m->acts.logits);
         if (be->ops->buf_read(be, &m->acts.logits, dst->host, err)) return -1;
         dst->host += (size_t)n * (size_t)m->hp.n_vocab;
@@ -318,7 +317,7 @@ void luma_logits_set_release(luma_logits_set *s)
     m->n_pooled++;
     m->pooled_bytes += set_bytes(s);
     /* The least recently released go first. */
-    while (m->n_pooled > POOL_SETS || m->pooled_bytes > POOL_BYTES) {
+    while (m->n_pooled > LUMA_SETS_MAX || (m->n_pooled > 1 && m->pooled_bytes > LUMA_SETS_BYTES)) {
         luma_logits_set *old = m->sets_pool;
         while (old->next) old = old->next;
         list_remove(&m->sets_pool, NULL, old);

@@ -20,6 +20,13 @@
 /* Logits are produced this many rows at a time, so a request for every
  * position of a long prompt never needs rows x n_vocab floats at once. */
 #define LUMA_LOGIT_ROWS 32
+/* Logits sets: a run collects garbage first when the sets still held from
+ * Lua reach this many, or these bytes (or twice the new set's); released
+ * sets are kept for reuse up to the same bounds (and always the last one),
+ * so that a decode loop neither allocates nor frees backend memory once it
+ * has warmed up. */
+#define LUMA_SETS_MAX 8
+#define LUMA_SETS_BYTES ((int64_t)256 << 20)
 
 typedef struct luma_hparams {
     char arch[32];

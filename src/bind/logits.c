@@ -23,9 +23,6 @@
 #include "bind/bind.h"
 #include "sample.h"
 
-/* Held sets past either of these make a run collect garbage first. */
-#define BUDGET_SETS 8
-#define BUDGET_BYTES ((int64_t)256 << 20)
 
 llogits *luma_bind_checklogits(lua_State *L, int i)
 {
@@ -122,10 +119,10 @@ void luma_bind_logits_budget(lua_State *L, luma_model *m, int64_t rows)
 {
     int64_t add = rows * m->hp.n_vocab * (int64_t)sizeof(float);
     /* Room for the set a caller still holds from the last step and the new one. */
-    int64_t limit = 2 * add > BUDGET_BYTES ? 2 * add : BUDGET_BYTES;
-    if (m->n_sets < BUDGET_SETS && m->set_bytes + add <= limit) return;
+    int64_t limit = 2 * add > LUMA_SETS_BYTES ? 2 * add : LUMA_SETS_BYTES;
+    if (m->n_sets < LUMA_SETS_MAX && m->set_bytes + add <= limit) return;
     lua_gc(L, LUA_GCCOLLECT);
-    while (m->sets && m->sets->holders && (m->n_sets >= BUDGET_SETS || m->set_bytes + add > limit))
+    while (m->sets && m->sets->holders && (m->n_sets >= LUMA_SETS_MAX || m->set_bytes + add > limit))
         save_holders(m->sets);
 }
 

@@ -2,13 +2,25 @@
  *   local b = model:batch()
  *   b:add(seq_a, {id}); b:add(seq_b, prompt_ids)
  *   local out = b:run()     -- out[seq_a], out[seq_b]: Logits
- * A batch is emptied by run and can be filled again. The pending chunks live
- * in the user value: an array of {seq, ids, n, all}, ids a userdata holding
- * a checked copy of the n token ids. */
+ * A batch is emptied by run and can be filled again. The pending chunks are
+ * a C array in the userdata (a decode step adds one token for each of
+ * many sequences, so an add makes no Lua objects for a single id); the
+ * user value keeps what they point to alive: [2i - 1] the sequence of chunk
+ * i, [2i] the userdata holding a checked copy of its ids (false for one id,
+ * kept in the chunk itself). */
+#include <stdlib.h>
+
 #include "bind/bind.h"
 
+typedef struct pending {
+    const int32_t *ids;     /* NULL: the one id is `one` */
+    int32_t n, one;
+    bool all;
+} pending;
+
 typedef struct lbatch {
-    int n;                  /* chunks added since the last run */
+    int n, cap;             /* chunks added since the last run, and room */
+    pending *chunks;
 } lbatch;
 
 static lbatch *checkbatch(lua_State *L, int i)
@@ -16,11 +28,21 @@ static lbatch *checkbatch(lua_State *L, int i)
     return luaL_checkudata(L, i, LUMA_BATCH_MT);
 }
 
+static int batch_gc(lua_State *L)
+{
+    lbatch *b = checkbatch(L, 1);
+    free(b->chunks);
+    b->chunks = NULL;
+    b->n = b->cap = 0;
+    return 0;
+}
+
 static int model_batch(lua_State *L)
 {
     luma_bind_model(L, 1);
     lbatch *b = lua_newuserdatauv(L, sizeof *b, 2);
-    b->n = 0;
+    b->n = b->cap = 0;
+    b->chunks = NULL;
     luaL_setmetatable(L, LUMA_BATCH_MT);
     lua_pushvalue(L, 1);
     lua_setiuservalue(L, -2, 1);
@@ -39,28 +61,33 @@ static int batch_add(lua_State *L)
     lua_pop(L, 1);
     if (s->model != m) return luaL_argerror(L, 2, "sequence belongs to another model");
     bool all = luma_bind_optbool(L, 4, "all", false);
-    /* One id is kept as a list of one. */
+    pending c = { NULL, 1, 0, all };
     if (lua_type(L, 3) == LUA_TNUMBER) {
-        lua_createtable(L, 1, 0);
-        lua_pushvalue(L, 3);
-        lua_rawseti(L, -2, 1);
-        lua_replace(L, 3);
+        int isint;
+        lua_Integer v = lua_tointegerx(L, 3, &isint);
+        if (!isint) return luaL_argerror(L, 3, "the token id is not an integer");
+        if (v < 0 || v >= m->hp.n_vocab)
+            return luaL_argerror(L, 3, lua_pushfstring(L, "token id %I is out of range [0, %d)", v,
+                                                       (int)m->hp.n_vocab));
+        c.one = (int32_t)v;
+        lua_pushboolean(L, 0);
+    } else {
+        c.ids = luma_bind_checkids(L, 3, m->hp.n_vocab, &c.n);
+        if (c.n == 0) return luaL_argerror(L, 3, "no token ids");
     }
-    int32_t n;
-    luma_bind_checkids(L, 3, m->hp.n_vocab, &n);
-    if (n == 0) return luaL_argerror(L, 3, "no token ids");
-    lua_createtable(L, 4, 0);
-    lua_pushvalue(L, 2);
-    lua_rawseti(L, -2, 1);
-    lua_pushvalue(L, -2);
-    lua_rawseti(L, -2, 2);
-    lua_pushinteger(L, n);
-    lua_rawseti(L, -2, 3);
-    lua_pushboolean(L, all);
-    lua_rawseti(L, -2, 4);
+    if (b->n == b->cap) {
+        int cap = b->cap ? 2 * b->cap : 16;
+        pending *p = realloc(b->chunks, (size_t)cap * sizeof *p);
+        if (!p) return luaL_error(L, "out of memory for a batch of %d chunks", cap);
+        b->chunks = p;
+        b->cap = cap;
+    }
     lua_getiuservalue(L, 1, 2);
+    lua_pushvalue(L, 2);
+    lua_rawseti(L, -2, 2 * b->n + 1);
     lua_pushvalue(L, -2);
-    lua_rawseti(L, -2, ++b->n);
+    lua_rawseti(L, -2, 2 * b->n + 2);
+    b->chunks[b->n++] = c;
     lua_settop(L, 1);
     return 1;
 }
@@ -73,38 +100,38 @@ static int batch_run(lua_State *L)
     luma_model *m = luma_bind_model(L, -1);
     if (b->n == 0) return luaL_error(L, "batch is empty");
     lua_getiuservalue(L, 1, 2);
-    int pending = lua_gettop(L);
+    int pending_refs = lua_gettop(L);
     int n = b->n;
     /* Emptied whether or not the step runs: the chunks are either all run
-     * or none (every sequence is as it was). */
+     * or none (every sequence is as it was). The old references stay on the
+     * stack until the run is over. */
     b->n = 0;
-    lua_newtable(L);
+    lua_createtable(L, 2 * n, 0);
     lua_setiuservalue(L, 1, 2);
-    luma_chunk *chunks = lua_newuserdatauv(L, (size_t)n * sizeof *chunks, 0);
+    /* The chunks, then the single ids (a finalizer run by the collection
+     * below may add to this batch again, moving b->chunks). */
+    luma_chunk *chunks = lua_newuserdatauv(L, (size_t)n * (sizeof *chunks + sizeof(int32_t)), 0);
+    int32_t *ones = (int32_t *)(chunks + n);
     for (int i = 0; i < n; i++) {
-        lua_rawgeti(L, pending, i + 1);
-        lua_rawgeti(L, -1, 1);
+        const pending *p = &b->chunks[i];
+        lua_rawgeti(L, pending_refs, 2 * i + 1);
         chunks[i].seq = luma_bind_seq(L, -1);
-        /* The id buffer stays referenced from the pending table. */
-        lua_rawgeti(L, -2, 2);
-        chunks[i].ids = lua_touserdata(L, -1);
-        lua_rawgeti(L, -3, 3);
-        chunks[i].n = (int32_t)lua_tointeger(L, -1);
-        lua_rawgeti(L, -4, 4);
-        chunks[i].all_logits = lua_toboolean(L, -1);
-        lua_pop(L, 5);
+        lua_pop(L, 1);
+        ones[i] = p->one;
+        chunks[i].ids = p->ids ? p->ids : &ones[i];
+        chunks[i].n = p->n;
+        chunks[i].all_logits = p->all;
     }
     int64_t rows = luma_model_out_rows(chunks, n);
     luma_bind_logits_budget(L, m, rows);
     /* The results exist before the run, so that nothing can fail between
      * the run and handing its rows out; slots lists them in row order. */
     llogits **slots = lua_newuserdatauv(L, (size_t)rows * sizeof *slots, 0);
-    lua_newtable(L);
+    lua_createtable(L, 0, n);
     int res = lua_gettop(L);
     int64_t row = 0;
     for (int i = 0; i < n; i++) {
-        lua_rawgeti(L, pending, i + 1);
-        lua_rawgeti(L, -1, 1);
+        lua_rawgeti(L, pending_refs, 2 * i + 1);
         int32_t r = chunks[i].all_logits ? chunks[i].n : 1;
         if (chunks[i].all_logits) lua_createtable(L, r, 0);
         for (int32_t j = 0; j < r; j++) {
@@ -112,7 +139,6 @@ static int batch_run(lua_State *L)
             if (chunks[i].all_logits) lua_rawseti(L, -2, j + 1);
         }
         lua_rawset(L, res);
-        lua_pop(L, 1);
     }
     luma_logits_set *set;
     luma_err err;
@@ -131,6 +157,7 @@ static int batch_len(lua_State *L)
 
 static const luaL_Reg meta[] = {
     { "__len", batch_len },
+    { "__gc", batch_gc },
     { NULL, NULL },
 };
 

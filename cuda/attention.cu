@@ -1711,12 +1711,17 @@ int luma_cuda_attention_setup(const luma_kv_layout *l, luma_err *err)
 
 /* The decode scratch (attn_scratch): c->attn_counters arrival counters
  * (int32, zero between calls: the last split of a row resets its own),
- * then the splits' partial results. It grows only outside recordings (the
- * first step of each shape runs eagerly), keeping its counters' room. */
+ * then the splits' partial results. It grows only outside recordings (a
+ * recording that would need more fails, and the step runs eagerly),
+ * keeping its counters' room. */
 static bool decode_scratch(cuda_backend *c, size_t counters, size_t part_bytes, attn_args *a)
 {
     size_t cbytes = (c->attn_counters * sizeof(int32_t) + 255) & ~(size_t)255;
     if (counters > c->attn_counters || cbytes + part_bytes > c->attn_scratch_cap) {
+        if (c->capturing) {
+            luma_cuda_failf(c, "attention scratch must grow while a step is being recorded");
+            return false;
+        }
         size_t have = c->attn_scratch_cap > cbytes ? c->attn_scratch_cap - cbytes : 0;
         if (counters < c->attn_counters) counters = c->attn_counters;
         if (part_bytes < have) part_bytes = have;

@@ -650,11 +650,10 @@ static int cuda_step_run(luma_backend *be, const luma_step *step, int (*forward)
     if (g->exec && g->where != graph_where(c)) {
         cudaGraphExecDestroy(g->exec);
         g->exec = NULL;
-        g->seen = 0;
     }
     if (!g->exec) {
         /* the first step of a shape sizes the scratch buffers */
-        if (g->seen++ == 0 || g->failures >= CUDA_GRAPH_TRIES || !LUMA_CUDA_OK(c)) return forward(ctx, err);
+        if (g->failures >= CUDA_GRAPH_TRIES || !LUMA_CUDA_OK(c)) return forward(ctx, err);
         if (!graph_record(c, g, forward, ctx)) {
             g->failures++;
             return forward(ctx, err);

@@ -62,9 +62,11 @@ typedef struct cuda_weight_copy {
 
 /* A recorded decode step (cudaGraph): every operation the architecture's
  * forward queued for one step shape, replayed for later steps of the same
- * shape. A shape is first run eagerly (so that scratch buffers reach their
- * size), recorded the second time, replayed from then on. A recording stays
- * valid while the buffers it names stay where they were (`where`). */
+ * shape. A shape is recorded the first time it comes and replayed from
+ * then on; a recording that fails (a scratch buffer would have to grow)
+ * runs that step eagerly, which grows it, and the shape is recorded again
+ * next time. A recording stays valid while the buffers it names stay where
+ * they were (`where`). */
 #define CUDA_GRAPHS 32
 #define CUDA_GRAPH_TRIES 3     /* failed recordings of a shape before it runs eagerly for good */
 
@@ -73,7 +75,6 @@ typedef struct cuda_graph {
     uint64_t where;            /* fingerprint of the buffers it was recorded with */
     uint64_t used;             /* the backend's step counter at its last use (LRU) */
     cudaGraphExec_t exec;      /* NULL until recorded */
-    int32_t seen;              /* steps of this shape run so far */
     int32_t failures;          /* recordings that failed */
 } cuda_graph;
 
@@ -243,6 +244,14 @@ void luma_cuda_repack(cuda_backend *c, const luma_weight *w, uint8_t *out);
 bool luma_cuda_mmq(cuda_backend *c, const luma_weight *w, const float *x, int64_t m, float *y);
 /* Whether luma_cuda_mmq would take this product (it queues nothing). */
 bool luma_cuda_mmq_takes(const cuda_backend *c, const luma_weight *w, const float *x, int64_t m);
+/* Whether luma_cuda_mmq takes this product with rs_kernel, whose
+ * activations are luma_cuda_quantize_act_rs's (the same for every Q4_K
+ * weight of x's width: weights of one x can share them). */
+bool luma_cuda_rs_takes(const cuda_backend *c, const luma_weight *w, const float *x, int64_t m);
+/* rs_kernel on activations xp that luma_cuda_quantize_act_rs made; false,
+ * queuing nothing, where its shapes cannot take w (luma_cuda_mmq then goes
+ * on to its other routes). */
+bool luma_cuda_rs(cuda_backend *c, const luma_weight *w, const __half *xp, int64_t m, float *y);
 /* Whether this build's code for the device has the wgmma kernels (sm_90a
  * machine code on a compute capability 9.0 device). */
 bool luma_cuda_wgmma_probe(cuda_backend *c);

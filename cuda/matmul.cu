@@ -1209,8 +1209,8 @@ static __global__ void quantize_act(const float *__restrict__ x, int64_t n8, int
 
 /* Queues quantize_act for t's activation format: the f16 of d * q into xh
  * (in rs_kernel's k order when RS, for Q4_K), or the int8 values and scales
- * into q and ds; with ACT >= 0 (the int8 output only) x is first replaced
- * by act(x) * up. */
+ * into q and ds; with ACT >= 0 x is first replaced by act(x) * up (stored
+ * in gated). */
 template <int ACT, bool RS = false>
 static void quantize_launch(cuda_backend *c, enum luma_type t, float *gated, const float *x, const float *up,
                             int64_t n, int8_t *q, float2 *ds, __half *xh)
@@ -1224,10 +1224,10 @@ static void quantize_launch(cuda_backend *c, enum luma_type t, float *gated, con
     int64_t n8 = n / 8;
     unsigned grid = (unsigned)((n8 + 255) / 256);
     if constexpr (RS) {
-        luma_launch(c, c->stream, grid, 256, 0, quantize_act<ACT_Q8_K, true, -1, true>, x, n8, q, ds, xh, up, gated);
-    } else if constexpr (ACT < 0) {
-        if (xh && k) luma_launch(c, c->stream, grid, 256, 0, quantize_act<ACT_Q8_K, true>, x, n8, q, ds, xh, up, gated);
-        else if (xh) luma_launch(c, c->stream, grid, 256, 0, quantize_act<ACT_Q8_0, true>, x, n8, q, ds, xh, up, gated);
+        luma_launch(c, c->stream, grid, 256, 0, quantize_act<ACT_Q8_K, true, ACT, true>, x, n8, q, ds, xh, up, gated);
+    } else {
+        if (xh && k) luma_launch(c, c->stream, grid, 256, 0, quantize_act<ACT_Q8_K, true, ACT>, x, n8, q, ds, xh, up, gated);
+        else if (xh) luma_launch(c, c->stream, grid, 256, 0, quantize_act<ACT_Q8_0, true, ACT>, x, n8, q, ds, xh, up, gated);
     }
     if (!xh && k) luma_launch(c, c->stream, grid, 256, 0, quantize_act<ACT_Q8_K, false, ACT>, x, n8, q, ds, xh, up,
                               gated);
@@ -2516,14 +2516,43 @@ void luma_cuda_matmul(cuda_backend *c, const luma_weight *w, const float *x, int
     } else if (!luma_cuda_mmq(c, w, x, m, y)) mm_tensor(c, w, x, m, y);   /* mmq.cu: where it measured faster */
 }
 
+/* Whether luma_cuda_matmul would multiply w by cuBLAS on its resident f16
+ * copy (neither the matrix-vector path nor mmq takes it). */
+static bool cublas_on_copy(cuda_backend *c, const luma_weight *w, const float *x, int64_t m)
+{
+    return !takes_vec(c, w, x, m) && resident_f16(c, w) && !luma_cuda_mmq_takes(c, w, x, m) && tensor_fits(c, w, m);
+}
+
+/* gated_matmul past the matrix-vector path, where the product is rs_kernel
+ * or cuBLAS on the resident copy: the quantizer that writes their f16
+ * activations makes act(gate) * up first (and stores it in gate), so that
+ * no pass of its own reads gate and up. False where w takes another
+ * route. */
+static bool gated_tensor(cuda_backend *c, const luma_weight *w, float *gate, const float *up, int act, int64_t m,
+                         float *y)
+{
+    bool rs = luma_cuda_rs_takes(c, w, gate, m);
+    if (w->cols % 32 != 0 || (!rs && !cublas_on_copy(c, w, gate, m))) return false;
+    __half *xh = (__half *)luma_cuda_scratch(c, (size_t)m * (size_t)w->cols * sizeof(__half));
+    if (!xh) return true;
+    int64_t n = m * w->cols;
+    if (rs && act == LUMA_ACT_GELU) quantize_launch<LUMA_ACT_GELU, true>(c, w->type, gate, gate, up, n, NULL, NULL, xh);
+    else if (rs) quantize_launch<LUMA_ACT_SILU, true>(c, w->type, gate, gate, up, n, NULL, NULL, xh);
+    else if (act == LUMA_ACT_GELU) quantize_launch<LUMA_ACT_GELU>(c, w->type, gate, gate, up, n, NULL, NULL, xh);
+    else quantize_launch<LUMA_ACT_SILU>(c, w->type, gate, gate, up, n, NULL, NULL, xh);
+    if (!LUMA_CUDA_OK(c)) return true;
+    if (!rs) tensor_gemm(c, w, xh, NULL, w->rows, m, y);
+    else if (!luma_cuda_rs(c, w, xh, m, y)) luma_cuda_matmul(c, w, gate, m, y);   /* gate is act(gate) * up now */
+    return true;
+}
+
 bool luma_cuda_gated_matmul(cuda_backend *c, const luma_weight *w, float *gate, const float *up, int act,
                             int64_t m, float *y)
 {
     if (!LUMA_CUDA_OK(c) || m <= 0 || w->rows <= 0) return true;
     if (!matmul_ok(c, w)) return true;
-    if (c->float_act || is_float_type(w->type) || !takes_vec(c, w, gate, m) || ((uintptr_t)gate & 15) ||
-        ((uintptr_t)up & 15))
-        return false;
+    if (c->float_act || is_float_type(w->type) || ((uintptr_t)gate & 15) || ((uintptr_t)up & 15)) return false;
+    if (!takes_vec(c, w, gate, m)) return gated_tensor(c, w, gate, up, act, m, y);
     uint8_t *s = (uint8_t *)luma_cuda_scratch(c, act_q_bytes(m, w->cols));
     if (!s) return true;
     act_rows a = act_rows_at(w, gate, m, s);
@@ -2534,13 +2563,6 @@ bool luma_cuda_gated_matmul(cuda_backend *c, const luma_weight *w, float *gate, 
         quantize_launch<LUMA_ACT_SILU>(c, w->type, gate, gate, up, n, (int8_t *)a.q, (float2 *)a.ds, NULL);
     if (LUMA_CUDA_OK(c)) mm_vec_run(c, w, a, m, y);
     return true;
-}
-
-/* Whether luma_cuda_matmul would multiply w by cuBLAS on its resident f16
- * copy (neither the matrix-vector path nor mmq takes it). */
-static bool cublas_on_copy(cuda_backend *c, const luma_weight *w, const float *x, int64_t m)
-{
-    return !takes_vec(c, w, x, m) && resident_f16(c, w) && !luma_cuda_mmq_takes(c, w, x, m) && tensor_fits(c, w, m);
 }
 
 int luma_cuda_matmul_qkv_rope(cuda_backend *c, const luma_weight *const *ws, const float *x, int64_t m,
@@ -2594,11 +2616,31 @@ void luma_cuda_matmul_many(cuda_backend *c, int n, const luma_weight *const *ws,
     }
     /* the others first: their paths may grow the scratch, and move it.
      * Weights for cuBLAS on a resident f16 copy share one conversion of x
-     * per activation format, like the matrix-vector ones. */
+     * per activation format, like the matrix-vector ones, and weights for
+     * rs_kernel share its one (in its k order). */
     bool tensor_done[LUMA_MATMUL_MANY] = { false };
     for (int i = 0; i < n && i < LUMA_MATMUL_MANY && LUMA_CUDA_OK(c); i++) {
         const luma_weight *w = ws[i];
         if (fmt_of[i] != NONE || tensor_done[i]) continue;
+        if (luma_cuda_rs_takes(c, w, x, m)) {
+            __half *xp = (__half *)luma_cuda_scratch(c, (size_t)m * (size_t)w->cols * sizeof(__half));
+            if (!xp) return;
+            luma_cuda_quantize_act_rs(c, x, m * w->cols, xp);
+            for (int j = i; j < n && j < LUMA_MATMUL_MANY && LUMA_CUDA_OK(c); j++) {
+                const luma_weight *v = ws[j];
+                if (fmt_of[j] != NONE || tensor_done[j] || v->cols != w->cols || !luma_cuda_rs_takes(c, v, x, m))
+                    continue;
+                if (luma_cuda_rs(c, v, xp, m, ys[j])) {
+                    tensor_done[j] = true;
+                } else if (j == i) {
+                    /* the other routes (which may move the scratch) */
+                    luma_cuda_matmul(c, v, x, m, ys[j]);
+                    tensor_done[j] = true;
+                    break;
+                }
+            }
+            continue;
+        }
         if (!cublas_on_copy(c, w, x, m)) {
             luma_cuda_matmul(c, w, x, m, ys[i]);
             continue;

@@ -2276,6 +2276,17 @@ bool luma_cuda_mmq_takes(const cuda_backend *c, const luma_weight *w, const floa
            q8g_wins(c, w, m) || rs_wins(c, w, m) || mmq_wins(c, w, m);
 }
 
+bool luma_cuda_rs_takes(const cuda_backend *c, const luma_weight *w, const float *x, int64_t m)
+{
+    return luma_cuda_mmq_takes(c, w, x, m) && w->type == LUMA_Q4_K && c->wgmma &&
+           (c->mmq_policy == 5 || (c->mmq_policy == 0 && rs_wins(c, w, m)));
+}
+
+bool luma_cuda_rs(cuda_backend *c, const luma_weight *w, const __half *xp, int64_t m, float *y)
+{
+    return rs_run(c, w, xp, m, y);
+}
+
 bool luma_cuda_mmq(cuda_backend *c, const luma_weight *w, const float *x, int64_t m, float *y)
 {
     if (!luma_cuda_mmq_takes(c, w, x, m)) return false;
@@ -2284,11 +2295,11 @@ bool luma_cuda_mmq(cuda_backend *c, const luma_weight *w, const float *x, int64_
         luma_cuda_failf(c, "matmul: %lld x %lld activations are too large", (long long)m, (long long)w->cols);
         return true;
     }
-    if (w->type == LUMA_Q4_K && c->wgmma && (c->mmq_policy == 5 || (c->mmq_policy == 0 && rs_wins(c, w, m)))) {
+    if (luma_cuda_rs_takes(c, w, x, m)) {
         __half *xp = (__half *)luma_cuda_scratch(c, bytes);
         if (!xp) return true;
         luma_cuda_quantize_act_rs(c, x, (int64_t)elems, xp);
-        if (!LUMA_CUDA_OK(c) || rs_run(c, w, xp, m, y)) return true;
+        if (!LUMA_CUDA_OK(c) || luma_cuda_rs(c, w, xp, m, y)) return true;
     }
     bool q8g = w->type == LUMA_Q4_K && c->wgmma && (c->mmq_policy == 4 || (c->mmq_policy == 0 && q8g_wins(c, w, m)));
     bool i8 = q8g || (mmq8_supports(w->type) && (c->mmq_policy == 2 || (c->mmq_policy == 0 && mmq8_wins(w, m))));

@@ -468,7 +468,7 @@ static void print_timing(enum luma_type t, const struct shape *sh, const timing 
  * with an F16 weight (which leaves the matrix-vector path above m = 2), and
  * of one type (one launch for all three; odd row counts end a two-row
  * group inside a segment), at m on either side of the matrix-vector
- * path's limit. */
+ * path's limit and on the tensor-core routes. */
 static void check_many(ctx *cx)
 {
     static const struct {
@@ -483,8 +483,10 @@ static void check_many(ctx *cx)
         { { LUMA_Q5_0, LUMA_Q5_0, LUMA_Q8_0 }, { 160, 96, 33 } },
         { { LUMA_Q8_0, LUMA_Q8_0, LUMA_Q8_0 }, { 129, 64, 255 } },
         { { LUMA_Q4_0, LUMA_Q4_0, LUMA_Q4_0 }, { 64, 191, 97 } },
+        /* tall and wide Q4_K: rs_kernel's products share its activations */
+        { { LUMA_Q4_K, LUMA_Q4_K, LUMA_Q4_K }, { 1024, 1536, 128 } },
     };
-    static const int64_t many_ms[] = { 1, 3, 8, 16 };
+    static const int64_t many_ms[] = { 1, 3, 8, 16, 32, 128 };
     const luma_backend_ops *ops = cx->be->ops;
     const int64_t cols = 512;
     int checked = 0;
@@ -537,12 +539,13 @@ static void check_many(ctx *cx)
 }
 
 /* gated_matmul against gelu_mul or silu_mul and then matmul on the same
- * backend: the same bits in gate and in y, on the matrix-vector path (where
- * the activation is folded into the quantizer) and past it. */
+ * backend: the same bits in gate and in y, on the matrix-vector path and
+ * on rs_kernel and cuBLAS (where the activation is folded into the
+ * quantizer), and on the other routes. */
 static void check_gated(ctx *cx)
 {
     static const enum luma_type gtypes[] = { LUMA_Q4_K, LUMA_Q6_K, LUMA_Q5_0, LUMA_Q8_0, LUMA_F16 };
-    static const int64_t gms[] = { 1, 3, 8, 16 };
+    static const int64_t gms[] = { 1, 3, 8, 16, 128 };
     const luma_backend_ops *ops = cx->be->ops;
     const int64_t cols = 1024, rows = 200;
     int checked = 0;

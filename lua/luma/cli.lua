@@ -282,6 +282,7 @@ local bench_spec = with{
 M.bench = function(args)
   local o = parse("bench", bench_spec, args)
   if o.help then return help("bench", "[options]", bench_spec) end
+  if o.gen < 2 then usage_error("bench: -n must be at least 2 (the first decode step is timed on its own)") end
   return require("luma.bench").run(o, load_model)
 end
 

@@ -91,4 +91,17 @@ describe("example scripts", function()
     end
     assert.are.equal(2, lines)
   end)
+
+  it("step-times.lua splits aggregate decode steps into the Lua side and the run", function()
+    local out = script("step-times.lua", "-b", "cpu", "-s", "2", "-p", "6", "-n", "3")
+    assert.matches("2 sequences of 6 prompt tokens, 3 steps of one token each", out, 1, true)
+    for _, label in ipairs{ "step 1", "step 2", "median of 3%-3" } do
+      local total, adds, run = out:match(label .. "%s+([%d.]+) ms%s+adds%s+([%d.]+) us%s+run%s+([%d.]+) ms")
+      assert.is_truthy(total, label)
+      assert.is_true(tonumber(run) > 0 and tonumber(run) <= tonumber(total) and tonumber(adds) >= 0, label)
+    end
+    local _, err, code = H.run(bin .. " scripts/step-times.lua -n 2")
+    assert.are_not.equal(0, code)
+    assert.matches("-n at least 3", err, 1, true)
+  end)
 end)

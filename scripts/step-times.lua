@@ -37,14 +37,8 @@ local model = luma.load(opt.m or fetch.default_model(),
 local ids = model:tokenize(string.rep("The lighthouse keeper counted the steps. ", plen), { bos = true })
 for k = #ids, plen + 1, -1 do ids[k] = nil end
 
-local seqs, last = {}, {}
-local batch = model:batch()
-for s = 1, n_seqs do
-  seqs[s] = model:sequence()
-  batch:add(seqs[s], ids)
-end
-local out = batch:run()
-for s = 1, n_seqs do last[s] = out[seqs[s]]:argmax() end
+local batch, seqs, last = require("luma.bench").prefilled(model, n_seqs, ids)
+local out
 
 local times = {}
 for step = 1, steps do

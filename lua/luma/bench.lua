@@ -66,13 +66,10 @@ local function decode(model, ids, n, policy, rng)
   return dt, policy_time, first
 end
 
--- Aggregate decode: n sequences, each prefilled with a prompt of plen
--- tokens, then gen greedy steps where every step is one batch:run over all
--- of them. Returns generated tokens per second over the decode steps after
--- the first, and the first step's seconds.
-local function batched_decode(model, n, plen, gen)
+-- n new sequences of model, each prefilled with ids in one batch:run:
+-- returns the batch, the sequences and each one's greedy next token.
+function M.prefilled(model, n, ids)
   local seqs, last = {}, {}
-  local ids = prompt_ids(model, plen)
   local batch = model:batch()
   for i = 1, n do
     seqs[i] = model:sequence()
@@ -80,6 +77,16 @@ local function batched_decode(model, n, plen, gen)
   end
   local out = batch:run()
   for i = 1, n do last[i] = out[seqs[i]]:argmax() end
+  return batch, seqs, last
+end
+
+-- Aggregate decode: n sequences, each prefilled with a prompt of plen
+-- tokens, then gen greedy steps where every step is one batch:run over all
+-- of them. Returns generated tokens per second over the decode steps after
+-- the first, and the first step's seconds.
+local function batched_decode(model, n, plen, gen)
+  local batch, seqs, last = M.prefilled(model, n, prompt_ids(model, plen))
+  local out
   local t0 = luma.now()
   local first
   for step = 1, gen do

@@ -158,7 +158,7 @@ function M.run(o, load_model)
     row("prefill " .. pf[1] .. " tokens", string.format("%.1f", pf[1] / pf[2]), "tokens/s")
     row("time to first token (" .. pf[1] .. ")", string.format("%.1f", pf[2] * 1000), "ms")
   end
-  row("decode " .. o.gen .. " tokens (argmax), steps 2-" .. o.gen, string.format("%.2f", tps), "tokens/s")
+  row("decode (argmax), steps 2-" .. o.gen, string.format("%.2f", tps), "tokens/s")
   row("decode time per token", string.format("%.2f", dec / timed * 1000), "ms")
   row("decode, first step", string.format("%.2f", dec_first * 1000), "ms")
   row("weights read per token", string.format("%.1f", info.weight_bytes / 1048576), "MiB")

@@ -62,18 +62,10 @@ static int batch_add(lua_State *L)
     if (s->model != m) return luaL_argerror(L, 2, "sequence belongs to another model");
     bool all = luma_bind_optbool(L, 4, "all", false);
     pending c = { NULL, 1, 0, all };
-    if (lua_type(L, 3) == LUA_TNUMBER) {
-        int isint;
-        lua_Integer v = lua_tointegerx(L, 3, &isint);
-        if (!isint) return luaL_argerror(L, 3, "the token id is not an integer");
-        if (v < 0 || v >= m->hp.n_vocab)
-            return luaL_argerror(L, 3, lua_pushfstring(L, "token id %I is out of range [0, %d)", v,
-                                                       (int)m->hp.n_vocab));
-        c.one = (int32_t)v;
+    c.ids = luma_bind_checkidarg(L, 3, m->hp.n_vocab, &c.one, &c.n);
+    if (c.ids == &c.one) {
+        c.ids = NULL;   /* kept in the chunk, which moves */
         lua_pushboolean(L, 0);
-    } else {
-        c.ids = luma_bind_checkids(L, 3, m->hp.n_vocab, &c.n);
-        if (c.n == 0) return luaL_argerror(L, 3, "no token ids");
     }
     if (b->n == b->cap) {
         int cap = b->cap ? 2 * b->cap : 16;

@@ -84,6 +84,11 @@ void luma_bind_logits_release_model(luma_model *m);
 /* Reads a Lua array of token ids at index i (ids checked against n_vocab
  * when n_vocab > 0) into a buffer that lives as a userdata on the stack top. */
 int32_t *luma_bind_checkids(lua_State *L, int i, int32_t n_vocab, int32_t *count);
+/* Argument i as one token id or a table of them (seq:eval, batch:add): at
+ * least one id, each an integer in [0, n_vocab). One id is stored in *one
+ * and nothing is pushed; a table's ids are luma_bind_checkids's copy, left
+ * pushed. Returns the ids; *count is their number. */
+const int32_t *luma_bind_checkidarg(lua_State *L, int i, int32_t n_vocab, int32_t *one, int32_t *count);
 /* Frees a sequence's native state and unlinks it from its model. */
 void luma_bind_seq_release(lseq *q);
 

@@ -98,6 +98,25 @@ int32_t *luma_bind_checkids(lua_State *L, int i, int32_t n_vocab, int32_t *count
     return ids;
 }
 
+const int32_t *luma_bind_checkidarg(lua_State *L, int i, int32_t n_vocab, int32_t *one, int32_t *count)
+{
+    if (lua_type(L, i) == LUA_TNUMBER) {
+        int isint;
+        lua_Integer id = lua_tointegerx(L, i, &isint);
+        if (!isint)
+            luaL_argerror(L, i, lua_pushfstring(L, "token id must be an integer (%s is not an integer)",
+                                                luaL_tolstring(L, i, NULL)));
+        if (id < 0 || id >= n_vocab)
+            luaL_argerror(L, i, lua_pushfstring(L, "token id %I out of range [0, %d)", id, (int)n_vocab));
+        *one = (int32_t)id;
+        *count = 1;
+        return one;
+    }
+    const int32_t *ids = luma_bind_checkids(L, i, n_vocab, count);
+    if (*count == 0) luaL_argerror(L, i, "no token ids");
+    return ids;
+}
+
 static int l_sha256(lua_State *L)
 {
     const char *path = luaL_checkstring(L, 1);

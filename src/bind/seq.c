@@ -65,20 +65,7 @@ static int seq_eval(lua_State *L)
     luma_model *m = s->model;
     bool all = luma_bind_optbool(L, 3, "all", false);
     int32_t n, one;
-    int32_t *ids;
-    if (lua_type(L, 2) == LUA_TNUMBER) {
-        int isint;
-        lua_Integer id = lua_tointegerx(L, 2, &isint);
-        if (!isint) return luaL_argerror(L, 2, "token id must be an integer");
-        if (id < 0 || id >= m->hp.n_vocab)
-            return luaL_argerror(L, 2, lua_pushfstring(L, "token id %I out of range [0, %d)", id, (int)m->hp.n_vocab));
-        one = (int32_t)id;
-        ids = &one;
-        n = 1;
-    } else {
-        ids = luma_bind_checkids(L, 2, m->hp.n_vocab, &n);
-        if (n == 0) return luaL_argerror(L, 2, "no token ids");
-    }
+    const int32_t *ids = luma_bind_checkidarg(L, 2, m->hp.n_vocab, &one, &n);
     luma_chunk c = { s, ids, n, all };
     int32_t rows = all ? n : 1;
     luma_bind_logits_budget(L, m, rows);

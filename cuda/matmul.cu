@@ -2523,6 +2523,17 @@ static bool cublas_on_copy(cuda_backend *c, const luma_weight *w, const float *x
     return !takes_vec(c, w, x, m) && resident_f16(c, w) && !luma_cuda_mmq_takes(c, w, x, m) && tensor_fits(c, w, m);
 }
 
+/* quantize_launch of gate = act(gate) * up, act LUMA_ACT_GELU or
+ * LUMA_ACT_SILU, into the int8 values q and ds or the f16 xh (in
+ * rs_kernel's order when RS). */
+template <bool RS = false>
+static void quantize_gated(cuda_backend *c, int act, enum luma_type t, float *gate, const float *up, int64_t n,
+                           int8_t *q, float2 *ds, __half *xh)
+{
+    if (act == LUMA_ACT_GELU) quantize_launch<LUMA_ACT_GELU, RS>(c, t, gate, gate, up, n, q, ds, xh);
+    else quantize_launch<LUMA_ACT_SILU, RS>(c, t, gate, gate, up, n, q, ds, xh);
+}
+
 /* gated_matmul past the matrix-vector path, where the product is rs_kernel
  * or cuBLAS on the resident copy: the quantizer that writes their f16
  * activations makes act(gate) * up first (and stores it in gate), so that
@@ -2535,11 +2546,8 @@ static bool gated_tensor(cuda_backend *c, const luma_weight *w, float *gate, con
     if (w->cols % 32 != 0 || (!rs && !cublas_on_copy(c, w, gate, m))) return false;
     __half *xh = (__half *)luma_cuda_scratch(c, (size_t)m * (size_t)w->cols * sizeof(__half));
     if (!xh) return true;
-    int64_t n = m * w->cols;
-    if (rs && act == LUMA_ACT_GELU) quantize_launch<LUMA_ACT_GELU, true>(c, w->type, gate, gate, up, n, NULL, NULL, xh);
-    else if (rs) quantize_launch<LUMA_ACT_SILU, true>(c, w->type, gate, gate, up, n, NULL, NULL, xh);
-    else if (act == LUMA_ACT_GELU) quantize_launch<LUMA_ACT_GELU>(c, w->type, gate, gate, up, n, NULL, NULL, xh);
-    else quantize_launch<LUMA_ACT_SILU>(c, w->type, gate, gate, up, n, NULL, NULL, xh);
+    if (rs) quantize_gated<true>(c, act, w->type, gate, up, m * w->cols, NULL, NULL, xh);
+    else quantize_gated(c, act, w->type, gate, up, m * w->cols, NULL, NULL, xh);
     if (!LUMA_CUDA_OK(c)) return true;
     if (!rs) tensor_gemm(c, w, xh, NULL, w->rows, m, y);
     else if (!luma_cuda_rs(c, w, xh, m, y)) luma_cuda_matmul(c, w, gate, m, y);   /* gate is act(gate) * up now */
@@ -2556,11 +2564,7 @@ bool luma_cuda_gated_matmul(cuda_backend *c, const luma_weight *w, float *gate, 
     uint8_t *s = (uint8_t *)luma_cuda_scratch(c, act_q_bytes(m, w->cols));
     if (!s) return true;
     act_rows a = act_rows_at(w, gate, m, s);
-    int64_t n = m * w->cols;
-    if (act == LUMA_ACT_GELU)
-        quantize_launch<LUMA_ACT_GELU>(c, w->type, gate, gate, up, n, (int8_t *)a.q, (float2 *)a.ds, NULL);
-    else
-        quantize_launch<LUMA_ACT_SILU>(c, w->type, gate, gate, up, n, (int8_t *)a.q, (float2 *)a.ds, NULL);
+    quantize_gated(c, act, w->type, gate, up, m * w->cols, (int8_t *)a.q, (float2 *)a.ds, NULL);
     if (LUMA_CUDA_OK(c)) mm_vec_run(c, w, a, m, y);
     return true;
 }

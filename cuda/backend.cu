@@ -652,7 +652,7 @@ static int cuda_step_run(luma_backend *be, const luma_step *step, int (*forward)
         g->exec = NULL;
     }
     if (!g->exec) {
-        /* the first step of a shape sizes the scratch buffers */
+        /* a recording that fails (a scratch buffer must grow) runs eagerly */
         if (g->failures >= CUDA_GRAPH_TRIES || !LUMA_CUDA_OK(c)) return forward(ctx, err);
         if (!graph_record(c, g, forward, ctx)) {
             g->failures++;

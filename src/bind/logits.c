@@ -23,7 +23,6 @@
 #include "bind/bind.h"
 #include "sample.h"
 
-
 llogits *luma_bind_checklogits(lua_State *L, int i)
 {
     return luaL_checkudata(L, i, LUMA_LOGITS_MT);

@@ -580,7 +580,7 @@ static uint64_t graph_where(const cuda_backend *c)
 {
     uint64_t h = 1469598103934665603ull;
     uint64_t v[] = { (uint64_t)(uintptr_t)c->step_mem, (uint64_t)(uintptr_t)c->scratch,
-                     (uint64_t)(uintptr_t)c->attn_scratch, c->buf_gen, (uint64_t)c->f16_mode,
+                     (uint64_t)(uintptr_t)c->attn_scratch, (uint64_t)(uintptr_t)c->sk_mem, c->buf_gen, (uint64_t)c->f16_mode,
                      (uint64_t)c->n_f16, (uint64_t)c->mmv_on };
     for (size_t i = 0; i < sizeof v / sizeof v[0]; i++) h = (h ^ v[i]) * 1099511628211ull;
     return h;
@@ -707,6 +707,7 @@ static void cuda_free(luma_backend *be)
     cudaFree(c->step_mem);
     cudaFree(c->scratch);
     cudaFree(c->attn_scratch);
+    cudaFree(c->sk_mem);
     if (c->staged) cudaEventSynchronize(c->staged);
     cudaFreeHost(c->host_stage);
     if (c->staged) cudaEventDestroy(c->staged);

@@ -107,6 +107,9 @@ typedef struct cuda_backend {
     float *attn_scratch;       /* decode attention: arrival counters, then the splits' partial results */
     size_t attn_scratch_cap;
     size_t attn_counters;      /* int32 counters at the start of attn_scratch, zero between calls */
+    void *sk_mem;              /* rs_kernel's stream-K: flags, then partial tiles (mmq.cu rs_sk_scratch) */
+    int32_t sk_ctas;
+    size_t sk_part;
     char failure[LUMA_ERR_SIZE]; /* first failure since the last sync; "" when none */
     /* CUDA graphs of decode steps (LUMA_CUDA_GRAPHS=0 in the environment
      * turns them off). While `capturing`, operations are recorded, not run:
@@ -133,7 +136,8 @@ typedef struct cuda_backend {
      * take (f16 route), 2 the same with the int8 route for the K formats,
      * 3 the same with the wgmma route where it runs, 4 Q4_K by q8g_kernel
      * (the integer wgmma) where it runs, 5 Q4_K by rs_kernel (f16 wgmma
-     * on weights dequantized in registers) where it runs, -1 none
+     * on weights dequantized in registers) where it runs, k split over
+     * clusters, 6 the same with stream-K, -1 none
      * (luma_cuda_mmq_policy sets it, for measuring) */
     int mmq_policy;
     /* luma_cuda_g16's choice: 0 its measured rule (which takes nothing

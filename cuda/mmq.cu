@@ -17,7 +17,10 @@
  *                 at 17 to 64 activation rows;
  *   rs_kernel     Q4_K on the f16 tensor cores, the weights dequantized in
  *                 registers as wgmma's A operand: chosen by the rule for
- *                 tall weights at 17 to 128 rows, wide ones at 65 to 256;
+ *                 tall weights at 17 to 128 rows, wide ones at 65 to 256,
+ *                 and wide ones of many tiles (the downs) at 9 to 128 by
+ *                 stream-K (tiles cut between all the CTAs the GPU holds,
+ *                 partial tiles summed in a fixed order);
  *   mmq_wg_kernel the f16 route with wgmma: measured, not chosen;
  *   g16_kernel    wgmma on a weight's resident f16 copy (the product cuBLAS
  *                 takes otherwise, matmul.cu): measured, not chosen.
@@ -80,6 +83,9 @@ namespace cg = cooperative_groups;
 #define RS_TALL_HI 128
 #define RS_WIDE_LO 65
 #define RS_WIDE_HI 256
+#define RS_SK_LO 9          /* wide weights of many tiles take rs_kernel's stream-K at this m ... */
+#define RS_SK_HI 128        /* ... up to this one (rs_sk_fits) */
+#define RS_SK_ROUNDS 4      /* a stream-K CTA's share: at least this many rounds */
 #define G16_TALL_ROWS 8192 /* weights of this many rows take 128-row CTAs, the others 64 */
 #define LOW4 0x0F0F0F0Fu
 /* Bytes between the int8 activation rows of a k-step in shared memory:
@@ -479,6 +485,11 @@ struct mmq_args {
     const int8_t *xq;           /* the int8 route: m x cols */
     const float2 *xds;          /* and (d, d * sum) per 32 of them */
     float *y;                   /* m x rows */
+    /* rs_kernel's stream-K (sk CTAs; 0: the grid's tiles and splits): a
+     * partial tile of each CTA, and a flag each that says it is written */
+    int sk;
+    float *part;
+    int32_t *flags;
 };
 
 /* Where row rr of the tile's k-step kb starts in global memory. */
@@ -1285,20 +1296,23 @@ static mmq_args mmq_args_for(const luma_weight *w, const mmq_x &x, int64_t m, fl
     p.xq = x.xq;
     p.xds = x.xds;
     p.y = y;
+    p.sk = 0;
+    p.part = NULL;
+    p.flags = NULL;
     return p;
 }
 
 /* Queues kernel fn (mmq_kernel or mmq_wg_kernel) on n_tiles x row_tiles
- * tiles, k split over clusters as mmq_splits chooses. */
+ * tiles, k split over clusters as mmq_splits chooses; or, for rs_kernel's
+ * stream-K (p.sk), on p.sk CTAs. */
 template <typename... A>
 static void mmq_queue(cuda_backend *c, void (*fn)(mmq_args, A...), const mmq_fit *fit, const mmq_args &p,
                       int64_t n_tiles, int64_t row_tiles, int smem, int threads, A... more)
 {
-    int splits = mmq_splits(fit, n_tiles * row_tiles, p.nkb);
+    int splits = p.sk ? 1 : mmq_splits(fit, n_tiles * row_tiles, p.nkb);
+    dim3 grid = p.sk ? dim3((unsigned)p.sk) : dim3((unsigned)n_tiles, (unsigned)row_tiles, (unsigned)splits);
     cudaLaunchAttribute attr[2];
-    cudaLaunchConfig_t cfg = luma_launch_config(c, c->stream, dim3((unsigned)n_tiles, (unsigned)row_tiles,
-                                                                   (unsigned)splits),
-                                                (unsigned)threads, smem, attr);
+    cudaLaunchConfig_t cfg = luma_launch_config(c, c->stream, grid, (unsigned)threads, smem, attr);
     attr[1].id = cudaLaunchAttributeClusterDimension;
     attr[1].val.clusterDim.x = 1;
     attr[1].val.clusterDim.y = 1;
@@ -1460,8 +1474,14 @@ static __device__ __forceinline__ void mbar_arrive(uint64_t *b)
  * a "full" and an "empty" mbarrier for each after them (the empty ones
  * completing on empty_arrivals arrivals), and this CTA's share [st0, st0 +
  * nst) of the nkb stages (its split of k: blockIdx.z of gridDim.z), in
- * whole units of `unit` stages (nkb a multiple of it). Every
- * thread of the CTA makes it; the mbarriers are ready when it returns. */
+ * whole units of `unit` stages (nkb a multiple of it); or, made with
+ * wg_stages, nst stages that the kernel maps to its data itself
+ * (rs_kernel's stream-K). Every thread of the CTA makes it; the mbarriers
+ * are ready when it returns. */
+struct wg_stages {
+    int nst;
+};
+
 template <int STAGES, int STAGE>
 struct wg_ring {
     uint8_t *smem;
@@ -1471,13 +1491,25 @@ struct wg_ring {
 
     __device__ __forceinline__ wg_ring(uint8_t *dyn, int nkb, int empty_arrivals, int unit = 1)
     {
+        const int splits = gridDim.z, split = blockIdx.z, nu = nkb / unit;
+        const int lo = unit * (int)((int64_t)split * nu / splits);
+        init(dyn, lo, unit * (int)((int64_t)(split + 1) * nu / splits) - lo, empty_arrivals);
+    }
+
+    /* The same ring over nst stages that the kernel maps itself (st0 0). */
+    __device__ __forceinline__ wg_ring(uint8_t *dyn, int empty_arrivals, wg_stages n)
+    {
+        init(dyn, 0, n.nst, empty_arrivals);
+    }
+
+    __device__ __forceinline__ void init(uint8_t *dyn, int st0_, int nst_, int empty_arrivals)
+    {
         smem = dyn + ((1024 - ((uint32_t)__cvta_generic_to_shared(dyn) & 1023)) & 1023);
         sbase = (uint32_t)__cvta_generic_to_shared(smem);
         full = (uint64_t *)(smem + STAGES * STAGE);
         empty = full + STAGES;
-        const int splits = gridDim.z, split = blockIdx.z, nu = nkb / unit;
-        st0 = unit * (int)((int64_t)split * nu / splits);
-        nst = unit * (int)((int64_t)(split + 1) * nu / splits) - st0;
+        st0 = st0_;
+        nst = nst_;
         if (threadIdx.x == 0) {
             for (int i = 0; i < STAGES; i++) {
                 mbar_init(&full[i], 1);
@@ -1965,38 +1997,189 @@ static __device__ __forceinline__ void rs_scales(const uint4 &h, uint32_t sel, _
 #endif
 
 
-/* Grid: (activation tiles, weight-row tiles, splits of k); p.nkb counts
- * rounds of U stages (half superblocks). */
-template <int NW, int BN, int U>
+/* rs_kernel's stream-K (mmq_args.sk CTAs). The tiles' rounds, tile after
+ * tile (tile t: activation tile t % nt, row tile t / nt), are cut into sk
+ * equal ranges, one a CTA, so that no SM idles while others finish a wave
+ * (gate and up at m = 128 are 112 tiles on 132 SMs). A CTA goes over its
+ * range's tiles from the last to the first: the head of the last one (a
+ * tile it does not finish) first, into its partial slot, then whole
+ * tiles, then the tail of the first one, which it finishes: it waits for
+ * the slots of the CTAs before it that hold the tile's earlier rounds
+ * (which they wrote first) and adds them to its own, in the order of the
+ * CTAs. The sk CTAs are resident together (sk is at most what the GPU
+ * holds at once) and a CTA only waits for CTAs before it, which wrote
+ * before they waited: no deadlock, and the bits do not depend on timing.
+ * A CTA writes at most one slot (only its first tile can be left
+ * unfinished); the flag of a slot is set when it is written and cleared by
+ * the CTA that reads it, so all are zero between launches. */
+#ifdef MMQ_WG_DEVICE
+struct rs_range {
+    int a, b;   /* the CTA's rounds of all tiles' */
+    int R;      /* rounds a tile */
+
+    /* The rounds [k0, k1) of tile t in the range. */
+    __device__ __forceinline__ void of(int t, int &k0, int &k1) const
+    {
+        k0 = (a > t * R ? a : t * R) - t * R;
+        k1 = (b < (t + 1) * R ? b : (t + 1) * R) - t * R;
+    }
+
+};
+
+/* The producer's walk over a range's stages (U a round), tiles from the
+ * last: the tile, its weight rows r and activation rows n (nt activation
+ * tiles of BN, ROWS weight rows a tile), the stage gs inside it and the
+ * end of the range's stages there. One step a stage, no division but at a
+ * tile's change: the producer is one thread, and its work a stage is on
+ * the consumers' path. */
+template <int ROWS, int BN, int U>
+struct rs_walk {
+    int tile, r, n, gs, end;
+
+    __device__ __forceinline__ void enter(const rs_range &rg, int t, int nt)
+    {
+        int k0, k1;
+        rg.of(t, k0, k1);
+        tile = t;
+        r = t / nt * ROWS;
+        n = t % nt * BN;
+        gs = k0 * U;
+        end = k1 * U;
+    }
+
+    __device__ __forceinline__ void next(const rs_range &rg, int nt)
+    {
+        if (++gs == end) enter(rg, tile - 1, nt);
+    }
+};
+
+static __device__ __forceinline__ int32_t flag_acquire(const int32_t *f)
+{
+    int32_t v;
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(f) : "memory");
+    return v;
+}
+
+static __device__ __forceinline__ void flag_release(int32_t *f, int32_t v)
+{
+    asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(f), "r"(v) : "memory");
+}
+
+#define RS_BAR_CONSUMERS 1   /* named barrier of the consumer threads (stream-K's partial tiles) */
+
+/* Stream-K's end of a tile's rounds [k0, k1) of R for the C consumer
+ * threads (rs_range above): acc to y when the range is the whole tile, to
+ * the CTA's slot when the tile goes on in the CTAs after, else acc plus
+ * the slots of the CTAs before (from c0, in that order) to y. */
+template <int E, int C>
+static __device__ __forceinline__ void rs_sk_out(const mmq_args &p, int64_t r0, int64_t n0, float (&acc)[E],
+                                                 int k0, int k1, int R, int c0)
+{
+    const int th = threadIdx.x, cta = blockIdx.x;
+    int rr, nn;
+    if (k0 == 0 && k1 == R) {
+#pragma unroll
+        for (int e = 0; e < E; e++) {
+            wg_acc_at(th, e, rr, nn);
+            store_y(p, r0, n0, rr, nn, acc[e]);
+        }
+        return;
+    }
+    if (k1 < R) {
+        float *slot = p.part + (size_t)cta * (C * E);
+#pragma unroll
+        for (int e = 0; e < E; e++) __stcg(slot + e * C + th, acc[e]);
+        bar_sync(RS_BAR_CONSUMERS, C);
+        if (th == 0) {
+            __threadfence();
+            flag_release(p.flags + cta, 1);
+        }
+        return;
+    }
+    if (th == 0)
+        for (int c = c0; c < cta; c++) {
+            while (flag_acquire(p.flags + c) == 0) __nanosleep(32);
+            p.flags[c] = 0;
+        }
+    bar_sync(RS_BAR_CONSUMERS, C);
+    for (int c = c0; c < cta; c++) {
+        const float *slot = p.part + (size_t)c * (C * E) + th;
+        float v[E];   /* a slot's loads all in flight at once */
+#pragma unroll
+        for (int e = 0; e < E; e++) v[e] = __ldcg(slot + e * C);
+#pragma unroll
+        for (int e = 0; e < E; e++) acc[e] += v[e];
+    }
+#pragma unroll
+    for (int e = 0; e < E; e++) {
+        wg_acc_at(th, e, rr, nn);
+        store_y(p, r0, n0, rr, nn, acc[e]);
+    }
+}
+#endif
+
+/* Grid: (activation tiles, weight-row tiles, splits of k), or p.sk CTAs
+ * (SK: stream-K, above); p.nkb counts rounds of U stages (half
+ * superblocks). */
+template <int NW, int BN, int U, bool SK>
 static __global__ void __launch_bounds__(128 * NW + 32, 1)
     rs_kernel(mmq_args p, const __grid_constant__ CUtensorMap tmh, const __grid_constant__ CUtensorMap tmq,
               const __grid_constant__ CUtensorMap tmx)
 {
 #ifdef MMQ_WG_DEVICE
     typedef rs_shape<NW, BN> S;
-    constexpr int E = BN / 2;
+    typedef wg_ring<S::stages, S::stage> ring_t;
+    constexpr int E = BN / 2, C = 128 * NW;
     extern __shared__ uint8_t rsmem[];
-    const wg_ring<S::stages, S::stage> ring(rsmem, p.nkb * U, 4 * NW, U);
-    const int64_t n0 = (int64_t)blockIdx.x * BN, r0 = (int64_t)blockIdx.y * S::rows;
+    const int R = p.nkb;
+    int nt = 0, all = 0;   /* stream-K: activation tiles, rounds of all tiles (under 2^31: the launch checks) */
+    rs_range rg = { 0, 0, R };
+    if constexpr (SK) {
+        nt = (int)((p.m + BN - 1) / BN);
+        all = nt * (int)((p.rows + S::rows - 1) / S::rows) * R;
+        rg.a = (int)((int64_t)blockIdx.x * all / p.sk);
+        rg.b = (int)((int64_t)(blockIdx.x + 1) * all / p.sk);
+    }
+    const ring_t ring = SK ? ring_t(rsmem, 4 * NW, wg_stages{ (rg.b - rg.a) * U }) : ring_t(rsmem, R * U, 4 * NW, U);
+    const int64_t n0 = (int64_t)blockIdx.x * BN, r0 = (int64_t)blockIdx.y * S::rows;   /* without stream-K */
     const int warp = __shfl_sync(0xffffffffu, (int)threadIdx.x / 32, 0);   /* warp-uniform to the compiler */
     float acc[E];
 #pragma unroll
     for (int e = 0; e < E; e++) acc[e] = 0.0f;
 
     if (warp == 4 * NW) {
-        if (threadIdx.x == 128 * NW)
+        if (threadIdx.x == C) {
+            /* stream-K: the weights' stages and the activations' each walk
+             * the range once, in order (ring.produce's calls) */
+            rs_walk<S::rows, BN, U> ww, wa;
+            if constexpr (SK) {
+                ww.enter(rg, (rg.b - 1) / R, nt);
+                wa = ww;
+            }
             ring.produce(
                 S::b + S::hdr + S::qs,
                 [&](int st, uint8_t *buf, uint64_t *bar) {
-                    const int gs = ring.st0 + st, at = 144 * (gs / 2);
-                    tma_2d(buf + S::b, &tmh, at, (int)r0, bar);
-                    tma_2d(buf + S::b + S::hdr, &tmq, at + 16 + 64 * (gs % 2), (int)r0, bar);
+                    int gs = ring.st0 + st, r = (int)r0;
+                    if constexpr (SK) {
+                        gs = ww.gs;
+                        r = ww.r;
+                        ww.next(rg, nt);
+                    }
+                    const int at = 144 * (gs / 2);
+                    tma_2d(buf + S::b, &tmh, at, r, bar);
+                    tma_2d(buf + S::b + S::hdr, &tmq, at + 16 + 64 * (gs % 2), r, bar);
                 },
                 [&](int st, uint8_t *buf, uint64_t *bar) {
-                    const int k0 = (ring.st0 + st) * RS_K;
-                    tma_2d(buf, &tmx, k0, (int)n0, bar);
-                    tma_2d(buf + BN * 128, &tmx, k0 + 64, (int)n0, bar);
+                    int gs = ring.st0 + st, n = (int)n0;
+                    if constexpr (SK) {
+                        gs = wa.gs;
+                        n = wa.n;
+                        wa.next(rg, nt);
+                    }
+                    tma_2d(buf, &tmx, gs * RS_K, n, bar);
+                    tma_2d(buf + BN * 128, &tmx, gs * RS_K + 64, n, bar);
                 });
+        }
     } else {
         wait_for_previous_kernel();   /* before the stores: the kernel before may read y */
         const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
@@ -2048,14 +2231,14 @@ static __global__ void __launch_bounds__(128 * NW + 32, 1)
             __syncwarp();
             if (lane == 0) mbar_arrive(&ring.empty[st % S::stages]);
         };
-        /* U stages a round, their register sets alternating: a set is
-         * rewritten only after the wait that says its wgmmas are done, and
-         * nothing is in flight from one round to the next (ptxas serializes
-         * the wgmmas otherwise) */
-        for (int st = 0; st < ring.nst; st += U) {
+        /* U stages, their register sets alternating: a set is rewritten
+         * only after the wait that says its wgmmas are done, and nothing is
+         * in flight from one round to the next (ptxas serializes the wgmmas
+         * otherwise) */
+        auto round = [&](int st) {
 #pragma unroll
             for (int u = 0; u < U; u++) {
-                if (u % 2 == 0) make(a0, st + u, true);   /* rounds start on a superblock: st0, U even */
+                if (u % 2 == 0) make(a0, st + u, true);   /* rounds start on a superblock: U even */
                 else make(a1, st + u, false);
                 if (u % 2 == 0) issue(a0, st + u);
                 else issue(a1, st + u);
@@ -2068,13 +2251,91 @@ static __global__ void __launch_bounds__(128 * NW + 32, 1)
             keep_regs(a0);
             keep_regs(a1);
             give_back(st + U - 1);
+        };
+        if constexpr (SK) {
+            int st = 0;   /* the range's tiles from the last */
+            for (int tile = (rg.b - 1) / R; rg.b > rg.a && tile >= rg.a / R; tile--) {
+                int k0, k1;
+                rg.of(tile, k0, k1);
+                for (int r = k0; r < k1; r++, st += U) round(st);
+                wg_pin(acc);
+                /* the tile's first CTA: the last whose range starts at or before its rounds */
+                const int c0 = (int)(((int64_t)(tile * R + 1) * p.sk - 1) / all);
+                rs_sk_out<E, C>(p, (int64_t)(tile / nt) * S::rows, (int64_t)(tile % nt) * BN, acc, k0, k1, R, c0);
+#pragma unroll
+                for (int e = 0; e < E; e++) acc[e] = 0.0f;
+            }
+        } else {
+            for (int st = 0; st < ring.nst; st += U) round(st);
+            wg_pin(acc);
         }
-        wg_pin(acc);
     }
-
+    if constexpr (SK) return;
     __syncthreads();
-    wg_tile_out<E, 128 * NW>(p, r0, n0, acc, warp < 4 * NW, gridDim.z, ring.smem, S::threads);
+    wg_tile_out<E, C>(p, r0, n0, acc, warp < 4 * NW, gridDim.z, ring.smem, S::threads);
 #endif
+}
+
+/* Whether policy 0 takes w by rs_kernel's stream-K at m: weights at least
+ * twice as wide as tall (the downs) whose tiles hold RS_SK_ROUNDS rounds or
+ * more an SM, at m = RS_SK_LO .. RS_SK_HI. There it measured faster than
+ * the clusters, q8g_kernel and cuBLAS on the H100; with fewer rounds (the
+ * 7B's k and v: 64 for 132 SMs) a tile's CTAs sum too many partial tiles
+ * (cuda/NOTES.md). */
+static bool rs_sk_fits(const cuda_backend *c, const luma_weight *w, int64_t m)
+{
+    return w->cols >= 2 * w->rows && m >= RS_SK_LO && m <= RS_SK_HI &&
+           (w->rows + 127) / 128 * (w->cols / (4 * RS_K)) >= (int64_t)RS_SK_ROUNDS * c->n_sm;
+}
+
+/* rs_kernel's stream-K CTAs (as many as the GPU holds at once, at most
+ * one a round), or 0 for its tiles with k split over clusters
+ * (mmq_splits): where rs_sk_fits under policy 0, always under policy 6,
+ * never under policy 5. LUMA_CUDA_SK=0 or 1 in the environment says never
+ * or always instead of the rule, for measuring. */
+static int rs_stream_k(const cuda_backend *c, const mmq_fit *fit, const luma_weight *w, int64_t m, int64_t rounds)
+{
+    static int env = -2;
+    if (env == -2) {
+        const char *v = getenv("LUMA_CUDA_SK");
+        env = v && *v ? atoi(v) != 0 : -1;
+    }
+    const int64_t ctas = fit->clusters[0] < rounds ? fit->clusters[0] : rounds;
+    if (c->mmq_policy == 5 || ctas <= 0 || rounds > INT32_MAX) return 0;
+    if (c->mmq_policy == 6) return (int)ctas;
+    if (env >= 0) return env ? (int)ctas : 0;
+    return rs_sk_fits(c, w, m) ? (int)ctas : 0;
+}
+
+/* Stream-K's memory (c->sk_mem): a flag for each of c->sk_ctas CTAs
+ * (int32, zero between launches), then a partial tile of c->sk_part bytes
+ * for each. It grows only outside recordings (a recording that would need
+ * more fails, and the step runs eagerly). */
+static bool rs_sk_scratch(cuda_backend *c, int ctas, size_t part_bytes, mmq_args *p)
+{
+    if (ctas > c->sk_ctas || part_bytes > c->sk_part) {
+        if (c->capturing) {
+            luma_cuda_failf(c, "stream-K scratch must grow while a step is being recorded");
+            return false;
+        }
+        const int n = ctas > c->sk_ctas ? ctas : c->sk_ctas;
+        const size_t pb = part_bytes > c->sk_part ? part_bytes : c->sk_part;
+        const size_t fb = ((size_t)n * sizeof(int32_t) + 255) & ~(size_t)255;
+        cudaStreamSynchronize(c->stream);
+        cudaFree(c->sk_mem);
+        c->sk_mem = NULL;
+        c->sk_ctas = 0;
+        c->sk_part = 0;
+        void *mem = NULL;
+        if (luma_cuda_fail(c, cudaMalloc(&mem, fb + (size_t)n * pb), "allocating stream-K scratch")) return false;
+        c->sk_mem = mem;
+        if (luma_cuda_fail(c, cudaMemsetAsync(mem, 0, fb, c->stream), "clearing the stream-K flags")) return false;
+        c->sk_ctas = n;
+        c->sk_part = pb;
+    }
+    p->flags = (int32_t *)c->sk_mem;
+    p->part = (float *)((uint8_t *)c->sk_mem + (((size_t)c->sk_ctas * sizeof(int32_t) + 255) & ~(size_t)255));
+    return true;
 }
 
 /* y = W x through rs_kernel<NW, BN> on the Q4_K blocks and the
@@ -2095,11 +2356,20 @@ static bool rs_launch(cuda_backend *c, const luma_weight *w, const __half *xp, i
         !tensor_map_2d(&tmx, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, xp, cols, (uint64_t)m, cols * 2, 64, BN,
                        CU_TENSOR_MAP_SWIZZLE_128B))
         return false;
-    if (!mmq_setup_kernel(c, &fit, (const void *)rs_kernel<NW, BN, U>, S::smem, S::threads)) return true;
+    if (!mmq_setup_kernel(c, &fit, (const void *)rs_kernel<NW, BN, U, false>, S::smem, S::threads)) return true;
     mmq_args p = mmq_args_for(w, mmq_x{ xp, NULL, NULL }, m, y);
     p.nkb = (int)(w->cols / (RS_K * U));   /* rounds of U stages, not k-steps */
-    mmq_queue(c, rs_kernel<NW, BN, U>, &fit, p, (m + BN - 1) / BN, (w->rows + S::rows - 1) / S::rows, S::smem,
-              S::threads, tmh, tmq, tmx);
+    const int64_t n_tiles = (m + BN - 1) / BN, row_tiles = (w->rows + S::rows - 1) / S::rows;
+    p.sk = rs_stream_k(c, &fit, w, m, n_tiles * row_tiles * p.nkb);
+    if (!p.sk) {
+        mmq_queue(c, rs_kernel<NW, BN, U, false>, &fit, p, n_tiles, row_tiles, S::smem, S::threads, tmh, tmq, tmx);
+        return true;
+    }
+    static mmq_fit fit_sk;
+    if (!mmq_setup_kernel(c, &fit_sk, (const void *)rs_kernel<NW, BN, U, true>, S::smem, S::threads) ||
+        !rs_sk_scratch(c, p.sk, (size_t)S::rows * BN * sizeof(float), &p))
+        return true;
+    mmq_queue(c, rs_kernel<NW, BN, U, true>, &fit_sk, p, n_tiles, row_tiles, S::smem, S::threads, tmh, tmq, tmx);
     return true;
 }
 
@@ -2253,7 +2523,8 @@ static bool q8g_wins(const cuda_backend *c, const luma_weight *w, int64_t m)
  * cuBLAS on the resident copy and q8g_kernel on the H100 (cuda/NOTES.md):
  * weights at least twice as tall as wide (llama's gate and up) at m =
  * RS_TALL_LO .. RS_TALL_HI, at least twice as wide as tall (down) at
- * RS_WIDE_LO .. RS_WIDE_HI. LUMA_CUDA_RS=lo,hi in the environment takes
+ * RS_WIDE_LO .. RS_WIDE_HI, and by stream-K where rs_sk_fits.
+ * LUMA_CUDA_RS=lo,hi in the environment takes
  * every shape from lo to hi instead, for measuring ("9999,0": never). */
 static bool rs_wins(const cuda_backend *c, const luma_weight *w, int64_t m)
 {
@@ -2261,7 +2532,7 @@ static bool rs_wins(const cuda_backend *c, const luma_weight *w, int64_t m)
     if (!c->wgmma || w->type != LUMA_Q4_K) return false;
     if (env_rows_set(env, "LUMA_CUDA_RS")) return m >= env.lo && m <= env.hi;
     if (w->rows >= 2 * w->cols) return m >= RS_TALL_LO && m <= RS_TALL_HI;
-    return w->cols >= 2 * w->rows && m >= RS_WIDE_LO && m <= RS_WIDE_HI;
+    return rs_sk_fits(c, w, m) || (w->cols >= 2 * w->rows && m >= RS_WIDE_LO && m <= RS_WIDE_HI);
 }
 
 bool luma_cuda_mmq_small(const cuda_backend *c, const luma_weight *w, const float *x, int64_t m)
@@ -2279,7 +2550,7 @@ bool luma_cuda_mmq_takes(const cuda_backend *c, const luma_weight *w, const floa
 bool luma_cuda_rs_takes(const cuda_backend *c, const luma_weight *w, const float *x, int64_t m)
 {
     return luma_cuda_mmq_takes(c, w, x, m) && w->type == LUMA_Q4_K && c->wgmma &&
-           (c->mmq_policy == 5 || (c->mmq_policy == 0 && rs_wins(c, w, m)));
+           (c->mmq_policy == 5 || c->mmq_policy == 6 || (c->mmq_policy == 0 && rs_wins(c, w, m)));
 }
 
 bool luma_cuda_rs(cuda_backend *c, const luma_weight *w, const __half *xp, int64_t m, float *y)
@@ -2349,7 +2620,7 @@ bool luma_cuda_mmq(cuda_backend *c, const luma_weight *w, const float *x, int64_
 
 extern "C" void luma_cuda_mmq_policy(luma_backend *be, int policy)
 {
-    ((cuda_backend *)be)->mmq_policy = policy < 0 ? -1 : policy > 5 ? 5 : policy;
+    ((cuda_backend *)be)->mmq_policy = policy < 0 ? -1 : policy > 6 ? 6 : policy;
 }
 
 /* Whether the wgmma route runs here (policy 3 falls back to the f16 route

@@ -16,8 +16,11 @@
  *     within TOL_CPU_INT8 of the CPU backend's product, twice the same
  *     bits, and timed;
  *   - where it runs too, Q4_K by rs_kernel (policy 5: f16 wgmma on weights
- *     dequantized in registers), within TOL and TOL_CPU, twice the same
- *     bits, and timed;
+ *     dequantized in registers, k split over clusters), within TOL and
+ *     TOL_CPU, twice the same bits, and timed; and the same with stream-K
+ *     (policy 6: every CTA the GPU holds at once, tiles cut between CTAs
+ *     and their partial tiles summed by the CTA that finishes the tile)
+ *     likewise;
  *   - where it runs too, matmul's product on the resident f16 copy by
  *     g16_kernel (forced for every m > 8), within TOL and TOL_CPU, twice
  *     the same bits, and timed against cuBLAS on the same copy;
@@ -37,7 +40,7 @@
  * small shapes and skips the timing; LUMA_MMQ_TYPES="Q4_K,Q6_K" and
  * LUMA_MMQ_SHAPES="14336x4096" keep to those types and big shapes;
  * LUMA_MMQ_G16_TIMES=1 skips the checks and times only cuBLAS on the
- * resident copy, g16_kernel and the Q4_K integer wgmma kernel. */
+ * resident copy, g16_kernel and the Q4_K wgmma kernels. */
 #include "backend.h"
 #include "quant.h"
 #include "testutil.h"
@@ -97,12 +100,12 @@ typedef struct ctx {
 } ctx;
 
 /* The ways of computing y = W x that are timed. */
-enum path { MMQ, MMQ8, MMQ_WG, MATMUL_RESIDENT, MATMUL_PER_CALL, G16, MMQ_Q8G, MMQ_RS, N_PATHS };
+enum path { MMQ, MMQ8, MMQ_WG, MATMUL_RESIDENT, MATMUL_PER_CALL, G16, MMQ_Q8G, MMQ_RS, MMQ_RS_SK, N_PATHS };
 
 /* The policy that forces each mmq route. */
 static int route_policy(enum path pt)
 {
-    return pt == MMQ8 ? 2 : pt == MMQ_WG ? 3 : pt == MMQ_Q8G ? 4 : pt == MMQ_RS ? 5 : 1;
+    return pt == MMQ8 ? 2 : pt == MMQ_WG ? 3 : pt == MMQ_Q8G ? 4 : pt == MMQ_RS ? 5 : pt == MMQ_RS_SK ? 6 : 1;
 }
 
 /* Whether mmq has its int8 route for t (policy 2 takes it). */
@@ -125,7 +128,7 @@ static int run_path(ctx *cx, enum path pt, const luma_weight *w, int64_t m)
 {
     luma_buf xv = luma_buf_rows(&cx->x, 0, m), yv = luma_buf_rows(&cx->y, 0, m);
     yv.cols = w->rows;
-    if (pt == MMQ || pt == MMQ8 || pt == MMQ_WG || pt == MMQ_Q8G || pt == MMQ_RS) {
+    if (pt == MMQ || pt == MMQ8 || pt == MMQ_WG || pt == MMQ_Q8G || pt == MMQ_RS || pt == MMQ_RS_SK) {
         luma_cuda_mmq_policy(cx->be, route_policy(pt));
         bool took = luma_cuda_mmq_matmul(cx->be, w, &xv, &yv);
         CHECKF(took, "%s %lldx%lld m=%lld: mmq declined a product it supports", luma_type_name(w->type),
@@ -354,6 +357,10 @@ static void check_shape(ctx *cx, enum luma_type t, const struct shape *sh, timin
             check_route(cx, MMQ_RS, "f16 wgmma from registers", "rs", TOL_CPU, m == 17 || m == 100 || m == 300,
                         &ref, m, y, y2, line, &len) != 0)
             continue;
+        if (cx->wg && t == LUMA_Q4_K &&
+            check_route(cx, MMQ_RS_SK, "f16 wgmma from registers, stream-K", "sk", TOL_CPU,
+                        m == 17 || m == 64 || m == 128 || m == 300, &ref, m, y, y2, line, &len) != 0)
+            continue;
         if (cx->wg && m > 8 && w.dev_f16 &&
             check_route(cx, G16, "f16 wgmma", "g16", TOL_CPU, m == 17 || m == 100 || m == 300, &ref, m, y, y2, line,
                         &len) != 0)
@@ -376,6 +383,8 @@ static void check_shape(ctx *cx, enum luma_type t, const struct shape *sh, timin
                     tm[i].us[G16] = cx->wg && m > 8 ? time_path(cx, G16, &cp, m) : 0.0;
                     tm[i].us[MMQ_Q8G] = cx->wg && t == LUMA_Q4_K && m > 8 ? time_path(cx, MMQ_Q8G, &cp, m) : 0.0;
                     tm[i].us[MMQ_RS] = cx->wg && t == LUMA_Q4_K && m > 8 ? time_path(cx, MMQ_RS, &cp, m) : 0.0;
+                    tm[i].us[MMQ_RS_SK] =
+                        cx->wg && t == LUMA_Q4_K && m > 8 ? time_path(cx, MMQ_RS_SK, &cp, m) : 0.0;
                     continue;
                 }
                 tm[i].us[MMQ] = time_path(cx, MMQ, &cp, m);
@@ -386,6 +395,7 @@ static void check_shape(ctx *cx, enum luma_type t, const struct shape *sh, timin
                 tm[i].us[G16] = cx->wg && m > 8 ? time_path(cx, G16, &cp, m) : 0.0;
                 tm[i].us[MMQ_Q8G] = cx->wg && t == LUMA_Q4_K && m > 8 ? time_path(cx, MMQ_Q8G, &cp, m) : 0.0;
                 tm[i].us[MMQ_RS] = cx->wg && t == LUMA_Q4_K && m > 8 ? time_path(cx, MMQ_RS, &cp, m) : 0.0;
+                tm[i].us[MMQ_RS_SK] = cx->wg && t == LUMA_Q4_K && m > 8 ? time_path(cx, MMQ_RS_SK, &cp, m) : 0.0;
                 luma_buf xv = luma_buf_rows(&cx->x, 0, m), yv = luma_buf_rows(&cx->y, 0, m);
                 luma_weight per_call = w;
                 per_call.dev_f16 = NULL;
@@ -486,11 +496,12 @@ static void print_timing(enum luma_type t, const struct shape *sh, int64_t m, co
                us[MATMUL_RESIDENT] / us[MMQ_Q8G]);
     else
         printf(" %7s %6s %6s %6s |", "-", "-", "-", "-");
-    if (us[MMQ_RS] > 0)
-        printf(" %7.1f %6.1f %6.0f %5.2fx |", us[MMQ_RS], flop / (us[MMQ_RS] * 1e6), qbytes / (us[MMQ_RS] * 1e3),
-               us[MATMUL_RESIDENT] / us[MMQ_RS]);
-    else
-        printf(" %7s %6s %6s %6s |", "-", "-", "-", "-");
+    for (int pt = MMQ_RS; pt <= MMQ_RS_SK; pt++)
+        if (us[pt] > 0)
+            printf(" %7.1f %6.1f %6.0f %5.2fx |", us[pt], flop / (us[pt] * 1e6), qbytes / (us[pt] * 1e3),
+                   us[MATMUL_RESIDENT] / us[pt]);
+        else
+            printf(" %7s %6s %6s %6s |", "-", "-", "-", "-");
     double vs_res = us[MMQ] > 0 ? us[MATMUL_RESIDENT] / us[MMQ] : 0.0;
     double vs_pc = us[MMQ] > 0 && us[MATMUL_PER_CALL] > 0 ? us[MATMUL_PER_CALL] / us[MMQ] : 0.0;
     printf(" %5.2fx %-4s", vs_res, vs_res > 1.0 ? "mmq" : m <= 8 ? "mmv" : "cuBLAS");
@@ -540,7 +551,7 @@ static int run_checks(void)
         printf("\ntiming (best of %d, weights cold in L2): microseconds, TFLOP/s, GB/s of the weights each path "
                "reads\n", TIME_REPS);
         printf("type  shape          m |      mmq: us TFLOP/s  GB/s | matmul resident f16 (mmv for m <= 8): us "
-               "TFLOP/s GB/s | per call: us TFLOP/s | int8 route: us TFLOP/s GB/s | wgmma route: us TFLOP/s GB/s | f16 wgmma on the copy: us TFLOP/s GB/s vs cuBLAS | Q4_K int8 wgmma: us TFLOP/s GB/s vs cuBLAS | Q4_K f16 wgmma from registers: us TFLOP/s GB/s vs cuBLAS | mmq vs resident | vs per call | rule: resident, per call\n");
+               "TFLOP/s GB/s | per call: us TFLOP/s | int8 route: us TFLOP/s GB/s | wgmma route: us TFLOP/s GB/s | f16 wgmma on the copy: us TFLOP/s GB/s vs cuBLAS | Q4_K int8 wgmma: us TFLOP/s GB/s vs cuBLAS | Q4_K f16 wgmma from registers: us TFLOP/s GB/s vs cuBLAS | the same, stream-K | mmq vs resident | vs per call | rule: resident, per call\n");
         for (int ti = 0; ti < N_TYPES; ti++)
             for (int si = 0; si < N_SHAPES; si++)
                 if (shapes[si].big && !(only && *only && !strstr(only, luma_type_name(types[ti]))) &&

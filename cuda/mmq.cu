@@ -2000,7 +2000,7 @@ static __device__ __forceinline__ void rs_scales(const uint4 &h, uint32_t sel, _
 /* rs_kernel's stream-K (mmq_args.sk CTAs). The tiles' rounds, tile after
  * tile (tile t: activation tile t % nt, row tile t / nt), are cut into sk
  * equal ranges, one a CTA, so that no SM idles while others finish a wave
- * (gate and up at m = 128 are 112 tiles on 132 SMs). A CTA goes over its
+ * or a cluster's reduction (where it pays: rs_sk_fits). A CTA goes over its
  * range's tiles from the last to the first: the head of the last one (a
  * tile it does not finish) first, into its partial slot, then whole
  * tiles, then the tail of the first one, which it finishes: it waits for
@@ -2014,7 +2014,7 @@ static __device__ __forceinline__ void rs_scales(const uint4 &h, uint32_t sel, _
  * the CTA that reads it, so all are zero between launches. */
 #ifdef MMQ_WG_DEVICE
 struct rs_range {
-    int a, b;   /* the CTA's rounds of all tiles' */
+    int a, b;   /* the CTA's rounds, counted over all tiles */
     int R;      /* rounds a tile */
 
     /* The rounds [k0, k1) of tile t in the range. */
@@ -2023,7 +2023,6 @@ struct rs_range {
         k0 = (a > t * R ? a : t * R) - t * R;
         k1 = (b < (t + 1) * R ? b : (t + 1) * R) - t * R;
     }
-
 };
 
 /* The producer's walk over a range's stages (U a round), tiles from the

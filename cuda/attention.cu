@@ -1709,38 +1709,14 @@ int luma_cuda_attention_setup(const luma_kv_layout *l, luma_err *err)
     return 0;
 }
 
-/* The decode scratch (attn_scratch): c->attn_counters arrival counters
- * (int32, zero between calls: the last split of a row resets its own),
- * then the splits' partial results. It grows only outside recordings (a
- * recording that would need more fails, and the step runs eagerly),
- * keeping its counters' room. */
+/* The decode scratch (attn_scratch): the splits' arrival counters (the
+ * last split of a row resets its own), then their partial results. */
 static bool decode_scratch(cuda_backend *c, size_t counters, size_t part_bytes, attn_args *a)
 {
-    size_t cbytes = (c->attn_counters * sizeof(int32_t) + 255) & ~(size_t)255;
-    if (counters > c->attn_counters || cbytes + part_bytes > c->attn_scratch_cap) {
-        if (c->capturing) {
-            luma_cuda_failf(c, "attention scratch must grow while a step is being recorded");
-            return false;
-        }
-        size_t have = c->attn_scratch_cap > cbytes ? c->attn_scratch_cap - cbytes : 0;
-        if (counters < c->attn_counters) counters = c->attn_counters;
-        if (part_bytes < have) part_bytes = have;
-        cbytes = (counters * sizeof(int32_t) + 255) & ~(size_t)255;
-        cudaStreamSynchronize(c->stream);
-        cudaFree(c->attn_scratch);
-        c->attn_scratch = NULL;
-        c->attn_scratch_cap = 0;
-        c->attn_counters = 0;
-        void *mem = NULL;
-        if (luma_cuda_fail(c, cudaMalloc(&mem, cbytes + part_bytes), "allocating attention scratch")) return false;
-        c->attn_scratch = (float *)mem;
-        c->attn_scratch_cap = cbytes + part_bytes;
-        if (luma_cuda_fail(c, cudaMemsetAsync(mem, 0, cbytes, c->stream), "clearing the attention counters"))
-            return false;
-        c->attn_counters = counters;
-    }
-    a->counters = (int32_t *)c->attn_scratch;
-    a->part = (float *)((uint8_t *)c->attn_scratch + cbytes);
+    void *part;
+    if (!luma_cuda_partials(c, &c->attn_scratch, counters, part_bytes, "the attention scratch", &a->counters, &part))
+        return false;
+    a->part = (float *)part;
     return true;
 }
 

@@ -77,6 +77,36 @@ void *luma_cuda_scratch(cuda_backend *c, size_t n)
     return c->scratch;
 }
 
+bool luma_cuda_partials(cuda_backend *c, cuda_partials *s, size_t counters, size_t part_bytes, const char *what,
+                        int32_t **ctr, void **part)
+{
+    size_t cbytes = (s->counters * sizeof(int32_t) + 255) & ~(size_t)255;
+    if (counters > s->counters || part_bytes > s->part_cap) {
+        if (c->capturing) {
+            luma_cuda_failf(c, "%s must grow while a step is being recorded", what);
+            return false;
+        }
+        if (counters < s->counters) counters = s->counters;
+        if (part_bytes < s->part_cap) part_bytes = s->part_cap;
+        cbytes = (counters * sizeof(int32_t) + 255) & ~(size_t)255;
+        free_after_stream(c, s->mem);
+        s->mem = NULL;
+        s->counters = s->part_cap = 0;
+        char msg[64];
+        snprintf(msg, sizeof msg, "allocating %s", what);
+        void *mem = NULL;
+        if (luma_cuda_fail(c, cudaMalloc(&mem, cbytes + part_bytes), msg)) return false;
+        s->mem = mem;
+        snprintf(msg, sizeof msg, "clearing the counters of %s", what);
+        if (luma_cuda_fail(c, cudaMemsetAsync(mem, 0, cbytes, c->stream), msg)) return false;
+        s->counters = counters;
+        s->part_cap = part_bytes;
+    }
+    *ctr = (int32_t *)s->mem;
+    *part = (uint8_t *)s->mem + cbytes;
+    return true;
+}
+
 /* Whether the switch `name` is turned off in the environment (set to 0):
  * the backend's paths that can be turned off for measuring. */
 static bool env_off(const char *name)
@@ -580,7 +610,7 @@ static uint64_t graph_where(const cuda_backend *c)
 {
     uint64_t h = 1469598103934665603ull;
     uint64_t v[] = { (uint64_t)(uintptr_t)c->step_mem, (uint64_t)(uintptr_t)c->scratch,
-                     (uint64_t)(uintptr_t)c->attn_scratch, (uint64_t)(uintptr_t)c->sk_mem, c->buf_gen, (uint64_t)c->f16_mode,
+                     (uint64_t)(uintptr_t)c->attn_scratch.mem, (uint64_t)(uintptr_t)c->sk_scratch.mem, c->buf_gen, (uint64_t)c->f16_mode,
                      (uint64_t)c->n_f16, (uint64_t)c->mmv_on };
     for (size_t i = 0; i < sizeof v / sizeof v[0]; i++) h = (h ^ v[i]) * 1099511628211ull;
     return h;
@@ -706,8 +736,8 @@ static void cuda_free(luma_backend *be)
     for (int p = 0; p < LUMA_KV_MAX_POOLS; p++) cudaFree(c->kv_mem[p]);
     cudaFree(c->step_mem);
     cudaFree(c->scratch);
-    cudaFree(c->attn_scratch);
-    cudaFree(c->sk_mem);
+    cudaFree(c->attn_scratch.mem);
+    cudaFree(c->sk_scratch.mem);
     if (c->staged) cudaEventSynchronize(c->staged);
     cudaFreeHost(c->host_stage);
     if (c->staged) cudaEventDestroy(c->staged);

@@ -80,6 +80,16 @@ typedef struct cuda_graph {
 
 #define MMV_PASS_M 8           /* activation rows per matrix-vector kernel */
 
+/* Scratch of kernels whose CTAs combine partial results: int32 counters
+ * (or flags) at the start of mem, zero between calls (the kernel that
+ * reads one resets it), then part_cap bytes of partial results
+ * (luma_cuda_partials). */
+typedef struct cuda_partials {
+    void *mem;
+    size_t counters;
+    size_t part_cap;
+} cuda_partials;
+
 typedef struct cuda_backend {
     luma_backend base;
     int device;
@@ -104,12 +114,8 @@ typedef struct cuda_backend {
     size_t kv_block_bytes[LUMA_KV_MAX_POOLS];
     void *scratch;             /* matmul scratch: quantized activations, dequantized tiles */
     size_t scratch_cap;
-    float *attn_scratch;       /* decode attention: arrival counters, then the splits' partial results */
-    size_t attn_scratch_cap;
-    size_t attn_counters;      /* int32 counters at the start of attn_scratch, zero between calls */
-    void *sk_mem;              /* rs_kernel's stream-K: flags, then partial tiles (mmq.cu rs_sk_scratch) */
-    int32_t sk_ctas;
-    size_t sk_part;
+    cuda_partials attn_scratch; /* decode attention: arrival counters, then the splits' partial results */
+    cuda_partials sk_scratch;  /* rs_kernel's stream-K: a flag, then a partial tile, for each CTA */
     char failure[LUMA_ERR_SIZE]; /* first failure since the last sync; "" when none */
     /* CUDA graphs of decode steps (LUMA_CUDA_GRAPHS=0 in the environment
      * turns them off). While `capturing`, operations are recorded, not run:
@@ -181,6 +187,14 @@ const int32_t *luma_cuda_step_array(cuda_backend *c, const int32_t *host, int32_
 
 /* A scratch buffer of at least n bytes (grows; NULL after recording a failure). */
 void *luma_cuda_scratch(cuda_backend *c, size_t n);
+
+/* At least `counters` counters and part_bytes of partial results in s,
+ * keeping what it had, the new counters cleared; *ctr and *part point at
+ * them. It grows only outside recordings: a recording that would need more
+ * fails, and the step runs eagerly, which grows it. what names s in
+ * errors. False after recording a failure. */
+bool luma_cuda_partials(cuda_backend *c, cuda_partials *s, size_t counters, size_t part_bytes, const char *what,
+                        int32_t **ctr, void **part);
 
 /* ---- matmul.cu ----------------------------------------------------------- */
 

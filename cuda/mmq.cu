@@ -2306,34 +2306,15 @@ static int rs_stream_k(const cuda_backend *c, const mmq_fit *fit, const luma_wei
     return rs_sk_fits(c, w, m) ? (int)ctas : 0;
 }
 
-/* Stream-K's memory (c->sk_mem): a flag for each of c->sk_ctas CTAs
- * (int32, zero between launches), then a partial tile of c->sk_part bytes
- * for each. It grows only outside recordings (a recording that would need
- * more fails, and the step runs eagerly). */
+/* Stream-K's memory (c->sk_scratch): a flag for each of ctas CTAs, then a
+ * partial tile of part_bytes for each. */
 static bool rs_sk_scratch(cuda_backend *c, int ctas, size_t part_bytes, mmq_args *p)
 {
-    if (ctas > c->sk_ctas || part_bytes > c->sk_part) {
-        if (c->capturing) {
-            luma_cuda_failf(c, "stream-K scratch must grow while a step is being recorded");
-            return false;
-        }
-        const int n = ctas > c->sk_ctas ? ctas : c->sk_ctas;
-        const size_t pb = part_bytes > c->sk_part ? part_bytes : c->sk_part;
-        const size_t fb = ((size_t)n * sizeof(int32_t) + 255) & ~(size_t)255;
-        cudaStreamSynchronize(c->stream);
-        cudaFree(c->sk_mem);
-        c->sk_mem = NULL;
-        c->sk_ctas = 0;
-        c->sk_part = 0;
-        void *mem = NULL;
-        if (luma_cuda_fail(c, cudaMalloc(&mem, fb + (size_t)n * pb), "allocating stream-K scratch")) return false;
-        c->sk_mem = mem;
-        if (luma_cuda_fail(c, cudaMemsetAsync(mem, 0, fb, c->stream), "clearing the stream-K flags")) return false;
-        c->sk_ctas = n;
-        c->sk_part = pb;
-    }
-    p->flags = (int32_t *)c->sk_mem;
-    p->part = (float *)((uint8_t *)c->sk_mem + (((size_t)c->sk_ctas * sizeof(int32_t) + 255) & ~(size_t)255));
+    void *part;
+    if (!luma_cuda_partials(c, &c->sk_scratch, (size_t)ctas, (size_t)ctas * part_bytes, "the stream-K scratch",
+                            &p->flags, &part))
+        return false;
+    p->part = (float *)part;
     return true;
 }
 

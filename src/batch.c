@@ -67,7 +67,24 @@ typedef struct logits_dst {
     float *host;               /* the next row, or NULL */
     luma_buf *set;             /* when host is NULL */
     int64_t row;               /* the next row of set */
+    const luma_run_hook *hook; /* or NULL: called once the last pass is queued */
+    int32_t *argmax;           /* or NULL: every row's argmax, found with the last pass */
+    bool argmax_found;
 } logits_dst;
+
+/* The last pass is queued: the caller's hook, then every row's argmax
+ * where asked, both before the host waits for the device (the argmax's
+ * own wait is the pass's). A failure of either fails the run: the
+ * argmax reports the pass's own failure first. */
+static int last_pass_queued(luma_model *m, logits_dst *dst, luma_err *err)
+{
+    if (dst->hook && dst->hook->fn(dst->hook->ctx, err)) return -1;
+    if (dst->argmax && dst->set) {
+        if (m->be->ops->logits_argmax(m->be, dst->set, 0, dst->set->rows, dst->argmax, err)) return -1;
+        dst->argmax_found = true;
+    }
+    return 0;
+}
 
 /* Projects the pass's out rows to logits, appended at dst. */
 static int project_logits(luma_model *m, int32_t n_out, logits_dst *dst, luma_err *err)
@@ -169,9 +186,14 @@ static int run_chunks(luma_model *m, const luma_chunk *chunks, int32_t n_chunks,
         }
         if ((m->be->ops->step_begin && m->be->ops->step_begin(m->be, &step, err)) ||
             run_forward(m, &step, err) ||
-            project_logits(m, step.n_out, dst, err) ||
-            m->be->ops->sync(m->be, err))
+            project_logits(m, step.n_out, dst, err))
             goto rollback;
+        if (ci == n_chunks && last_pass_queued(m, dst, err)) {
+            luma_err ignored;
+            m->be->ops->sync(m->be, &ignored);
+            goto rollback;
+        }
+        if (m->be->ops->sync(m->be, err)) goto rollback;
         for (int32_t i = 0; i < step.n_seqs; i++) {
             luma_seq *s = p.owners[i];
             luma_kv_commit(m->kv, s->kv, p.seqs[i].n_rows);
@@ -212,7 +234,7 @@ int luma_model_run(luma_model *m, const luma_chunk *chunks, int32_t n_chunks, fl
                    luma_err *err)
 {
     if (check_chunks(m, chunks, n_chunks, err)) return -1;
-    logits_dst dst = { logits, NULL, 0 };
+    logits_dst dst = { logits, NULL, 0, NULL, NULL, false };
     return run_chunks(m, chunks, n_chunks, &dst, err);
 }
 
@@ -271,6 +293,7 @@ static luma_logits_set *set_get(luma_model *m, int64_t rows, luma_err *err)
         m->pooled_bytes -= set_bytes(s);
         free(s->argmax);
         s->argmax = NULL;
+        s->argmax_ahead = s->argmax_read = false;
     } else {
         s = calloc(1, sizeof *s);
         if (!s) {
@@ -308,6 +331,7 @@ void luma_logits_set_release(luma_logits_set *s)
 {
     if (!s || --s->refs > 0) return;
     luma_model *m = s->model;
+    if (s->argmax_ahead && !s->argmax_read) m->argmax_ahead = false;
     list_remove(&m->sets, &m->sets_last, s);
     m->n_sets--;
     m->set_bytes -= set_bytes(s);
@@ -327,17 +351,26 @@ void luma_logits_set_release(luma_logits_set *s)
     }
 }
 
-int luma_model_run_set(luma_model *m, const luma_chunk *chunks, int32_t n_chunks,
+int luma_model_run_set(luma_model *m, const luma_chunk *chunks, int32_t n_chunks, const luma_run_hook *hook,
                        luma_logits_set **out, luma_err *err)
 {
     *out = NULL;
     if (check_chunks(m, chunks, n_chunks, err)) return -1;
     luma_logits_set *s = set_get(m, luma_model_out_rows(chunks, n_chunks), err);
     if (!s) return -1;
-    logits_dst dst = { NULL, &s->buf, 0 };
+    logits_dst dst = { NULL, &s->buf, 0, hook, NULL, false };
+    if (m->argmax_ahead && m->be->ops->logits_argmax)
+        dst.argmax = malloc((size_t)s->buf.rows * sizeof(int32_t));   /* none: the set goes without */
     if (run_chunks(m, chunks, n_chunks, &dst, err)) {
+        free(dst.argmax);
         luma_logits_set_release(s);
         return -1;
+    }
+    if (dst.argmax_found) {
+        s->argmax = dst.argmax;
+        s->argmax_ahead = true;
+    } else {
+        free(dst.argmax);
     }
     *out = s;
     return 0;
@@ -379,6 +412,8 @@ int32_t luma_logits_set_argmax(luma_logits_set *s, int64_t row, bool cached, lum
             s->argmax = ids;
         }
         id = s->argmax[row];
+        s->argmax_read = true;
+        s->model->argmax_ahead = true;
     }
     if (id < 0) return luma_errf(err, "argmax: every logit is masked");
     return id;

@@ -115,6 +115,10 @@ struct luma_model {
     luma_logits_set *sets, *sets_last, *sets_pool;
     int32_t n_sets, n_pooled;
     int64_t set_bytes, pooled_bytes;
+    /* The last set's argmax was read: a run into a set finds every row's
+     * argmax with its last pass, before the host waits for it (a backend
+     * with logits_argmax only). A set released unread turns it off. */
+    bool argmax_ahead;
 };
 
 void luma_model_params_default(luma_model_params *p);
@@ -214,14 +218,24 @@ struct luma_logits_set {
     luma_model *model;
     luma_buf buf;              /* rows x n_vocab (buf.cap may be more: a reused allocation) */
     int32_t refs;
-    int32_t *argmax;           /* every row's argmax, once luma_logits_set_argmax cached it */
+    int32_t *argmax;           /* every row's argmax, once luma_logits_set_argmax cached it or the run found it */
+    bool argmax_ahead, argmax_read;   /* found by the run (luma_model.argmax_ahead); read since */
     void *holders;             /* the holders' own list (the Lua binding's Logits of the set) */
     luma_logits_set *prev, *next;   /* in the model's held sets, or in its pool */
 };
 
-/* luma_model_run into a new set, whose one reference is the caller's. The
- * sequences are left as they were when it fails. */
-int luma_model_run_set(luma_model *m, const luma_chunk *chunks, int32_t n_chunks,
+/* Host work a caller does while the device computes a run's last pass
+ * (before the run waits for it), such as making the objects that will hand
+ * out its rows. Nonzero (err set) fails the run. */
+typedef struct luma_run_hook {
+    int (*fn)(void *ctx, luma_err *err);
+    void *ctx;
+} luma_run_hook;
+
+/* luma_model_run into a new set, whose one reference is the caller's;
+ * hook (or NULL) runs once the last pass is queued. The sequences are left
+ * as they were when it fails. */
+int luma_model_run_set(luma_model *m, const luma_chunk *chunks, int32_t n_chunks, const luma_run_hook *hook,
                        luma_logits_set **out, luma_err *err);
 void luma_logits_set_release(luma_logits_set *s);
 /* Frees the pool of released sets; held sets stay. */

@@ -351,6 +351,20 @@ static void test_vocab(int32_t n)
 
 /* ---- a model's run into a set ----------------------------------------------- */
 
+/* Run hooks: one that counts its calls, one that fails. */
+static int count_hook(void *ctx, luma_err *err)
+{
+    (void)err;
+    ++*(int *)ctx;
+    return 0;
+}
+
+static int failing_hook(void *ctx, luma_err *err)
+{
+    (void)ctx;
+    return luma_errf(err, "the hook says no");
+}
+
 static void test_model(const char *vocab)
 {
     luma_err err = { { 0 } };
@@ -395,7 +409,7 @@ static void test_model(const char *vocab)
     luma_logits_set *s = NULL;
     double worst = 0.0;
     int argmax_bad = 0;
-    if (luma_model_run(m, ch, 3, want, &err) || luma_model_run_set(m, ca, 3, &s, &err)) {
+    if (luma_model_run(m, ch, 3, want, &err) || luma_model_run_set(m, ca, 3, NULL, &s, &err)) {
         CHECKF(0, "the runs: %s", err.msg);
     } else {
         CHECK(s->buf.rows == rows && m->n_sets == 1);
@@ -409,15 +423,40 @@ static void test_model(const char *vocab)
         }
         luma_logits_set_release(s);
         CHECK(m->n_sets == 0 && m->n_pooled == 1);
-        /* decode steps reuse the pooled allocation */
+        /* decode steps reuse the pooled allocation; once a set's argmax is
+         * read, the next runs find it with their last pass (equal to a fresh
+         * one), and the hook runs once a run */
         int32_t tok[3] = { 5, 6, 7 };
+        int hooked = 0, ahead = 0, ahead_bad = 0;
+        luma_run_hook hook = { count_hook, &hooked };
         for (int t = 0; t < 5; t++) {
             for (int i = 0; i < 3; i++) ca[i] = (luma_chunk){ a[i], &tok[i], 1, false };
-            CHECK(luma_model_run_set(m, ca, 3, &s, &err) == 0);
-            for (int i = 0; i < 3 && s; i++) tok[i] = luma_logits_set_argmax(s, i, true, &err);
+            CHECK(luma_model_run_set(m, ca, 3, &hook, &s, &err) == 0);
+            if (!s) break;
+            ahead += s->argmax_ahead;
+            for (int i = 0; i < 3; i++) {
+                int32_t fresh = luma_logits_set_argmax(s, i, false, &err);
+                tok[i] = luma_logits_set_argmax(s, i, true, &err);
+                ahead_bad += tok[i] != fresh;
+            }
             luma_logits_set_release(s);
         }
         CHECK(m->n_sets == 0 && m->n_pooled == 1);
+        CHECKF(hooked == 5 && ahead == 4 && ahead_bad == 0, "hook %d of 5 runs, argmax ahead %d of 4 (%d differ)",
+               hooked, ahead, ahead_bad);
+        /* a set released unread turns it off */
+        for (int i = 0; i < 3; i++) ca[i] = (luma_chunk){ a[i], &tok[i], 1, false };
+        CHECK(luma_model_run_set(m, ca, 3, NULL, &s, &err) == 0);
+        luma_logits_set_release(s);
+        CHECK(!m->argmax_ahead);
+        /* a failing hook fails the run, and the sequences stay as they were */
+        int32_t before = a[0]->n_tokens;
+        luma_run_hook bad = { failing_hook, NULL };
+        CHECK(luma_model_run_set(m, ca, 3, &bad, &s, &err) != 0 && s == NULL);
+        CHECKF(strstr(err.msg, "the hook says no") != NULL, "the hook's failure: %s", err.msg);
+        CHECK(a[0]->n_tokens == before && m->n_sets == 0);
+        CHECK(luma_model_run_set(m, ca, 3, NULL, &s, &err) == 0 && a[0]->n_tokens == before + 1);
+        luma_logits_set_release(s);
     }
     /* the same kernels on the same rows: equal, up to any nondeterminism of the GPU's sums */
     CHECKF(worst <= 1e-3, "a run into a set differs from the run copied out by %g", worst);

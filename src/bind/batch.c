@@ -84,6 +84,61 @@ static int batch_add(lua_State *L)
     return 1;
 }
 
+/* What batch:run hands out, made while the device computes the step. */
+typedef struct results_call {
+    lua_State *L;
+    luma_model *m;
+    const luma_chunk *chunks;
+    int n;
+    int64_t rows;
+    int pending_refs;       /* stack index of the pending chunks' references */
+    llogits **slots;        /* out: the Logits in row order */
+} results_call;
+
+/* make_results(call, refs) -> slots, {[seq] = Logits (or array of Logits
+ * with all = true)}: the Logits, not yet holding their rows. */
+static int make_results(lua_State *L)
+{
+    results_call *r = lua_touserdata(L, 1);
+    const int refs = 2;
+    r->slots = lua_newuserdatauv(L, (size_t)r->rows * sizeof *r->slots, 0);
+    lua_createtable(L, 0, r->n);
+    int res = lua_gettop(L);
+    int64_t row = 0;
+    for (int i = 0; i < r->n; i++) {
+        lua_rawgeti(L, refs, 2 * i + 1);
+        int32_t k = r->chunks[i].all_logits ? r->chunks[i].n : 1;
+        if (r->chunks[i].all_logits) lua_createtable(L, k, 0);
+        for (int32_t j = 0; j < k; j++) {
+            r->slots[row++] = luma_bind_newlogits(L, r->m->hp.n_vocab);
+            if (r->chunks[i].all_logits) lua_rawseti(L, -2, j + 1);
+        }
+        lua_rawset(L, res);
+    }
+    return 2;
+}
+
+/* The run's hook: make_results, protected, with the collector stopped (a
+ * finalizer must not reach the model while its step is in flight). Leaves
+ * slots and the results on the stack. */
+static int results_hook(void *ctx, luma_err *err)
+{
+    results_call *r = ctx;
+    lua_State *L = r->L;
+    const bool gc_on = lua_gc(L, LUA_GCISRUNNING);
+    if (gc_on) lua_gc(L, LUA_GCSTOP);
+    lua_pushcfunction(L, make_results);
+    lua_pushlightuserdata(L, r);
+    lua_pushvalue(L, r->pending_refs);
+    int st = lua_pcall(L, 2, 2, 0);
+    if (gc_on) lua_gc(L, LUA_GCRESTART);
+    if (st == LUA_OK) return 0;
+    const char *msg = lua_tostring(L, -1);
+    luma_errf(err, "batch:run: %s", msg ? msg : "error making the results");
+    lua_pop(L, 1);
+    return -1;
+}
+
 /* batch:run() -> {[seq] = Logits (or array of Logits with all = true)} */
 static int batch_run(lua_State *L)
 {
@@ -116,28 +171,16 @@ static int batch_run(lua_State *L)
     }
     int64_t rows = luma_model_out_rows(chunks, n);
     luma_bind_logits_budget(L, m, rows);
-    /* The results exist before the run, so that nothing can fail between
-     * the run and handing its rows out; slots lists them in row order. */
-    llogits **slots = lua_newuserdatauv(L, (size_t)rows * sizeof *slots, 0);
-    lua_createtable(L, 0, n);
-    int res = lua_gettop(L);
-    int64_t row = 0;
-    for (int i = 0; i < n; i++) {
-        lua_rawgeti(L, pending_refs, 2 * i + 1);
-        int32_t r = chunks[i].all_logits ? chunks[i].n : 1;
-        if (chunks[i].all_logits) lua_createtable(L, r, 0);
-        for (int32_t j = 0; j < r; j++) {
-            slots[row++] = luma_bind_newlogits(L, m->hp.n_vocab);
-            if (chunks[i].all_logits) lua_rawseti(L, -2, j + 1);
-        }
-        lua_rawset(L, res);
-    }
+    /* The results are made once the step is queued (the hook), so that
+     * the device works meanwhile, and before the run ends, so that nothing
+     * can fail between the run and handing its rows out. */
+    results_call r = { L, m, chunks, n, rows, pending_refs, NULL };
+    luma_run_hook hook = { results_hook, &r };
     luma_logits_set *set;
     luma_err err;
-    if (luma_model_run_set(m, chunks, n, &set, &err)) return luma_bind_error(L, &err);
-    for (int64_t r = 0; r < rows; r++) luma_bind_logits_hold(slots[r], set, r);
+    if (luma_model_run_set(m, chunks, n, &hook, &set, &err)) return luma_bind_error(L, &err);
+    for (int64_t i = 0; i < rows; i++) luma_bind_logits_hold(r.slots[i], set, i);
     luma_logits_set_release(set);
-    lua_settop(L, res);
     return 1;
 }
 

@@ -83,7 +83,7 @@ static int seq_eval(lua_State *L)
     int res = lua_gettop(L);
     luma_logits_set *set;
     luma_err err;
-    if (luma_model_run_set(m, &c, 1, &set, &err)) return luma_bind_error(L, &err);
+    if (luma_model_run_set(m, &c, 1, NULL, &set, &err)) return luma_bind_error(L, &err);
     for (int32_t r = 0; r < rows; r++) {
         if (all) lua_rawgeti(L, res, r + 1);
         luma_bind_logits_hold(lua_touserdata(L, -1), set, r);

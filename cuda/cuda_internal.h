@@ -246,9 +246,17 @@ void luma_cuda_weight_to_f16(cuda_backend *c, const luma_weight *w, __half *out)
 #define LUMA_X4_Q4_0_BYTES 72
 #define LUMA_X4_Q5_0_BYTES 88
 #define LUMA_X4_Q8_0_BYTES 136
+/* Q6_K weights at least twice as wide as tall (a llama's downs) keep, after
+ * their matrix-vector blocks, a second layout for rs_kernel (mmq.cu): per
+ * block of 256, LUMA_Q6_K_RS_BYTES bytes (luma_cuda_q6k_rs has the layout). */
+#define LUMA_Q6_K_RS_BYTES 288
 /* Bytes of w repacked into its type's layout, 0 where it has none (another
- * type, a width the layout does not divide, a single row). */
+ * type, a width the layout does not divide, a single row); with the rs
+ * layout after it where w has one. */
 size_t luma_cuda_mmv_bytes(const luma_weight *w);
+/* The rs layout of w's repacked copy, where it has one and the kernels may
+ * read it (the copies were not dropped since); else NULL. */
+const uint8_t *luma_cuda_q6k_rs(const cuda_backend *c, const luma_weight *w);
 /* w (w->dev) repacked into out (luma_cuda_mmv_bytes(w) bytes). Queued;
  * failures are recorded. */
 void luma_cuda_repack(cuda_backend *c, const luma_weight *w, uint8_t *out);

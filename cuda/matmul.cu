@@ -2303,6 +2303,43 @@ static __global__ void repack_q6_K(const uint8_t *__restrict__ src, int64_t n_bl
         to[i] = make_int4((int)out[4 * i], (int)out[4 * i + 1], (int)out[4 * i + 2], (int)out[4 * i + 3]);
 }
 
+/* One thread per block: the GGUF Q6_K block to rs_kernel's layout
+ * (LUMA_Q6_K_RS_BYTES), in which each 6-bit value q (0..63; the weight is
+ * d sc (q - 32)) takes a byte, so that a PRMT makes two of them f16.
+ * Consumer lane part p (8 a block: half p / 4 of the block, thread p % 4 of
+ * rs_kernel's quad) takes the positions l = 16 h .. 16 h + 15 (h = p % 2) of
+ * the 32-element sub-blocks s0 = 2 (p / 2) and s1 = s0 + 1, as
+ * type_q6_K_mmv and Q4_K's quant bytes do (rs_q4k_pos):
+ *   [32 p, 32 p + 32)   word 2 u + j (u = 0..3; j = 0: s0, 1: s1), byte b:
+ *                       q(s, l) of s = s0 + j, l = 16 h + 4 u + b;
+ *   [256 + 2 p, + 2)    the int8 scales of s0's and s1's 16 positions;
+ *   [272, 276)          d as f32 (exact); then 12 zero bytes. */
+static __global__ void repack_q6_K_rs(const uint8_t *__restrict__ src, int64_t n_blocks, uint8_t *__restrict__ dst)
+{
+    follow_previous_kernel();
+    int64_t ib = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (ib >= n_blocks) return;
+    const uint8_t *b = src + ib * 210;
+    uint32_t out[LUMA_Q6_K_RS_BYTES / 4] = {};
+    uint8_t *o = (uint8_t *)out;
+    auto q = [&](int s, int l) {   /* element 32 s + l: e = 128 c + 32 k + l */
+        int c = s / 4, k = s % 4;
+        return ((b[64 * c + 32 * (k % 2) + l] >> (4 * (k / 2))) & 0xF) | ((b[128 + 32 * c + l] >> (2 * k)) & 3) << 4;
+    };
+    for (int p = 0; p < 8; p++) {
+        int h = p % 2, s0 = 2 * (p / 2);
+        for (int j = 0; j < 8; j++)
+            for (int e = 0; e < 4; e++) o[32 * p + 4 * j + e] = (uint8_t)q(s0 + j % 2, 16 * h + 4 * (j / 2) + e);
+        o[256 + 2 * p] = b[192 + 2 * s0 + h];
+        o[256 + 2 * p + 1] = b[192 + 2 * (s0 + 1) + h];
+    }
+    float d = __half2float(__ushort_as_half((unsigned short)(b[208] | b[209] << 8)));
+    memcpy(o + 272, &d, 4);
+    int4 *to = (int4 *)(dst + ib * LUMA_Q6_K_RS_BYTES);
+    for (int i = 0; i < LUMA_Q6_K_RS_BYTES / 16; i++)
+        to[i] = make_int4((int)out[4 * i], (int)out[4 * i + 1], (int)out[4 * i + 2], (int)out[4 * i + 3]);
+}
+
 /* One thread per repacked block: four GGUF blocks of sb bytes (d, then qh
  * of qh bytes, then qs of qs bytes) to x4_layout's [qs x 4][qh x 4][d x 4]. */
 static __global__ void repack_x4(const uint8_t *__restrict__ src, int64_t n_blocks, int sb, int qh, int qs,
@@ -2333,7 +2370,15 @@ static void mmv_layout(enum luma_type t, int64_t *qk, size_t *bytes)
                               : x4_q8_0::bytes;
 }
 
-size_t luma_cuda_mmv_bytes(const luma_weight *w)
+/* Whether w's repacked copy has the rs layout after its matrix-vector
+ * blocks (cuda_internal.h). */
+static bool q6k_has_rs(const luma_weight *w)
+{
+    return w->type == LUMA_Q6_K && w->rows >= 2 && w->cols >= 2 * w->rows && w->cols % 256 == 0;
+}
+
+/* Bytes of w's matrix-vector blocks alone (0: none). */
+static size_t mmv_part_bytes(const luma_weight *w)
 {
     int64_t qk;
     size_t block, bytes;
@@ -2341,6 +2386,22 @@ size_t luma_cuda_mmv_bytes(const luma_weight *w)
     if (qk == 0 || w->rows < 2 || w->cols % qk != 0) return 0;
     if (luma_mul_size((size_t)w->rows, (size_t)(w->cols / qk) * block, &bytes)) return 0;
     return bytes;
+}
+
+size_t luma_cuda_mmv_bytes(const luma_weight *w)
+{
+    size_t bytes = mmv_part_bytes(w), rs, all;
+    if (bytes == 0 || !q6k_has_rs(w)) return bytes;
+    if (luma_mul_size((size_t)w->rows, (size_t)(w->cols / 256) * LUMA_Q6_K_RS_BYTES, &rs) ||
+        luma_add_size(bytes, rs, &all))
+        return 0;
+    return all;
+}
+
+const uint8_t *luma_cuda_q6k_rs(const cuda_backend *c, const luma_weight *w)
+{
+    if (!c->mmv_on || !w->dev_mmv || !q6k_has_rs(w)) return NULL;
+    return (const uint8_t *)w->dev_mmv + mmv_part_bytes(w);
 }
 
 void luma_cuda_repack(cuda_backend *c, const luma_weight *w, uint8_t *out)
@@ -2355,6 +2416,7 @@ void luma_cuda_repack(cuda_backend *c, const luma_weight *w, uint8_t *out)
     else if (w->type == LUMA_Q4_0) luma_launch(c, c->stream, ctas, 128, 0, repack_x4, src, n, 18, 0, 16, out);
     else if (w->type == LUMA_Q5_0) luma_launch(c, c->stream, ctas, 128, 0, repack_x4, src, n, 22, 4, 16, out);
     else luma_launch(c, c->stream, ctas, 128, 0, repack_x4, src, n, 34, 0, 32, out);
+    if (q6k_has_rs(w)) luma_launch(c, c->stream, ctas, 128, 0, repack_q6_K_rs, src, n, out + mmv_part_bytes(w));
     luma_cuda_fail(c, cudaGetLastError(), "repacking a weight for the matrix-vector kernels");
 }
 

@@ -1914,13 +1914,31 @@ static bool q8g_run(cuda_backend *c, const luma_weight *w, const int8_t *xq, con
 #define RS_K 128                    /* k per stage: half a Q4_K superblock */
 #define RS_SMEM_CAP (220 * 1024)    /* one CTA an SM */
 
-template <int NW, int BN>
+/* rs_kernel's weight formats: the bytes a row has in a stage (hdr: its
+ * block's scales, copied every stage; qs: the half's quants) and where the
+ * tensor maps find them for stage gs (half superblock gs of the row). */
+struct rs_q4k {   /* the file's Q4_K blocks: d, dmin, 12 scale bytes, then 128 quant bytes */
+    static constexpr bool q6 = false;
+    static constexpr int block = 144, hdr = 16, qs = 64;
+    static __device__ __forceinline__ int hdr_at(int gs) { return block * (gs / 2); }
+    static __device__ __forceinline__ int qs_at(int gs) { return block * (gs / 2) + 16 + 64 * (gs % 2); }
+};
+
+struct rs_q6k {   /* Q6_K in its rs layout (repack_q6_K_rs, matmul.cu): a byte a weight, then the scales and d */
+    static constexpr bool q6 = true;
+    static constexpr int block = LUMA_Q6_K_RS_BYTES, hdr = 32, qs = 128;
+    static __device__ __forceinline__ int hdr_at(int gs) { return block * (gs / 2) + 256; }
+    static __device__ __forceinline__ int qs_at(int gs) { return block * (gs / 2) + 128 * (gs % 2); }
+};
+
+template <int NW, int BN, class F = rs_q4k>
 struct rs_shape {
     static constexpr int threads = 128 * NW + 32;
     static constexpr int rows = 64 * NW;
     static constexpr int b = BN * RS_K * 2;   /* first: the swizzled lines want 1024-byte alignment */
-    static constexpr int hdr = rows * 16;     /* d, dmin and the 12 scale bytes of each row's block */
-    static constexpr int qs = rows * 64;      /* the half's quant bytes of each row */
+    static constexpr int hdr = rows * F::hdr;
+    static constexpr int qs = rows * F::qs;   /* Q6_K's in 128-byte swizzled lines: 1024-byte aligned too */
+    static_assert(!F::q6 || (b + hdr) % 1024 == 0, "the quants' swizzled lines start 1024-byte aligned");
     static constexpr int stage = (b + hdr + qs + 1023) / 1024 * 1024;
     static constexpr int fit = (RS_SMEM_CAP - 1024) / (stage + 16);
     static constexpr int stages = fit < 8 ? fit : 8;
@@ -1993,6 +2011,18 @@ static __device__ __forceinline__ void rs_scales(const uint4 &h, uint32_t sel, _
         s[i] = __hmul2(__hsub2(*(const __half2 *)&v[i], k1024), *(const __half2 *)&dd);
         nm[i] = __hmul2(__hsub2(*(const __half2 *)&v[2 + i], k1024), *(const __half2 *)&nd);
     }
+}
+
+/* The f16 pair d sc (q - 32) of the bytes of w that sel picks (PRMT
+ * selectors 0x4240: bytes 0 and 2; 0x4341: 1 and 3) for Q6_K in the rs
+ * layout; s is (d sc, d sc). 0x64 above a byte q < 64 is the f16 of
+ * 1024 + q; minus 1056 is q - 32, exactly. */
+static __device__ __forceinline__ uint32_t rs_deq6(uint32_t w, uint32_t sel, __half2 s)
+{
+    uint32_t h = __byte_perm(w, 0x64646464u, sel);
+    __half2 q = __hsub2(*(const __half2 *)&h, __half2(__ushort_as_half(0x6420), __ushort_as_half(0x6420)));
+    __half2 r = __hmul2(q, s);
+    return *(const uint32_t *)&r;
 }
 #endif
 
@@ -2120,13 +2150,13 @@ static __device__ __forceinline__ void rs_sk_out(const mmq_args &p, int64_t r0, 
 /* Grid: (activation tiles, weight-row tiles, splits of k), or p.sk CTAs
  * (SK: stream-K, above); p.nkb counts rounds of U stages (half
  * superblocks). */
-template <int NW, int BN, int U, bool SK>
+template <int NW, int BN, int U, bool SK, class F>
 static __global__ void __launch_bounds__(128 * NW + 32, 1)
     rs_kernel(mmq_args p, const __grid_constant__ CUtensorMap tmh, const __grid_constant__ CUtensorMap tmq,
               const __grid_constant__ CUtensorMap tmx)
 {
 #ifdef MMQ_WG_DEVICE
-    typedef rs_shape<NW, BN> S;
+    typedef rs_shape<NW, BN, F> S;
     typedef wg_ring<S::stages, S::stage> ring_t;
     constexpr int E = BN / 2, C = 128 * NW;
     extern __shared__ uint8_t rsmem[];
@@ -2164,9 +2194,8 @@ static __global__ void __launch_bounds__(128 * NW + 32, 1)
                         r = ww.r;
                         ww.next(rg, nt);
                     }
-                    const int at = 144 * (gs / 2);
-                    tma_2d(buf + S::b, &tmh, at, r, bar);
-                    tma_2d(buf + S::b + S::hdr, &tmq, at + 16 + 64 * (gs % 2), r, bar);
+                    tma_2d(buf + S::b, &tmh, F::hdr_at(gs), r, bar);
+                    tma_2d(buf + S::b + S::hdr, &tmq, F::qs_at(gs), r, bar);
                 },
                 [&](int st, uint8_t *buf, uint64_t *bar) {
                     int gs = ring.st0 + st, n = (int)n0;
@@ -2192,6 +2221,38 @@ static __global__ void __launch_bounds__(128 * NW + 32, 1)
             const int s = st % S::stages;
             const uint8_t *buf = ring.smem + s * S::stage;
             mbar_wait(&ring.full[s], (st / S::stages) & 1);
+            if constexpr (F::q6) {
+                /* this thread's lane part pp of the block, rows ra and ra + 8:
+                 * the scales of s0 and s1, and 32 bytes of quants from the
+                 * swizzled lines (16-byte unit i of line r at i ^ r % 8; ra % 8
+                 * is g) */
+                const int pp = 4 * (first_half ? 0 : 1) + t;
+                const uint8_t *ha = buf + S::b + F::hdr * ra, *hb = ha + 8 * F::hdr;
+                const uint32_t sca = *(const uint16_t *)(ha + 2 * pp), scb = *(const uint16_t *)(hb + 2 * pp);
+                const float da = *(const float *)(ha + 16), db = *(const float *)(hb + 16);
+                const __half2 s0a = __float2half2_rn(da * (float)(int8_t)(sca & 0xFF)),
+                              s1a = __float2half2_rn(da * (float)(int8_t)(sca >> 8)),
+                              s0b = __float2half2_rn(db * (float)(int8_t)(scb & 0xFF)),
+                              s1b = __float2half2_rn(db * (float)(int8_t)(scb >> 8));
+                const uint8_t *qa = buf + S::b + S::hdr + F::qs * ra, *qb = qa + 8 * F::qs;
+                const uint4 a0 = *(const uint4 *)(qa + 16 * ((2 * t) ^ g)), a1 = *(const uint4 *)(qa + 16 * ((2 * t + 1) ^ g));
+                const uint4 b0 = *(const uint4 *)(qb + 16 * ((2 * t) ^ g)), b1 = *(const uint4 *)(qb + 16 * ((2 * t + 1) ^ g));
+                const uint32_t wa[8] = { a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w };
+                const uint32_t wb[8] = { b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w };
+#pragma unroll
+                for (int u = 0; u < 4; u++) {
+                    uint32_t *lo = a + 8 * u, *hi = a + 8 * u + 4;
+                    lo[0] = rs_deq6(wa[2 * u], 0x4240u, s0a);
+                    lo[1] = rs_deq6(wb[2 * u], 0x4240u, s0b);
+                    lo[2] = rs_deq6(wa[2 * u], 0x4341u, s0a);
+                    lo[3] = rs_deq6(wb[2 * u], 0x4341u, s0b);
+                    hi[0] = rs_deq6(wa[2 * u + 1], 0x4240u, s1a);
+                    hi[1] = rs_deq6(wb[2 * u + 1], 0x4240u, s1b);
+                    hi[2] = rs_deq6(wa[2 * u + 1], 0x4341u, s1a);
+                    hi[3] = rs_deq6(wb[2 * u + 1], 0x4341u, s1b);
+                }
+                return;
+            }
             if (first_half) {
                 rs_scales(*(const uint4 *)(buf + S::b + 16 * ra), sel, sa, ma);
                 rs_scales(*(const uint4 *)(buf + S::b + 16 * ra + 128), sel, sb, mb);
@@ -2318,47 +2379,55 @@ static bool rs_sk_scratch(cuda_backend *c, int ctas, size_t part_bytes, mmq_args
     return true;
 }
 
-/* y = W x through rs_kernel<NW, BN> on the Q4_K blocks and the
+/* y = W x through rs_kernel<NW, BN, U, SK, F> on w's blocks in format F
+ * (Q4_K: the file's; Q6_K: its rs layout, luma_cuda_q6k_rs) and the
  * activations' f16 xp in rs_kernel's k order; false (nothing queued) when
- * the driver declines the tensor maps. */
-template <int NW, int BN, int U>
+ * w has no such blocks or the driver declines the tensor maps. */
+template <int NW, int BN, int U, class F>
 static bool rs_launch(cuda_backend *c, const luma_weight *w, const __half *xp, int64_t m, float *y)
 {
-    typedef rs_shape<NW, BN> S;
+    typedef rs_shape<NW, BN, F> S;
     static mmq_fit fit;
     CUtensorMap tmh, tmq, tmx;
-    if (w->cols % (RS_K * U) != 0) return false;
-    const uint64_t cols = (uint64_t)w->cols, row_bytes = luma_row_size(w->type, w->cols);
-    if (!tensor_map_2d(&tmh, CU_TENSOR_MAP_DATA_TYPE_UINT8, w->dev, row_bytes, (uint64_t)w->rows, row_bytes, 16,
+    const void *blocks = F::q6 ? (const void *)luma_cuda_q6k_rs(c, w) : w->dev;
+    if (!blocks || w->cols % (RS_K * U) != 0) return false;
+    const uint64_t cols = (uint64_t)w->cols, row_bytes = (uint64_t)(w->cols / 256) * F::block;
+    if (!tensor_map_2d(&tmh, CU_TENSOR_MAP_DATA_TYPE_UINT8, blocks, row_bytes, (uint64_t)w->rows, row_bytes, F::hdr,
                        S::rows) ||
-        !tensor_map_2d(&tmq, CU_TENSOR_MAP_DATA_TYPE_UINT8, w->dev, row_bytes, (uint64_t)w->rows, row_bytes, 64,
-                       S::rows) ||
+        !tensor_map_2d(&tmq, CU_TENSOR_MAP_DATA_TYPE_UINT8, blocks, row_bytes, (uint64_t)w->rows, row_bytes, F::qs,
+                       S::rows, F::q6 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_NONE) ||
         !tensor_map_2d(&tmx, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, xp, cols, (uint64_t)m, cols * 2, 64, BN,
                        CU_TENSOR_MAP_SWIZZLE_128B))
         return false;
-    if (!mmq_setup_kernel(c, &fit, (const void *)rs_kernel<NW, BN, U, false>, S::smem, S::threads)) return true;
+    if (!mmq_setup_kernel(c, &fit, (const void *)rs_kernel<NW, BN, U, false, F>, S::smem, S::threads)) return true;
     mmq_args p = mmq_args_for(w, mmq_x{ xp, NULL, NULL }, m, y);
     p.nkb = (int)(w->cols / (RS_K * U));   /* rounds of U stages, not k-steps */
     const int64_t n_tiles = (m + BN - 1) / BN, row_tiles = (w->rows + S::rows - 1) / S::rows;
     p.sk = rs_stream_k(c, &fit, w, m, n_tiles * row_tiles * p.nkb);
     if (!p.sk) {
-        mmq_queue(c, rs_kernel<NW, BN, U, false>, &fit, p, n_tiles, row_tiles, S::smem, S::threads, tmh, tmq, tmx);
+        mmq_queue(c, rs_kernel<NW, BN, U, false, F>, &fit, p, n_tiles, row_tiles, S::smem, S::threads, tmh, tmq, tmx);
         return true;
     }
     static mmq_fit fit_sk;
-    if (!mmq_setup_kernel(c, &fit_sk, (const void *)rs_kernel<NW, BN, U, true>, S::smem, S::threads) ||
+    if (!mmq_setup_kernel(c, &fit_sk, (const void *)rs_kernel<NW, BN, U, true, F>, S::smem, S::threads) ||
         !rs_sk_scratch(c, p.sk, (size_t)S::rows * BN * sizeof(float), &p))
         return true;
-    mmq_queue(c, rs_kernel<NW, BN, U, true>, &fit_sk, p, n_tiles, row_tiles, S::smem, S::threads, tmh, tmq, tmx);
+    mmq_queue(c, rs_kernel<NW, BN, U, true, F>, &fit_sk, p, n_tiles, row_tiles, S::smem, S::threads, tmh, tmq, tmx);
     return true;
 }
 
 /* Rounds of four stages (512 k) where the width allows, else two. */
-static bool rs_run(cuda_backend *c, const luma_weight *w, const __half *xp, int64_t m, float *y)
+template <class F>
+static bool rs_run_as(cuda_backend *c, const luma_weight *w, const __half *xp, int64_t m, float *y)
 {
     if (w->cols % (4 * RS_K) == 0)
-        return m <= 64 ? rs_launch<2, 64, 4>(c, w, xp, m, y) : rs_launch<2, 128, 4>(c, w, xp, m, y);
-    return m <= 64 ? rs_launch<2, 64, 2>(c, w, xp, m, y) : rs_launch<2, 128, 2>(c, w, xp, m, y);
+        return m <= 64 ? rs_launch<2, 64, 4, F>(c, w, xp, m, y) : rs_launch<2, 128, 4, F>(c, w, xp, m, y);
+    return m <= 64 ? rs_launch<2, 64, 2, F>(c, w, xp, m, y) : rs_launch<2, 128, 2, F>(c, w, xp, m, y);
+}
+
+static bool rs_run(cuda_backend *c, const luma_weight *w, const __half *xp, int64_t m, float *y)
+{
+    return w->type == LUMA_Q6_K ? rs_run_as<rs_q6k>(c, w, xp, m, y) : rs_run_as<rs_q4k>(c, w, xp, m, y);
 }
 
 /* Activation tiles of 8, 16, 32 or 64 rows (32 at most on the int8
@@ -2499,6 +2568,18 @@ static bool q8g_wins(const cuda_backend *c, const luma_weight *w, int64_t m)
     return c->wgmma && w->type == LUMA_Q4_K && m >= lo && m <= hi;
 }
 
+/* Whether policy 0 may take Q6_K weights by rs_kernel (on their rs
+ * layout); LUMA_CUDA_RS6=0 in the environment says not, for measuring. */
+static bool rs6_on(void)
+{
+    static int on = -1;
+    if (on < 0) {
+        const char *v = getenv("LUMA_CUDA_RS6");
+        on = !(v && *v && atoi(v) == 0);
+    }
+    return on != 0;
+}
+
 /* Whether rs_kernel takes a Q4_K product under policy 0: where it beat
  * cuBLAS on the resident copy and q8g_kernel on the H100 (cuda/NOTES.md):
  * weights at least twice as tall as wide (llama's gate and up) at m =
@@ -2509,7 +2590,9 @@ static bool q8g_wins(const cuda_backend *c, const luma_weight *w, int64_t m)
 static bool rs_wins(const cuda_backend *c, const luma_weight *w, int64_t m)
 {
     static env_rows env;
-    if (!c->wgmma || w->type != LUMA_Q4_K) return false;
+    if (!c->wgmma) return false;
+    if (w->type == LUMA_Q6_K) return rs6_on() && luma_cuda_q6k_rs(c, w) && rs_sk_fits(c, w, m);
+    if (w->type != LUMA_Q4_K) return false;
     if (env_rows_set(env, "LUMA_CUDA_RS")) return m >= env.lo && m <= env.hi;
     if (w->rows >= 2 * w->cols) return m >= RS_TALL_LO && m <= RS_TALL_HI;
     return rs_sk_fits(c, w, m) || (w->cols >= 2 * w->rows && m >= RS_WIDE_LO && m <= RS_WIDE_HI);
@@ -2529,7 +2612,8 @@ bool luma_cuda_mmq_takes(const cuda_backend *c, const luma_weight *w, const floa
 
 bool luma_cuda_rs_takes(const cuda_backend *c, const luma_weight *w, const float *x, int64_t m)
 {
-    return luma_cuda_mmq_takes(c, w, x, m) && w->type == LUMA_Q4_K && c->wgmma &&
+    return luma_cuda_mmq_takes(c, w, x, m) && c->wgmma &&
+           (w->type == LUMA_Q4_K || (w->type == LUMA_Q6_K && luma_cuda_q6k_rs(c, w))) &&
            (c->mmq_policy == 5 || c->mmq_policy == 6 || (c->mmq_policy == 0 && rs_wins(c, w, m)));
 }
 

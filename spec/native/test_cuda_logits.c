@@ -423,9 +423,10 @@ static void test_model(const char *vocab)
         }
         luma_logits_set_release(s);
         CHECK(m->n_sets == 0 && m->n_pooled == 1);
-        /* decode steps reuse the pooled allocation; once a set's argmax is
-         * read, the next runs find it with their last pass (equal to a fresh
-         * one), and the hook runs once a run */
+        /* decode steps reuse the pooled allocation; the set's argmax having
+         * been read above, the next runs find it with their last pass (equal
+         * to a fresh one), and the hook runs once a run */
+        CHECK(m->argmax_ahead);
         int32_t tok[3] = { 5, 6, 7 };
         int hooked = 0, ahead = 0, ahead_bad = 0;
         luma_run_hook hook = { count_hook, &hooked };
@@ -442,7 +443,7 @@ static void test_model(const char *vocab)
             luma_logits_set_release(s);
         }
         CHECK(m->n_sets == 0 && m->n_pooled == 1);
-        CHECKF(hooked == 5 && ahead == 4 && ahead_bad == 0, "hook %d of 5 runs, argmax ahead %d of 4 (%d differ)",
+        CHECKF(hooked == 5 && ahead == 5 && ahead_bad == 0, "hook %d of 5 runs, argmax ahead %d of 5 (%d differ)",
                hooked, ahead, ahead_bad);
         /* a set released unread turns it off */
         for (int i = 0; i < 3; i++) ca[i] = (luma_chunk){ a[i], &tok[i], 1, false };
@@ -456,6 +457,7 @@ static void test_model(const char *vocab)
         CHECKF(strstr(err.msg, "the hook says no") != NULL, "the hook's failure: %s", err.msg);
         CHECK(a[0]->n_tokens == before && m->n_sets == 0);
         CHECK(luma_model_run_set(m, ca, 3, NULL, &s, &err) == 0 && a[0]->n_tokens == before + 1);
+        CHECK(s && !s->argmax_ahead && !s->argmax);
         luma_logits_set_release(s);
     }
     /* the same kernels on the same rows: equal, up to any nondeterminism of the GPU's sums */

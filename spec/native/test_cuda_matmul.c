@@ -209,29 +209,6 @@ static int run_batch(batch *b, int graph)
     return 0;
 }
 
-/* Whether the switch `name` is turned off in the environment (set to 0). */
-static bool env_off(const char *name)
-{
-    const char *v = getenv(name);
-    return v && strcmp(v, "0") == 0;
-}
-
-/* Bytes of the copy weight_load repacks w into for the matrix-vector
- * kernels (cuda/matmul.cu: Q6_K blocks of 256 in 224 bytes; four Q4_0, Q5_0
- * or Q8_0 blocks in the file's bytes), 0 where it makes none: another type,
- * a width the layout does not divide, one row, or the copy turned off in the
- * environment. */
-static size_t repacked_bytes(const luma_weight *w)
-{
-    if (w->rows < 2) return 0;
-    if (w->type == LUMA_Q6_K && w->cols % 256 == 0 && !env_off("LUMA_CUDA_Q6K_MMV"))
-        return (size_t)w->rows * (size_t)(w->cols / 256) * 224;
-    bool x4_type = w->type == LUMA_Q4_0 || w->type == LUMA_Q5_0 || w->type == LUMA_Q8_0;
-    if (x4_type && w->cols % 128 == 0 && !env_off("LUMA_CUDA_X4_MMV"))
-        return (size_t)w->rows * luma_row_size(w->type, w->cols);   /* the same bytes, rearranged */
-    return 0;
-}
-
 /* Time per call of y = W x in a stream of TIME_CALLS calls queued back to
  * back (as a decode step runs them), in microseconds: the best of
  * TIME_BATCHES batches, each queued behind a long memset (so that the host's

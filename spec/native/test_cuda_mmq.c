@@ -16,7 +16,9 @@
  *     within TOL_CPU_INT8 of the CPU backend's product, twice the same
  *     bits, and timed;
  *   - where it runs too, Q4_K by rs_kernel (policy 5: f16 wgmma on weights
- *     dequantized in registers, k split over clusters), within TOL and
+ *     dequantized in registers, k split over clusters), and Q6_K at least
+ *     twice as wide as tall on the rs layout weight_load keeps for it (a
+ *     byte a weight, cuda/matmul.cu), within TOL and
  *     TOL_CPU, twice the same bits, and timed; and the same with stream-K
  *     (policy 6: every CTA the GPU holds at once, tiles cut between CTAs
  *     and their partial tiles summed by the CTA that finishes the tile)
@@ -174,7 +176,10 @@ typedef struct copies {
 
 static void copies_free(copies *cp)
 {
-    for (int i = 0; i < cp->nq; i++) cudaFree(cp->q[i].dev);
+    for (int i = 0; i < cp->nq; i++) {
+        cudaFree(cp->q[i].dev);
+        cudaFree(cp->q[i].dev_mmv);
+    }
     for (int i = 0; i < cp->nf; i++) cudaFree(cp->f[i].dev_f16);
     cp->nq = cp->nf = 0;
 }
@@ -188,10 +193,14 @@ static int copies_make(copies *cp, const luma_weight *w, size_t qbytes)
     for (int i = 0; i < N_COPIES; i++) {
         luma_weight *c = &cp->q[i];
         *c = *w;
-        c->dev = c->dev_f16 = NULL;
+        c->dev = c->dev_f16 = c->dev_mmv = NULL;
         if (!cuda_ok(cudaMalloc(&c->dev, qbytes + 16), "cudaMalloc (weight copy, padded as weight_load pads)")) goto fail;
         cp->nq++;
         if (!cuda_ok(cudaMemcpy(c->dev, w->dev, qbytes, cudaMemcpyDeviceToDevice), "copy weights")) goto fail;
+        size_t mmv = repacked_bytes(w);   /* Q6_K's rs layout is in it */
+        if (w->dev_mmv && (!cuda_ok(cudaMalloc(&c->dev_mmv, mmv), "cudaMalloc (repacked weight copy)") ||
+                           !cuda_ok(cudaMemcpy(c->dev_mmv, w->dev_mmv, mmv, cudaMemcpyDeviceToDevice), "copy repacked")))
+            goto fail;
     }
     for (int i = 0; i < nf && w->dev_f16; i++) {
         luma_weight *c = &cp->f[i];
@@ -324,6 +333,11 @@ static void check_shape(ctx *cx, enum luma_type t, const struct shape *sh, timin
                  "upload x"))
         goto free_all;
 
+    /* rs_kernel: Q4_K on the file's blocks, Q6_K at least twice as wide as
+     * tall on the rs layout weight_load keeps in its repacked copy */
+    const bool q6_rs = t == LUMA_Q6_K && cols >= 2 * rows && repacked_bytes(&w) > 0;
+    CHECKF(!q6_rs || w.dev_mmv, "weight_load Q6_K %lldx%lld made no repacked copy", (long long)rows, (long long)cols);
+    const bool rs = cx->wg && (t == LUMA_Q4_K || (q6_rs && w.dev_mmv));
     const product_ref ref = { &w, host, row_bytes, wref, rows_s, ns, x };
     char line[LINE_SIZE];
     int len = snprintf(line, sizeof line, "%-5s %5lldx%-5lld", luma_type_name(t), (long long)rows, (long long)cols);
@@ -353,11 +367,11 @@ static void check_shape(ctx *cx, enum luma_type t, const struct shape *sh, timin
             check_route(cx, MMQ_Q8G, "int8 wgmma", "q8g", TOL_CPU_INT8, m == 17 || m == 100 || m == 300, &ref, m, y,
                         y2, line, &len) != 0)
             continue;
-        if (cx->wg && t == LUMA_Q4_K &&
+        if (rs &&
             check_route(cx, MMQ_RS, "f16 wgmma from registers", "rs", TOL_CPU, m == 17 || m == 100 || m == 300,
                         &ref, m, y, y2, line, &len) != 0)
             continue;
-        if (cx->wg && t == LUMA_Q4_K &&
+        if (rs &&
             check_route(cx, MMQ_RS_SK, "f16 wgmma from registers, stream-K", "sk", TOL_CPU,
                         m == 17 || m == 64 || m == 128 || m == 300, &ref, m, y, y2, line, &len) != 0)
             continue;
@@ -382,9 +396,8 @@ static void check_shape(ctx *cx, enum luma_type t, const struct shape *sh, timin
                     tm[i].us[MATMUL_RESIDENT] = time_path(cx, MATMUL_RESIDENT, &cp, m);
                     tm[i].us[G16] = cx->wg && m > 8 ? time_path(cx, G16, &cp, m) : 0.0;
                     tm[i].us[MMQ_Q8G] = cx->wg && t == LUMA_Q4_K && m > 8 ? time_path(cx, MMQ_Q8G, &cp, m) : 0.0;
-                    tm[i].us[MMQ_RS] = cx->wg && t == LUMA_Q4_K && m > 8 ? time_path(cx, MMQ_RS, &cp, m) : 0.0;
-                    tm[i].us[MMQ_RS_SK] =
-                        cx->wg && t == LUMA_Q4_K && m > 8 ? time_path(cx, MMQ_RS_SK, &cp, m) : 0.0;
+                    tm[i].us[MMQ_RS] = rs && m > 8 ? time_path(cx, MMQ_RS, &cp, m) : 0.0;
+                    tm[i].us[MMQ_RS_SK] = rs && m > 8 ? time_path(cx, MMQ_RS_SK, &cp, m) : 0.0;
                     continue;
                 }
                 tm[i].us[MMQ] = time_path(cx, MMQ, &cp, m);
@@ -394,8 +407,8 @@ static void check_shape(ctx *cx, enum luma_type t, const struct shape *sh, timin
                 tm[i].us[MATMUL_PER_CALL] = m > 8 ? time_path(cx, MATMUL_PER_CALL, &cp, m) : 0.0;
                 tm[i].us[G16] = cx->wg && m > 8 ? time_path(cx, G16, &cp, m) : 0.0;
                 tm[i].us[MMQ_Q8G] = cx->wg && t == LUMA_Q4_K && m > 8 ? time_path(cx, MMQ_Q8G, &cp, m) : 0.0;
-                tm[i].us[MMQ_RS] = cx->wg && t == LUMA_Q4_K && m > 8 ? time_path(cx, MMQ_RS, &cp, m) : 0.0;
-                tm[i].us[MMQ_RS_SK] = cx->wg && t == LUMA_Q4_K && m > 8 ? time_path(cx, MMQ_RS_SK, &cp, m) : 0.0;
+                tm[i].us[MMQ_RS] = rs && m > 8 ? time_path(cx, MMQ_RS, &cp, m) : 0.0;
+                tm[i].us[MMQ_RS_SK] = rs && m > 8 ? time_path(cx, MMQ_RS_SK, &cp, m) : 0.0;
                 luma_buf xv = luma_buf_rows(&cx->x, 0, m), yv = luma_buf_rows(&cx->y, 0, m);
                 luma_weight per_call = w;
                 per_call.dev_f16 = NULL;

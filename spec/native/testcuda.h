@@ -5,7 +5,11 @@
 #define LUMA_TESTCUDA_H
 
 #include <cuda_runtime.h>
+#include <stdlib.h>
+#include <string.h>
 
+#include "backend.h"
+#include "quant.h"
 #include "testutil.h"
 
 /* CHECKF on a CUDA call's result; true when it succeeded. */
@@ -14,6 +18,30 @@ static inline bool cuda_ok(cudaError_t e, const char *what)
     if (e == cudaSuccess) return true;
     CHECKF(0, "%s: %s", what, cudaGetErrorString(e));
     return false;
+}
+
+/* Whether the switch `name` is turned off in the environment (set to 0). */
+static inline bool env_off(const char *name)
+{
+    const char *v = getenv(name);
+    return v && strcmp(v, "0") == 0;
+}
+
+/* Bytes of the copy weight_load repacks w into (luma_weight.dev_mmv;
+ * cuda/matmul.cu): for the matrix-vector kernels Q6_K blocks of 256 in 224
+ * bytes, four Q4_0, Q5_0 or Q8_0 blocks in the file's bytes; then, for Q6_K
+ * weights at least twice as wide as tall, rs_kernel's layout, 288 bytes a
+ * block. 0 where it makes none: another type, a width the layout does not
+ * divide, one row, or the copy turned off in the environment. */
+static inline size_t repacked_bytes(const luma_weight *w)
+{
+    if (w->rows < 2) return 0;
+    if (w->type == LUMA_Q6_K && w->cols % 256 == 0 && !env_off("LUMA_CUDA_Q6K_MMV"))
+        return (size_t)w->rows * (size_t)(w->cols / 256) * (w->cols >= 2 * w->rows ? 224 + 288 : 224);
+    bool x4_type = w->type == LUMA_Q4_0 || w->type == LUMA_Q5_0 || w->type == LUMA_Q8_0;
+    if (x4_type && w->cols % 128 == 0 && !env_off("LUMA_CUDA_X4_MMV"))
+        return (size_t)w->rows * luma_row_size(w->type, w->cols);   /* the same bytes, rearranged */
+    return 0;
 }
 
 #endif

@@ -2270,8 +2270,30 @@ void luma_cuda_weight_to_f16(cuda_backend *c, const luma_weight *w, __half *out)
     dequant_rows(c, w, 0, w->rows, out);
 }
 
-/* One thread per block: the GGUF Q6_K block (ql[128], qh[64], scales[16],
- * d) to type_q6_K_mmv's layout. */
+/* The repacking of a GGUF Q6_K block b (ql[128], qh[64], scales[16], d):
+ * the 6-bit value (0..63) of element 32 s + l (e = 128 c + 32 k + l), and d
+ * as f32 (exact). */
+static __device__ __forceinline__ int q6k_q(const uint8_t *b, int s, int l)
+{
+    int c = s / 4, k = s % 4;
+    return ((b[64 * c + 32 * (k % 2) + l] >> (4 * (k / 2))) & 0xF) | ((b[128 + 32 * c + l] >> (2 * k)) & 3) << 4;
+}
+
+static __device__ __forceinline__ float q6k_d(const uint8_t *b)
+{
+    return __half2float(__ushort_as_half((unsigned short)(b[208] | b[209] << 8)));
+}
+
+/* A repacked block made in registers (out) to dst, 16 bytes at a time. */
+template <int BYTES>
+static __device__ __forceinline__ void put_block(const uint32_t (&out)[BYTES / 4], uint8_t *dst)
+{
+    int4 *to = (int4 *)dst;
+    for (int i = 0; i < BYTES / 16; i++)
+        to[i] = make_int4((int)out[4 * i], (int)out[4 * i + 1], (int)out[4 * i + 2], (int)out[4 * i + 3]);
+}
+
+/* One thread per block: the GGUF Q6_K block to type_q6_K_mmv's layout. */
 static __global__ void repack_q6_K(const uint8_t *__restrict__ src, int64_t n_blocks, uint8_t *__restrict__ dst)
 {
     follow_previous_kernel();
@@ -2280,15 +2302,11 @@ static __global__ void repack_q6_K(const uint8_t *__restrict__ src, int64_t n_bl
     const uint8_t *b = src + ib * 210;
     uint32_t out[LUMA_Q6_K_MMV_BYTES / 4] = {};
     uint8_t *o = (uint8_t *)out;
-    auto q = [&](int s, int l) {   /* element 32 s + l: e = 128 c + 32 k + l */
-        int c = s / 4, k = s % 4;
-        return ((b[64 * c + 32 * (k % 2) + l] >> (4 * (k / 2))) & 0xF) | ((b[128 + 32 * c + l] >> (2 * k)) & 3) << 4;
-    };
     for (int p = 0; p < 8; p++) {
         int h = p % 2, s0 = 2 * (p / 2), s1 = s0 + 1;
         for (int i = 0; i < 4; i++)
             for (int e = 0; e < 4; e++) {
-                int l = 16 * h + 4 * i + e, a = q(s0, l), z = q(s1, l);
+                int l = 16 * h + 4 * i + e, a = q6k_q(b, s0, l), z = q6k_q(b, s1, l);
                 o[16 * p + 4 * i + e] = (uint8_t)((a & 0xF) | (z & 0xF) << 4);
                 o[128 + 8 * p + e] |= (uint8_t)((a >> 4) << (2 * i));
                 o[128 + 8 * p + 4 + e] |= (uint8_t)((z >> 4) << (2 * i));
@@ -2296,11 +2314,9 @@ static __global__ void repack_q6_K(const uint8_t *__restrict__ src, int64_t n_bl
         o[192 + 2 * p] = b[192 + 2 * s0 + h];
         o[192 + 2 * p + 1] = b[192 + 2 * s1 + h];
     }
-    float d = __half2float(__ushort_as_half((unsigned short)(b[208] | b[209] << 8)));
+    float d = q6k_d(b);
     memcpy(o + 208, &d, 4);
-    int4 *to = (int4 *)(dst + ib * LUMA_Q6_K_MMV_BYTES);
-    for (int i = 0; i < LUMA_Q6_K_MMV_BYTES / 16; i++)
-        to[i] = make_int4((int)out[4 * i], (int)out[4 * i + 1], (int)out[4 * i + 2], (int)out[4 * i + 3]);
+    put_block<LUMA_Q6_K_MMV_BYTES>(out, dst + ib * LUMA_Q6_K_MMV_BYTES);
 }
 
 /* One thread per block: the GGUF Q6_K block to rs_kernel's layout
@@ -2322,22 +2338,16 @@ static __global__ void repack_q6_K_rs(const uint8_t *__restrict__ src, int64_t n
     const uint8_t *b = src + ib * 210;
     uint32_t out[LUMA_Q6_K_RS_BYTES / 4] = {};
     uint8_t *o = (uint8_t *)out;
-    auto q = [&](int s, int l) {   /* element 32 s + l: e = 128 c + 32 k + l */
-        int c = s / 4, k = s % 4;
-        return ((b[64 * c + 32 * (k % 2) + l] >> (4 * (k / 2))) & 0xF) | ((b[128 + 32 * c + l] >> (2 * k)) & 3) << 4;
-    };
     for (int p = 0; p < 8; p++) {
         int h = p % 2, s0 = 2 * (p / 2);
         for (int j = 0; j < 8; j++)
-            for (int e = 0; e < 4; e++) o[32 * p + 4 * j + e] = (uint8_t)q(s0 + j % 2, 16 * h + 4 * (j / 2) + e);
+            for (int e = 0; e < 4; e++) o[32 * p + 4 * j + e] = (uint8_t)q6k_q(b, s0 + j % 2, 16 * h + 4 * (j / 2) + e);
         o[256 + 2 * p] = b[192 + 2 * s0 + h];
         o[256 + 2 * p + 1] = b[192 + 2 * (s0 + 1) + h];
     }
-    float d = __half2float(__ushort_as_half((unsigned short)(b[208] | b[209] << 8)));
+    float d = q6k_d(b);
     memcpy(o + 272, &d, 4);
-    int4 *to = (int4 *)(dst + ib * LUMA_Q6_K_RS_BYTES);
-    for (int i = 0; i < LUMA_Q6_K_RS_BYTES / 16; i++)
-        to[i] = make_int4((int)out[4 * i], (int)out[4 * i + 1], (int)out[4 * i + 2], (int)out[4 * i + 3]);
+    put_block<LUMA_Q6_K_RS_BYTES>(out, dst + ib * LUMA_Q6_K_RS_BYTES);
 }
 
 /* One thread per repacked block: four GGUF blocks of sb bytes (d, then qh

@@ -69,7 +69,6 @@ typedef struct logits_dst {
     int64_t row;               /* the next row of set */
     const luma_run_hook *hook; /* or NULL: called once the last pass is queued */
     int32_t *argmax;           /* or NULL: every row's argmax, found with the last pass */
-    bool argmax_found;
 } logits_dst;
 
 /* The last pass is queued: the caller's hook, then every row's argmax
@@ -79,10 +78,7 @@ typedef struct logits_dst {
 static int last_pass_queued(luma_model *m, logits_dst *dst, luma_err *err)
 {
     if (dst->hook && dst->hook->fn(dst->hook->ctx, err)) return -1;
-    if (dst->argmax && dst->set) {
-        if (m->be->ops->logits_argmax(m->be, dst->set, 0, dst->set->rows, dst->argmax, err)) return -1;
-        dst->argmax_found = true;
-    }
+    if (dst->argmax && m->be->ops->logits_argmax(m->be, dst->set, 0, dst->set->rows, dst->argmax, err)) return -1;
     return 0;
 }
 
@@ -234,7 +230,7 @@ int luma_model_run(luma_model *m, const luma_chunk *chunks, int32_t n_chunks, fl
                    luma_err *err)
 {
     if (check_chunks(m, chunks, n_chunks, err)) return -1;
-    logits_dst dst = { logits, NULL, 0, NULL, NULL, false };
+    logits_dst dst = { logits, NULL, 0, NULL, NULL };
     return run_chunks(m, chunks, n_chunks, &dst, err);
 }
 
@@ -293,7 +289,7 @@ static luma_logits_set *set_get(luma_model *m, int64_t rows, luma_err *err)
         m->pooled_bytes -= set_bytes(s);
         free(s->argmax);
         s->argmax = NULL;
-        s->argmax_ahead = s->argmax_read = false;
+        s->argmax_read = false;
     } else {
         s = calloc(1, sizeof *s);
         if (!s) {
@@ -331,7 +327,7 @@ void luma_logits_set_release(luma_logits_set *s)
 {
     if (!s || --s->refs > 0) return;
     luma_model *m = s->model;
-    if (s->argmax_ahead && !s->argmax_read) m->argmax_ahead = false;
+    if (s->argmax && !s->argmax_read) m->argmax_ahead = false;   /* found by the run, never read */
     list_remove(&m->sets, &m->sets_last, s);
     m->n_sets--;
     m->set_bytes -= set_bytes(s);
@@ -358,7 +354,7 @@ int luma_model_run_set(luma_model *m, const luma_chunk *chunks, int32_t n_chunks
     if (check_chunks(m, chunks, n_chunks, err)) return -1;
     luma_logits_set *s = set_get(m, luma_model_out_rows(chunks, n_chunks), err);
     if (!s) return -1;
-    logits_dst dst = { NULL, &s->buf, 0, hook, NULL, false };
+    logits_dst dst = { NULL, &s->buf, 0, hook, NULL };
     if (m->argmax_ahead && m->be->ops->logits_argmax)
         dst.argmax = malloc((size_t)s->buf.rows * sizeof(int32_t));   /* none: the set goes without */
     if (run_chunks(m, chunks, n_chunks, &dst, err)) {
@@ -366,12 +362,7 @@ int luma_model_run_set(luma_model *m, const luma_chunk *chunks, int32_t n_chunks
         luma_logits_set_release(s);
         return -1;
     }
-    if (dst.argmax_found) {
-        s->argmax = dst.argmax;
-        s->argmax_ahead = true;
-    } else {
-        free(dst.argmax);
-    }
+    s->argmax = dst.argmax;   /* the last pass found it: a run that succeeds had one */
     *out = s;
     return 0;
 }

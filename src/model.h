@@ -219,7 +219,7 @@ struct luma_logits_set {
     luma_buf buf;              /* rows x n_vocab (buf.cap may be more: a reused allocation) */
     int32_t refs;
     int32_t *argmax;           /* every row's argmax, once luma_logits_set_argmax cached it or the run found it */
-    bool argmax_ahead, argmax_read;   /* found by the run (luma_model.argmax_ahead); read since */
+    bool argmax_read;          /* argmax read since the run (one found by the run and unread is not) */
     void *holders;             /* the holders' own list (the Lua binding's Logits of the set) */
     luma_logits_set *prev, *next;   /* in the model's held sets, or in its pool */
 };

@@ -153,6 +153,9 @@ typedef struct cuda_backend {
     /* mmq's wgmma route can run (luma_cuda_wgmma_probe; LUMA_CUDA_WGMMA=0
      * in the environment: not) */
     bool wgmma;
+    /* policy 0 takes the downs of Q6_K by rs_kernel on their rs layout
+     * (LUMA_CUDA_RS6=0 in the environment: not, for measuring) */
+    bool rs6;
     /* Batch invariance (backend.h set_batch_invariant): every product on
      * the matrix-vector path whatever its rows, every attention row on the
      * decode kernel with splits of a fixed length, and no f16 copies. */

@@ -2568,30 +2568,19 @@ static bool q8g_wins(const cuda_backend *c, const luma_weight *w, int64_t m)
     return c->wgmma && w->type == LUMA_Q4_K && m >= lo && m <= hi;
 }
 
-/* Whether policy 0 may take Q6_K weights by rs_kernel (on their rs
- * layout); LUMA_CUDA_RS6=0 in the environment says not, for measuring. */
-static bool rs6_on(void)
-{
-    static int on = -1;
-    if (on < 0) {
-        const char *v = getenv("LUMA_CUDA_RS6");
-        on = !(v && *v && atoi(v) == 0);
-    }
-    return on != 0;
-}
-
-/* Whether rs_kernel takes a Q4_K product under policy 0: where it beat
- * cuBLAS on the resident copy and q8g_kernel on the H100 (cuda/NOTES.md):
- * weights at least twice as tall as wide (llama's gate and up) at m =
- * RS_TALL_LO .. RS_TALL_HI, at least twice as wide as tall (down) at
- * RS_WIDE_LO .. RS_WIDE_HI, and by stream-K where rs_sk_fits.
- * LUMA_CUDA_RS=lo,hi in the environment takes
- * every shape from lo to hi instead, for measuring ("9999,0": never). */
+/* Whether rs_kernel takes a Q4_K or Q6_K product under policy 0: where it
+ * beat cuBLAS on the resident copy and q8g_kernel on the H100
+ * (cuda/NOTES.md). Q4_K: weights at least twice as tall as wide (llama's
+ * gate and up) at m = RS_TALL_LO .. RS_TALL_HI, at least twice as wide as
+ * tall (down) at RS_WIDE_LO .. RS_WIDE_HI, and by stream-K where
+ * rs_sk_fits; LUMA_CUDA_RS=lo,hi in the environment takes every shape from
+ * lo to hi instead, for measuring ("9999,0": never). Q6_K: on its rs
+ * layout by stream-K where rs_sk_fits (c->rs6). */
 static bool rs_wins(const cuda_backend *c, const luma_weight *w, int64_t m)
 {
     static env_rows env;
     if (!c->wgmma) return false;
-    if (w->type == LUMA_Q6_K) return rs6_on() && luma_cuda_q6k_rs(c, w) && rs_sk_fits(c, w, m);
+    if (w->type == LUMA_Q6_K) return c->rs6 && luma_cuda_q6k_rs(c, w) && rs_sk_fits(c, w, m);
     if (w->type != LUMA_Q4_K) return false;
     if (env_rows_set(env, "LUMA_CUDA_RS")) return m >= env.lo && m <= env.hi;
     if (w->rows >= 2 * w->cols) return m >= RS_TALL_LO && m <= RS_TALL_HI;

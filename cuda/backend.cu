@@ -917,6 +917,7 @@ luma_backend *luma_backend_cuda_new(int device, luma_err *err)
     c->repack_q6k = !env_off("LUMA_CUDA_Q6K_MMV");
     c->repack_x4 = !env_off("LUMA_CUDA_X4_MMV");
     c->rs6 = !env_off("LUMA_CUDA_RS6");
+    c->rs_pair = !env_off("LUMA_CUDA_RS_PAIR");
     c->mmv_on = true;
     const char *what = "selecting the device";
     e = cudaSetDevice(device);

@@ -156,6 +156,11 @@ typedef struct cuda_backend {
     /* policy 0 takes the downs of Q6_K by rs_kernel on their rs layout
      * (LUMA_CUDA_RS6=0 in the environment: not, for measuring) */
     bool rs6;
+    /* policy 0 (and 5) takes two Q4_K weights of one shape over one x by
+     * one rs_kernel launch (luma_cuda_rs_pair; LUMA_CUDA_RS_PAIR=0 in the
+     * environment: not, for measuring); rs_pairs counts those launches */
+    bool rs_pair;
+    long long rs_pairs;
     /* Batch invariance (backend.h set_batch_invariant): every product on
      * the matrix-vector path whatever its rows, every attention row on the
      * decode kernel with splits of a fixed length, and no f16 copies. */
@@ -281,6 +286,11 @@ bool luma_cuda_rs_takes(const cuda_backend *c, const luma_weight *w, const float
  * queuing nothing, where its shapes cannot take w (luma_cuda_mmq then goes
  * on to its other routes). */
 bool luma_cuda_rs(cuda_backend *c, const luma_weight *w, const __half *xp, int64_t m, float *y);
+/* y = W x and y2 = W2 x by one rs_kernel launch (two Q4_K weights of one
+ * shape that luma_cuda_rs_takes, the same xp); false, queuing nothing,
+ * where the pair does not fit (then each goes to luma_cuda_rs). */
+bool luma_cuda_rs_pair(cuda_backend *c, const luma_weight *w, const luma_weight *w2, const __half *xp, int64_t m,
+                       float *y, float *y2);
 /* Whether this build's code for the device has the wgmma kernels (sm_90a
  * machine code on a compute capability 9.0 device). */
 bool luma_cuda_wgmma_probe(cuda_backend *c);

@@ -2706,6 +2706,15 @@ void luma_cuda_matmul_many(cuda_backend *c, int n, const luma_weight *const *ws,
                 const luma_weight *v = ws[j];
                 if (fmt_of[j] != NONE || tensor_done[j] || v->cols != w->cols || !luma_cuda_rs_takes(c, v, x, m))
                     continue;
+                int k = j + 1;   /* a second weight of v's shape for one launch of both */
+                while (k < n && k < LUMA_MATMUL_MANY &&
+                       (fmt_of[k] != NONE || tensor_done[k] || ws[k]->rows != v->rows || ws[k]->cols != v->cols ||
+                        ws[k]->type != v->type || !luma_cuda_rs_takes(c, ws[k], x, m)))
+                    k++;
+                if (k < n && k < LUMA_MATMUL_MANY && luma_cuda_rs_pair(c, v, ws[k], xp, m, ys[j], ys[k])) {
+                    tensor_done[j] = tensor_done[k] = true;
+                    continue;
+                }
                 if (luma_cuda_rs(c, v, xp, m, ys[j])) {
                     tensor_done[j] = true;
                 } else if (j == i) {

@@ -20,7 +20,9 @@
  *                 tall weights at 17 to 128 rows, wide ones at 65 to 256,
  *                 and wide ones of many tiles (the downs) at 9 to 128 by
  *                 stream-K (tiles cut between all the CTAs the GPU holds,
- *                 partial tiles summed in a fixed order);
+ *                 partial tiles summed in a fixed order); two tall weights
+ *                 of one x (gate and up) in one launch, each stage's
+ *                 activations shared (luma_cuda_rs_pair);
  *   mmq_wg_kernel the f16 route with wgmma: measured, not chosen;
  *   g16_kernel    wgmma on a weight's resident f16 copy (the product cuBLAS
  *                 takes otherwise, matmul.cu): measured, not chosen.
@@ -485,6 +487,7 @@ struct mmq_args {
     const int8_t *xq;           /* the int8 route: m x cols */
     const float2 *xds;          /* and (d, d * sum) per 32 of them */
     float *y;                   /* m x rows */
+    float *y2;                  /* rs_kernel's pairs: the second weight's m x rows */
     /* rs_kernel's stream-K (sk CTAs; 0: the grid's tiles and splits): a
      * partial tile of each CTA, and a flag each that says it is written */
     int sk;
@@ -1296,6 +1299,7 @@ static mmq_args mmq_args_for(const luma_weight *w, const mmq_x &x, int64_t m, fl
     p.xq = x.xq;
     p.xds = x.xds;
     p.y = y;
+    p.y2 = NULL;
     p.sk = 0;
     p.part = NULL;
     p.flags = NULL;
@@ -1910,7 +1914,16 @@ static bool q8g_run(cuda_backend *c, const luma_weight *w, const int8_t *xq, con
  *              eight wgmmas, then wait for the stage before (whose set is
  *              then free) and give its buffer back (one arrival a warp:
  *              every warp reads the raw bytes itself).
- * Small row counts split k over a cluster, reduced as in mmq_kernel. */
+ * Small row counts split k over a cluster, reduced as in mmq_kernel.
+ * Pairs (P = 2: two weights of one shape over the same activations, llama's
+ * gate and up): a stage also holds the second weight's rows, so its
+ * activations are copied once for both; a consumer thread keeps both
+ * weights' accumulators (2 x 64 at BN = 128), which fit once setmaxnreg
+ * moves registers from the producer warpgroup (40 a thread) to the
+ * consumers (232), and makes its fragments in units of four k16 chunks (two
+ * sets of 16 registers, alternating). The activation copies from L2, one
+ * per weight tile and stage, bound the single kernel at these shapes (the
+ * copies alone take 80-90% of its time: cuda/NOTES.md). */
 #define RS_K 128                    /* k per stage: half a Q4_K superblock */
 #define RS_SMEM_CAP (220 * 1024)    /* one CTA an SM */
 
@@ -1931,15 +1944,19 @@ struct rs_q6k {   /* Q6_K in its rs layout (repack_q6_K_rs, matmul.cu): a byte a
     static __device__ __forceinline__ int qs_at(int gs) { return block * (gs / 2) + 128 * (gs % 2); }
 };
 
-template <int NW, int BN, class F = rs_q4k>
+template <int NW, int BN, class F = rs_q4k, int P = 1>
 struct rs_shape {
-    static constexpr int threads = 128 * NW + 32;
+    /* NW consumer warpgroups and a producer warp; pairs: a producer
+     * warpgroup, so that setmaxnreg can move its registers to the consumers */
+    static constexpr int threads = 128 * NW + (P == 2 ? 128 : 32);
     static constexpr int rows = 64 * NW;
     static constexpr int b = BN * RS_K * 2;   /* first: the swizzled lines want 1024-byte alignment */
     static constexpr int hdr = rows * F::hdr;
     static constexpr int qs = rows * F::qs;   /* Q6_K's in 128-byte swizzled lines: 1024-byte aligned too */
+    static constexpr int wt = hdr + qs;       /* a weight's bytes a stage; P weights after b */
     static_assert(!F::q6 || (b + hdr) % 1024 == 0, "the quants' swizzled lines start 1024-byte aligned");
-    static constexpr int stage = (b + hdr + qs + 1023) / 1024 * 1024;
+    static_assert(P == 1 || !F::q6, "pairs of weights: Q4_K");
+    static constexpr int stage = (b + P * wt + 1023) / 1024 * 1024;
     static constexpr int fit = (RS_SMEM_CAP - 1024) / (stage + 16);
     static constexpr int stages = fit < 8 ? fit : 8;
     static constexpr int smem = 1024 + stages * (stage + 16);
@@ -2150,15 +2167,17 @@ static __device__ __forceinline__ void rs_sk_out(const mmq_args &p, int64_t r0, 
 /* Grid: (activation tiles, weight-row tiles, splits of k), or p.sk CTAs
  * (SK: stream-K, above); p.nkb counts rounds of U stages (half
  * superblocks). */
-template <int NW, int BN, int U, bool SK, class F>
-static __global__ void __launch_bounds__(128 * NW + 32, 1)
+template <int NW, int BN, int U, bool SK, class F, int P>
+static __global__ void __launch_bounds__(rs_shape<NW, BN, F, P>::threads, 1)
     rs_kernel(mmq_args p, const __grid_constant__ CUtensorMap tmh, const __grid_constant__ CUtensorMap tmq,
-              const __grid_constant__ CUtensorMap tmx)
+              const __grid_constant__ CUtensorMap tmx, const __grid_constant__ CUtensorMap tmh2,
+              const __grid_constant__ CUtensorMap tmq2)
 {
 #ifdef MMQ_WG_DEVICE
-    typedef rs_shape<NW, BN, F> S;
+    typedef rs_shape<NW, BN, F, P> S;
     typedef wg_ring<S::stages, S::stage> ring_t;
     constexpr int E = BN / 2, C = 128 * NW;
+    static_assert(P == 1 || !SK, "pairs of weights: the grid's tiles");
     extern __shared__ uint8_t rsmem[];
     const int R = p.nkb;
     int nt = 0, all = 0;   /* stream-K: activation tiles, rounds of all tiles (under 2^31: the launch checks) */
@@ -2172,11 +2191,14 @@ static __global__ void __launch_bounds__(128 * NW + 32, 1)
     const ring_t ring = SK ? ring_t(rsmem, 4 * NW, wg_stages{ (rg.b - rg.a) * U }) : ring_t(rsmem, R * U, 4 * NW, U);
     const int64_t n0 = (int64_t)blockIdx.x * BN, r0 = (int64_t)blockIdx.y * S::rows;   /* without stream-K */
     const int warp = __shfl_sync(0xffffffffu, (int)threadIdx.x / 32, 0);   /* warp-uniform to the compiler */
-    float acc[E];
+    float acc[E], acc2[P == 2 ? E : 1];   /* acc2: the second weight's (P = 2) */
 #pragma unroll
     for (int e = 0; e < E; e++) acc[e] = 0.0f;
+#pragma unroll
+    for (int e = 0; e < (P == 2 ? E : 1); e++) acc2[e] = 0.0f;
 
-    if (warp == 4 * NW) {
+    if (warp >= 4 * NW) {
+        if constexpr (P == 2) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
         if (threadIdx.x == C) {
             /* stream-K: the weights' stages and the activations' each walk
              * the range once, in order (ring.produce's calls) */
@@ -2186,7 +2208,7 @@ static __global__ void __launch_bounds__(128 * NW + 32, 1)
                 wa = ww;
             }
             ring.produce(
-                S::b + S::hdr + S::qs,
+                S::b + P * S::wt,
                 [&](int st, uint8_t *buf, uint64_t *bar) {
                     int gs = ring.st0 + st, r = (int)r0;
                     if constexpr (SK) {
@@ -2196,6 +2218,10 @@ static __global__ void __launch_bounds__(128 * NW + 32, 1)
                     }
                     tma_2d(buf + S::b, &tmh, F::hdr_at(gs), r, bar);
                     tma_2d(buf + S::b + S::hdr, &tmq, F::qs_at(gs), r, bar);
+                    if constexpr (P == 2) {
+                        tma_2d(buf + S::b + S::wt, &tmh2, F::hdr_at(gs), r, bar);
+                        tma_2d(buf + S::b + S::wt + S::hdr, &tmq2, F::qs_at(gs), r, bar);
+                    }
                 },
                 [&](int st, uint8_t *buf, uint64_t *bar) {
                     int gs = ring.st0 + st, n = (int)n0;
@@ -2208,19 +2234,32 @@ static __global__ void __launch_bounds__(128 * NW + 32, 1)
                     tma_2d(buf + BN * 128, &tmx, gs * RS_K + 64, n, bar);
                 });
         }
+        /* pairs: the producers leave (the copies they queued complete on
+         * the consumers' barriers), so that no code after the branches runs
+         * under their 40 registers with the consumers' accumulators live */
+        if constexpr (P == 2) return;
     } else {
+        /* pairs: 2 x 64 accumulators a thread (40 x 128 + 232 x 256 registers) */
+        if constexpr (P == 2) asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
         wait_for_previous_kernel();   /* before the stores: the kernel before may read y */
         const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
         const int ra = 64 * (warp / 4) + 16 * (warp % 4) + g;   /* this thread's rows ra and ra + 8 of the tile */
         uint32_t a0[32], a1[32];   /* two register sets of a stage's eight A fragments */
+        uint32_t b0[16], b1[16];   /* pairs: two sets of four fragments */
 #pragma unroll
         for (int i = 0; i < 32; i++) a0[i] = a1[i] = 0;
+#pragma unroll
+        for (int i = 0; i < 16; i++) b0[i] = b1[i] = 0;
         const uint32_t sel = rs_sel(t / 2);
-        __half2 sa[2], ma[2], sb[2], mb[2];   /* this superblock's scales: [0] first half, [1] second */
-        auto make = [&](uint32_t (&a)[32], int st, bool first_half) {
+        /* this superblock's scales of weight j: [j][0] first half, [j][1] second */
+        __half2 sa[P][2], ma[P][2], sb[P][2], mb[P][2];
+        /* stage st's A fragments of weight j: all eight k16 chunks into a
+         * set of 32 registers, or (pairs) chunks 4 h .. 4 h + 3 into a set
+         * of 16; the first of a stage waits for its copies */
+        auto make = [&](uint32_t *a, int N, int st, bool first_half, int j, int h) {
             const int s = st % S::stages;
-            const uint8_t *buf = ring.smem + s * S::stage;
-            mbar_wait(&ring.full[s], (st / S::stages) & 1);
+            const uint8_t *buf = ring.smem + s * S::stage + j * S::wt;
+            if (j == 0 && h == 0) mbar_wait(&ring.full[s], (st / S::stages) & 1);
             if constexpr (F::q6) {
                 /* this thread's lane part pp of the block, rows ra and ra + 8:
                  * the scales of s0 and s1, and 32 bytes of quants from the
@@ -2253,20 +2292,22 @@ static __global__ void __launch_bounds__(128 * NW + 32, 1)
                 }
                 return;
             }
-            if (first_half) {
-                rs_scales(*(const uint4 *)(buf + S::b + 16 * ra), sel, sa, ma);
-                rs_scales(*(const uint4 *)(buf + S::b + 16 * ra + 128), sel, sb, mb);
+            if (first_half && h == 0) {
+                rs_scales(*(const uint4 *)(buf + S::b + 16 * ra), sel, sa[j], ma[j]);
+                rs_scales(*(const uint4 *)(buf + S::b + 16 * ra + 128), sel, sb[j], mb[j]);
             }
             const uint4 qa = *(const uint4 *)(buf + S::b + S::hdr + 64 * ra + 16 * t);
             const uint4 qb = *(const uint4 *)(buf + S::b + S::hdr + 64 * ra + 512 + 16 * t);
             const int hf = first_half ? 0 : 1;
-            const __half2 sa0 = __low2half2(sa[hf]), sa1 = __high2half2(sa[hf]), ma0 = __low2half2(ma[hf]),
-                          ma1 = __high2half2(ma[hf]), sb0 = __low2half2(sb[hf]), sb1 = __high2half2(sb[hf]),
-                          mb0 = __low2half2(mb[hf]), mb1 = __high2half2(mb[hf]);
+            const __half2 sa0 = __low2half2(sa[j][hf]), sa1 = __high2half2(sa[j][hf]),
+                          ma0 = __low2half2(ma[j][hf]), ma1 = __high2half2(ma[j][hf]),
+                          sb0 = __low2half2(sb[j][hf]), sb1 = __high2half2(sb[j][hf]),
+                          mb0 = __low2half2(mb[j][hf]), mb1 = __high2half2(mb[j][hf]);
             const uint32_t wa[4] = { qa.x, qa.y, qa.z, qa.w }, wb[4] = { qb.x, qb.y, qb.z, qb.w };
 #pragma unroll
-            for (int u = 0; u < 4; u++) {
-                uint32_t *lo = a + 8 * u, *hi = a + 8 * u + 4;
+            for (int i = 0; i < N / 8; i++) {
+                const int u = (N == 32 ? 0 : 2 * h) + i;
+                uint32_t *lo = a + 8 * i, *hi = a + 8 * i + 4;
                 lo[0] = rs_deq2(wa[u], sa0, ma0);
                 lo[1] = rs_deq2(wb[u], sb0, mb0);
                 lo[2] = rs_deq2(wa[u] >> 8, sa0, ma0);
@@ -2277,16 +2318,20 @@ static __global__ void __launch_bounds__(128 * NW + 32, 1)
                 hi[3] = rs_deq2(wb[u] >> 12, sb1, mb1);
             }
         };
-        auto issue = [&](const uint32_t (&a)[32], int st) {
+        /* the wgmmas of a set that make filled (the same N and h) into d */
+        auto issue_to = [&](float (&d)[E], const uint32_t *a, int N, int st, int h) {
             const uint32_t bb = ring.sbase + (uint32_t)((st % S::stages) * S::stage);
             const uint64_t d0 = g16_desc(bb);   /* chunk c: + its offset / 16 in the address field */
             asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 #pragma unroll
-            for (int c = 0; c < 8; c++)
-                wg_mma_rs(acc, a[4 * c], a[4 * c + 1], a[4 * c + 2], a[4 * c + 3],
+            for (int i = 0; i < N / 4; i++) {
+                const int c = (N == 32 ? 0 : 4 * h) + i;
+                wg_mma_rs(d, a[4 * i], a[4 * i + 1], a[4 * i + 2], a[4 * i + 3],
                           d0 + (uint64_t)(((c / 4) * (BN * 128) + 32 * (c % 4)) >> 4));
+            }
             asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
         };
+        auto issue = [&](const uint32_t (&a)[32], int st) { issue_to(acc, a, 32, st, 0); };
         auto give_back = [&](int st) {
             __syncwarp();
             if (lane == 0) mbar_arrive(&ring.empty[st % S::stages]);
@@ -2298,18 +2343,41 @@ static __global__ void __launch_bounds__(128 * NW + 32, 1)
         auto round = [&](int st) {
 #pragma unroll
             for (int u = 0; u < U; u++) {
-                if (u % 2 == 0) make(a0, st + u, true);   /* rounds start on a superblock: U even */
-                else make(a1, st + u, false);
-                if (u % 2 == 0) issue(a0, st + u);
-                else issue(a1, st + u);
-                asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
-                if (u % 2 == 0) keep_regs(a1);
-                else keep_regs(a0);
-                if (u > 0) give_back(st + u - 1);
+                if constexpr (P == 2) {
+                    /* pairs: four units a stage (each weight's two halves of
+                     * k) in two sets of 16 registers, alternating; the wait
+                     * after a stage's first unit says the stage before is
+                     * done */
+#pragma unroll
+                    for (int q = 0; q < 4; q++) {
+                        const int j = q / 2, h = q % 2;
+                        if (q % 2 == 0) make(b0, 16, st + u, u % 2 == 0, j, h);
+                        else make(b1, 16, st + u, u % 2 == 0, j, h);
+                        if (q == 0) issue_to(acc, b0, 16, st + u, h);
+                        else if (q == 1) issue_to(acc, b1, 16, st + u, h);
+                        else if (q == 2) issue_to(acc2, b0, 16, st + u, h);
+                        else issue_to(acc2, b1, 16, st + u, h);
+                        asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
+                        if (q % 2 == 0) keep_regs(b1);
+                        else keep_regs(b0);
+                        if (q == 0 && u > 0) give_back(st + u - 1);
+                    }
+                } else {
+                    if (u % 2 == 0) make(a0, 32, st + u, true, 0, 0);   /* rounds start on a superblock: U even */
+                    else make(a1, 32, st + u, false, 0, 0);
+                    if (u % 2 == 0) issue(a0, st + u);
+                    else issue(a1, st + u);
+                    asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
+                    if (u % 2 == 0) keep_regs(a1);
+                    else keep_regs(a0);
+                    if (u > 0) give_back(st + u - 1);
+                }
             }
             asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
             keep_regs(a0);
             keep_regs(a1);
+            keep_regs(b0);
+            keep_regs(b1);
             give_back(st + U - 1);
         };
         if constexpr (SK) {
@@ -2328,9 +2396,19 @@ static __global__ void __launch_bounds__(128 * NW + 32, 1)
         } else {
             for (int st = 0; st < ring.nst; st += U) round(st);
             wg_pin(acc);
+            if constexpr (P == 2) {
+                /* k is not split (rs_launch): each thread's sums go to y
+                 * and y2 as they are */
+                wg_pin(acc2);
+                mmq_args p2 = p;
+                p2.y = p.y2;
+                wg_tile_out<E, C>(p, r0, n0, acc, true, 1, ring.smem, C);
+                wg_tile_out<E, C>(p2, r0, n0, acc2, true, 1, ring.smem, C);
+                return;
+            }
         }
     }
-    if constexpr (SK) return;
+    if constexpr (SK || P == 2) return;
     __syncthreads();
     wg_tile_out<E, C>(p, r0, n0, acc, warp < 4 * NW, gridDim.z, ring.smem, S::threads);
 #endif
@@ -2379,40 +2457,62 @@ static bool rs_sk_scratch(cuda_backend *c, int ctas, size_t part_bytes, mmq_args
     return true;
 }
 
-/* y = W x through rs_kernel<NW, BN, U, SK, F> on w's blocks in format F
- * (Q4_K: the file's; Q6_K: its rs layout, luma_cuda_q6k_rs) and the
- * activations' f16 xp in rs_kernel's k order; false (nothing queued) when
- * w has no such blocks or the driver declines the tensor maps. */
-template <int NW, int BN, int U, class F>
-static bool rs_launch(cuda_backend *c, const luma_weight *w, const __half *xp, int64_t m, float *y)
+/* The tensor maps of w's blocks in format F at blocks for rs_kernel's
+ * copies: each row's headers (tmh) and its quants (tmq), S::rows rows a box. */
+template <class S, class F>
+static bool rs_weight_maps(const luma_weight *w, const void *blocks, CUtensorMap *tmh, CUtensorMap *tmq)
 {
-    typedef rs_shape<NW, BN, F> S;
+    const uint64_t row_bytes = (uint64_t)(w->cols / 256) * F::block;
+    return tensor_map_2d(tmh, CU_TENSOR_MAP_DATA_TYPE_UINT8, blocks, row_bytes, (uint64_t)w->rows, row_bytes, F::hdr,
+                         S::rows) &&
+           tensor_map_2d(tmq, CU_TENSOR_MAP_DATA_TYPE_UINT8, blocks, row_bytes, (uint64_t)w->rows, row_bytes, F::qs,
+                         S::rows, F::q6 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_NONE);
+}
+
+/* y = W x through rs_kernel<NW, BN, U, SK, F, P> on w's blocks in format F
+ * (Q4_K: the file's; Q6_K: its rs layout, luma_cuda_q6k_rs) and the
+ * activations' f16 xp in rs_kernel's k order; with P = 2, also y2 = W2 x
+ * in the same CTAs (w2 of w's type and shape), where the grid's tiles fit
+ * the GPU without splitting k or stream-K. False (nothing queued) when w
+ * has no such blocks, the driver declines the tensor maps, or the pair
+ * does not fit so. */
+template <int NW, int BN, int U, class F, int P = 1>
+static bool rs_launch(cuda_backend *c, const luma_weight *w, const __half *xp, int64_t m, float *y,
+                      const luma_weight *w2 = NULL, float *y2 = NULL)
+{
+    typedef rs_shape<NW, BN, F, P> S;
     static mmq_fit fit;
-    CUtensorMap tmh, tmq, tmx;
+    CUtensorMap tmh, tmq, tmx, tmh2, tmq2;
     const void *blocks = F::q6 ? (const void *)luma_cuda_q6k_rs(c, w) : w->dev;
     if (!blocks || w->cols % (RS_K * U) != 0) return false;
-    const uint64_t cols = (uint64_t)w->cols, row_bytes = (uint64_t)(w->cols / 256) * F::block;
-    if (!tensor_map_2d(&tmh, CU_TENSOR_MAP_DATA_TYPE_UINT8, blocks, row_bytes, (uint64_t)w->rows, row_bytes, F::hdr,
-                       S::rows) ||
-        !tensor_map_2d(&tmq, CU_TENSOR_MAP_DATA_TYPE_UINT8, blocks, row_bytes, (uint64_t)w->rows, row_bytes, F::qs,
-                       S::rows, F::q6 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_NONE) ||
+    const uint64_t cols = (uint64_t)w->cols;
+    if (!rs_weight_maps<S, F>(w, blocks, &tmh, &tmq) ||
         !tensor_map_2d(&tmx, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, xp, cols, (uint64_t)m, cols * 2, 64, BN,
                        CU_TENSOR_MAP_SWIZZLE_128B))
         return false;
-    if (!mmq_setup_kernel(c, &fit, (const void *)rs_kernel<NW, BN, U, false, F>, S::smem, S::threads)) return true;
+    tmh2 = tmh;
+    tmq2 = tmq;
+    if (P == 2 && (!w2 || !w2->dev || !rs_weight_maps<S, F>(w2, w2->dev, &tmh2, &tmq2))) return false;
+    if (!mmq_setup_kernel(c, &fit, (const void *)rs_kernel<NW, BN, U, false, F, P>, S::smem, S::threads)) return true;
     mmq_args p = mmq_args_for(w, mmq_x{ xp, NULL, NULL }, m, y);
     p.nkb = (int)(w->cols / (RS_K * U));   /* rounds of U stages, not k-steps */
+    p.y2 = y2;
     const int64_t n_tiles = (m + BN - 1) / BN, row_tiles = (w->rows + S::rows - 1) / S::rows;
     p.sk = rs_stream_k(c, &fit, w, m, n_tiles * row_tiles * p.nkb);
+    if (P == 2 && (p.sk || mmq_splits(&fit, n_tiles * row_tiles, p.nkb) != 1)) return false;
     if (!p.sk) {
-        mmq_queue(c, rs_kernel<NW, BN, U, false, F>, &fit, p, n_tiles, row_tiles, S::smem, S::threads, tmh, tmq, tmx);
+        mmq_queue(c, rs_kernel<NW, BN, U, false, F, P>, &fit, p, n_tiles, row_tiles, S::smem, S::threads, tmh, tmq,
+                  tmx, tmh2, tmq2);
         return true;
     }
-    static mmq_fit fit_sk;
-    if (!mmq_setup_kernel(c, &fit_sk, (const void *)rs_kernel<NW, BN, U, true, F>, S::smem, S::threads) ||
-        !rs_sk_scratch(c, p.sk, (size_t)S::rows * BN * sizeof(float), &p))
-        return true;
-    mmq_queue(c, rs_kernel<NW, BN, U, true, F>, &fit_sk, p, n_tiles, row_tiles, S::smem, S::threads, tmh, tmq, tmx);
+    if constexpr (P == 1) {
+        static mmq_fit fit_sk;
+        if (!mmq_setup_kernel(c, &fit_sk, (const void *)rs_kernel<NW, BN, U, true, F, 1>, S::smem, S::threads) ||
+            !rs_sk_scratch(c, p.sk, (size_t)S::rows * BN * sizeof(float), &p))
+            return true;
+        mmq_queue(c, rs_kernel<NW, BN, U, true, F, 1>, &fit_sk, p, n_tiles, row_tiles, S::smem, S::threads, tmh,
+                  tmq, tmx, tmh2, tmq2);
+    }
     return true;
 }
 
@@ -2611,6 +2711,24 @@ bool luma_cuda_rs(cuda_backend *c, const luma_weight *w, const __half *xp, int64
     return rs_run(c, w, xp, m, y);
 }
 
+/* Two Q4_K weights of one shape over the same activations in one launch
+ * (llama's gate and up): each CTA's stages bring the activations once for
+ * both weights' rows, half the activation copies of two launches, which
+ * bound rs_kernel at these shapes (cuda/NOTES.md). Where the pair does not
+ * fit (stream-K, split k, widths not of 512) nothing is queued and the
+ * answer is false. */
+bool luma_cuda_rs_pair(cuda_backend *c, const luma_weight *w, const luma_weight *w2, const __half *xp, int64_t m,
+                       float *y, float *y2)
+{
+    if (!c->rs_pair || (c->mmq_policy != 0 && c->mmq_policy != 5) || w->type != LUMA_Q4_K ||
+        w2->type != LUMA_Q4_K || w->rows != w2->rows || w->cols != w2->cols || w->cols % (4 * RS_K) != 0)
+        return false;
+    bool took = m <= 64 ? rs_launch<2, 64, 4, rs_q4k, 2>(c, w, xp, m, y, w2, y2)
+                        : rs_launch<2, 128, 4, rs_q4k, 2>(c, w, xp, m, y, w2, y2);
+    if (took) c->rs_pairs++;
+    return took;
+}
+
 bool luma_cuda_mmq(cuda_backend *c, const luma_weight *w, const float *x, int64_t m, float *y)
 {
     if (!luma_cuda_mmq_takes(c, w, x, m)) return false;
@@ -2674,6 +2792,13 @@ bool luma_cuda_mmq(cuda_backend *c, const luma_weight *w, const float *x, int64_
 extern "C" void luma_cuda_mmq_policy(luma_backend *be, int policy)
 {
     ((cuda_backend *)be)->mmq_policy = policy < 0 ? -1 : policy > 6 ? 6 : policy;
+}
+
+/* How many pairs of weights rs_kernel has taken in one launch
+ * (luma_cuda_rs_pair). */
+extern "C" long long luma_cuda_rs_pairs(luma_backend *be)
+{
+    return ((cuda_backend *)be)->rs_pairs;
 }
 
 /* Whether the wgmma route runs here (policy 3 falls back to the f16 route

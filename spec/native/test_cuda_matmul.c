@@ -440,13 +440,21 @@ static void print_timing(enum luma_type t, const struct shape *sh, const timing 
         printf(" |   %s\n", t == LUMA_F16 ? "(F16 weights: no copy)" : "(not timed)");
 }
 
+/* cuda/mmq.cu's entry points for measuring, with C linkage: whether the
+ * wgmma kernels run here, and how many pairs of weights rs_kernel has taken
+ * in one launch. */
+bool luma_cuda_mmq_has_wgmma(luma_backend *be);
+long long luma_cuda_rs_pairs(luma_backend *be);
+
 /* matmul_many against one matmul per weight: the same bits, for weights of
  * one activation format (q, k and v of a K-quant model), of both formats,
  * with an F16 weight (which leaves the matrix-vector path above m = 2), and
  * of one type (one launch for all three; odd row counts end a two-row
  * group inside a segment), at m on either side of the matrix-vector
- * path's limit and on the tensor-core routes. */
-static void check_many(ctx *cx)
+ * path's limit and on the tensor-core routes; tall Q4_K weights of one
+ * shape (llama's gate and up), next to each other or not, which rs_kernel
+ * takes in one launch where wgmma runs (pairs: say that it must). */
+static void check_many(ctx *cx, bool pairs)
 {
     static const struct {
         enum luma_type t[3];
@@ -462,11 +470,15 @@ static void check_many(ctx *cx)
         { { LUMA_Q4_0, LUMA_Q4_0, LUMA_Q4_0 }, { 64, 191, 97 } },
         /* tall and wide Q4_K: rs_kernel's products share its activations */
         { { LUMA_Q4_K, LUMA_Q4_K, LUMA_Q4_K }, { 1024, 1536, 128 } },
+        /* pairs of one shape: the first two, then the first and the last */
+        { { LUMA_Q4_K, LUMA_Q4_K, LUMA_Q4_K }, { 1024, 1024, 128 } },
+        { { LUMA_Q4_K, LUMA_Q4_K, LUMA_Q4_K }, { 1536, 1024, 1536 } },
     };
     static const int64_t many_ms[] = { 1, 3, 8, 16, 32, 128 };
     const luma_backend_ops *ops = cx->be->ops;
     const int64_t cols = 512;
     int checked = 0;
+    const long long pairs0 = luma_cuda_rs_pairs(cx->be);
     CHECKF(ops->matmul_many != NULL, "the CUDA backend has matmul_many");
     if (!ops->matmul_many) return;
     for (size_t si = 0; si < sizeof sets / sizeof sets[0]; si++) {
@@ -512,7 +524,11 @@ static void check_many(ctx *cx)
         }
         for (int i = 0; i < 3; i++) free(host[i]);
     }
-    printf("matmul_many: %d products equal to matmul's, bit for bit\n", checked);
+    const long long npairs = luma_cuda_rs_pairs(cx->be) - pairs0;
+    if (pairs && luma_cuda_mmq_has_wgmma(cx->be) && !getenv("LUMA_CUDA_RS_PAIR"))
+        CHECKF(npairs >= 4, "matmul_many took %lld pairs of tall Q4_K weights in one launch, not 4", npairs);
+    printf("matmul_many: %d products equal to matmul's, bit for bit (%lld in pairs of one launch)\n", checked,
+           2 * npairs);
 }
 
 /* gated_matmul against gelu_mul or silu_mul and then matmul on the same
@@ -671,7 +687,7 @@ static void check_float(ctx *base)
         }
     }
     printf("float activations: %d weight matrices checked\n", checked);
-    check_many(&cx);
+    check_many(&cx, false);
     check_gated(&cx);
     /* m = 1 to 8 in a graph, next to the 8-bit kernels of the first backend */
     static const enum luma_type ttypes[] = { LUMA_Q4_K, LUMA_Q6_K, LUMA_Q5_0, LUMA_Q8_0 };
@@ -805,7 +821,7 @@ static int run_checks(void)
             checked++;
         }
     printf("matmul: %d weight matrices checked%s\n", checked, cx.quick ? " (quick: small shapes only)" : "");
-    check_many(&cx);
+    check_many(&cx, true);
     check_gated(&cx);
     check_float(&cx);
 

@@ -22,7 +22,10 @@
  *     TOL_CPU, twice the same bits, and timed; and the same with stream-K
  *     (policy 6: every CTA the GPU holds at once, tiles cut between CTAs
  *     and their partial tiles summed by the CTA that finishes the tile)
- *     likewise;
+ *     likewise; with LUMA_MMQ_G16_TIMES, two copies of a Q4_K weight by
+ *     matmul_many under policy 5 (rs_kernel, both in one launch) are timed
+ *     against two rs_kernel calls (test_cuda_matmul checks the pairs'
+ *     bits);
  *   - where it runs too, matmul's product on the resident f16 copy by
  *     g16_kernel (forced for every m > 8), within TOL and TOL_CPU, twice
  *     the same bits, and timed against cuBLAS on the same copy;
@@ -99,10 +102,11 @@ typedef struct ctx {
     bool wg;                   /* the wgmma route runs on this device */
     void *queue;               /* QUEUE_BYTES of device memory for the memset */
     luma_buf x, y;             /* M_MAX rows of the current shape */
+    luma_buf y2;               /* the second output of a pair (timing) */
 } ctx;
 
 /* The ways of computing y = W x that are timed. */
-enum path { MMQ, MMQ8, MMQ_WG, MATMUL_RESIDENT, MATMUL_PER_CALL, G16, MMQ_Q8G, MMQ_RS, MMQ_RS_SK, N_PATHS };
+enum path { MMQ, MMQ8, MMQ_WG, MATMUL_RESIDENT, MATMUL_PER_CALL, G16, MMQ_Q8G, MMQ_RS, MMQ_RS_SK, MMQ_PAIR, N_PATHS };
 
 /* The policy that forces each mmq route. */
 static int route_policy(enum path pt)
@@ -142,6 +146,20 @@ static int run_path(ctx *cx, enum path pt, const luma_weight *w, int64_t m)
     luma_cuda_g16_policy(cx->be, pt == G16 ? 1 : -1);
     cx->be->ops->matmul(cx->be, w, &xv, &yv);
     luma_cuda_g16_policy(cx->be, 0);
+    return 0;
+}
+
+/* Two copies of a Q4_K weight over the first m rows of cx->x by
+ * matmul_many under policy 5 (rs_kernel; both in one launch where the pair
+ * fits); 0 on success. */
+static int run_pair(ctx *cx, const luma_weight *w, const luma_weight *w2, int64_t m)
+{
+    luma_buf xv = luma_buf_rows(&cx->x, 0, m), y1 = luma_buf_rows(&cx->y, 0, m), y2 = luma_buf_rows(&cx->y2, 0, m);
+    const luma_weight *ws[2] = { w, w2 };
+    luma_buf *ys[2] = { &y1, &y2 };
+    luma_cuda_mmq_policy(cx->be, 5);
+    cx->be->ops->matmul_many(cx->be, 2, ws, &xv, ys);
+    luma_cuda_mmq_policy(cx->be, 0);
     return 0;
 }
 
@@ -232,14 +250,16 @@ static double time_path(ctx *cx, enum path pt, const copies *cp, int64_t m)
     if (n == 0) return 0.0;
     for (; n_ev < 2 * TIME_REPS; n_ev++)
         if (!cuda_ok(cudaEventCreate(&ev[n_ev]), "cudaEventCreate")) goto done;
-    if (run_path(cx, pt, &ws[0], m) != 0 || cx->be->ops->sync(cx->be, &err) != 0) {   /* grows scratch */
+    if ((pt == MMQ_PAIR ? run_pair(cx, &ws[0], &ws[1 % n], m) : run_path(cx, pt, &ws[0], m)) != 0 ||
+        cx->be->ops->sync(cx->be, &err) != 0) {   /* grows scratch */
         CHECKF(0, "timing warm-up: %s", err.msg);
         goto done;
     }
     if (!cuda_ok(cudaMemsetAsync(cx->queue, 1, QUEUE_BYTES, 0), "queue memset")) goto done;
     for (int i = 0; i < TIME_REPS; i++) {
         cudaEventRecord(ev[2 * i], 0);
-        run_path(cx, pt, &ws[(i + 1) % n], m);
+        if (pt == MMQ_PAIR) run_pair(cx, &ws[(i + 1) % n], &ws[(i + 2) % n], m);
+        else run_path(cx, pt, &ws[(i + 1) % n], m);
         cudaEventRecord(ev[2 * i + 1], 0);
     }
     if (cx->be->ops->sync(cx->be, &err) != 0) {
@@ -317,7 +337,8 @@ static void check_shape(ctx *cx, enum luma_type t, const struct shape *sh, timin
     }
     int m_max = cx->quick ? 128 : M_MAX;
     if (ops->buf_alloc(cx->be, &cx->x, m_max, cols, &err) != 0 ||
-        ops->buf_alloc(cx->be, &cx->y, m_max, rows, &err) != 0) {
+        ops->buf_alloc(cx->be, &cx->y, m_max, rows, &err) != 0 ||
+        ops->buf_alloc(cx->be, &cx->y2, m_max, rows, &err) != 0) {
         CHECKF(0, "buf_alloc: %s", err.msg);
         goto out;
     }
@@ -398,6 +419,7 @@ static void check_shape(ctx *cx, enum luma_type t, const struct shape *sh, timin
                     tm[i].us[MMQ_Q8G] = cx->wg && t == LUMA_Q4_K && m > 8 ? time_path(cx, MMQ_Q8G, &cp, m) : 0.0;
                     tm[i].us[MMQ_RS] = rs && m > 8 ? time_path(cx, MMQ_RS, &cp, m) : 0.0;
                     tm[i].us[MMQ_RS_SK] = rs && m > 8 ? time_path(cx, MMQ_RS_SK, &cp, m) : 0.0;
+                    tm[i].us[MMQ_PAIR] = rs && t == LUMA_Q4_K && m > 8 ? time_path(cx, MMQ_PAIR, &cp, m) : 0.0;
                     continue;
                 }
                 tm[i].us[MMQ] = time_path(cx, MMQ, &cp, m);
@@ -428,8 +450,10 @@ free_all:
 out:
     if (cx->x.data) ops->buf_free(cx->be, &cx->x);
     if (cx->y.data) ops->buf_free(cx->be, &cx->y);
+    if (cx->y2.data) ops->buf_free(cx->be, &cx->y2);
     memset(&cx->x, 0, sizeof cx->x);
     memset(&cx->y, 0, sizeof cx->y);
+    memset(&cx->y2, 0, sizeof cx->y2);
     free(host);
 }
 
@@ -515,6 +539,10 @@ static void print_timing(enum luma_type t, const struct shape *sh, int64_t m, co
                    us[MATMUL_RESIDENT] / us[pt]);
         else
             printf(" %7s %6s %6s %6s |", "-", "-", "-", "-");
+    if (us[MMQ_PAIR] > 0 && us[MMQ_RS] > 0)   /* two weights: against two rs_kernel calls */
+        printf(" %7.1f %5.2fx |", us[MMQ_PAIR], 2.0 * us[MMQ_RS] / us[MMQ_PAIR]);
+    else
+        printf(" %7s %6s |", "-", "-");
     double vs_res = us[MMQ] > 0 ? us[MATMUL_RESIDENT] / us[MMQ] : 0.0;
     double vs_pc = us[MMQ] > 0 && us[MATMUL_PER_CALL] > 0 ? us[MATMUL_PER_CALL] / us[MMQ] : 0.0;
     printf(" %5.2fx %-4s", vs_res, vs_res > 1.0 ? "mmq" : m <= 8 ? "mmv" : "cuBLAS");
@@ -564,7 +592,7 @@ static int run_checks(void)
         printf("\ntiming (best of %d, weights cold in L2): microseconds, TFLOP/s, GB/s of the weights each path "
                "reads\n", TIME_REPS);
         printf("type  shape          m |      mmq: us TFLOP/s  GB/s | matmul resident f16 (mmv for m <= 8): us "
-               "TFLOP/s GB/s | per call: us TFLOP/s | int8 route: us TFLOP/s GB/s | wgmma route: us TFLOP/s GB/s | f16 wgmma on the copy: us TFLOP/s GB/s vs cuBLAS | Q4_K int8 wgmma: us TFLOP/s GB/s vs cuBLAS | Q4_K f16 wgmma from registers: us TFLOP/s GB/s vs cuBLAS | the same, stream-K | mmq vs resident | vs per call | rule: resident, per call\n");
+               "TFLOP/s GB/s | per call: us TFLOP/s | int8 route: us TFLOP/s GB/s | wgmma route: us TFLOP/s GB/s | f16 wgmma on the copy: us TFLOP/s GB/s vs cuBLAS | Q4_K int8 wgmma: us TFLOP/s GB/s vs cuBLAS | Q4_K f16 wgmma from registers: us TFLOP/s GB/s vs cuBLAS | the same, stream-K | Q4_K: two weights of one x in one launch (matmul_many): us, vs two | mmq vs resident | vs per call | rule: resident, per call\n");
         for (int ti = 0; ti < N_TYPES; ti++)
             for (int si = 0; si < N_SHAPES; si++)
                 if (shapes[si].big && !(only && *only && !strstr(only, luma_type_name(types[ti]))) &&

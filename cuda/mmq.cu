@@ -2374,10 +2374,13 @@ static __global__ void __launch_bounds__(rs_shape<NW, BN, F, P>::threads, 1)
                 }
             }
             asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-            keep_regs(a0);
-            keep_regs(a1);
-            keep_regs(b0);
-            keep_regs(b1);
+            if constexpr (P == 2) {
+                keep_regs(b0);
+                keep_regs(b1);
+            } else {
+                keep_regs(a0);
+                keep_regs(a1);
+            }
             give_back(st + U - 1);
         };
         if constexpr (SK) {

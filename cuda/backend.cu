@@ -21,10 +21,6 @@
 
 static cuda_backend *cu(luma_backend *be) { return (cuda_backend *)be; }
 
-/* cuBLAS's workspace, given to it so that a recorded step never makes it
- * allocate (32 MiB, what it asks for on Hopper). */
-#define CUBLAS_WORKSPACE ((size_t)32 << 20)
-
 bool luma_cuda_fail(cuda_backend *c, cudaError_t e, const char *what)
 {
     if (e == cudaSuccess) return false;
@@ -695,6 +691,12 @@ static int cuda_step_run(luma_backend *be, const luma_step *step, int (*forward)
     return 0;
 }
 
+/* How many recorded steps have been replayed (for the tests). */
+extern "C" long long luma_cuda_replays(luma_backend *be)
+{
+    return (long long)cu(be)->n_replays;
+}
+
 /* ---- operations kept here ----------------------------------------------- */
 
 static void cuda_matmul(luma_backend *be, const luma_weight *w, const luma_buf *x, luma_buf *y)
@@ -742,6 +744,9 @@ static void cuda_free(luma_backend *be)
     cudaFreeHost(c->host_stage);
     if (c->staged) cudaEventDestroy(c->staged);
     if (c->cublas) cublasDestroy(c->cublas);
+    if (c->fork_ev) cudaEventDestroy(c->fork_ev);
+    if (c->join_ev) cudaEventDestroy(c->join_ev);
+    if (c->side) cudaStreamDestroy(c->side);
     if (c->stream) cudaStreamDestroy(c->stream);
     free(c);
 }
@@ -918,6 +923,7 @@ luma_backend *luma_backend_cuda_new(int device, luma_err *err)
     c->repack_x4 = !env_off("LUMA_CUDA_X4_MMV");
     c->rs6 = !env_off("LUMA_CUDA_RS6");
     c->rs_pair = !env_off("LUMA_CUDA_RS_PAIR");
+    c->fork = !env_off("LUMA_CUDA_FORK");
     c->mmv_on = true;
     const char *what = "selecting the device";
     e = cudaSetDevice(device);
@@ -934,6 +940,13 @@ luma_backend *luma_backend_cuda_new(int device, luma_err *err)
     if (e == cudaSuccess) {
         what = "creating an event";
         e = cudaEventCreateWithFlags(&c->staged, cudaEventDisableTiming);
+    }
+    if (e == cudaSuccess) {
+        /* blocking too, for the same reason */
+        what = "creating matmul_many's second stream";
+        e = cudaStreamCreate(&c->side);
+        if (e == cudaSuccess) e = cudaEventCreateWithFlags(&c->fork_ev, cudaEventDisableTiming);
+        if (e == cudaSuccess) e = cudaEventCreateWithFlags(&c->join_ev, cudaEventDisableTiming);
     }
     if (e != cudaSuccess) {
         luma_errf(err, "CUDA backend: %s: %s", what, cudaGetErrorString(e));

@@ -78,6 +78,12 @@ typedef struct cuda_graph {
     int32_t failures;          /* recordings that failed */
 } cuda_graph;
 
+/* cuBLAS's workspace (cuda_backend.cublas_ws), given to it so that a
+ * recorded step never makes it allocate (32 MiB, what it asks for on
+ * Hopper). cublasSetStream puts the handle back on its own pool, so every
+ * cublasSetStream is followed by cublasSetWorkspace. */
+#define CUBLAS_WORKSPACE ((size_t)32 << 20)
+
 #define MMV_PASS_M 8           /* activation rows per matrix-vector kernel */
 
 /* Scratch of kernels whose CTAs combine partial results: int32 counters
@@ -161,6 +167,16 @@ typedef struct cuda_backend {
      * environment: not, for measuring); rs_pairs counts those launches */
     bool rs_pair;
     long long rs_pairs;
+    /* matmul_many's second stream: a set of weights whose products take
+     * both cuBLAS on the f16 copies and rs_kernel (llama's q beside k and
+     * v at 65 to 256 rows) runs the cuBLAS ones, with their conversion of
+     * x, on `side` while the rs_kernel ones run on `stream`; fork_ev and
+     * join_ev order the two (LUMA_CUDA_FORK=0 in the environment: one
+     * stream, for measuring). forks counts those sets. */
+    cudaStream_t side;
+    cudaEvent_t fork_ev, join_ev;
+    bool fork;
+    long long forks;
     /* Batch invariance (backend.h set_batch_invariant): every product on
      * the matrix-vector path whatever its rows, every attention row on the
      * decode kernel with splits of a fixed length, and no f16 copies. */

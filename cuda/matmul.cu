@@ -2488,6 +2488,7 @@ static void tensor_gemm(cuda_backend *c, const luma_weight *w, const __half *xh,
     const __half *whole = resident_f16(c, w);
     if (whole && luma_cuda_g16(c, w, whole, xh, m, y)) return;   /* mmq.cu: where it measured faster */
     cublasStatus_t st = cublasSetStream(c->cublas, c->stream);
+    if (st == CUBLAS_STATUS_SUCCESS) st = cublasSetWorkspace(c->cublas, c->cublas_ws, CUBLAS_WORKSPACE);
     if (st == CUBLAS_STATUS_SUCCESS) st = cublasSetPointerMode(c->cublas, CUBLAS_POINTER_MODE_HOST);
     const float one = 1.0f, zero = 0.0f;
     for (int64_t r0 = 0; r0 < rows && st == CUBLAS_STATUS_SUCCESS && LUMA_CUDA_OK(c); r0 += panel) {
@@ -2662,6 +2663,54 @@ int luma_cuda_matmul_qkv_rope(cuda_backend *c, const luma_weight *const *ws, con
     return rq.done;
 }
 
+/* matmul_many's fork (cuda_backend.side): the first weight of a set whose
+ * products are cuBLAS on the f16 copies for some (all of one tensor
+ * activation format) and rs_kernel for the others (all of one width), with
+ * nothing else past the matrix-vector path; -1 for any other set. *rs is
+ * then the first rs_kernel weight. */
+static int fork_plan(cuda_backend *c, int n, const luma_weight *const *ws, const int *fmt_of, const float *x,
+                     int64_t m, int *rs)
+{
+    if (!c->fork || c->invariant) return -1;
+    int cb = -1;
+    *rs = -1;
+    for (int i = 0; i < n && i < LUMA_MATMUL_MANY; i++) {
+        const luma_weight *w = ws[i];
+        if (fmt_of[i] >= 0) continue;
+        if (luma_cuda_rs_takes(c, w, x, m)) {
+            if (*rs < 0) *rs = i;
+            else if (w->cols != ws[*rs]->cols) return -1;
+        } else if (cublas_on_copy(c, w, x, m)) {
+            if (cb < 0) cb = i;
+            else if (!same_tensor_act(c, ws[cb], w)) return -1;
+        } else {
+            return -1;
+        }
+    }
+    return *rs >= 0 ? cb : -1;
+}
+
+/* The side stream waits for what this one has queued; launches go to it
+ * until side_end. Returns the stream to go back to. */
+static cudaStream_t side_begin(cuda_backend *c)
+{
+    luma_cuda_fail(c, cudaEventRecord(c->fork_ev, c->stream), "matmul (the second stream's start)");
+    luma_cuda_fail(c, cudaStreamWaitEvent(c->side, c->fork_ev, 0), "matmul (the second stream's start)");
+    cudaStream_t back = c->stream;
+    c->stream = c->side;
+    return back;
+}
+
+/* This stream waits for what the side stream has queued. Always made once a
+ * fork has begun, failure or not: a recording must end with the side stream
+ * joined. */
+static void side_join(cuda_backend *c)
+{
+    cudaError_t e = cudaEventRecord(c->join_ev, c->side);
+    if (e == cudaSuccess) e = cudaStreamWaitEvent(c->stream, c->join_ev, 0);
+    luma_cuda_fail(c, e, "matmul (the second stream's join)");
+}
+
 void luma_cuda_matmul_many(cuda_backend *c, int n, const luma_weight *const *ws, const float *x, int64_t m,
                            float *const *ys)
 {
@@ -2695,12 +2744,43 @@ void luma_cuda_matmul_many(cuda_backend *c, int n, const luma_weight *const *ws,
      * per activation format, like the matrix-vector ones, and weights for
      * rs_kernel share its one (in its k order). */
     bool tensor_done[LUMA_MATMUL_MANY] = { false };
+    /* A set of both cuBLAS and rs_kernel products (fork_plan): the cuBLAS
+     * ones, their conversion of x after the rs_kernel one's in the scratch,
+     * go to the side stream first; the rs_kernel ones then run here, on
+     * the scratch's start, while those run. Each product is the same
+     * kernel on the same values as on one stream. Anything that may take
+     * the scratch again (a route other than rs_kernel) first joins. */
+    int rs0 = -1, cb0 = fork_plan(c, n, ws, fmt_of, x, m, &rs0);
+    bool forked = false;
+    if (cb0 >= 0) {
+        size_t rs_bytes = align256((size_t)m * (size_t)ws[rs0]->cols * sizeof(__half));
+        uint8_t *s = (uint8_t *)luma_cuda_scratch(c, rs_bytes + (size_t)m * (size_t)ws[cb0]->cols * sizeof(__half));
+        if (!s) return;
+        __half *xh = (__half *)(s + rs_bytes);
+        cudaStream_t back = side_begin(c);
+        forked = true;
+        c->forks++;
+        if (LUMA_CUDA_OK(c)) tensor_act(c, ws[cb0], x, m, xh);
+        for (int j = cb0; j < n && j < LUMA_MATMUL_MANY && LUMA_CUDA_OK(c); j++)
+            if (fmt_of[j] == NONE && !luma_cuda_rs_takes(c, ws[j], x, m)) {
+                tensor_gemm(c, ws[j], xh, NULL, ws[j]->rows, m, ys[j]);
+                tensor_done[j] = true;
+            }
+        c->stream = back;
+    }
     for (int i = 0; i < n && i < LUMA_MATMUL_MANY && LUMA_CUDA_OK(c); i++) {
         const luma_weight *w = ws[i];
         if (fmt_of[i] != NONE || tensor_done[i]) continue;
+        if (forked && !luma_cuda_rs_takes(c, w, x, m)) {
+            side_join(c);
+            forked = false;
+        }
         if (luma_cuda_rs_takes(c, w, x, m)) {
             __half *xp = (__half *)luma_cuda_scratch(c, (size_t)m * (size_t)w->cols * sizeof(__half));
-            if (!xp) return;
+            if (!xp) {
+                if (forked) side_join(c);
+                return;
+            }
             luma_cuda_quantize_act_rs(c, x, m * w->cols, xp);
             for (int j = i; j < n && j < LUMA_MATMUL_MANY && LUMA_CUDA_OK(c); j++) {
                 const luma_weight *v = ws[j];
@@ -2719,6 +2799,10 @@ void luma_cuda_matmul_many(cuda_backend *c, int n, const luma_weight *const *ws,
                     tensor_done[j] = true;
                 } else if (j == i) {
                     /* the other routes (which may move the scratch) */
+                    if (forked) {
+                        side_join(c);
+                        forked = false;
+                    }
                     luma_cuda_matmul(c, v, x, m, ys[j]);
                     tensor_done[j] = true;
                     break;
@@ -2741,6 +2825,7 @@ void luma_cuda_matmul_many(cuda_backend *c, int n, const luma_weight *const *ws,
             tensor_done[j] = true;
         }
     }
+    if (forked) side_join(c);
     if (!need || !LUMA_CUDA_OK(c)) return;
     uint8_t *s = (uint8_t *)luma_cuda_scratch(c, need);
     if (!s) return;
@@ -2788,4 +2873,10 @@ void luma_cuda_matmul_many(cuda_backend *c, int n, const luma_weight *const *ws,
         if (k > 1 && LUMA_CUDA_OK(c) && mm_vec_run_many(c, same, ys_same, k, a, m)) continue;
         for (int j = 0; j < k && LUMA_CUDA_OK(c); j++) mm_vec_run(c, same[j], a, m, ys_same[j]);
     }
+}
+
+/* How many sets matmul_many has split over its two streams (for the tests). */
+extern "C" long long luma_cuda_forks(luma_backend *be)
+{
+    return ((cuda_backend *)be)->forks;
 }

@@ -445,6 +445,26 @@ static void print_timing(enum luma_type t, const struct shape *sh, const timing 
  * in one launch. */
 bool luma_cuda_mmq_has_wgmma(luma_backend *be);
 long long luma_cuda_rs_pairs(luma_backend *be);
+/* cuda/matmul.cu: how many sets matmul_many split over its two streams */
+long long luma_cuda_forks(luma_backend *be);
+/* cuda/backend.cu: how many recorded steps have been replayed */
+long long luma_cuda_replays(luma_backend *be);
+
+/* One matmul_many call: the forward of a recorded step. */
+typedef struct many_call {
+    ctx *cx;
+    const luma_weight *const *ws;
+    luma_buf *xb;
+    luma_buf *const *ys;
+} many_call;
+
+static int queue_many(void *p, luma_err *err)
+{
+    many_call *mc = p;
+    (void)err;
+    mc->cx->be->ops->matmul_many(mc->cx->be, 3, mc->ws, mc->xb, mc->ys);
+    return 0;
+}
 
 /* matmul_many against one matmul per weight: the same bits, for weights of
  * one activation format (q, k and v of a K-quant model), of both formats,
@@ -453,7 +473,10 @@ long long luma_cuda_rs_pairs(luma_backend *be);
  * group inside a segment), at m on either side of the matrix-vector
  * path's limit and on the tensor-core routes; tall Q4_K weights of one
  * shape (llama's gate and up), next to each other or not, which rs_kernel
- * takes in one launch where wgmma runs (pairs: say that it must). */
+ * takes in one launch where wgmma runs (pairs: say that it must). At
+ * m = 128 the first set's products are cuBLAS (512 and the Q6_K) beside
+ * rs_kernel (128 x 512), which matmul_many runs on two streams: also
+ * recorded in a step and replayed, the same bits each time. */
 static void check_many(ctx *cx, bool pairs)
 {
     static const struct {
@@ -478,7 +501,8 @@ static void check_many(ctx *cx, bool pairs)
     const luma_backend_ops *ops = cx->be->ops;
     const int64_t cols = 512;
     int checked = 0;
-    const long long pairs0 = luma_cuda_rs_pairs(cx->be);
+    const long long pairs0 = luma_cuda_rs_pairs(cx->be), forks0 = luma_cuda_forks(cx->be);
+    int replayed = 0;
     CHECKF(ops->matmul_many != NULL, "the CUDA backend has matmul_many");
     if (!ops->matmul_many) return;
     for (size_t si = 0; si < sizeof sets / sizeof sets[0]; si++) {
@@ -518,6 +542,32 @@ static void check_many(ctx *cx, bool pairs)
                 free(want);
                 checked++;
             }
+            /* at m = 128 through step_run: the first run records, the
+             * others replay; the outputs cleared before each */
+            const long long replays0 = luma_cuda_replays(cx->be);
+            for (int run = 0; m == 128 && cx->graphs && run < 3; run++) {
+                many_call mc = { cx, ws, &xb, ys };
+                for (int i = 0; i < 3; i++) cudaMemset(yb[i].data, 0, (size_t)(m * w[i].rows) * sizeof(float));
+                if (ops->step_begin(cx->be, &graph_step, &err) != 0 ||
+                    ops->step_run(cx->be, &graph_step, queue_many, &mc, &err) != 0 || ops->sync(cx->be, &err) != 0) {
+                    CHECKF(0, "matmul_many in a step: %s", err.msg);
+                    break;
+                }
+                for (int i = 0; i < 3; i++) {
+                    size_t n = (size_t)(m * w[i].rows);
+                    float *got = xmalloc(n * sizeof(float)), *want = xmalloc(n * sizeof(float));
+                    if (ops->buf_read(cx->be, &yb[i], got, &err) == 0 && run_matmul(cx, &w[i], x, m, want) == 0)
+                        CHECKF(memcmp(got, want, n * sizeof(float)) == 0,
+                               "matmul_many set %zu, %s at m=%lld, step run %d: not the bits of matmul", si,
+                               luma_type_name(w[i].type), (long long)m, run);
+                    free(got);
+                    free(want);
+                    replayed++;
+                }
+            }
+            if (m == 128 && cx->graphs && !getenv("LUMA_CUDA_GRAPHS"))
+                CHECKF(luma_cuda_replays(cx->be) - replays0 >= 3, "matmul_many set %zu at m=128: %lld of 3 step runs "
+                       "replayed a recording", si, luma_cuda_replays(cx->be) - replays0);
             ops->buf_free(cx->be, &xb);
             for (int i = 0; i < 3; i++) ops->buf_free(cx->be, &yb[i]);
             free(x);
@@ -527,8 +577,12 @@ static void check_many(ctx *cx, bool pairs)
     const long long npairs = luma_cuda_rs_pairs(cx->be) - pairs0;
     if (pairs && luma_cuda_mmq_has_wgmma(cx->be) && !getenv("LUMA_CUDA_RS_PAIR"))
         CHECKF(npairs >= 4, "matmul_many took %lld pairs of tall Q4_K weights in one launch, not 4", npairs);
-    printf("matmul_many: %d products equal to matmul's, bit for bit (%lld in pairs of one launch)\n", checked,
-           2 * npairs);
+    const long long nforks = luma_cuda_forks(cx->be) - forks0;
+    if (pairs && luma_cuda_mmq_has_wgmma(cx->be) && !getenv("LUMA_CUDA_FORK"))
+        CHECKF(nforks >= 1, "matmul_many ran no set on two streams");
+    printf("matmul_many: %d products equal to matmul's, bit for bit (%lld in pairs of one launch); %d in recorded "
+           "steps; %lld sets on two streams\n",
+           checked, 2 * npairs, replayed, nforks);
 }
 
 /* gated_matmul against gelu_mul or silu_mul and then matmul on the same

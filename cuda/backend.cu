@@ -57,20 +57,23 @@ static void free_after_stream(cuda_backend *c, void *p)
 void *luma_cuda_scratch(cuda_backend *c, size_t n)
 {
     if (!LUMA_CUDA_OK(c)) return NULL;
-    if (n <= c->scratch_cap) return c->scratch;
+    const bool side = c->side && c->stream == c->side;
+    void **mem = side ? &c->side_scratch : &c->scratch;
+    size_t *cap = side ? &c->side_scratch_cap : &c->scratch_cap;
+    if (n <= *cap) return *mem;
     if (c->capturing) {
         luma_cuda_failf(c, "matmul scratch must grow while a step is being recorded");
         return NULL;
     }
-    free_after_stream(c, c->scratch);
-    c->scratch = NULL;
-    c->scratch_cap = 0;
-    if (luma_cuda_fail(c, cudaMalloc(&c->scratch, n), "allocating matmul scratch")) {
-        c->scratch = NULL;
+    free_after_stream(c, *mem);
+    *mem = NULL;
+    *cap = 0;
+    if (luma_cuda_fail(c, cudaMalloc(mem, n), "allocating matmul scratch")) {
+        *mem = NULL;
         return NULL;
     }
-    c->scratch_cap = n;
-    return c->scratch;
+    *cap = n;
+    return *mem;
 }
 
 bool luma_cuda_partials(cuda_backend *c, cuda_partials *s, size_t counters, size_t part_bytes, const char *what,
@@ -605,7 +608,7 @@ static uint64_t graph_key(const cuda_backend *c)
 static uint64_t graph_where(const cuda_backend *c)
 {
     uint64_t h = 1469598103934665603ull;
-    uint64_t v[] = { (uint64_t)(uintptr_t)c->step_mem, (uint64_t)(uintptr_t)c->scratch,
+    uint64_t v[] = { (uint64_t)(uintptr_t)c->step_mem, (uint64_t)(uintptr_t)c->scratch, (uint64_t)(uintptr_t)c->side_scratch,
                      (uint64_t)(uintptr_t)c->attn_scratch.mem, (uint64_t)(uintptr_t)c->sk_scratch.mem, c->buf_gen, (uint64_t)c->f16_mode,
                      (uint64_t)c->n_f16, (uint64_t)c->mmv_on };
     for (size_t i = 0; i < sizeof v / sizeof v[0]; i++) h = (h ^ v[i]) * 1099511628211ull;
@@ -735,6 +738,8 @@ static void cuda_free(luma_backend *be)
     free(c->weights);
     for (int i = 0; i < CUDA_GRAPHS; i++) graph_drop(&c->graphs[i]);
     cudaFree(c->cublas_ws);
+    cudaFree(c->side_ws);
+    cudaFree(c->side_scratch);
     for (int p = 0; p < LUMA_KV_MAX_POOLS; p++) cudaFree(c->kv_mem[p]);
     cudaFree(c->step_mem);
     cudaFree(c->scratch);
@@ -954,7 +959,8 @@ luma_backend *luma_backend_cuda_new(int device, luma_err *err)
         return NULL;
     }
     c->wgmma = !env_off("LUMA_CUDA_WGMMA") && luma_cuda_wgmma_probe(c);
-    if (cudaMalloc(&c->cublas_ws, CUBLAS_WORKSPACE) != cudaSuccess) {
+    if (cudaMalloc(&c->cublas_ws, CUBLAS_WORKSPACE) != cudaSuccess ||
+        cudaMalloc(&c->side_ws, CUBLAS_WORKSPACE) != cudaSuccess) {
         cudaGetLastError();
         luma_errf(err, "CUDA backend: no GPU memory for the cuBLAS workspace");
         cuda_free(&c->base);

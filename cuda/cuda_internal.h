@@ -85,6 +85,7 @@ typedef struct cuda_graph {
 #define CUBLAS_WORKSPACE ((size_t)32 << 20)
 
 #define MMV_PASS_M 8           /* activation rows per matrix-vector kernel */
+#define LUMA_FORK_MAX_M 256    /* matmul_many's two streams (fork_plan) up to this many rows */
 
 /* Scratch of kernels whose CTAs combine partial results: int32 counters
  * (or flags) at the start of mem, zero between calls (the kernel that
@@ -167,14 +168,16 @@ typedef struct cuda_backend {
      * environment: not, for measuring); rs_pairs counts those launches */
     bool rs_pair;
     long long rs_pairs;
-    /* matmul_many's second stream: a set of weights whose products take
-     * both cuBLAS on the f16 copies and rs_kernel (llama's q beside k and
-     * v at 65 to 256 rows) runs the cuBLAS ones, with their conversion of
-     * x, on `side` while the rs_kernel ones run on `stream`; fork_ev and
-     * join_ev order the two (LUMA_CUDA_FORK=0 in the environment: one
-     * stream, for measuring). forks counts those sets. */
+    /* matmul_many's second stream (matmul.cu, fork_plan): in a set of
+     * products past the matrix-vector path, llama's q runs on `side`
+     * while k and v run on `stream`; fork_ev and join_ev order the two
+     * (LUMA_CUDA_FORK=0 in the environment: one stream, for measuring).
+     * forks counts those sets. */
     cudaStream_t side;
     cudaEvent_t fork_ev, join_ev;
+    void *side_scratch;        /* luma_cuda_scratch while c->stream is side */
+    size_t side_scratch_cap;
+    void *side_ws;             /* cuBLAS's workspace on side */
     bool fork;
     long long forks;
     /* Batch invariance (backend.h set_batch_invariant): every product on
@@ -209,7 +212,9 @@ void luma_cuda_failf(cuda_backend *c, const char *fmt, ...)
  * points elsewhere. */
 const int32_t *luma_cuda_step_array(cuda_backend *c, const int32_t *host, int32_t n, const char *op);
 
-/* A scratch buffer of at least n bytes (grows; NULL after recording a failure). */
+/* A scratch buffer of at least n bytes (grows; NULL after recording a
+ * failure): c->scratch, or c->side_scratch while launches go to the side
+ * stream. */
 void *luma_cuda_scratch(cuda_backend *c, size_t n);
 
 /* At least `counters` counters and part_bytes of partial results in s,

@@ -2488,7 +2488,8 @@ static void tensor_gemm(cuda_backend *c, const luma_weight *w, const __half *xh,
     const __half *whole = resident_f16(c, w);
     if (whole && luma_cuda_g16(c, w, whole, xh, m, y)) return;   /* mmq.cu: where it measured faster */
     cublasStatus_t st = cublasSetStream(c->cublas, c->stream);
-    if (st == CUBLAS_STATUS_SUCCESS) st = cublasSetWorkspace(c->cublas, c->cublas_ws, CUBLAS_WORKSPACE);
+    if (st == CUBLAS_STATUS_SUCCESS)   /* the side stream's own workspace: the two may run at once */
+        st = cublasSetWorkspace(c->cublas, c->stream == c->side ? c->side_ws : c->cublas_ws, CUBLAS_WORKSPACE);
     if (st == CUBLAS_STATUS_SUCCESS) st = cublasSetPointerMode(c->cublas, CUBLAS_POINTER_MODE_HOST);
     const float one = 1.0f, zero = 0.0f;
     for (int64_t r0 = 0; r0 < rows && st == CUBLAS_STATUS_SUCCESS && LUMA_CUDA_OK(c); r0 += panel) {
@@ -2663,35 +2664,59 @@ int luma_cuda_matmul_qkv_rope(cuda_backend *c, const luma_weight *const *ws, con
     return rq.done;
 }
 
-/* matmul_many's fork (cuda_backend.side): the first weight of a set whose
- * products are cuBLAS on the f16 copies for some (all of one tensor
- * activation format) and rs_kernel for the others (all of one width), with
- * nothing else past the matrix-vector path; -1 for any other set. *rs is
- * then the first rs_kernel weight. */
-static int fork_plan(cuda_backend *c, int n, const luma_weight *const *ws, const int *fmt_of, const float *x,
-                     int64_t m, int *rs)
+/* matmul_many's products on cuBLAS from ws[i] on: one conversion of x for
+ * every weight not yet done that takes cuBLAS on its f16 copy with ws[i]'s
+ * tensor activations (and not rs_kernel). False where the scratch failed. */
+static bool cublas_group(cuda_backend *c, int i, int n, const luma_weight *const *ws, const int *fmt_of,
+                         const float *x, int64_t m, float *const *ys, bool *done)
 {
-    if (!c->fork || c->invariant) return -1;
-    int cb = -1;
-    *rs = -1;
-    for (int i = 0; i < n && i < LUMA_MATMUL_MANY; i++) {
-        const luma_weight *w = ws[i];
-        if (fmt_of[i] >= 0) continue;
-        if (luma_cuda_rs_takes(c, w, x, m)) {
-            if (*rs < 0) *rs = i;
-            else if (w->cols != ws[*rs]->cols) return -1;
-        } else if (cublas_on_copy(c, w, x, m)) {
-            if (cb < 0) cb = i;
-            else if (!same_tensor_act(c, ws[cb], w)) return -1;
-        } else {
-            return -1;
-        }
+    const luma_weight *w = ws[i];
+    __half *xh = (__half *)luma_cuda_scratch(c, (size_t)m * (size_t)w->cols * sizeof(__half));
+    if (!xh) return false;
+    tensor_act(c, w, x, m, xh);
+    for (int j = i; j < n && j < LUMA_MATMUL_MANY && LUMA_CUDA_OK(c); j++) {
+        const luma_weight *v = ws[j];
+        if (fmt_of[j] >= 0 || done[j] || !same_tensor_act(c, w, v) || luma_cuda_rs_takes(c, v, x, m) ||
+            !cublas_on_copy(c, v, x, m))
+            continue;
+        tensor_gemm(c, v, xh, NULL, v->rows, m, ys[j]);
+        done[j] = true;
     }
-    return *rs >= 0 ? cb : -1;
+    return true;
 }
 
-/* The side stream waits for what this one has queued; launches go to it
- * until side_end. Returns the stream to go back to. */
+/* matmul_many's fork (cuda_backend.side): in a set of at least two products
+ * past the matrix-vector path, at most LUMA_FORK_MAX_M rows, the first
+ * that is not rs_kernel's (llama's q) goes to the side stream; where it is
+ * cuBLAS on its f16 copy, with every such product of the same tensor
+ * activations (one conversion of x). Returns its index, or -1 where the
+ * side would take the whole set or nothing. The side stream has its own
+ * scratch and cuBLAS workspace; it takes no rs_kernel product, so that
+ * stream-K's partial tiles stay this stream's. */
+static int fork_plan(cuda_backend *c, int n, const luma_weight *const *ws, const int *fmt_of, const float *x,
+                     int64_t m, bool *cb_group)
+{
+    if (!c->fork || c->invariant || m > LUMA_FORK_MAX_M) return -1;
+    int side = -1, others = 0;
+    for (int i = 0; i < n && i < LUMA_MATMUL_MANY; i++) {
+        if (fmt_of[i] >= 0) continue;
+        others++;
+        if (side < 0 && !luma_cuda_rs_takes(c, ws[i], x, m)) side = i;
+    }
+    if (side < 0 || others < 2) return -1;
+    *cb_group = cublas_on_copy(c, ws[side], x, m);
+    if (!*cb_group) return side;
+    int group = 0;   /* what cublas_group would take */
+    for (int i = side; i < n && i < LUMA_MATMUL_MANY; i++)
+        if (fmt_of[i] < 0 && same_tensor_act(c, ws[side], ws[i]) && !luma_cuda_rs_takes(c, ws[i], x, m) &&
+            cublas_on_copy(c, ws[i], x, m))
+            group++;
+    return group < others ? side : -1;
+}
+
+/* The side stream waits for what this one has queued; launches (and
+ * luma_cuda_scratch) go to it until c->stream is given back. Returns the
+ * stream to give back. */
 static cudaStream_t side_begin(cuda_backend *c)
 {
     luma_cuda_fail(c, cudaEventRecord(c->fork_ev, c->stream), "matmul (the second stream's start)");
@@ -2701,8 +2726,8 @@ static cudaStream_t side_begin(cuda_backend *c)
     return back;
 }
 
-/* This stream waits for what the side stream has queued. Always made once a
- * fork has begun, failure or not: a recording must end with the side stream
+/* This stream waits for what the side stream has queued. Made once a fork
+ * has begun, failure or not: a recording must end with the side stream
  * joined. */
 static void side_join(cuda_backend *c)
 {
@@ -2744,43 +2769,28 @@ void luma_cuda_matmul_many(cuda_backend *c, int n, const luma_weight *const *ws,
      * per activation format, like the matrix-vector ones, and weights for
      * rs_kernel share its one (in its k order). */
     bool tensor_done[LUMA_MATMUL_MANY] = { false };
-    /* A set of both cuBLAS and rs_kernel products (fork_plan): the cuBLAS
-     * ones, their conversion of x after the rs_kernel one's in the scratch,
-     * go to the side stream first; the rs_kernel ones then run here, on
-     * the scratch's start, while those run. Each product is the same
-     * kernel on the same values as on one stream. Anything that may take
-     * the scratch again (a route other than rs_kernel) first joins. */
-    int rs0 = -1, cb0 = fork_plan(c, n, ws, fmt_of, x, m, &rs0);
-    bool forked = false;
-    if (cb0 >= 0) {
-        size_t rs_bytes = align256((size_t)m * (size_t)ws[rs0]->cols * sizeof(__half));
-        uint8_t *s = (uint8_t *)luma_cuda_scratch(c, rs_bytes + (size_t)m * (size_t)ws[cb0]->cols * sizeof(__half));
-        if (!s) return;
-        __half *xh = (__half *)(s + rs_bytes);
+    /* Two streams (fork_plan): the side stream's products are queued
+     * first, then this one's run beside them; each is the same kernel on
+     * the same values as on one stream. */
+    bool cb_group = false;
+    const int side0 = fork_plan(c, n, ws, fmt_of, x, m, &cb_group);
+    if (side0 >= 0) {
         cudaStream_t back = side_begin(c);
-        forked = true;
         c->forks++;
-        if (LUMA_CUDA_OK(c)) tensor_act(c, ws[cb0], x, m, xh);
-        for (int j = cb0; j < n && j < LUMA_MATMUL_MANY && LUMA_CUDA_OK(c); j++)
-            if (fmt_of[j] == NONE && !luma_cuda_rs_takes(c, ws[j], x, m)) {
-                tensor_gemm(c, ws[j], xh, NULL, ws[j]->rows, m, ys[j]);
-                tensor_done[j] = true;
-            }
+        if (cb_group) {
+            cublas_group(c, side0, n, ws, fmt_of, x, m, ys, tensor_done);
+        } else {
+            luma_cuda_matmul(c, ws[side0], x, m, ys[side0]);
+            tensor_done[side0] = true;
+        }
         c->stream = back;
     }
     for (int i = 0; i < n && i < LUMA_MATMUL_MANY && LUMA_CUDA_OK(c); i++) {
         const luma_weight *w = ws[i];
         if (fmt_of[i] != NONE || tensor_done[i]) continue;
-        if (forked && !luma_cuda_rs_takes(c, w, x, m)) {
-            side_join(c);
-            forked = false;
-        }
         if (luma_cuda_rs_takes(c, w, x, m)) {
             __half *xp = (__half *)luma_cuda_scratch(c, (size_t)m * (size_t)w->cols * sizeof(__half));
-            if (!xp) {
-                if (forked) side_join(c);
-                return;
-            }
+            if (!xp) break;
             luma_cuda_quantize_act_rs(c, x, m * w->cols, xp);
             for (int j = i; j < n && j < LUMA_MATMUL_MANY && LUMA_CUDA_OK(c); j++) {
                 const luma_weight *v = ws[j];
@@ -2799,10 +2809,6 @@ void luma_cuda_matmul_many(cuda_backend *c, int n, const luma_weight *const *ws,
                     tensor_done[j] = true;
                 } else if (j == i) {
                     /* the other routes (which may move the scratch) */
-                    if (forked) {
-                        side_join(c);
-                        forked = false;
-                    }
                     luma_cuda_matmul(c, v, x, m, ys[j]);
                     tensor_done[j] = true;
                     break;
@@ -2814,18 +2820,9 @@ void luma_cuda_matmul_many(cuda_backend *c, int n, const luma_weight *const *ws,
             luma_cuda_matmul(c, w, x, m, ys[i]);
             continue;
         }
-        __half *xh = (__half *)luma_cuda_scratch(c, (size_t)m * (size_t)w->cols * sizeof(__half));
-        if (!xh) return;
-        tensor_act(c, w, x, m, xh);
-        for (int j = i; j < n && j < LUMA_MATMUL_MANY && LUMA_CUDA_OK(c); j++) {
-            const luma_weight *v = ws[j];
-            if (fmt_of[j] != NONE || tensor_done[j] || !same_tensor_act(c, w, v) || !cublas_on_copy(c, v, x, m))
-                continue;
-            tensor_gemm(c, v, xh, NULL, v->rows, m, ys[j]);
-            tensor_done[j] = true;
-        }
+        if (!cublas_group(c, i, n, ws, fmt_of, x, m, ys, tensor_done)) break;
     }
-    if (forked) side_join(c);
+    if (side0 >= 0) side_join(c);
     if (!need || !LUMA_CUDA_OK(c)) return;
     uint8_t *s = (uint8_t *)luma_cuda_scratch(c, need);
     if (!s) return;

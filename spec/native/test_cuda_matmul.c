@@ -473,10 +473,12 @@ static int queue_many(void *p, luma_err *err)
  * group inside a segment), at m on either side of the matrix-vector
  * path's limit and on the tensor-core routes; tall Q4_K weights of one
  * shape (llama's gate and up), next to each other or not, which rs_kernel
- * takes in one launch where wgmma runs (pairs: say that it must). At
- * m = 128 the first set's products are cuBLAS (512 and the Q6_K) beside
- * rs_kernel (128 x 512), which matmul_many runs on two streams: also
- * recorded in a step and replayed, the same bits each time. */
+ * takes in one launch where wgmma runs (pairs: say that it must). Past
+ * the matrix-vector path matmul_many runs a set's first product that is
+ * not rs_kernel's on a second stream (at m = 128 the first set's cuBLAS
+ * products, 512 rows and the Q6_K, beside rs_kernel's 128 x 512): at m =
+ * 16 and up each set also runs recorded in a step and replayed, the same
+ * bits each time. */
 static void check_many(ctx *cx, bool pairs)
 {
     static const struct {
@@ -542,10 +544,10 @@ static void check_many(ctx *cx, bool pairs)
                 free(want);
                 checked++;
             }
-            /* at m = 128 through step_run: the first run records, the
-             * others replay; the outputs cleared before each */
+            /* through step_run: the first run records, the others
+             * replay; the outputs cleared before each */
             const long long replays0 = luma_cuda_replays(cx->be);
-            for (int run = 0; m == 128 && cx->graphs && run < 3; run++) {
+            for (int run = 0; m >= 16 && cx->graphs && run < 3; run++) {
                 many_call mc = { cx, ws, &xb, ys };
                 for (int i = 0; i < 3; i++) cudaMemset(yb[i].data, 0, (size_t)(m * w[i].rows) * sizeof(float));
                 if (ops->step_begin(cx->be, &graph_step, &err) != 0 ||
@@ -565,9 +567,9 @@ static void check_many(ctx *cx, bool pairs)
                     replayed++;
                 }
             }
-            if (m == 128 && cx->graphs && !getenv("LUMA_CUDA_GRAPHS"))
-                CHECKF(luma_cuda_replays(cx->be) - replays0 >= 3, "matmul_many set %zu at m=128: %lld of 3 step runs "
-                       "replayed a recording", si, luma_cuda_replays(cx->be) - replays0);
+            if (m >= 16 && cx->graphs && !getenv("LUMA_CUDA_GRAPHS"))
+                CHECKF(luma_cuda_replays(cx->be) - replays0 >= 3, "matmul_many set %zu at m=%lld: %lld of 3 step runs "
+                       "replayed a recording", si, (long long)m, luma_cuda_replays(cx->be) - replays0);
             ops->buf_free(cx->be, &xb);
             for (int i = 0; i < 3; i++) ops->buf_free(cx->be, &yb[i]);
             free(x);

@@ -928,7 +928,8 @@ luma_backend *luma_backend_cuda_new(int device, luma_err *err)
     c->repack_x4 = !env_off("LUMA_CUDA_X4_MMV");
     c->rs6 = !env_off("LUMA_CUDA_RS6");
     c->rs_pair = !env_off("LUMA_CUDA_RS_PAIR");
-    c->fork = !env_off("LUMA_CUDA_FORK");
+    const char *fork_min = getenv("LUMA_CUDA_FORK");
+    c->fork_min = fork_min ? (int64_t)strtoll(fork_min, NULL, 10) : LUMA_FORK_MIN;
     c->mmv_on = true;
     const char *what = "selecting the device";
     e = cudaSetDevice(device);

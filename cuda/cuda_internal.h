@@ -86,6 +86,7 @@ typedef struct cuda_graph {
 
 #define MMV_PASS_M 8           /* activation rows per matrix-vector kernel */
 #define LUMA_FORK_MAX_M 256    /* matmul_many's two streams (fork_plan) up to this many rows */
+#define LUMA_FORK_MIN ((int64_t)1 << 22) /* and for a side product of this many weights at least */
 
 /* Scratch of kernels whose CTAs combine partial results: int32 counters
  * (or flags) at the start of mem, zero between calls (the kernel that
@@ -170,15 +171,15 @@ typedef struct cuda_backend {
     long long rs_pairs;
     /* matmul_many's second stream (matmul.cu, fork_plan): in a set of
      * products past the matrix-vector path, llama's q runs on `side`
-     * while k and v run on `stream`; fork_ev and join_ev order the two
-     * (LUMA_CUDA_FORK=0 in the environment: one stream, for measuring).
-     * forks counts those sets. */
+     * while k and v run on `stream`; fork_ev and join_ev order the two.
+     * LUMA_CUDA_FORK in the environment sets fork_min (0: one stream,
+     * for measuring). forks counts those sets. */
     cudaStream_t side;
     cudaEvent_t fork_ev, join_ev;
     void *side_scratch;        /* luma_cuda_scratch while c->stream is side */
     size_t side_scratch_cap;
     void *side_ws;             /* cuBLAS's workspace on side */
-    bool fork;
+    int64_t fork_min;          /* the weights (rows x cols) of a side product at least; 0: no fork */
     long long forks;
     /* Batch invariance (backend.h set_batch_invariant): every product on
      * the matrix-vector path whatever its rows, every attention row on the

@@ -2687,23 +2687,25 @@ static bool cublas_group(cuda_backend *c, int i, int n, const luma_weight *const
 
 /* matmul_many's fork (cuda_backend.side): in a set of at least two products
  * past the matrix-vector path, at most LUMA_FORK_MAX_M rows, the first
- * that is not rs_kernel's (llama's q) goes to the side stream; where it is
- * cuBLAS on its f16 copy, with every such product of the same tensor
- * activations (one conversion of x). Returns its index, or -1 where the
- * side would take the whole set or nothing. The side stream has its own
+ * that is not rs_kernel's (llama's q) goes to the side stream, where it has
+ * at least c->fork_min weights (the 7B's q, not Gemma 3 270M's, whose
+ * products are too small for the overlap to pay for the fork: measured);
+ * where it is cuBLAS on its f16 copy, with every such product of the same
+ * tensor activations (one conversion of x). Returns its index, or -1 where
+ * the side would take the whole set or nothing. The side stream has its own
  * scratch and cuBLAS workspace; it takes no rs_kernel product, so that
  * stream-K's partial tiles stay this stream's. */
 static int fork_plan(cuda_backend *c, int n, const luma_weight *const *ws, const int *fmt_of, const float *x,
                      int64_t m, bool *cb_group)
 {
-    if (!c->fork || c->invariant || m > LUMA_FORK_MAX_M) return -1;
+    if (c->fork_min <= 0 || c->invariant || m > LUMA_FORK_MAX_M) return -1;
     int side = -1, others = 0;
     for (int i = 0; i < n && i < LUMA_MATMUL_MANY; i++) {
         if (fmt_of[i] >= 0) continue;
         others++;
         if (side < 0 && !luma_cuda_rs_takes(c, ws[i], x, m)) side = i;
     }
-    if (side < 0 || others < 2) return -1;
+    if (side < 0 || others < 2 || ws[side]->rows * ws[side]->cols < c->fork_min) return -1;
     *cb_group = cublas_on_copy(c, ws[side], x, m);
     if (!*cb_group) return side;
     int group = 0;   /* what cublas_group would take */

@@ -694,10 +694,11 @@ static int cuda_step_run(luma_backend *be, const luma_step *step, int (*forward)
     return 0;
 }
 
-/* How many recorded steps have been replayed (for the tests). */
-extern "C" long long luma_cuda_replays(luma_backend *be)
+/* How many steps have been recorded, and replayed (for the tests). */
+extern "C" void luma_cuda_graph_counts(luma_backend *be, long long *recorded, long long *replays)
 {
-    return (long long)cu(be)->n_replays;
+    *recorded = (long long)cu(be)->n_recorded;
+    *replays = (long long)cu(be)->n_replays;
 }
 
 /* ---- operations kept here ----------------------------------------------- */

@@ -2664,9 +2664,17 @@ int luma_cuda_matmul_qkv_rope(cuda_backend *c, const luma_weight *const *ws, con
     return rq.done;
 }
 
+/* Whether v, past the matrix-vector path, joins w's cuBLAS group in
+ * matmul_many: cuBLAS on its f16 copy (not rs_kernel) with w's tensor
+ * activations. */
+static bool cublas_joins(cuda_backend *c, const luma_weight *w, const luma_weight *v, const float *x, int64_t m)
+{
+    return same_tensor_act(c, w, v) && !luma_cuda_rs_takes(c, v, x, m) && cublas_on_copy(c, v, x, m);
+}
+
 /* matmul_many's products on cuBLAS from ws[i] on: one conversion of x for
- * every weight not yet done that takes cuBLAS on its f16 copy with ws[i]'s
- * tensor activations (and not rs_kernel). False where the scratch failed. */
+ * every weight not yet done that joins ws[i]'s group. False where the
+ * scratch failed. */
 static bool cublas_group(cuda_backend *c, int i, int n, const luma_weight *const *ws, const int *fmt_of,
                          const float *x, int64_t m, float *const *ys, bool *done)
 {
@@ -2675,11 +2683,8 @@ static bool cublas_group(cuda_backend *c, int i, int n, const luma_weight *const
     if (!xh) return false;
     tensor_act(c, w, x, m, xh);
     for (int j = i; j < n && j < LUMA_MATMUL_MANY && LUMA_CUDA_OK(c); j++) {
-        const luma_weight *v = ws[j];
-        if (fmt_of[j] >= 0 || done[j] || !same_tensor_act(c, w, v) || luma_cuda_rs_takes(c, v, x, m) ||
-            !cublas_on_copy(c, v, x, m))
-            continue;
-        tensor_gemm(c, v, xh, NULL, v->rows, m, ys[j]);
+        if (fmt_of[j] >= 0 || done[j] || !cublas_joins(c, w, ws[j], x, m)) continue;
+        tensor_gemm(c, ws[j], xh, NULL, ws[j]->rows, m, ys[j]);
         done[j] = true;
     }
     return true;
@@ -2710,9 +2715,7 @@ static int fork_plan(cuda_backend *c, int n, const luma_weight *const *ws, const
     if (!*cb_group) return side;
     int group = 0;   /* what cublas_group would take */
     for (int i = side; i < n && i < LUMA_MATMUL_MANY; i++)
-        if (fmt_of[i] < 0 && same_tensor_act(c, ws[side], ws[i]) && !luma_cuda_rs_takes(c, ws[i], x, m) &&
-            cublas_on_copy(c, ws[i], x, m))
-            group++;
+        if (fmt_of[i] < 0 && cublas_joins(c, ws[side], ws[i], x, m)) group++;
     return group < others ? side : -1;
 }
 

@@ -448,8 +448,8 @@ bool luma_cuda_mmq_has_wgmma(luma_backend *be);
 long long luma_cuda_rs_pairs(luma_backend *be);
 /* cuda/matmul.cu: how many sets matmul_many split over its two streams */
 long long luma_cuda_forks(luma_backend *be);
-/* cuda/backend.cu: how many recorded steps have been replayed */
-long long luma_cuda_replays(luma_backend *be);
+/* cuda/backend.cu: how many steps have been recorded, and replayed */
+void luma_cuda_graph_counts(luma_backend *be, long long *recorded, long long *replays);
 
 /* One matmul_many call: the forward of a recorded step. */
 typedef struct many_call {
@@ -465,6 +465,16 @@ static int queue_many(void *p, luma_err *err)
     (void)err;
     mc->cx->be->ops->matmul_many(mc->cx->be, 3, mc->ws, mc->xb, mc->ys);
     return 0;
+}
+
+/* Whether y's contents are want's bits (n floats). */
+static int same_bits(ctx *cx, const luma_buf *yb, const float *want, size_t n)
+{
+    luma_err err = { { 0 } };
+    float *got = xmalloc(n * sizeof(float));
+    int same = cx->be->ops->buf_read(cx->be, yb, got, &err) == 0 && memcmp(got, want, n * sizeof(float)) == 0;
+    free(got);
+    return same;
 }
 
 /* matmul_many against one matmul per weight: the same bits, for weights of
@@ -533,21 +543,26 @@ static void check_many(ctx *cx, bool pairs)
             luma_buf *ys[3] = { &yb[0], &yb[1], &yb[2] };
             ops->matmul_many(cx->be, 3, ws, &xb, ys);
             if (ops->sync(cx->be, &err) != 0) CHECKF(0, "matmul_many: %s", err.msg);
+            /* matmul's bits, made once: its buffers, allocated and freed,
+             * would make a recording stale */
+            float *want[3];
+            int have[3];
             for (int i = 0; i < 3; i++) {
-                size_t n = (size_t)(m * w[i].rows);
-                float *got = xmalloc(n * sizeof(float)), *want = xmalloc(n * sizeof(float));
+                want[i] = xmalloc((size_t)(m * w[i].rows) * sizeof(float));
+                have[i] = run_matmul(cx, &w[i], x, m, want[i]) == 0;
+            }
+            for (int i = 0; i < 3; i++) {
                 CHECKF(yb[i].rows == m && yb[i].cols == w[i].rows, "matmul_many sets y to m x rows");
-                if (ops->buf_read(cx->be, &yb[i], got, &err) == 0 && run_matmul(cx, &w[i], x, m, want) == 0)
-                    CHECKF(memcmp(got, want, n * sizeof(float)) == 0,
+                if (have[i])
+                    CHECKF(same_bits(cx, &yb[i], want[i], (size_t)(m * w[i].rows)),
                            "matmul_many set %zu, %s at m=%lld: not the bits of matmul", si,
                            luma_type_name(w[i].type), (long long)m);
-                free(got);
-                free(want);
                 checked++;
             }
-            /* through step_run: the first run records, the others
-             * replay; the outputs cleared before each */
-            const long long replays0 = luma_cuda_replays(cx->be);
+            /* through step_run: the first run records, the others replay
+             * that recording; the outputs cleared before each */
+            long long recorded0, replays0, recorded1, replays1;
+            luma_cuda_graph_counts(cx->be, &recorded0, &replays0);
             for (int run = 0; m >= 16 && cx->graphs && run < 3; run++) {
                 many_call mc = { cx, ws, &xb, ys };
                 for (int i = 0; i < 3; i++) cudaMemset(yb[i].data, 0, (size_t)(m * w[i].rows) * sizeof(float));
@@ -557,20 +572,19 @@ static void check_many(ctx *cx, bool pairs)
                     break;
                 }
                 for (int i = 0; i < 3; i++) {
-                    size_t n = (size_t)(m * w[i].rows);
-                    float *got = xmalloc(n * sizeof(float)), *want = xmalloc(n * sizeof(float));
-                    if (ops->buf_read(cx->be, &yb[i], got, &err) == 0 && run_matmul(cx, &w[i], x, m, want) == 0)
-                        CHECKF(memcmp(got, want, n * sizeof(float)) == 0,
+                    if (have[i])
+                        CHECKF(same_bits(cx, &yb[i], want[i], (size_t)(m * w[i].rows)),
                                "matmul_many set %zu, %s at m=%lld, step run %d: not the bits of matmul", si,
                                luma_type_name(w[i].type), (long long)m, run);
-                    free(got);
-                    free(want);
                     replayed++;
                 }
             }
+            luma_cuda_graph_counts(cx->be, &recorded1, &replays1);
             if (m >= 16 && cx->graphs && !getenv("LUMA_CUDA_GRAPHS"))
-                CHECKF(luma_cuda_replays(cx->be) - replays0 >= 3, "matmul_many set %zu at m=%lld: %lld of 3 step runs "
-                       "replayed a recording", si, (long long)m, luma_cuda_replays(cx->be) - replays0);
+                CHECKF(recorded1 - recorded0 == 1 && replays1 - replays0 == 3,
+                       "matmul_many set %zu at m=%lld: 3 step runs made %lld recordings and %lld replays, not 1 and 3",
+                       si, (long long)m, recorded1 - recorded0, replays1 - replays0);
+            for (int i = 0; i < 3; i++) free(want[i]);
             ops->buf_free(cx->be, &xb);
             for (int i = 0; i < 3; i++) ops->buf_free(cx->be, &yb[i]);
             free(x);

@@ -335,6 +335,7 @@ static void cuda_buf_free(luma_backend *be, luma_buf *b)
 static int cuda_buf_read(luma_backend *be, const luma_buf *b, float *dst, luma_err *err)
 {
     cuda_backend *c = cu(be);
+    luma_cuda_prog_flush(c);
     size_t bytes = (size_t)b->rows * (size_t)b->cols * sizeof(float);
     if (LUMA_CUDA_OK(c) && bytes)
         luma_cuda_fail(c, cudaMemcpyAsync(dst, b->data, bytes, cudaMemcpyDeviceToHost, c->stream),
@@ -388,6 +389,7 @@ static int cuda_kv_alloc(luma_backend *be, const luma_kv_layout *l, luma_err *er
 static void cuda_kv_copy_block(luma_backend *be, int pool, int32_t src, int32_t dst)
 {
     cuda_backend *c = cu(be);
+    luma_cuda_prog_flush(c);
     if (!LUMA_CUDA_OK(c)) return;
     size_t bb = c->kv_block_bytes[pool];
     luma_cuda_fail(c, cudaMemcpyAsync(c->kv_mem[pool] + (size_t)dst * bb, c->kv_mem[pool] + (size_t)src * bb,
@@ -610,7 +612,7 @@ static uint64_t graph_where(const cuda_backend *c)
     uint64_t h = 1469598103934665603ull;
     uint64_t v[] = { (uint64_t)(uintptr_t)c->step_mem, (uint64_t)(uintptr_t)c->scratch, (uint64_t)(uintptr_t)c->side_scratch,
                      (uint64_t)(uintptr_t)c->attn_scratch.mem, (uint64_t)(uintptr_t)c->sk_scratch.mem, c->buf_gen, (uint64_t)c->f16_mode,
-                     (uint64_t)c->n_f16, (uint64_t)c->mmv_on };
+                     (uint64_t)c->n_f16, (uint64_t)c->mmv_on, (uint64_t)c->prog_on };
     for (size_t i = 0; i < sizeof v / sizeof v[0]; i++) h = (h ^ v[i]) * 1099511628211ull;
     return h;
 }
@@ -636,6 +638,17 @@ static cuda_graph *graph_slot(cuda_backend *c, uint64_t key)
     return lru;
 }
 
+/* forward(ctx) with the step's operations of one row collected into
+ * programs (program.cu), the last one queued before it returns. */
+static int run_forward(cuda_backend *c, int (*forward)(void *, luma_err *), void *ctx, luma_err *err)
+{
+    c->in_step = true;
+    int rc = forward(ctx, err);
+    luma_cuda_prog_flush(c);
+    c->in_step = false;
+    return rc;
+}
+
 /* Records forward(ctx) into g. On failure nothing has run: the caller runs
  * the step eagerly. */
 static bool graph_record(cuda_backend *c, cuda_graph *g, int (*forward)(void *, luma_err *), void *ctx)
@@ -648,7 +661,7 @@ static bool graph_record(cuda_backend *c, cuda_graph *g, int (*forward)(void *, 
         return false;
     }
     c->capturing = true;
-    int rc = forward(ctx, &ignored);
+    int rc = run_forward(c, forward, ctx, &ignored);
     c->capturing = false;
     cudaError_t e = cudaStreamEndCapture(c->stream, &graph);
     bool ok = rc == 0 && e == cudaSuccess && LUMA_CUDA_OK(c) && graph_where(c) == where;
@@ -673,7 +686,7 @@ static int cuda_step_run(luma_backend *be, const luma_step *step, int (*forward)
     cuda_backend *c = cu(be);
     if (c->step.host != step) return luma_errf(err, "step_run: step_begin was not called for this step");
     uint64_t key = graph_key(c);
-    if (key == 0) return forward(ctx, err);
+    if (key == 0) return run_forward(c, forward, ctx, err);
     cuda_graph *g = graph_slot(c, key);
     g->used = ++c->n_steps;
     if (g->exec && g->where != graph_where(c)) {
@@ -682,10 +695,10 @@ static int cuda_step_run(luma_backend *be, const luma_step *step, int (*forward)
     }
     if (!g->exec) {
         /* a recording that fails (a scratch buffer must grow) runs eagerly */
-        if (g->failures >= CUDA_GRAPH_TRIES || !LUMA_CUDA_OK(c)) return forward(ctx, err);
+        if (g->failures >= CUDA_GRAPH_TRIES || !LUMA_CUDA_OK(c)) return run_forward(c, forward, ctx, err);
         if (!graph_record(c, g, forward, ctx)) {
             g->failures++;
-            return forward(ctx, err);
+            return run_forward(c, forward, ctx, err);
         }
     }
     if (luma_cuda_fail(c, cudaGraphLaunch(g->exec, c->stream), "replaying a recorded decode step"))
@@ -706,6 +719,9 @@ extern "C" void luma_cuda_graph_counts(luma_backend *be, long long *recorded, lo
 static void cuda_matmul(luma_backend *be, const luma_weight *w, const luma_buf *x, luma_buf *y)
 {
     cuda_backend *c = cu(be);
+    luma_buf *const ys[1] = { y };
+    if (luma_cuda_prog_matmul(c, 1, &w, x, ys)) return;
+    luma_cuda_prog_flush(c);
     if (LUMA_CUDA_OK(c)) luma_cuda_matmul(c, w, x->data, x->rows, y->data);
     y->rows = x->rows;
     y->cols = w->rows;
@@ -714,12 +730,14 @@ static void cuda_matmul(luma_backend *be, const luma_weight *w, const luma_buf *
 static void cuda_attention(luma_backend *be, const luma_buf *q, const luma_buf *k, const luma_buf *v,
                            const luma_step *step, const luma_attn *a, luma_buf *out)
 {
+    luma_cuda_prog_flush(cu(be));
     luma_cuda_attention(cu(be), q, k, v, step, a, out);
 }
 
 static int cuda_sync(luma_backend *be, luma_err *err)
 {
     cuda_backend *c = cu(be);
+    luma_cuda_prog_flush(c);
     if (c->capturing) return LUMA_CUDA_OK(c) ? 0 : -1;   /* step_run reports it */
     luma_cuda_fail(c, cudaStreamSynchronize(c->stream), "the step's kernels");
     return LUMA_CUDA_OK(c) ? 0 : report(c, err);
@@ -737,6 +755,7 @@ static void cuda_free(luma_backend *be)
         cudaFree(c->weights[i].mmv);
     }
     free(c->weights);
+    luma_cuda_prog_free(c);
     for (int i = 0; i < CUDA_GRAPHS; i++) graph_drop(&c->graphs[i]);
     cudaFree(c->cublas_ws);
     cudaFree(c->side_ws);
@@ -771,6 +790,8 @@ static void cuda_matmul_many(luma_backend *be, int n, const luma_weight *const *
                              luma_buf *const *ys)
 {
     cuda_backend *c = cu(be);
+    if (luma_cuda_prog_matmul(c, n, ws, x, ys)) return;
+    luma_cuda_prog_flush(c);
     float *y[LUMA_MATMUL_MANY];
     many_outputs(n, ws, x, ys, y);
     if (LUMA_CUDA_OK(c)) luma_cuda_matmul_many(c, n, ws, x->data, x->rows, y);
@@ -780,6 +801,8 @@ static void cuda_gated_matmul(luma_backend *be, const luma_weight *w, luma_buf *
                               luma_buf *y)
 {
     cuda_backend *c = cu(be);
+    if (luma_cuda_prog_gated(c, w, gate, up, act, y)) return;
+    luma_cuda_prog_flush(c);
     if (up->rows != gate->rows || up->cols != gate->cols || gate->cols != w->cols)
         luma_cuda_failf(c, "gated_matmul: gate %lld x %lld, up %lld x %lld, weight of %lld columns",
                         (long long)gate->rows, (long long)gate->cols, (long long)up->rows, (long long)up->cols,
@@ -804,6 +827,8 @@ static bool cuda_qkv_rope(luma_backend *be, const luma_weight *const *ws, const 
     /* LUMA_CUDA_QKV_ROPE=0 in the environment: separate products and
      * rotation (for measuring); read once */
     static const bool off = env_off("LUMA_CUDA_QKV_ROPE");
+    if (luma_cuda_prog_qkv_rope(c, ws, x, ys, head_dim, pos, r)) return true;
+    luma_cuda_prog_flush(c);
     if (off || r->kind != LUMA_ROPE_NORM || r->n_dims != head_dim || c->float_act || x->rows > MMV_PASS_M ||
         !LUMA_CUDA_OK(c))
         return false;
@@ -819,6 +844,74 @@ static bool cuda_qkv_rope(luma_backend *be, const luma_weight *const *ws, const 
     for (int i = 0; i < 2 && done != 0; i++)
         if (!(done >> i & 1)) luma_cuda_rope(be, ys[i], head_dim, pos, r);
     return true;
+}
+
+/* The other operations of a step: into the open program, or after it. */
+static void cuda_embed(luma_backend *be, const luma_weight *w, const int32_t *ids, int32_t n, float scale,
+                       luma_buf *out)
+{
+    luma_cuda_prog_flush(cu(be));
+    luma_cuda_embed(be, w, ids, n, scale, out);
+}
+
+static void cuda_gather(luma_backend *be, const luma_buf *x, const int32_t *rows, int32_t n, luma_buf *out)
+{
+    luma_cuda_prog_flush(cu(be));
+    luma_cuda_gather(be, x, rows, n, out);
+}
+
+static void cuda_add_bias(luma_backend *be, luma_buf *x, const luma_weight *b)
+{
+    luma_cuda_prog_flush(cu(be));
+    luma_cuda_add_bias(be, x, b);
+}
+
+static void cuda_rmsnorm(luma_backend *be, const luma_buf *x, const luma_weight *g, int64_t group, float eps,
+                         luma_buf *out)
+{
+    if (luma_cuda_prog_rmsnorm(cu(be), x, g, group, eps, out)) return;
+    luma_cuda_prog_flush(cu(be));
+    luma_cuda_rmsnorm(be, x, g, group, eps, out);
+}
+
+static void cuda_add_rmsnorm(luma_backend *be, luma_buf *x, const luma_buf *y, const luma_weight *yg,
+                             const luma_weight *g, float eps, luma_buf *out)
+{
+    if (luma_cuda_prog_add_rmsnorm(cu(be), x, y, yg, g, eps, out)) return;
+    luma_cuda_prog_flush(cu(be));
+    luma_cuda_add_rmsnorm(be, x, y, yg, g, eps, out);
+}
+
+static void cuda_rope(luma_backend *be, luma_buf *x, int32_t head_dim, const int32_t *pos, const luma_rope *r)
+{
+    luma_cuda_prog_flush(cu(be));
+    luma_cuda_rope(be, x, head_dim, pos, r);
+}
+
+static void cuda_qk_rope(luma_backend *be, luma_buf *q, luma_buf *k, const luma_weight *gq, const luma_weight *gk,
+                         int32_t head_dim, float eps, const int32_t *pos, const luma_rope *r)
+{
+    luma_cuda_prog_flush(cu(be));
+    luma_cuda_qk_rope(be, q, k, gq, gk, head_dim, eps, pos, r);
+}
+
+static void cuda_gelu_mul(luma_backend *be, luma_buf *gate, const luma_buf *up)
+{
+    luma_cuda_prog_flush(cu(be));
+    luma_cuda_gelu_mul(be, gate, up);
+}
+
+static void cuda_silu_mul(luma_backend *be, luma_buf *gate, const luma_buf *up)
+{
+    luma_cuda_prog_flush(cu(be));
+    luma_cuda_silu_mul(be, gate, up);
+}
+
+static void cuda_add(luma_backend *be, luma_buf *x, const luma_buf *y)
+{
+    if (luma_cuda_prog_add(cu(be), x, y)) return;
+    luma_cuda_prog_flush(cu(be));
+    luma_cuda_add(be, x, y);
 }
 
 /* Before any weight: with batch invariance no product takes the tensor
@@ -855,21 +948,21 @@ static const luma_backend_ops cuda_ops = {
     .step_begin = cuda_step_begin,
     .step_run = cuda_step_run,
     .kv_copy_block = cuda_kv_copy_block,
-    .embed = luma_cuda_embed,
+    .embed = cuda_embed,
     .matmul = cuda_matmul,
     .matmul_many = cuda_matmul_many,
-    .gather = luma_cuda_gather,
-    .add_bias = luma_cuda_add_bias,
-    .rmsnorm = luma_cuda_rmsnorm,
-    .add_rmsnorm = luma_cuda_add_rmsnorm,
-    .rope = luma_cuda_rope,
-    .qk_rope = luma_cuda_qk_rope,
+    .gather = cuda_gather,
+    .add_bias = cuda_add_bias,
+    .rmsnorm = cuda_rmsnorm,
+    .add_rmsnorm = cuda_add_rmsnorm,
+    .rope = cuda_rope,
+    .qk_rope = cuda_qk_rope,
     .qkv_rope = cuda_qkv_rope,
     .attention = cuda_attention,
-    .gelu_mul = luma_cuda_gelu_mul,
-    .silu_mul = luma_cuda_silu_mul,
+    .gelu_mul = cuda_gelu_mul,
+    .silu_mul = cuda_silu_mul,
     .gated_matmul = cuda_gated_matmul,
-    .add = luma_cuda_add,
+    .add = cuda_add,
     .logits_alloc = luma_cuda_logits_alloc,
     .logits_free = luma_cuda_logits_free,
     .logits_argmax = luma_cuda_logits_argmax,
@@ -925,6 +1018,10 @@ luma_backend *luma_backend_cuda_new(int device, luma_err *err)
     c->device = device;
     c->graphs_on = !env_off("LUMA_CUDA_GRAPHS");
     c->pdl = !env_off("LUMA_CUDA_PDL");
+    /* programs are measured slower than the kernels at batch 1 (cuda/NOTES.md,
+     * "Decode-step programs"): LUMA_CUDA_PROGRAM=1 turns them on */
+    const char *prog = getenv("LUMA_CUDA_PROGRAM");
+    c->prog_on = prog && strcmp(prog, "1") == 0;
     c->repack_q6k = !env_off("LUMA_CUDA_Q6K_MMV");
     c->repack_x4 = !env_off("LUMA_CUDA_X4_MMV");
     c->rs6 = !env_off("LUMA_CUDA_RS6");
@@ -962,9 +1059,11 @@ luma_backend *luma_backend_cuda_new(int device, luma_err *err)
     }
     c->wgmma = !env_off("LUMA_CUDA_WGMMA") && luma_cuda_wgmma_probe(c);
     if (cudaMalloc(&c->cublas_ws, CUBLAS_WORKSPACE) != cudaSuccess ||
-        cudaMalloc(&c->side_ws, CUBLAS_WORKSPACE) != cudaSuccess) {
+        cudaMalloc(&c->side_ws, CUBLAS_WORKSPACE) != cudaSuccess ||
+        cudaMalloc((void **)&c->prog_bar, 2 * sizeof(unsigned)) != cudaSuccess ||
+        cudaMemset(c->prog_bar, 0, 2 * sizeof(unsigned)) != cudaSuccess) {
         cudaGetLastError();
-        luma_errf(err, "CUDA backend: no GPU memory for the cuBLAS workspace");
+        luma_errf(err, "CUDA backend: no GPU memory for the cuBLAS workspace and the programs' barrier");
         cuda_free(&c->base);
         return NULL;
     }

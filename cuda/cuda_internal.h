@@ -194,6 +194,15 @@ typedef struct cuda_backend {
     /* While luma_cuda_matmul_qkv_rope runs: the outputs the direct
      * matrix-vector kernel rotates as it writes them (matmul.cu). */
     struct mmv_rope_request *qkv_rope;
+    /* Decode-step programs (program.cu): while in_step (the forward of
+     * step_run), operations of one row are collected into prog and run as
+     * one persistent kernel; prog_on from LUMA_CUDA_PROGRAM (1: on; off
+     * by default, being measured slower than the kernels so far).
+     * programs counts the launches (recorded ones once). */
+    bool in_step, prog_on;
+    struct prog_builder *prog;
+    unsigned *prog_bar;        /* the program's grid barrier (2 counters) */
+    long long programs;
 } cuda_backend;
 
 /* Records the first failure; every later operation of the step is skipped
@@ -290,6 +299,35 @@ const uint8_t *luma_cuda_q6k_rs(const cuda_backend *c, const luma_weight *w);
 /* w (w->dev) repacked into out (luma_cuda_mmv_bytes(w) bytes). Queued;
  * failures are recorded. */
 void luma_cuda_repack(cuda_backend *c, const luma_weight *w, uint8_t *out);
+
+/* A program's view of w (program.cuh), or false where programs do not
+ * take it (its format, its width, its copies). */
+bool luma_cuda_program_weight(const cuda_backend *c, const luma_weight *w, struct prog_w *pw);
+/* Queues the program p (its barrier set). Failures are recorded. */
+void luma_cuda_program_launch(cuda_backend *c, const struct prog_params *p);
+
+/* ---- program.cu ---------------------------------------------------------- */
+
+/* Whether operations go into a program now (a step's forward, programs on,
+ * neither batch invariance nor float activations, no failure). */
+bool luma_cuda_prog_active(const cuda_backend *c);
+/* Each takes the operation of backend.h into the program, returning true,
+ * or returns false having done nothing: the caller then flushes the
+ * program and runs the operation as usual. */
+bool luma_cuda_prog_rmsnorm(cuda_backend *c, const luma_buf *x, const luma_weight *g, int64_t group, float eps,
+                            luma_buf *out);
+bool luma_cuda_prog_add_rmsnorm(cuda_backend *c, luma_buf *x, const luma_buf *y, const luma_weight *yg,
+                                const luma_weight *g, float eps, luma_buf *out);
+bool luma_cuda_prog_add(cuda_backend *c, luma_buf *x, const luma_buf *y);
+bool luma_cuda_prog_matmul(cuda_backend *c, int n, const luma_weight *const *ws, const luma_buf *x,
+                           luma_buf *const *ys);
+bool luma_cuda_prog_qkv_rope(cuda_backend *c, const luma_weight *const *ws, const luma_buf *x, luma_buf *const *ys,
+                             int32_t head_dim, const int32_t *pos, const luma_rope *r);
+bool luma_cuda_prog_gated(cuda_backend *c, const luma_weight *w, luma_buf *gate, const luma_buf *up, int act,
+                          luma_buf *y);
+/* Queues what the program holds (nothing when empty). */
+void luma_cuda_prog_flush(cuda_backend *c);
+void luma_cuda_prog_free(cuda_backend *c);
 
 /* ---- mmq.cu -------------------------------------------------------------- */
 

@@ -43,6 +43,7 @@
 #include "launch.cuh"
 #include "rope.cuh"
 #include "act.cuh"
+#include "program.cuh"
 
 #include <limits.h>
 #include <type_traits>
@@ -1116,6 +1117,54 @@ struct type_f32 {
  * multiplies the same values. */
 enum act_scheme { ACT_Q8_0, ACT_Q8_K };
 
+/* ACT_Q8_K for the super-block a warp holds, 8 consecutive values a lane:
+ * the lane's int8 values into iq, and the super-block's d. The first
+ * element of largest magnitude: this lane's, then the warp's (the larger
+ * magnitude, on a tie the lower lane). */
+static __device__ __forceinline__ float q8k_warp(const float v[8], int lane, int iq[8])
+{
+    float amax = 0.0f, vmax = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 8; j++)
+        if (fabsf(v[j]) > amax) {
+            amax = fabsf(v[j]);
+            vmax = v[j];
+        }
+    int from = lane;
+    for (int o = 1; o < 32; o *= 2) {
+        float a2 = __shfl_xor_sync(0xffffffffu, amax, o), v2 = __shfl_xor_sync(0xffffffffu, vmax, o);
+        int f2 = __shfl_xor_sync(0xffffffffu, from, o);
+        if (a2 > amax || (a2 == amax && f2 < from)) {
+            amax = a2;
+            vmax = v2;
+            from = f2;
+        }
+    }
+    float iscale = amax == 0.0f ? 0.0f : -127.0f / vmax;
+#pragma unroll
+    for (int j = 0; j < 8; j++) iq[j] = min(127, __float2int_rn(__fmul_rn(iscale, v[j])));
+    return amax == 0.0f ? 0.0f : 1.0f / iscale;
+}
+
+/* The int8 values of a unit of 8 as quantize_act stores them (two words),
+ * and the sum its block of 32 keeps: the 4 lanes of the block add theirs. */
+static __device__ __forceinline__ uint2 pack_q8(const int iq[8])
+{
+    uint32_t lo = (uint32_t)(iq[0] & 255) | (uint32_t)(iq[1] & 255) << 8 | (uint32_t)(iq[2] & 255) << 16 |
+                  (uint32_t)(iq[3] & 255) << 24;
+    uint32_t hi = (uint32_t)(iq[4] & 255) | (uint32_t)(iq[5] & 255) << 8 | (uint32_t)(iq[6] & 255) << 16 |
+                  (uint32_t)(iq[7] & 255) << 24;
+    return make_uint2(lo, hi);
+}
+
+static __device__ __forceinline__ int quad_sum(const int iq[8])
+{
+    int sum = iq[0] + iq[1] + iq[2] + iq[3] + iq[4] + iq[5] + iq[6] + iq[7];
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    return sum;
+}
+
 template <int SCHEME, bool F16, int ACT = -1, bool PERM = false>
 static __global__ void quantize_act(const float *__restrict__ x, int64_t n8, int8_t *__restrict__ q,
                                     float2 *__restrict__ ds, __half *__restrict__ xh, const float *__restrict__ up,
@@ -1153,29 +1202,7 @@ static __global__ void quantize_act(const float *__restrict__ x, int64_t n8, int
         for (int j = 0; j < 8; j++) iq[j] = max(-127, min(127, (int)roundf(__fmul_rn(v[j], id))));
         d = __half2float(__float2half_rn(dq));
     } else {
-        /* the first element of largest magnitude: this lane's, then the
-         * warp's (the larger magnitude, on a tie the lower lane) */
-        float amax = 0.0f, vmax = 0.0f;
-#pragma unroll
-        for (int j = 0; j < 8; j++)
-            if (fabsf(v[j]) > amax) {
-                amax = fabsf(v[j]);
-                vmax = v[j];
-            }
-        int from = lane;
-        for (int o = 1; o < 32; o *= 2) {
-            float a2 = __shfl_xor_sync(0xffffffffu, amax, o), v2 = __shfl_xor_sync(0xffffffffu, vmax, o);
-            int f2 = __shfl_xor_sync(0xffffffffu, from, o);
-            if (a2 > amax || (a2 == amax && f2 < from)) {
-                amax = a2;
-                vmax = v2;
-                from = f2;
-            }
-        }
-        float iscale = amax == 0.0f ? 0.0f : -127.0f / vmax;
-#pragma unroll
-        for (int j = 0; j < 8; j++) iq[j] = min(127, __float2int_rn(__fmul_rn(iscale, v[j])));
-        d = amax == 0.0f ? 0.0f : 1.0f / iscale;
+        d = q8k_warp(v, lane, iq);
     }
     if (F16 && PERM) {
         /* each half superblock in rs_kernel's k order (blocks.cuh) */
@@ -1195,15 +1222,9 @@ static __global__ void quantize_act(const float *__restrict__ x, int64_t n8, int
                                           pack_h2(d * (float)iq[6], d * (float)iq[7]));
         return;
     }
-    int sum = iq[0] + iq[1] + iq[2] + iq[3] + iq[4] + iq[5] + iq[6] + iq[7];
-    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    int sum = quad_sum(iq);
     if (!live) return;
-    uint32_t lo = (uint32_t)(iq[0] & 255) | (uint32_t)(iq[1] & 255) << 8 | (uint32_t)(iq[2] & 255) << 16 |
-                  (uint32_t)(iq[3] & 255) << 24;
-    uint32_t hi = (uint32_t)(iq[4] & 255) | (uint32_t)(iq[5] & 255) << 8 | (uint32_t)(iq[6] & 255) << 16 |
-                  (uint32_t)(iq[7] & 255) << 24;
-    ((uint2 *)q)[i] = make_uint2(lo, hi);
+    ((uint2 *)q)[i] = pack_q8(iq);
     if (lane % 4 == 0) ds[i / 4] = make_float2(d, d * (float)sum);
 }
 
@@ -2881,4 +2902,291 @@ void luma_cuda_matmul_many(cuda_backend *c, int n, const luma_weight *const *ws,
 extern "C" long long luma_cuda_forks(luma_backend *be)
 {
     return ((cuda_backend *)be)->forks;
+}
+
+/* ---- decode-step programs (program.cuh) ------------------------------------ */
+
+#define PROG_CONSUMERS (PROG_WARPS * 32)
+#define PROG_THREADS (PROG_CONSUMERS + 32)
+
+struct prog_smem {
+    uint8_t ring[PROG_STAGES][PROG_STAGE_BYTES];
+    int8_t q[PROG_MAX_COLS];
+    float2 ds[PROG_MAX_COLS / 32];
+    float red[2][PROG_WARPS];  /* the warps' sums of a stage, by its parity */
+    float part[PROG_WARPS];
+    uint64_t full[PROG_STAGES], empty[PROG_STAGES];
+};
+
+static __device__ __forceinline__ void mbar_arrive(uint64_t *bar)
+{
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
+}
+
+static __device__ __forceinline__ unsigned ld_acquire(const unsigned *p)
+{
+    unsigned v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+/* Every consumer of every CTA has arrived (their writes visible to the
+ * others' L2 reads). bar[0] counts arrivals, bar[1] the barriers passed:
+ * the last to arrive resets the count and opens the next generation. */
+static __device__ void prog_grid_sync(unsigned *bar, unsigned G)
+{
+    team_barrier(1, PROG_CONSUMERS);
+    if (threadIdx.x == 0) {
+        unsigned gen = ld_acquire(bar + 1);
+        __threadfence();
+        if (atomicAdd(bar, 1u) == G - 1) {
+            atomicExch(bar, 0u);
+            __threadfence();
+            atomicAdd(bar + 1, 1u);
+        } else {
+            while (ld_acquire(bar + 1) == gen) {
+            }
+        }
+        __threadfence();
+    }
+    team_barrier(1, PROG_CONSUMERS);
+}
+
+/* A CTA's rows of a weight: its share of the row pairs. */
+static __host__ __device__ __forceinline__ void prog_slice(int32_t rows, unsigned c, unsigned G, int32_t &lo,
+                                                           int32_t &hi)
+{
+    int64_t pairs = rows / 2;
+    lo = (int32_t)(2 * (pairs * c / G));
+    hi = (int32_t)(2 * (pairs * (c + 1) / G));
+}
+
+static __device__ __forceinline__ void ldcg8(const float *p, float v[8])
+{
+    float4 a = __ldcg((const float4 *)p), b = __ldcg((const float4 *)p + 1);
+    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
+    v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+}
+
+static __device__ __forceinline__ void st8(float *p, const float v[8])
+{
+    ((float4 *)p)[0] = make_float4(v[0], v[1], v[2], v[3]);
+    ((float4 *)p)[1] = make_float4(v[4], v[5], v[6], v[7]);
+}
+
+static __device__ __forceinline__ float act_gated_rt(int act, float g, float u)
+{
+    return act == LUMA_ACT_GELU ? act_gated<LUMA_ACT_GELU>(g, u) : act_gated<LUMA_ACT_SILU>(g, u);
+}
+
+/* The phase's activation row, quantized into s.q and s.ds (ACT_Q8_K, as
+ * quantize_act writes them); NORM's output and the deferred gated
+ * activation of the phase before written for this CTA's units (a unit:
+ * 8 floats; CTA c takes the units u with u % G == c). */
+static __device__ void prog_prologue(const prog_phase &ph, prog_smem &s, unsigned c, unsigned G)
+{
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    if (ph.wb_gate)
+        for (int u = (int)c + (int)G * tid; u < ph.wb_n / 8; u += (int)G * PROG_CONSUMERS) {
+            float g[8], up[8];
+            ldcg8(ph.wb_gate + 8 * u, g);
+            ldcg8(ph.wb_up + 8 * u, up);
+#pragma unroll
+            for (int j = 0; j < 8; j++) g[j] = act_gated_rt(ph.wb_act, g[j], up[j]);
+            st8(ph.wb_gate + 8 * u, g);
+        }
+    const int n = ph.cols;
+    float inv = 0.0f;
+    if (ph.pro == PROG_NORM) {
+        /* the sum of squares as rmsnorm_kernel and add_rmsnorm (ops.cu)
+         * add it, over 256 threads: the same bits */
+        float ss = 0.0f;
+        if (tid < 256)
+            for (int k = tid; k < n / 4; k += 256) {
+                float4 v = __ldcg((const float4 *)ph.x + k);
+                ss += fmaf(v.w, v.w, fmaf(v.z, v.z, fmaf(v.y, v.y, v.x * v.x)));
+            }
+        ss = warp_sum(ss);
+        if (lane == 0) s.part[warp] = ss;
+        team_barrier(1, PROG_CONSUMERS);
+        ss = 0.0f;
+        for (int w = 0; w < 8; w++) ss += s.part[w];
+        inv = 1.0f / sqrtf(ss / (float)n + ph.eps);
+    }
+    for (int sb = warp; sb < n / 256; sb += PROG_WARPS) {
+        int u = sb * 32 + lane;
+        float v[8];
+        ldcg8(ph.x + 8 * u, v);
+        if (ph.pro == PROG_NORM) {
+            float4 g0 = __ldg((const float4 *)(ph.g + 8 * u)), g1 = __ldg((const float4 *)(ph.g + 8 * u) + 1);
+            float g[8] = { g0.x, g0.y, g0.z, g0.w, g1.x, g1.y, g1.z, g1.w };
+#pragma unroll
+            for (int j = 0; j < 8; j++) v[j] = v[j] * inv * g[j];
+            if (u % (int)G == (int)c) st8(ph.out + 8 * u, v);
+        } else if (ph.pro == PROG_GATED) {
+            float up[8];
+            ldcg8(ph.g + 8 * u, up);
+#pragma unroll
+            for (int j = 0; j < 8; j++) v[j] = act_gated_rt(ph.act, v[j], up[j]);
+        }
+        if (ph.n_w > 0) {
+            int iq[8];
+            float d = q8k_warp(v, lane, iq);
+            int sum = quad_sum(iq);
+            ((uint2 *)s.q)[u] = pack_q8(iq);
+            if (lane % 4 == 0) s.ds[u / 4] = make_float2(d, d * (float)sum);
+        }
+    }
+    team_barrier(1, PROG_CONSUMERS);
+}
+
+/* A warp's share of a row in a stage: blocks [b0, b1), lane groups of 8
+ * taking every fourth block as mmv_direct's lanes do. */
+template <class T>
+static __device__ __forceinline__ float prog_part(const uint8_t *row, int b0, int b1, const act_rows &a)
+{
+    static_assert(T::lpb == 8, "8 lanes a block");
+    const int lane = threadIdx.x % 32, p = lane % 8;
+    float acc = 0.0f;
+#pragma unroll 2
+    for (int ib = b0 + lane / 8; ib < b1; ib += 4) {
+        typename T::raw_t r;
+        T::fetch(row + (size_t)ib * T::bytes, p, r);
+        typename T::w_t wv;
+        T::decode(r, p, wv);
+        typename T::x_t xv;
+        T::loadx(a, 0, ib, p, xv);
+        acc += T::dot(wv, xv);
+    }
+    return warp_sum(acc);
+}
+
+static __global__ void __launch_bounds__(PROG_THREADS, 1) prog_kernel(const __grid_constant__ prog_params P)
+{
+    extern __shared__ __align__(128) uint8_t prog_raw[];
+    prog_smem &s = *(prog_smem *)prog_raw;
+    const int tid = threadIdx.x;
+    const unsigned c = blockIdx.x, G = gridDim.x;
+    if (tid == 0) {
+        for (int i = 0; i < PROG_STAGES; i++) {
+            mbar_init(&s.full[i]);
+            mbar_init(&s.empty[i]);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    if (tid >= PROG_CONSUMERS) {
+        /* the producer: every stage of the program, in order; a stage is
+         * reused once the consumers have released it */
+        if (tid != PROG_CONSUMERS) return;
+        uint32_t k = 0;
+        for (int pi = 0; pi < P.n; pi++)
+            for (int i = 0; i < P.ph[pi].n_w; i++) {
+                const prog_w &W = P.ph[pi].w[i];
+                int32_t lo, hi;
+                prog_slice(W.rows, c, G, lo, hi);
+                for (int32_t r0 = lo; r0 < hi; r0 += W.sr, k++) {
+                    uint32_t st = k % PROG_STAGES, bytes = (uint32_t)(min(W.sr, hi - r0) * W.row_bytes);
+                    if (k >= PROG_STAGES) mbar_wait(&s.empty[st], (k / PROG_STAGES - 1) & 1);
+                    mbar_expect(&s.full[st], bytes);
+                    bulk_copy(s.ring[st], W.w + (size_t)r0 * W.row_bytes, bytes, &s.full[st]);
+                }
+            }
+        return;
+    }
+    const int warp = tid / 32, lane = tid % 32;
+    const act_rows a = { (const int *)s.q, s.ds, NULL, 0, 0, 0 };
+    uint32_t k = 0;
+    for (int pi = 0; pi < P.n; pi++) {
+        const prog_phase &ph = P.ph[pi];
+        if (pi == 0) wait_for_previous_kernel();
+        else prog_grid_sync(P.bar, G);
+        if (pi == P.n - 1) let_next_kernel_start();
+        prog_prologue(ph, s, c, G);
+        for (int i = 0; i < ph.n_w; i++) {
+            const prog_w &W = ph.w[i];
+            int32_t lo, hi;
+            prog_slice(W.rows, c, G, lo, hi);
+            for (int32_t r0 = lo; r0 < hi; r0 += W.sr, k++) {
+                int nr = min(W.sr, hi - r0), st = (int)(k % PROG_STAGES);
+                mbar_wait(&s.full[st], (k / PROG_STAGES) & 1);
+                int row = warp / W.wpr, part = warp % W.wpr;
+                float v = 0.0f;
+                if (row < nr) {
+                    const uint8_t *rp = s.ring[st] + (size_t)row * W.row_bytes;
+                    int b0 = part * W.nb / W.wpr, b1 = (part + 1) * W.nb / W.wpr;
+                    if (W.type == PROG_Q4_K) v = prog_part<type_q4_K>(rp, b0, b1, a);
+                    else if (W.type == PROG_Q5_K) v = prog_part<type_q5_K>(rp, b0, b1, a);
+                    else v = prog_part<type_q6_K_mmv>(rp, b0, b1, a);
+                }
+                float *red = s.red[k & 1];
+                if (lane == 0) red[warp] = v;
+                team_barrier(1, PROG_CONSUMERS);
+                if (tid == 0) mbar_arrive(&s.empty[st]);
+                if (tid < nr) {
+                    float y = 0.0f;
+                    for (int j = 0; j < W.wpr; j++) y += red[tid * W.wpr + j];
+                    int32_t r = r0 + tid;
+                    if (W.rope) {
+                        /* rows r (even) and r + 1 of a head: RoPE NORM's pair */
+                        float y1 = 0.0f;
+                        if ((tid & 1) == 0) {
+                            for (int j = 0; j < W.wpr; j++) y1 += red[(tid + 1) * W.wpr + j];
+                            int32_t e = r % P.ra.head_dim;
+                            float ang = rope_angle(P.ra, (float)P.pos[0], e / 2), o0, o1;
+                            rope_rotate(y, y1, sinf(ang), cosf(ang), o0, o1);
+                            W.y[r] = o0;
+                            W.y[r + 1] = o1;
+                        }
+                    } else {
+                        W.y[r] = y;
+                        if (ph.resx) ph.resx[r] = __ldcg(ph.resx + r) + y;
+                    }
+                }
+            }
+        }
+    }
+}
+
+bool luma_cuda_program_weight(const cuda_backend *c, const luma_weight *w, prog_w *pw)
+{
+    memset(pw, 0, sizeof *pw);
+    if (w->cols % 256 != 0 || w->cols > PROG_MAX_COLS || w->rows % 2 != 0 || w->rows < 2) return false;
+    if (w->type == LUMA_Q4_K) {
+        pw->type = PROG_Q4_K;
+        pw->w = mmv_bytes<type_q4_K>(w);
+        pw->row_bytes = (int32_t)(w->cols / 256 * type_q4_K::bytes);
+    } else if (w->type == LUMA_Q5_K) {
+        pw->type = PROG_Q5_K;
+        pw->w = mmv_bytes<type_q5_K>(w);
+        pw->row_bytes = (int32_t)(w->cols / 256 * type_q5_K::bytes);
+    } else if (w->type == LUMA_Q6_K && c->mmv_on && w->dev_mmv) {
+        pw->type = PROG_Q6_K;
+        pw->w = mmv_bytes<type_q6_K_mmv>(w);
+        pw->row_bytes = (int32_t)(w->cols / 256 * type_q6_K_mmv::bytes);
+    } else {
+        return false;
+    }
+    if (!pw->w || ((uintptr_t)pw->w & 15) != 0 || pw->row_bytes > PROG_STAGE_BYTES) return false;
+    int sr = 1;
+    while (sr * 2 <= PROG_WARPS && (sr * 2) * pw->row_bytes <= PROG_STAGE_BYTES) sr *= 2;
+    pw->rows = (int32_t)w->rows;
+    pw->nb = (int32_t)(w->cols / 256);
+    pw->sr = sr;
+    pw->wpr = PROG_WARPS / sr;
+    return true;
+}
+
+void luma_cuda_program_launch(cuda_backend *c, const prog_params *p)
+{
+    static bool attr_set;
+    if (!attr_set) {
+        if (luma_cuda_fail(c, cudaFuncSetAttribute(prog_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                   (int)sizeof(prog_smem)),
+                           "program (shared memory)"))
+            return;
+        attr_set = true;
+    }
+    luma_launch(c, c->stream, (unsigned)c->n_sm, PROG_THREADS, sizeof(prog_smem), prog_kernel, *p);
+    luma_cuda_fail(c, cudaGetLastError(), "program");
 }

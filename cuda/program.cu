@@ -41,7 +41,8 @@ typedef struct prog_builder {
     bool have_rope;
     /* a norm waiting for the phase that reads its output */
     bool norm;
-    const float *norm_x, *norm_g;
+    const float *norm_x;
+    const luma_weight *norm_g;
     float *norm_out;
     float norm_eps;
     int32_t norm_cols;
@@ -89,7 +90,7 @@ static void set_input(prog_builder *b, prog_phase *ph, const float *x, int32_t c
     if (b->norm && b->norm_out == x) {
         ph->pro = PROG_NORM;
         ph->x = b->norm_x;
-        ph->g = b->norm_g;
+        ph->g = (const float *)b->norm_g->dev;
         ph->out = b->norm_out;
         ph->eps = b->norm_eps;
         b->norm = false;
@@ -125,19 +126,14 @@ void luma_cuda_prog_flush(cuda_backend *c)
         /* a lone norm: the ordinary kernel */
         luma_buf x = { (float *)b->norm_x, 1, b->norm_cols, b->norm_cols };
         luma_buf out = { b->norm_out, 1, b->norm_cols, b->norm_cols };
-        luma_weight g;
-        memset(&g, 0, sizeof g);
-        g.type = LUMA_F32;
-        g.rows = 1;
-        g.cols = b->norm_cols;
-        g.dev = (void *)b->norm_g;
         b->norm = false;
-        luma_cuda_rmsnorm(&c->base, &x, &g, b->norm_cols, b->norm_eps, &out);
+        luma_cuda_rmsnorm(&c->base, &x, b->norm_g, b->norm_cols, b->norm_eps, &out);
         return;
     }
     if (b->norm || b->wb_gate) norm_phase(b);
     b->p.bar = c->prog_bar;
-    if (getenv("LUMA_CUDA_PROGRAM_TRACE")) {
+    static const bool trace = getenv("LUMA_CUDA_PROGRAM_TRACE") != NULL;   /* read once */
+    if (trace) {
         fprintf(stderr, "program %lld:", c->programs);
         for (int i = 0; i < b->p.n; i++) {
             const prog_phase *ph = &b->p.ph[i];
@@ -158,22 +154,34 @@ done:
     b->wb_gate = NULL;
 }
 
-bool luma_cuda_prog_rmsnorm(cuda_backend *c, const luma_buf *x, const luma_weight *g, int64_t group, float eps,
-                            luma_buf *out)
+/* Whether a program can hold the norm of the row x with gain g into out
+ * (a whole row of K-format width, a float gain, not in place). */
+static bool norm_takes(const luma_buf *x, const luma_weight *g, const luma_buf *out)
 {
-    if (!luma_cuda_prog_active(c) || x->rows != 1 || group != x->cols || g->cols != group || x->cols % 256 != 0 ||
-        x->cols > PROG_MAX_COLS || out->data == x->data || g->type != LUMA_F32 || ((uintptr_t)g->dev & 15) != 0)
-        return false;
-    prog_builder *b = builder(c);
-    if (!b || b->norm || store_pending(b, out->data) || store_pending(b, x->data)) return false;
+    return x->rows == 1 && g->cols == x->cols && x->cols % 256 == 0 && x->cols <= PROG_MAX_COLS &&
+           out->data != x->data && g->type == LUMA_F32 && ((uintptr_t)g->dev & 15) == 0;
+}
+
+/* The norm of x into out, pending until a phase reads out (or the flush). */
+static void pend_norm(prog_builder *b, const luma_buf *x, const luma_weight *g, float eps, luma_buf *out)
+{
     b->norm = true;
     b->norm_x = x->data;
-    b->norm_g = (const float *)g->dev;
+    b->norm_g = g;
     b->norm_out = out->data;
     b->norm_eps = eps;
     b->norm_cols = (int32_t)x->cols;
     out->rows = x->rows;
     out->cols = x->cols;
+}
+
+bool luma_cuda_prog_rmsnorm(cuda_backend *c, const luma_buf *x, const luma_weight *g, int64_t group, float eps,
+                            luma_buf *out)
+{
+    if (!luma_cuda_prog_active(c) || group != x->cols || !norm_takes(x, g, out)) return false;
+    prog_builder *b = builder(c);
+    if (!b || b->norm || store_pending(b, out->data) || store_pending(b, x->data)) return false;
+    pend_norm(b, x, g, eps, out);
     return true;
 }
 
@@ -195,18 +203,8 @@ static bool fuse_add(cuda_backend *c, luma_buf *x, const luma_buf *y)
 bool luma_cuda_prog_add_rmsnorm(cuda_backend *c, luma_buf *x, const luma_buf *y, const luma_weight *yg,
                                 const luma_weight *g, float eps, luma_buf *out)
 {
-    if (yg || g->type != LUMA_F32 || g->cols != x->cols || out->data == x->data || out->data == y->data ||
-        x->cols % 256 != 0 || ((uintptr_t)g->dev & 15) != 0 || !fuse_add(c, x, y))
-        return false;
-    prog_builder *b = c->prog;
-    b->norm = true;
-    b->norm_x = x->data;
-    b->norm_g = (const float *)g->dev;
-    b->norm_out = out->data;
-    b->norm_eps = eps;
-    b->norm_cols = (int32_t)x->cols;
-    out->rows = x->rows;
-    out->cols = x->cols;
+    if (yg || out->data == y->data || !norm_takes(x, g, out) || !fuse_add(c, x, y)) return false;
+    pend_norm(c->prog, x, g, eps, out);
     return true;
 }
 
@@ -215,9 +213,11 @@ bool luma_cuda_prog_add(cuda_backend *c, luma_buf *x, const luma_buf *y)
     return fuse_add(c, x, y);
 }
 
-/* A phase of n weights over x (NULL up) or over act(x) * up. */
+/* A phase of n weights over x (NULL up) or over act(x) * up, the first
+ * rope_n of them rotated as they are written (their stages must hold row
+ * pairs). */
 static prog_phase *product_phase(cuda_backend *c, int n, const luma_weight *const *ws, const luma_buf *x,
-                                 luma_buf *const *ys, const float *up)
+                                 luma_buf *const *ys, const float *up, int rope_n)
 {
     if (!luma_cuda_prog_active(c) || x->rows != 1 || n < 1 || n > PROG_MAX_W || ((uintptr_t)x->data & 15) != 0 ||
         (up && ((uintptr_t)up & 15) != 0))
@@ -228,9 +228,11 @@ static prog_phase *product_phase(cuda_backend *c, int n, const luma_weight *cons
     int64_t weights = 0;
     for (int i = 0; i < n; i++) {
         if (ws[i]->cols != x->cols || !luma_cuda_program_weight(c, ws[i], &pw[i]) || ys[i]->data == x->data ||
-            (up && ys[i]->data == up) || store_pending(b, ys[i]->data) || (b->norm && ys[i]->data == b->norm_out))
+            (up && ys[i]->data == up) || store_pending(b, ys[i]->data) || (b->norm && ys[i]->data == b->norm_out) ||
+            (i < rope_n && pw[i].sr < 2))
             return NULL;
         pw[i].y = ys[i]->data;
+        pw[i].rope = i < rope_n;
         weights += ws[i]->rows * ws[i]->cols;
     }
     if (weights < PROG_MIN_WEIGHTS) return NULL;
@@ -266,7 +268,7 @@ static prog_phase *product_phase(cuda_backend *c, int n, const luma_weight *cons
 bool luma_cuda_prog_matmul(cuda_backend *c, int n, const luma_weight *const *ws, const luma_buf *x,
                            luma_buf *const *ys)
 {
-    return product_phase(c, n, ws, x, ys, NULL) != NULL;
+    return product_phase(c, n, ws, x, ys, NULL, 0) != NULL;
 }
 
 bool luma_cuda_prog_qkv_rope(cuda_backend *c, const luma_weight *const *ws, const luma_buf *x, luma_buf *const *ys,
@@ -284,12 +286,7 @@ bool luma_cuda_prog_qkv_rope(cuda_backend *c, const luma_weight *const *ws, cons
     if (!d_pos || !luma_cuda_rope_args(c, r, head_dim, ws[0]->rows, &a)) return true;   /* recorded: sync reports it */
     a.heads = 0;   /* per weight; the kernel reads only head_dim and the tables */
     if (b->have_rope && (memcmp(&a, &b->p.ra, sizeof a) != 0 || d_pos != b->p.pos)) return false;
-    prog_w t;
-    if (!luma_cuda_program_weight(c, ws[0], &t) || t.sr < 2 || !luma_cuda_program_weight(c, ws[1], &t) || t.sr < 2)
-        return false;
-    prog_phase *ph = product_phase(c, 3, ws, x, ys, NULL);
-    if (!ph) return false;
-    ph->w[0].rope = ph->w[1].rope = 1;
+    if (!product_phase(c, 3, ws, x, ys, NULL, 2)) return false;
     b->p.ra = a;
     b->p.pos = d_pos;
     b->have_rope = true;
@@ -302,7 +299,7 @@ bool luma_cuda_prog_gated(cuda_backend *c, const luma_weight *w, luma_buf *gate,
     if (act != LUMA_ACT_SILU && act != LUMA_ACT_GELU) return false;
     if (up->rows != gate->rows || up->cols != gate->cols || gate->data == up->data) return false;
     luma_buf *const ys[1] = { y };
-    prog_phase *ph = product_phase(c, 1, &w, gate, ys, up->data);
+    prog_phase *ph = product_phase(c, 1, &w, gate, ys, up->data, 0);
     if (!ph) return false;
     ph->act = act;
     prog_builder *b = c->prog;

@@ -1427,14 +1427,6 @@ static void test_failure(void)
 
 /* ---- the default model -------------------------------------------------- */
 
-static int32_t argmax(const float *x, int32_t n)
-{
-    int32_t best = 0;
-    for (int32_t i = 1; i < n; i++)
-        if (x[i] > x[best]) best = i;
-    return best;
-}
-
 static const char prompt[] =
     "The old lighthouse keeper climbed the spiral stairs every evening at dusk, carrying a lantern and a "
     "notebook in which he wrote down the ships he saw, the color of the sea, and the shapes of the clouds "

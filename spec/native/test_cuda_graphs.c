@@ -41,14 +41,6 @@ static luma_model *load(const char *path, bool graphs, luma_err *err)
     return rc == 0 ? m : NULL;
 }
 
-static int32_t argmax(const float *x, int32_t n)
-{
-    int32_t best = 0;
-    for (int32_t i = 1; i < n; i++)
-        if (x[i] > x[best]) best = i;
-    return best;
-}
-
 #define MAX_B 24
 #define STEPS 40
 

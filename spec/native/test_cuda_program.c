@@ -55,14 +55,6 @@ static luma_model *load(const char *path, const char *backend, bool graphs, luma
     return rc == 0 ? m : NULL;
 }
 
-static int32_t argmax(const float *x, int32_t n)
-{
-    int32_t best = 0;
-    for (int32_t i = 1; i < n; i++)
-        if (x[i] > x[best]) best = i;
-    return best;
-}
-
 /* The prompt, then STEPS single-token steps of the forced tokens, on a new
  * sequence of m: the logits of every decode step into out. */
 static bool run(luma_model *m, const int32_t *ids, float *out, const char *name)

@@ -147,6 +147,16 @@ static inline void random_weights(enum luma_type t, int64_t n, uint8_t *dst)
 }
 
 /* malloc that ends the test when memory runs out; never NULL, even for 0. */
+/* The index of the first largest of x[0..n), every value counted (unlike
+ * luma_logits_argmax, which skips masked entries): the tests' top-1. */
+static inline int32_t argmax(const float *x, int32_t n)
+{
+    int32_t best = 0;
+    for (int32_t i = 1; i < n; i++)
+        if (x[i] > x[best]) best = i;
+    return best;
+}
+
 static inline void *xmalloc(size_t n)
 {
     void *p = malloc(n ? n : 1);

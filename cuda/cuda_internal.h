@@ -203,6 +203,7 @@ typedef struct cuda_backend {
     struct prog_builder *prog;
     unsigned *prog_bar;        /* the program's grid barrier (2 counters) */
     long long programs;
+    unsigned long long *prog_stats;   /* LUMA_CUDA_PROGRAM_TIMES: prog_params.stats */
 } cuda_backend;
 
 /* Records the first failure; every later operation of the step is skipped

@@ -2913,7 +2913,7 @@ struct prog_smem {
     uint8_t ring[PROG_STAGES][PROG_STAGE_BYTES];
     int8_t q[PROG_MAX_COLS];
     float2 ds[PROG_MAX_COLS / 32];
-    float red[2][PROG_WARPS];  /* the warps' sums of a stage, by its parity */
+    float pair[2][PROG_WARPS];   /* RoPE: the odd rows' sums, by row group parity */
     float part[PROG_WARPS];
     uint64_t full[PROG_STAGES], empty[PROG_STAGES];
 };
@@ -2928,6 +2928,13 @@ static __device__ __forceinline__ unsigned ld_acquire(const unsigned *p)
     unsigned v;
     asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
     return v;
+}
+
+static __device__ __forceinline__ unsigned long long prog_now()
+{
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
 }
 
 /* Every consumer of every CTA has arrived (their writes visible to the
@@ -2982,7 +2989,10 @@ static __device__ __forceinline__ float act_gated_rt(int act, float g, float u)
 /* The phase's activation row, quantized into s.q and s.ds (ACT_Q8_K, as
  * quantize_act writes them); NORM's output and the deferred gated
  * activation of the phase before written for this CTA's units (a unit:
- * 8 floats; CTA c takes the units u with u % G == c). */
+ * 8 floats; CTA c takes the units u with u % G == c). A warp takes every
+ * PROG_WARPS-th super-block of 256, a lane a unit of it; its next unit's
+ * loads go out before the current one is quantized, and its first before
+ * the norm's sum of squares, so that a norm costs one round trip to L2. */
 static __device__ void prog_prologue(const prog_phase &ph, prog_smem &s, unsigned c, unsigned G)
 {
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -2995,16 +3005,22 @@ static __device__ void prog_prologue(const prog_phase &ph, prog_smem &s, unsigne
             for (int j = 0; j < 8; j++) g[j] = act_gated_rt(ph.wb_act, g[j], up[j]);
             st8(ph.wb_gate + 8 * u, g);
         }
-    const int n = ph.cols;
+    const int n = ph.cols, nsb = n / 256;
+    float v[8], up[8] = { 0 };
+    if (warp < nsb) {
+        ldcg8(ph.x + 8 * (warp * 32 + lane), v);
+        if (ph.pro == PROG_GATED) ldcg8(ph.g + 8 * (warp * 32 + lane), up);
+    }
     float inv = 0.0f;
     if (ph.pro == PROG_NORM) {
         /* the sum of squares as rmsnorm_kernel and add_rmsnorm (ops.cu)
          * add it, over 256 threads: the same bits */
         float ss = 0.0f;
         if (tid < 256)
+#pragma unroll 4
             for (int k = tid; k < n / 4; k += 256) {
-                float4 v = __ldcg((const float4 *)ph.x + k);
-                ss += fmaf(v.w, v.w, fmaf(v.z, v.z, fmaf(v.y, v.y, v.x * v.x)));
+                float4 x = __ldcg((const float4 *)ph.x + k);
+                ss += fmaf(x.w, x.w, fmaf(x.z, x.z, fmaf(x.y, x.y, x.x * x.x)));
             }
         ss = warp_sum(ss);
         if (lane == 0) s.part[warp] = ss;
@@ -3013,10 +3029,13 @@ static __device__ void prog_prologue(const prog_phase &ph, prog_smem &s, unsigne
         for (int w = 0; w < 8; w++) ss += s.part[w];
         inv = 1.0f / sqrtf(ss / (float)n + ph.eps);
     }
-    for (int sb = warp; sb < n / 256; sb += PROG_WARPS) {
-        int u = sb * 32 + lane;
-        float v[8];
-        ldcg8(ph.x + 8 * u, v);
+    for (int sb = warp; sb < nsb; sb += PROG_WARPS) {
+        const int u = sb * 32 + lane, un = u + PROG_WARPS * 32;
+        float nv[8], nup[8] = { 0 };
+        if (sb + PROG_WARPS < nsb) {
+            ldcg8(ph.x + 8 * un, nv);
+            if (ph.pro == PROG_GATED) ldcg8(ph.g + 8 * un, nup);
+        }
         if (ph.pro == PROG_NORM) {
             float4 g0 = __ldg((const float4 *)(ph.g + 8 * u)), g1 = __ldg((const float4 *)(ph.g + 8 * u) + 1);
             float g[8] = { g0.x, g0.y, g0.z, g0.w, g1.x, g1.y, g1.z, g1.w };
@@ -3024,8 +3043,6 @@ static __device__ void prog_prologue(const prog_phase &ph, prog_smem &s, unsigne
             for (int j = 0; j < 8; j++) v[j] = v[j] * inv * g[j];
             if (u % (int)G == (int)c) st8(ph.out + 8 * u, v);
         } else if (ph.pro == PROG_GATED) {
-            float up[8];
-            ldcg8(ph.g + 8 * u, up);
 #pragma unroll
             for (int j = 0; j < 8; j++) v[j] = act_gated_rt(ph.act, v[j], up[j]);
         }
@@ -3036,120 +3053,159 @@ static __device__ void prog_prologue(const prog_phase &ph, prog_smem &s, unsigne
             ((uint2 *)s.q)[u] = pack_q8(iq);
             if (lane % 4 == 0) s.ds[u / 4] = make_float2(d, d * (float)sum);
         }
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            v[j] = nv[j];
+            up[j] = nup[j];
+        }
     }
     team_barrier(1, PROG_CONSUMERS);
 }
 
-/* A warp's share of a row in a stage: blocks [b0, b1), lane groups of 8
- * taking every fourth block as mmv_direct's lanes do. */
+/* A lane group's sum over the first n blocks of a row's piece in a stage
+ * (xb: the activation block of its first block), lane groups of 8 taking
+ * every fourth block as mmv_direct's lanes do: over a whole row, the same
+ * sums in the same order as the matrix-vector kernel's. */
 template <class T>
-static __device__ __forceinline__ float prog_part(const uint8_t *row, int b0, int b1, const act_rows &a)
+static __device__ __forceinline__ float prog_acc(const uint8_t *piece, int n, int xb, const act_rows &a, float acc)
 {
     static_assert(T::lpb == 8, "8 lanes a block");
     const int lane = threadIdx.x % 32, p = lane % 8;
-    float acc = 0.0f;
 #pragma unroll 2
-    for (int ib = b0 + lane / 8; ib < b1; ib += 4) {
+    for (int ib = lane / 8; ib < n; ib += 4) {
         typename T::raw_t r;
-        T::fetch(row + (size_t)ib * T::bytes, p, r);
+        T::fetch(piece + (size_t)ib * T::bytes, p, r);
         typename T::w_t wv;
         T::decode(r, p, wv);
         typename T::x_t xv;
-        T::loadx(a, 0, ib, p, xv);
+        T::loadx(a, 0, xb + ib, p, xv);
         acc += T::dot(wv, xv);
     }
-    return warp_sum(acc);
+    return acc;
 }
 
+/* The kernel. One CTA an SM. The producer warp walks the CTA's rows of
+ * every weight of the program in order, in groups of PROG_WARPS rows, and
+ * copies `slab` blocks of each row of a group into a stage of the ring
+ * (a lane a row) until the group's rows are whole. Consumer warp w owns
+ * row w of each group: it adds its pieces up stage after stage, releasing
+ * each stage by an arrival (no wait for the other warps), then writes the
+ * row: the residual add's x read when the row starts, a RoPE pair's two
+ * rows meeting at a barrier of their two warps, the gated activation made
+ * from the gate row the same lane wrote. */
 static __global__ void __launch_bounds__(PROG_THREADS, 1) prog_kernel(const __grid_constant__ prog_params P)
 {
     extern __shared__ __align__(128) uint8_t prog_raw[];
     prog_smem &s = *(prog_smem *)prog_raw;
-    const int tid = threadIdx.x;
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const unsigned c = blockIdx.x, G = gridDim.x;
     if (tid == 0) {
         for (int i = 0; i < PROG_STAGES; i++) {
             mbar_init(&s.full[i]);
-            mbar_init(&s.empty[i]);
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(&s.empty[i])), "r"(PROG_WARPS)
+                         : "memory");
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
     if (tid >= PROG_CONSUMERS) {
-        /* the producer: every stage of the program, in order; a stage is
-         * reused once the consumers have released it */
-        if (tid != PROG_CONSUMERS) return;
+        /* the producer: weights depend on nothing the step computes, so
+         * it never waits for the consumers' phases, only for free stages */
         uint32_t k = 0;
         for (int pi = 0; pi < P.n; pi++)
             for (int i = 0; i < P.ph[pi].n_w; i++) {
                 const prog_w &W = P.ph[pi].w[i];
+                const int bb = W.row_bytes / W.nb;
                 int32_t lo, hi;
                 prog_slice(W.rows, c, G, lo, hi);
-                for (int32_t r0 = lo; r0 < hi; r0 += W.sr, k++) {
-                    uint32_t st = k % PROG_STAGES, bytes = (uint32_t)(min(W.sr, hi - r0) * W.row_bytes);
-                    if (k >= PROG_STAGES) mbar_wait(&s.empty[st], (k / PROG_STAGES - 1) & 1);
-                    mbar_expect(&s.full[st], bytes);
-                    bulk_copy(s.ring[st], W.w + (size_t)r0 * W.row_bytes, bytes, &s.full[st]);
+                for (int32_t g0 = lo; g0 < hi; g0 += PROG_WARPS) {
+                    const int nr = min(PROG_WARPS, hi - g0);
+                    for (int b0 = 0; b0 < W.nb; b0 += W.slab, k++) {
+                        const uint32_t st = k % PROG_STAGES, piece = (uint32_t)(min(W.slab, W.nb - b0) * bb);
+                        if (k >= PROG_STAGES) mbar_wait(&s.empty[st], (k / PROG_STAGES - 1) & 1);
+                        if (lane == 0) mbar_expect(&s.full[st], piece * (uint32_t)nr);
+                        __syncwarp();
+                        if (lane < nr)
+                            bulk_copy(s.ring[st] + (size_t)lane * W.slab * bb,
+                                      W.w + (size_t)(g0 + lane) * W.row_bytes + (size_t)b0 * bb, piece, &s.full[st]);
+                    }
                 }
             }
         return;
     }
-    const int warp = tid / 32, lane = tid % 32;
     const act_rows a = { (const int *)s.q, s.ds, NULL, 0, 0, 0 };
-    uint32_t k = 0;
+    uint32_t k = 0, groups = 0;
     for (int pi = 0; pi < P.n; pi++) {
         const prog_phase &ph = P.ph[pi];
+        unsigned long long t0 = P.stats && tid == 0 ? prog_now() : 0, t1 = 0, t2 = 0;
         if (pi == 0) wait_for_previous_kernel();
         else prog_grid_sync(P.bar, G);
         if (pi == P.n - 1) let_next_kernel_start();
+        if (P.stats && tid == 0) t1 = prog_now();
         prog_prologue(ph, s, c, G);
+        if (P.stats && tid == 0) t2 = prog_now();
         for (int i = 0; i < ph.n_w; i++) {
             const prog_w &W = ph.w[i];
+            const int bb = W.row_bytes / W.nb;
+            const bool gated = ph.gact && i == 1;   /* W.y: up; ph.w[0].y: the gate */
             int32_t lo, hi;
             prog_slice(W.rows, c, G, lo, hi);
-            for (int32_t r0 = lo; r0 < hi; r0 += W.sr, k++) {
-                int nr = min(W.sr, hi - r0), st = (int)(k % PROG_STAGES);
-                mbar_wait(&s.full[st], (k / PROG_STAGES) & 1);
-                int row = warp / W.wpr, part = warp % W.wpr;
-                float v = 0.0f;
-                if (row < nr) {
-                    const uint8_t *rp = s.ring[st] + (size_t)row * W.row_bytes;
-                    int b0 = part * W.nb / W.wpr, b1 = (part + 1) * W.nb / W.wpr;
-                    if (W.type == PROG_Q4_K) v = prog_part<type_q4_K>(rp, b0, b1, a);
-                    else if (W.type == PROG_Q5_K) v = prog_part<type_q5_K>(rp, b0, b1, a);
-                    else v = prog_part<type_q6_K_mmv>(rp, b0, b1, a);
+            for (int32_t g0 = lo; g0 < hi; g0 += PROG_WARPS, groups++) {
+                const int32_t r = g0 + warp;
+                const bool mine = r < hi;
+                float x0 = 0.0f, acc = 0.0f;
+                if (mine && lane == 0) {
+                    if (ph.resx) x0 = __ldcg(ph.resx + r);
+                    if (gated) x0 = ph.w[0].y[r];   /* this lane wrote it */
                 }
-                float *red = s.red[k & 1];
-                if (lane == 0) red[warp] = v;
-                team_barrier(1, PROG_CONSUMERS);
-                if (tid == 0) mbar_arrive(&s.empty[st]);
-                if (tid < nr) {
-                    float y = 0.0f;
-                    for (int j = 0; j < W.wpr; j++) y += red[tid * W.wpr + j];
-                    int32_t r = r0 + tid;
-                    if (W.rope) {
-                        /* rows r (even) and r + 1 of a head: RoPE NORM's pair */
-                        float y1 = 0.0f;
-                        if ((tid & 1) == 0) {
-                            for (int j = 0; j < W.wpr; j++) y1 += red[(tid + 1) * W.wpr + j];
-                            int32_t e = r % P.ra.head_dim;
-                            float ang = rope_angle(P.ra, (float)P.pos[0], e / 2), o0, o1;
-                            rope_rotate(y, y1, sinf(ang), cosf(ang), o0, o1);
-                            W.y[r] = o0;
-                            W.y[r + 1] = o1;
-                        }
-                    } else {
-                        W.y[r] = y;
-                        if (ph.resx) ph.resx[r] = __ldcg(ph.resx + r) + y;
+                for (int b0 = 0; b0 < W.nb; b0 += W.slab, k++) {
+                    const int st = (int)(k % PROG_STAGES), n = min(W.slab, W.nb - b0);
+                    mbar_wait(&s.full[st], (k / PROG_STAGES) & 1);
+                    if (mine) {
+                        const uint8_t *rp = s.ring[st] + (size_t)warp * W.slab * bb;
+                        if (W.type == PROG_Q4_K) acc = prog_acc<type_q4_K>(rp, n, b0, a, acc);
+                        else if (W.type == PROG_Q5_K) acc = prog_acc<type_q5_K>(rp, n, b0, a, acc);
+                        else acc = prog_acc<type_q6_K_mmv>(rp, n, b0, a, acc);
                     }
+                    __syncwarp();
+                    if (lane == 0) mbar_arrive(&s.empty[st]);
+                }
+                if (!mine) continue;
+                const float y = warp_sum(acc);
+                if (W.rope) {
+                    /* rows r (even warp) and r + 1 (groups hold whole
+                     * pairs); the slot by the group's parity, so that the
+                     * odd warp cannot overwrite it before it is read */
+                    float *pair = s.pair[groups & 1];
+                    if (lane == 0 && (warp & 1)) pair[warp] = y;
+                    team_barrier(2 + warp / 2, 64);
+                    if (lane == 0 && (warp & 1) == 0) {
+                        int32_t e = r % P.ra.head_dim;
+                        float ang = rope_angle(P.ra, (float)P.pos[0], e / 2), o0, o1;
+                        rope_rotate(y, pair[warp + 1], sinf(ang), cosf(ang), o0, o1);
+                        W.y[r] = o0;
+                        W.y[r + 1] = o1;
+                    }
+                } else if (lane == 0) {
+                    W.y[r] = y;
+                    if (ph.resx) ph.resx[r] = x0 + y;
+                    if (gated) ph.w[0].y[r] = act_gated_rt(ph.gact - 1, x0, y);
                 }
             }
+        }
+        if (P.stats && tid == 0) {
+            unsigned long long *st = P.stats + 4 * pi, t3 = prog_now();
+            atomicAdd(st, t1 - t0);
+            atomicAdd(st + 1, t2 - t1);
+            atomicAdd(st + 2, t3 - t2);
+            atomicAdd(st + 3, 1ull);
         }
     }
 }
 
 bool luma_cuda_program_weight(const cuda_backend *c, const luma_weight *w, prog_w *pw)
 {
+    (void)c;
     memset(pw, 0, sizeof *pw);
     if (w->cols % 256 != 0 || w->cols > PROG_MAX_COLS || w->rows % 2 != 0 || w->rows < 2) return false;
     if (w->type == LUMA_Q4_K) {
@@ -3167,14 +3223,14 @@ bool luma_cuda_program_weight(const cuda_backend *c, const luma_weight *w, prog_
     } else {
         return false;
     }
-    if (!pw->w || ((uintptr_t)pw->w & 15) != 0 || pw->row_bytes > PROG_STAGE_BYTES) return false;
-    int sr = 1;
-    while (sr * 2 <= PROG_WARPS && (sr * 2) * pw->row_bytes <= PROG_STAGE_BYTES) sr *= 2;
+    if (!pw->w || ((uintptr_t)pw->w & 15) != 0) return false;
     pw->rows = (int32_t)w->rows;
     pw->nb = (int32_t)(w->cols / 256);
-    pw->sr = sr;
-    pw->wpr = PROG_WARPS / sr;
-    return true;
+    /* a stage holds `slab` blocks of each of PROG_WARPS rows, a multiple
+     * of 4 (the lane groups' stride) */
+    pw->slab = PROG_STAGE_BYTES / (PROG_WARPS * (pw->row_bytes / pw->nb)) / 4 * 4;
+    if (pw->slab > pw->nb) pw->slab = pw->nb;
+    return pw->slab >= 4 || (pw->slab > 0 && pw->slab == pw->nb);
 }
 
 void luma_cuda_program_launch(cuda_backend *c, const prog_params *p)

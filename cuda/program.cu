@@ -14,8 +14,16 @@
  *     the norm's output; a phase of its own otherwise;
  *   the residual add of add_rmsnorm and add, when the phase before wrote
  *     their y: that phase's epilogue adds each row into x as it writes it.
- * gated_matmul's store of act(gate) * up into gate waits for the next
- * phase (every CTA reads the whole gate during its own).
+ * gated_matmul's store of act(gate) * up into gate: where the phase
+ * before made gate and up (matmul_many of the two), that phase writes it
+ * as it writes up's rows and the gated phase quantizes the gate alone;
+ * otherwise it waits for the next phase (every CTA reads the whole gate
+ * during its own).
+ *
+ * LUMA_CUDA_PROGRAM_TIMES in the environment has the kernel add up, by
+ * phase index, the time each CTA waits at the phase's barrier, spends in
+ * its prologue and in its products; the backend prints the averages when
+ * it is freed.
  *
  * A phase reads only what earlier phases wrote, and writes nothing its own
  * prologue reads: whatever would break that (an operation reading the
@@ -132,14 +140,19 @@ void luma_cuda_prog_flush(cuda_backend *c)
     }
     if (b->norm || b->wb_gate) norm_phase(b);
     b->p.bar = c->prog_bar;
+    static const bool times = getenv("LUMA_CUDA_PROGRAM_TIMES") != NULL;
+    if (times && !c->prog_stats && cudaMalloc((void **)&c->prog_stats, 4 * PROG_MAX_PHASES * 8) == cudaSuccess)
+        cudaMemset(c->prog_stats, 0, 4 * PROG_MAX_PHASES * 8);
+    b->p.stats = c->prog_stats;
     static const bool trace = getenv("LUMA_CUDA_PROGRAM_TRACE") != NULL;   /* read once */
     if (trace) {
         fprintf(stderr, "program %lld:", c->programs);
         for (int i = 0; i < b->p.n; i++) {
             const prog_phase *ph = &b->p.ph[i];
-            fprintf(stderr, " [pro %d cols %d%s%s", ph->pro, ph->cols, ph->resx ? " +x" : "", ph->wb_gate ? " wb" : "");
+            fprintf(stderr, " [pro %d cols %d%s%s%s", ph->pro, ph->cols, ph->resx ? " +x" : "", ph->wb_gate ? " wb" : "",
+                    ph->gact ? " gated" : "");
             for (int j = 0; j < ph->n_w; j++)
-                fprintf(stderr, " w%d:%dx%d/%d%s", ph->w[j].type, ph->w[j].rows, ph->w[j].nb, ph->w[j].sr,
+                fprintf(stderr, " w%d:%dx%d/%d%s", ph->w[j].type, ph->w[j].rows, ph->w[j].nb, ph->w[j].slab,
                         ph->w[j].rope ? "r" : "");
             fprintf(stderr, "]");
         }
@@ -214,8 +227,7 @@ bool luma_cuda_prog_add(cuda_backend *c, luma_buf *x, const luma_buf *y)
 }
 
 /* A phase of n weights over x (NULL up) or over act(x) * up, the first
- * rope_n of them rotated as they are written (their stages must hold row
- * pairs). */
+ * rope_n of them rotated as they are written. */
 static prog_phase *product_phase(cuda_backend *c, int n, const luma_weight *const *ws, const luma_buf *x,
                                  luma_buf *const *ys, const float *up, int rope_n)
 {
@@ -228,8 +240,7 @@ static prog_phase *product_phase(cuda_backend *c, int n, const luma_weight *cons
     int64_t weights = 0;
     for (int i = 0; i < n; i++) {
         if (ws[i]->cols != x->cols || !luma_cuda_program_weight(c, ws[i], &pw[i]) || ys[i]->data == x->data ||
-            (up && ys[i]->data == up) || store_pending(b, ys[i]->data) || (b->norm && ys[i]->data == b->norm_out) ||
-            (i < rope_n && pw[i].sr < 2))
+            (up && ys[i]->data == up) || store_pending(b, ys[i]->data) || (b->norm && ys[i]->data == b->norm_out))
             return NULL;
         pw[i].y = ys[i]->data;
         pw[i].rope = i < rope_n;
@@ -299,10 +310,20 @@ bool luma_cuda_prog_gated(cuda_backend *c, const luma_weight *w, luma_buf *gate,
     if (act != LUMA_ACT_SILU && act != LUMA_ACT_GELU) return false;
     if (up->rows != gate->rows || up->cols != gate->cols || gate->data == up->data) return false;
     luma_buf *const ys[1] = { y };
+    prog_builder *b = c->prog;
+    /* gate and up made by the last phase, by row: it writes act(gate) *
+     * up into gate as it writes up, and this phase reads the gate alone */
+    prog_phase *last = b && b->p.n > 0 && !b->norm && !b->wb_gate ? &b->p.ph[b->p.n - 1] : NULL;
+    if (last && last->n_w == 2 && !last->gact && !last->resx && last->w[0].y == gate->data &&
+        last->w[1].y == up->data && last->w[0].rows == last->w[1].rows && !last->w[0].rope && !last->w[1].rope) {
+        if (!product_phase(c, 1, &w, gate, ys, NULL, 0)) return false;
+        last->gact = act + 1;
+        return true;
+    }
     prog_phase *ph = product_phase(c, 1, &w, gate, ys, up->data, 0);
     if (!ph) return false;
     ph->act = act;
-    prog_builder *b = c->prog;
+    b = c->prog;
     b->wb_gate = gate->data;
     b->wb_up = up->data;
     b->wb_n = (int32_t)gate->cols;
@@ -314,6 +335,17 @@ void luma_cuda_prog_free(cuda_backend *c)
 {
     free(c->prog);
     c->prog = NULL;
+    if (c->prog_stats) {
+        unsigned long long h[4 * PROG_MAX_PHASES];
+        if (cudaMemcpy(h, c->prog_stats, sizeof h, cudaMemcpyDeviceToHost) == cudaSuccess)
+            for (int i = 0; i < PROG_MAX_PHASES; i++)
+                if (h[4 * i + 3])
+                    fprintf(stderr, "program phase %d: %llu CTA runs, us a run: wait %.2f prologue %.2f products %.2f\n",
+                            i, h[4 * i + 3], h[4 * i] / 1e3 / h[4 * i + 3], h[4 * i + 1] / 1e3 / h[4 * i + 3],
+                            h[4 * i + 2] / 1e3 / h[4 * i + 3]);
+        cudaFree(c->prog_stats);
+        c->prog_stats = NULL;
+    }
     cudaFree(c->prog_bar);   /* made with the backend, zeroed */
     c->prog_bar = NULL;
 }

@@ -15,8 +15,11 @@
  * A phase: a prologue makes the activation row, every CTA the whole of it
  * (quantized to int8 in its shared memory as quantize_act quantizes it for
  * the K formats); then every CTA multiplies its share of each weight's
- * rows (in pairs, so that RoPE's row pairs stay together) and writes them,
- * through an epilogue. Phases are separated by grid barriers: a phase reads
+ * rows (whole row pairs, so that RoPE's pairs stay together) and writes
+ * them, through an epilogue. A stage of the ring holds a group of
+ * PROG_WARPS rows, `slab` blocks of each; consumer warp w owns row w of
+ * every group and adds its pieces up in the matrix-vector kernel's order
+ * (the same bits). Phases are separated by grid barriers: a phase reads
  * only what earlier phases (or kernels) wrote. */
 #ifndef LUMA_CUDA_PROGRAM_CUH
 #define LUMA_CUDA_PROGRAM_CUH
@@ -28,7 +31,7 @@
 #define PROG_MAX_PHASES 8
 #define PROG_MAX_W 3
 #define PROG_WARPS 16                      /* consumer warps; one more warp is the producer */
-#define PROG_STAGE_BYTES (36 << 10)        /* a ring stage: 16 rows of a 4096-wide Q4_K */
+#define PROG_STAGE_BYTES (36 << 10)        /* a ring stage: 16 rows of 16 Q4_K blocks */
 #define PROG_STAGES 5
 #define PROG_MAX_COLS 16384                /* the widest activation row */
 
@@ -46,7 +49,7 @@ typedef struct prog_w {
     const uint8_t *w;          /* rows of row_bytes */
     float *y;                  /* rows floats */
     int32_t type, rows, nb, row_bytes;
-    int32_t sr, wpr;           /* rows a stage holds; warps a row */
+    int32_t slab;              /* blocks a stage holds of each of its rows */
     int32_t rope;              /* rotate row pairs (RoPE NORM) as they are written */
 } prog_w;
 
@@ -56,6 +59,9 @@ typedef struct prog_phase {
     float *out;                /* NORM's output (every CTA writes its units) */
     float eps;
     float *resx;               /* not NULL: x[r] += the product's row r too (n_w == 1) */
+    /* Not 0: w[0] and w[1] are the gate and up of a gated activation
+     * (act + 1): w[0].y[r] = act(gate[r]) * up[r] as up's row r is written. */
+    int32_t gact;
     /* The gated activation of the phase before, stored into its gate now
      * that nothing reads the gate (wb_n floats, NULL: none). */
     float *wb_gate;
@@ -69,6 +75,7 @@ typedef struct prog_params {
     prog_phase ph[PROG_MAX_PHASES];
     const int32_t *pos;        /* the step's one position (RoPE) */
     unsigned *bar;             /* the grid barrier: arrivals, generation */
+    unsigned long long *stats; /* not NULL: ns a CTA spent per phase index (wait, prologue, products, count) */
     rope_args ra;
 } prog_params;
 

@@ -15,7 +15,9 @@
  *   eager   a second GPU copy with programs on and CUDA graphs off.
  * Checks: programs ran (a program a layer at each eager step); `on`, `again` and
  * `eager` are equal bit for bit (a program's sums do not depend on timing,
- * recorded or not); `on` is as close to the CPU as `off` is: the same top-1
+ * recorded or not), and equal to `off` bit for bit (a program quantizes,
+ * normalizes and adds up each row as the kernels do, in their order);
+ * `on` is as close to the CPU as `off` is: the same top-1
  * at as many steps, give or take one, and a mean |logit difference| at most
  * 1.5 times off's plus 0.01 (both quantize the activations to 8 bits; a
  * one-step change of an 8-bit activation moves logits by up to about 1, so
@@ -155,8 +157,13 @@ int main(void)
                STEPS, mean[r], worst[r]);
     }
     double onoff = 0.0;
-    for (size_t i = 0; i < (size_t)STEPS * (size_t)nv; i++) onoff = fmax(onoff, fabs((double)lg[1][i] - (double)lg[2][i]));
-    printf("on against off: max |diff| %.4f\n", onoff);
+    size_t ndiff = 0;
+    for (size_t i = 0; i < (size_t)STEPS * (size_t)nv; i++) {
+        onoff = fmax(onoff, fabs((double)lg[1][i] - (double)lg[2][i]));
+        ndiff += memcmp(&lg[1][i], &lg[2][i], sizeof(float)) != 0;
+    }
+    printf("on against off: %zu logits differ, max |diff| %.4g\n", ndiff, onoff);
+    CHECKF(ndiff == 0, "programs on against off: %zu logits differ (max %.4g)", ndiff, onoff);
     CHECKF(isfinite(mean[2]) && isfinite(worst[2]), "non-finite logits with programs on");
     CHECKF(agree[2] + 1 >= agree[1], "top-1 against the CPU: %d steps with programs, %d without", agree[2], agree[1]);
     CHECKF(mean[2] <= 1.5 * mean[1] + 0.01, "mean |diff| against the CPU: %.4f with programs, %.4f without",

@@ -1442,9 +1442,11 @@ static __device__ __forceinline__ uint32_t smem_addr(const void *p)
     return (uint32_t)__cvta_generic_to_shared(p);
 }
 
-static __device__ __forceinline__ void mbar_init(uint64_t *bar)
+/* An mbarrier whose phase completes after `count` arrivals (and the bytes
+ * they expect). */
+static __device__ __forceinline__ void mbar_init(uint64_t *bar, unsigned count = 1)
 {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(bar)) : "memory");
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count) : "memory");
 }
 
 /* Orders this thread's earlier shared-memory accesses before the bulk
@@ -3102,8 +3104,7 @@ static __global__ void __launch_bounds__(PROG_THREADS, 1) prog_kernel(const __gr
     if (tid == 0) {
         for (int i = 0; i < PROG_STAGES; i++) {
             mbar_init(&s.full[i]);
-            asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(&s.empty[i])), "r"(PROG_WARPS)
-                         : "memory");
+            mbar_init(&s.empty[i], PROG_WARPS);   /* an arrival a consumer warp */
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
@@ -3205,7 +3206,6 @@ static __global__ void __launch_bounds__(PROG_THREADS, 1) prog_kernel(const __gr
 
 bool luma_cuda_program_weight(const cuda_backend *c, const luma_weight *w, prog_w *pw)
 {
-    (void)c;
     memset(pw, 0, sizeof *pw);
     if (w->cols % 256 != 0 || w->cols > PROG_MAX_COLS || w->rows % 2 != 0 || w->rows < 2) return false;
     if (w->type == LUMA_Q4_K) {
@@ -3226,11 +3226,11 @@ bool luma_cuda_program_weight(const cuda_backend *c, const luma_weight *w, prog_
     if (!pw->w || ((uintptr_t)pw->w & 15) != 0) return false;
     pw->rows = (int32_t)w->rows;
     pw->nb = (int32_t)(w->cols / 256);
-    /* a stage holds `slab` blocks of each of PROG_WARPS rows, a multiple
-     * of 4 (the lane groups' stride) */
+    /* a stage holds `slab` blocks of each of PROG_WARPS rows: a multiple
+     * of 4 (the lane groups' stride), or the whole row */
     pw->slab = PROG_STAGE_BYTES / (PROG_WARPS * (pw->row_bytes / pw->nb)) / 4 * 4;
     if (pw->slab > pw->nb) pw->slab = pw->nb;
-    return pw->slab >= 4 || (pw->slab > 0 && pw->slab == pw->nb);
+    return pw->slab > 0;
 }
 
 void luma_cuda_program_launch(cuda_backend *c, const prog_params *p)

@@ -146,7 +146,6 @@ static inline void random_weights(enum luma_type t, int64_t n, uint8_t *dst)
     }
 }
 
-/* malloc that ends the test when memory runs out; never NULL, even for 0. */
 /* The index of the first largest of x[0..n), every value counted (unlike
  * luma_logits_argmax, which skips masked entries): the tests' top-1. */
 static inline int32_t argmax(const float *x, int32_t n)
@@ -157,6 +156,7 @@ static inline int32_t argmax(const float *x, int32_t n)
     return best;
 }
 
+/* malloc that ends the test when memory runs out; never NULL, even for 0. */
 static inline void *xmalloc(size_t n)
 {
     void *p = malloc(n ? n : 1);

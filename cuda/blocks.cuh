@@ -32,6 +32,29 @@ static __device__ __forceinline__ void scale_min_k4(int s, uint32_t w1, uint32_t
     }
 }
 
+/* The scales and minimums of sub-blocks 2 sj and 2 sj + 1 (scale_min_k4's)
+ * without a branch: a lane's sj is fixed, and where the 8 lanes of a block
+ * take both halves of the branch, a warp would run both. */
+static __device__ __forceinline__ void scale_min_k4_pair(int sj, uint32_t w1, uint32_t w2, uint32_t w3, int &s0,
+                                                         int &m0, int &s1, int &m1)
+{
+    const int b = 16 * (sj & 1), sh = sj >= 2 ? 2 : 0;
+    const uint32_t t1 = w1 >> b, t2 = w2 >> b, t3 = w3 >> b;
+    const uint32_t a = sj >= 2 ? t3 : t1, mm = sj >= 2 ? t3 >> 4 : t2, u1 = t1 >> sh, u2 = t2 >> sh;
+    s0 = (int)((a & 0xF) | (u1 & 0x30));
+    s1 = (int)(((a >> 8) & 0xF) | ((u1 >> 8) & 0x30));
+    m0 = (int)((mm & 0xF) | (u2 & 0x30));
+    m1 = (int)(((mm >> 8) & 0xF) | ((u2 >> 8) & 0x30));
+}
+
+/* An integer as a float, exactly for |c| < 2^22 (the sums of a block's
+ * products, its scales), with two full-rate instructions instead of one
+ * quarter-rate conversion. */
+static __device__ __forceinline__ float i2f(int c)
+{
+    return __int_as_float(c + 0x4B400000) - 12582912.0f;
+}
+
 /* Two floats as the f16 pair of one 32-bit register (lo in the low half). */
 static __device__ __forceinline__ uint32_t pack_h2(float lo, float hi)
 {

@@ -492,25 +492,33 @@ struct k_act32 {
     }
 };
 
+/* Four unsigned bytes of u times four signed ones of s, plus c. */
+static __device__ __forceinline__ int dp4a_us(int u, int s, int c)
+{
+    int r;
+    asm("dp4a.u32.s32 %0, %1, %2, %3;" : "=r"(r) : "r"(u), "r"(s), "r"(c));
+    return r;
+}
+
 struct k_w32 {
-    int lo[4], hi[4];
+    int lo[4], hi[4];          /* unsigned bytes */
     float da, db, ma, mb;      /* d * scale and dmin * minimum of the two sub-blocks */
     static __device__ void scales(const int4 &hdr, int p, k_w32 &w)
     {
         float d = f16_bits((uint32_t)hdr.x & 0xffff), dmin = f16_bits((uint32_t)hdr.x >> 16);
-        int s0, m0, s1, m1, sj = p / 2;
-        scale_min_k4(2 * sj, hdr.y, hdr.z, hdr.w, s0, m0);
-        scale_min_k4(2 * sj + 1, hdr.y, hdr.z, hdr.w, s1, m1);
-        w.da = d * (float)s0;
-        w.db = d * (float)s1;
-        w.ma = p % 2 == 0 ? dmin * (float)m0 : 0.0f;
-        w.mb = p % 2 == 0 ? dmin * (float)m1 : 0.0f;
+        int s0, m0, s1, m1;
+        scale_min_k4_pair(p / 2, hdr.y, hdr.z, hdr.w, s0, m0, s1, m1);
+        w.da = d * i2f(s0);
+        w.db = d * i2f(s1);
+        const float dm = p % 2 == 0 ? dmin : 0.0f;
+        w.ma = dm * i2f(m0);
+        w.mb = dm * i2f(m1);
     }
     static __device__ float dot(const k_w32 &w, const k_act32 &x)
     {
-        int sa = __dp4a(w.lo[0], x.a.x, __dp4a(w.lo[1], x.a.y, __dp4a(w.lo[2], x.a.z, __dp4a(w.lo[3], x.a.w, 0))));
-        int sb = __dp4a(w.hi[0], x.b.x, __dp4a(w.hi[1], x.b.y, __dp4a(w.hi[2], x.b.z, __dp4a(w.hi[3], x.b.w, 0))));
-        return x.ds.x * w.da * (float)sa + x.ds.z * w.db * (float)sb - (w.ma * x.ds.y + w.mb * x.ds.w);
+        int sa = dp4a_us(w.lo[0], x.a.x, dp4a_us(w.lo[1], x.a.y, dp4a_us(w.lo[2], x.a.z, dp4a_us(w.lo[3], x.a.w, 0))));
+        int sb = dp4a_us(w.hi[0], x.b.x, dp4a_us(w.hi[1], x.b.y, dp4a_us(w.hi[2], x.b.z, dp4a_us(w.hi[3], x.b.w, 0))));
+        return x.ds.x * w.da * i2f(sa) + x.ds.z * w.db * i2f(sb) - (w.ma * x.ds.y + w.mb * x.ds.w);
     }
 };
 
@@ -535,10 +543,19 @@ struct type_q4_K {
             hi[i] = (v[i] >> 4) & LOW4;
         }
     }
+    /* The high nibbles stay in place (16 times the value: one mask, no
+     * shift) and the sub-block's d * scale takes the 1/16: a power of two,
+     * so the products round as with the value itself. */
     static __device__ void decode(const raw_t &r, int p, w_t &w)
     {
         k_w32::scales(r.hdr, p, w);
-        bits(r, p, w.lo, w.hi);
+        int v[4] = { r.q.x, r.q.y, r.q.z, r.q.w };
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            w.lo[i] = v[i] & LOW4;
+            w.hi[i] = v[i] & ~LOW4;
+        }
+        w.db *= 0.0625f;
     }
     static __device__ void loadx(const act_rows &a, int j, int64_t ib, int p, x_t &x)
     {
@@ -696,8 +713,8 @@ struct type_q6_K_mmv {
             w.lo[i] = __vsub4((v[i] & LOW4) | ((r.h.x >> (2 * i)) & 0x03030303) << 4, 0x20202020);
             w.hi[i] = __vsub4(((v[i] >> 4) & LOW4) | ((r.h.y >> (2 * i)) & 0x03030303) << 4, 0x20202020);
         }
-        w.da = r.d * (float)(int8_t)(r.sc & 0xFF);
-        w.db = r.d * (float)(int8_t)(r.sc >> 8);
+        w.da = r.d * i2f((int8_t)(r.sc & 0xFF));
+        w.db = r.d * i2f((int8_t)(r.sc >> 8));
     }
     static __device__ void loadx(const act_rows &a, int j, int64_t ib, int p, x_t &x)
     {
@@ -707,7 +724,7 @@ struct type_q6_K_mmv {
     {
         int sa = __dp4a(w.lo[0], x.a.x, __dp4a(w.lo[1], x.a.y, __dp4a(w.lo[2], x.a.z, __dp4a(w.lo[3], x.a.w, 0))));
         int sb = __dp4a(w.hi[0], x.b.x, __dp4a(w.hi[1], x.b.y, __dp4a(w.hi[2], x.b.z, __dp4a(w.hi[3], x.b.w, 0))));
-        return x.ds.x * w.da * (float)sa + x.ds.z * w.db * (float)sb;
+        return x.ds.x * w.da * i2f(sa) + x.ds.z * w.db * i2f(sb);
     }
 };
 
@@ -861,9 +878,8 @@ struct kf_base : kf_float {
                                                  w_t &w)
     {
         float d = f16_bits((uint32_t)hdr.x & 0xffff), dmin = f16_bits((uint32_t)hdr.x >> 16);
-        int s0, m0, s1, m1, sj = p / 2;
-        scale_min_k4(2 * sj, hdr.y, hdr.z, hdr.w, s0, m0);
-        scale_min_k4(2 * sj + 1, hdr.y, hdr.z, hdr.w, s1, m1);
+        int s0, m0, s1, m1;
+        scale_min_k4_pair(p / 2, hdr.y, hdr.z, hdr.w, s0, m0, s1, m1);
         float da = __fmul_rn(d, (float)s0), ma = __fmul_rn(dmin, (float)m0);
         float db = __fmul_rn(d, (float)s1), mb = __fmul_rn(dmin, (float)m1);
 #pragma unroll
@@ -3073,7 +3089,7 @@ static __device__ __forceinline__ float prog_acc(const uint8_t *piece, int n, in
 {
     static_assert(T::lpb == 8, "8 lanes a block");
     const int lane = threadIdx.x % 32, p = lane % 8;
-#pragma unroll 2
+#pragma unroll 4
     for (int ib = lane / 8; ib < n; ib += 4) {
         typename T::raw_t r;
         T::fetch(piece + (size_t)ib * T::bytes, p, r);
@@ -3113,7 +3129,8 @@ static __global__ void __launch_bounds__(PROG_THREADS, 1) prog_kernel(const __gr
         /* the producer: weights depend on nothing the step computes, so
          * it never waits for the consumers' phases, only for free stages */
         uint32_t k = 0;
-        for (int pi = 0; pi < P.n; pi++)
+        for (int pi = 0; pi < P.n; pi++) {
+            long long cy_empty = 0;
             for (int i = 0; i < P.ph[pi].n_w; i++) {
                 const prog_w &W = P.ph[pi].w[i];
                 const int bb = W.row_bytes / W.nb;
@@ -3123,7 +3140,9 @@ static __global__ void __launch_bounds__(PROG_THREADS, 1) prog_kernel(const __gr
                     const int nr = min(PROG_WARPS, hi - g0);
                     for (int b0 = 0; b0 < W.nb; b0 += W.slab, k++) {
                         const uint32_t st = k % PROG_STAGES, piece = (uint32_t)(min(W.slab, W.nb - b0) * bb);
+                        long long c0 = P.stats && lane == 0 ? clock64() : 0;
                         if (k >= PROG_STAGES) mbar_wait(&s.empty[st], (k / PROG_STAGES - 1) & 1);
+                        if (P.stats && lane == 0) cy_empty += clock64() - c0;
                         if (lane == 0) mbar_expect(&s.full[st], piece * (uint32_t)nr);
                         __syncwarp();
                         if (lane < nr)
@@ -3132,6 +3151,8 @@ static __global__ void __launch_bounds__(PROG_THREADS, 1) prog_kernel(const __gr
                     }
                 }
             }
+            if (P.stats && lane == 0) atomicAdd(P.stats + PROG_STATS * pi + 7, (unsigned long long)cy_empty);
+        }
         return;
     }
     const act_rows a = { (const int *)s.q, s.ds, NULL, 0, 0, 0 };
@@ -3139,6 +3160,7 @@ static __global__ void __launch_bounds__(PROG_THREADS, 1) prog_kernel(const __gr
     for (int pi = 0; pi < P.n; pi++) {
         const prog_phase &ph = P.ph[pi];
         unsigned long long t0 = P.stats && tid == 0 ? prog_now() : 0, t1 = 0, t2 = 0;
+        long long cy_wait = 0, cy_acc = 0, cy_epi = 0;
         if (pi == 0) wait_for_previous_kernel();
         else prog_grid_sync(P.bar, G);
         if (pi == P.n - 1) let_next_kernel_start();
@@ -3161,7 +3183,13 @@ static __global__ void __launch_bounds__(PROG_THREADS, 1) prog_kernel(const __gr
                 }
                 for (int b0 = 0; b0 < W.nb; b0 += W.slab, k++) {
                     const int st = (int)(k % PROG_STAGES), n = min(W.slab, W.nb - b0);
+                    long long c0 = P.stats && tid == 0 ? clock64() : 0;
                     mbar_wait(&s.full[st], (k / PROG_STAGES) & 1);
+                    if (P.stats && tid == 0) {
+                        long long c1 = clock64();
+                        cy_wait += c1 - c0;
+                        c0 = c1;
+                    }
                     if (mine) {
                         const uint8_t *rp = s.ring[st] + (size_t)warp * W.slab * bb;
                         if (W.type == PROG_Q4_K) acc = prog_acc<type_q4_K>(rp, n, b0, a, acc);
@@ -3170,8 +3198,10 @@ static __global__ void __launch_bounds__(PROG_THREADS, 1) prog_kernel(const __gr
                     }
                     __syncwarp();
                     if (lane == 0) mbar_arrive(&s.empty[st]);
+                    if (P.stats && tid == 0) cy_acc += clock64() - c0;
                 }
                 if (!mine) continue;
+                long long ce = P.stats && tid == 0 ? clock64() : 0;
                 const float y = warp_sum(acc);
                 if (W.rope) {
                     /* rows r (even warp) and r + 1 (groups hold whole
@@ -3192,14 +3222,18 @@ static __global__ void __launch_bounds__(PROG_THREADS, 1) prog_kernel(const __gr
                     if (ph.resx) ph.resx[r] = x0 + y;
                     if (gated) ph.w[0].y[r] = act_gated_rt(ph.gact - 1, x0, y);
                 }
+                if (P.stats && tid == 0) cy_epi += clock64() - ce;
             }
         }
         if (P.stats && tid == 0) {
-            unsigned long long *st = P.stats + 4 * pi, t3 = prog_now();
+            unsigned long long *st = P.stats + PROG_STATS * pi, t3 = prog_now();
             atomicAdd(st, t1 - t0);
             atomicAdd(st + 1, t2 - t1);
             atomicAdd(st + 2, t3 - t2);
             atomicAdd(st + 3, 1ull);
+            atomicAdd(st + 4, (unsigned long long)cy_wait);
+            atomicAdd(st + 5, (unsigned long long)cy_acc);
+            atomicAdd(st + 6, (unsigned long long)cy_epi);
         }
     }
 }

@@ -432,14 +432,6 @@ static __device__ __forceinline__ void mma_s8_k16(int (&c)[4], uint32_t a0, uint
         : "r"(a0), "r"(a1), "r"(b));
 }
 
-/* An integer sum as a float: exact for |c| < 2^22 (a sub-block's sums stay
- * under 32 x 63 x 127), with two full-rate instructions instead of one
- * quarter-rate conversion. */
-static __device__ __forceinline__ float i2f(int c)
-{
-    return __int_as_float(c + 0x4B400000) - 12582912.0f;
-}
-
 /* ---- the GEMM kernel ------------------------------------------------------- */
 
 /* A CTA's 8 warps: rw along the weight rows (32 rows each) times kw along

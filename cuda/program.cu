@@ -141,8 +141,8 @@ void luma_cuda_prog_flush(cuda_backend *c)
     if (b->norm || b->wb_gate) norm_phase(b);
     b->p.bar = c->prog_bar;
     static const bool times = getenv("LUMA_CUDA_PROGRAM_TIMES") != NULL;
-    if (times && !c->prog_stats && cudaMalloc((void **)&c->prog_stats, 4 * PROG_MAX_PHASES * 8) == cudaSuccess)
-        cudaMemset(c->prog_stats, 0, 4 * PROG_MAX_PHASES * 8);
+    if (times && !c->prog_stats && cudaMalloc((void **)&c->prog_stats, PROG_STATS * PROG_MAX_PHASES * 8) == cudaSuccess)
+        cudaMemset(c->prog_stats, 0, PROG_STATS * PROG_MAX_PHASES * 8);
     b->p.stats = c->prog_stats;
     static const bool trace = getenv("LUMA_CUDA_PROGRAM_TRACE") != NULL;   /* read once */
     if (trace) {
@@ -336,13 +336,21 @@ void luma_cuda_prog_free(cuda_backend *c)
     free(c->prog);
     c->prog = NULL;
     if (c->prog_stats) {
-        unsigned long long h[4 * PROG_MAX_PHASES];
+        unsigned long long h[PROG_STATS * PROG_MAX_PHASES];
+        int khz = 0;
+        cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, c->device);
+        const double cy = khz > 0 ? khz / 1e3 : 1.0; /* cycles a us */
         if (cudaMemcpy(h, c->prog_stats, sizeof h, cudaMemcpyDeviceToHost) == cudaSuccess)
-            for (int i = 0; i < PROG_MAX_PHASES; i++)
-                if (h[4 * i + 3])
-                    fprintf(stderr, "program phase %d: %llu CTA runs, us a run: wait %.2f prologue %.2f products %.2f\n",
-                            i, h[4 * i + 3], h[4 * i] / 1e3 / h[4 * i + 3], h[4 * i + 1] / 1e3 / h[4 * i + 3],
-                            h[4 * i + 2] / 1e3 / h[4 * i + 3]);
+            for (int i = 0; i < PROG_MAX_PHASES; i++) {
+                const unsigned long long *e = h + PROG_STATS * i;
+                if (!e[3]) continue;
+                const double n = (double)e[3];
+                fprintf(stderr,
+                        "program phase %d: %llu CTA runs, us a run: wait %.2f prologue %.2f products %.2f"
+                        " (consumer 0: stage waits %.2f, stages %.2f, row ends %.2f; producer: waits %.2f)\n",
+                        i, e[3], e[0] / 1e3 / n, e[1] / 1e3 / n, e[2] / 1e3 / n, e[4] / cy / n, e[5] / cy / n,
+                        e[6] / cy / n, e[7] / cy / n);
+            }
         cudaFree(c->prog_stats);
         c->prog_stats = NULL;
     }

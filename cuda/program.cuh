@@ -34,6 +34,7 @@
 #define PROG_STAGE_BYTES (36 << 10)        /* a ring stage: 16 rows of 16 Q4_K blocks */
 #define PROG_STAGES 5
 #define PROG_MAX_COLS 16384                /* the widest activation row */
+#define PROG_STATS 8                       /* LUMA_CUDA_PROGRAM_TIMES: counters a phase index */
 
 /* The weight formats a program reads (K formats: activations quantized
  * as Q8_K; Q6_K in the matrix-vector kernels' repacked layout). */

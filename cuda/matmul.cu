@@ -1329,12 +1329,31 @@ struct mmv_rope_request {
     int done;
 };
 
+/* Deeper fetching at one activation row (PF > 1, below) is built for the
+ * K formats of a Q4_K_M model. */
+template <class T>
+static __host__ __device__ constexpr bool mmv_pf_ok()
+{
+    return std::is_same<T, type_q4_K>::value || std::is_same<T, type_q5_K>::value ||
+           std::is_same<T, type_q6_K_mmv>::value;
+}
+
 /* y[j * rows + r] = W[r] . x[j] for the m <= MAXM activation rows; each warp
  * owns ROWS consecutive weight rows (from r0) and keeps ROWS x MAXM sums. A
  * lane takes blocks ib0, ib0 + stride, ...; the raw bytes of its next block
  * are fetched before the current one is decoded and used, so that a load
- * is in flight while the lane computes. */
-template <class T, int MAXM, int ROWS, bool ROPE>
+ * is in flight while the lane computes.
+ *
+ * PF > 1 (one activation row, a row a warp): PF rounds of blocks in flight
+ * a lane, through PF + 1 register buffers in rotation, the loop unrolled
+ * over them, so that a fetch never lands in the buffer being decoded; the
+ * fetches past the row's end read its last block again instead of being
+ * skipped. Both keep the compiler from fetching into temporaries that a
+ * move then waits for: the plain loop's moves wait at the end of each
+ * round for the fetch it issued (one block in flight), and a first PF > 1
+ * build without them waited for its first buffer's fetch at once
+ * (cuda/NOTES.md). The same blocks, sums and order as PF = 1. */
+template <class T, int MAXM, int ROWS, bool ROPE, int PF = 1>
 static __device__ __forceinline__ void mmv_direct_rows(const uint8_t *w, float *y, int64_t rows, int64_t r0,
                                                        size_t row_bytes, int nb, const act_rows &a, int m,
                                                        const mmv_rope<ROPE> &rp, bool rot)
@@ -1344,28 +1363,53 @@ static __device__ __forceinline__ void mmv_direct_rows(const uint8_t *w, float *
     const uint8_t *wr[ROWS];
 #pragma unroll
     for (int r = 0; r < ROWS; r++) wr[r] = w + (size_t)min(r0 + r, rows - 1) * row_bytes;
-    typename T::raw_t raw[ROWS];
-    int ib = lane / T::lpb;
-    if (ib < nb)
-#pragma unroll
-        for (int r = 0; r < ROWS; r++) T::fetch(wr[r] + (size_t)ib * T::bytes, p, raw[r]);
-    wait_for_previous_kernel();
-    let_next_kernel_start();
     float acc[ROWS][MAXM] = {};
-    for (; ib < nb; ib += stride) {
-        typename T::w_t wv[ROWS];
+    if constexpr (PF > 1) {
+        static_assert(ROWS == 1 && MAXM == 1, "a row a warp at one activation row");
+        constexpr int U = PF + 1;
+        typename T::raw_t buf[U];
+        const int ib0 = lane / T::lpb;
 #pragma unroll
-        for (int r = 0; r < ROWS; r++) T::decode(raw[r], p, wv[r]);
-        if (ib + stride < nb)
+        for (int s = 0; s < PF; s++) T::fetch(wr[0] + (size_t)min(ib0 + s * stride, nb - 1) * T::bytes, p, buf[s]);
+        wait_for_previous_kernel();
+        let_next_kernel_start();
+        for (int ib = ib0; ib < nb; ib += U * stride) {
 #pragma unroll
-            for (int r = 0; r < ROWS; r++) T::fetch(wr[r] + (size_t)(ib + stride) * T::bytes, p, raw[r]);
+            for (int s = 0; s < U; s++) {
+                const int b = ib + s * stride;
+                if (b < nb) {
+                    typename T::w_t wv;
+                    T::decode(buf[s], p, wv);
+                    T::fetch(wr[0] + (size_t)min(b + PF * stride, nb - 1) * T::bytes, p, buf[(s + PF) % U]);
+                    typename T::x_t xv;
+                    T::loadx(a, 0, b, p, xv);
+                    acc[0][0] += T::dot(wv, xv);
+                }
+            }
+        }
+    } else {
+        typename T::raw_t raw[ROWS];
+        int ib = lane / T::lpb;
+        if (ib < nb)
 #pragma unroll
-        for (int j = 0; j < MAXM; j++) {
-            if (j < m) {
-                typename T::x_t xv;
-                T::loadx(a, j, ib, p, xv);
+            for (int r = 0; r < ROWS; r++) T::fetch(wr[r] + (size_t)ib * T::bytes, p, raw[r]);
+        wait_for_previous_kernel();
+        let_next_kernel_start();
+        for (; ib < nb; ib += stride) {
+            typename T::w_t wv[ROWS];
 #pragma unroll
-                for (int r = 0; r < ROWS; r++) acc[r][j] += T::dot(wv[r], xv);
+            for (int r = 0; r < ROWS; r++) T::decode(raw[r], p, wv[r]);
+            if (ib + stride < nb)
+#pragma unroll
+                for (int r = 0; r < ROWS; r++) T::fetch(wr[r] + (size_t)(ib + stride) * T::bytes, p, raw[r]);
+#pragma unroll
+            for (int j = 0; j < MAXM; j++) {
+                if (j < m) {
+                    typename T::x_t xv;
+                    T::loadx(a, j, ib, p, xv);
+#pragma unroll
+                    for (int r = 0; r < ROWS; r++) acc[r][j] += T::dot(wv[r], xv);
+                }
             }
         }
     }
@@ -1416,7 +1460,7 @@ static __device__ __forceinline__ void mmv_direct_rows(const uint8_t *w, float *
  * mmv_direct_rows takes them, in type TA, or in type TB from CTA cta_b on
  * (q and k in one format, v in another of the same activation format); one
  * type when TA and TB are the same. */
-template <class TA, class TB, int MAXM, int ROWS, bool ROPE>
+template <class TA, class TB, int MAXM, int ROWS, bool ROPE, int PF = 1>
 static __global__ void __launch_bounds__(MMV_DIRECT_WARPS * 32)
 mmv_direct(mmv_segs sg, act_rows a, int m, const mmv_rope<ROPE> rp)
 {
@@ -1442,10 +1486,10 @@ mmv_direct(mmv_segs sg, act_rows a, int m, const mmv_rope<ROPE> rp)
     bool rot = false;
     if constexpr (ROPE) rot = (rp.mask >> seg) & 1;
     if constexpr (std::is_same<TA, TB>::value) {
-        mmv_direct_rows<TA, MAXM, ROWS, ROPE>(w, y, rows, r0, row_bytes, nb, a, m, rp, rot);
+        mmv_direct_rows<TA, MAXM, ROWS, ROPE, PF>(w, y, rows, r0, row_bytes, nb, a, m, rp, rot);
     } else {
-        if (blockIdx.x < sg.cta_b) mmv_direct_rows<TA, MAXM, ROWS, ROPE>(w, y, rows, r0, row_bytes, nb, a, m, rp, rot);
-        else mmv_direct_rows<TB, MAXM, ROWS, ROPE>(w, y, rows, r0, row_bytes, nb, a, m, rp, rot);
+        if (blockIdx.x < sg.cta_b) mmv_direct_rows<TA, MAXM, ROWS, ROPE, PF>(w, y, rows, r0, row_bytes, nb, a, m, rp, rot);
+        else mmv_direct_rows<TB, MAXM, ROWS, ROPE, PF>(w, y, rows, r0, row_bytes, nb, a, m, rp, rot);
     }
 }
 
@@ -1765,6 +1809,60 @@ static void mmv_staged_launch(cuda_backend *c, const luma_weight *w, const act_r
     luma_cuda_fail(c, cudaLaunchKernelEx(&cfg, mmv_staged<T, MAXM>, pl, a, m, y), "matmul (matrix-vector kernel)");
 }
 
+/* LUMA_CUDA_MMV_PF=2 or 3 (read once; 1, the default, turns it off) takes
+ * mmv_direct_rows' PF rounds in flight for the launches at one activation
+ * row of at most one wave of the deeper kernel (the 7B's q/k/v, o and
+ * downs: a warp's rounds follow one another there, where a launch of many
+ * waves has other warps to overlap them), or for every such launch with
+ * LUMA_CUDA_MMV_PF_ALL=1. Off until measured on a GPU (cuda/NOTES.md). */
+static int mmv_pf(bool &all)
+{
+    static int pf = -1;
+    static bool every = false;
+    if (pf < 0) {
+        const char *s = getenv("LUMA_CUDA_MMV_PF"), *e = getenv("LUMA_CUDA_MMV_PF_ALL");
+        int v = s ? atoi(s) : 1;
+        pf = v == 2 || v == 3 ? v : 1;
+        every = e && atoi(e) != 0;
+    }
+    all = every;
+    return pf;
+}
+
+/* CTAs of kernel k resident on an SM at once (0 when the query fails). */
+template <class K>
+static int mmv_ctas_per_sm(K k)
+{
+    int n = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, k, MMV_DIRECT_WARPS * 32, 0) != cudaSuccess) {
+        (void)cudaGetLastError();
+        n = 0;
+    }
+    return n;
+}
+
+/* cudaLaunchKernelEx of mmv_direct, with PF rounds in flight where mmv_pf
+ * asks for them and the types and m take them. */
+template <class TA, class TB, int MAXM, int ROWS, bool ROPE>
+static cudaError_t mmv_direct_start(const cuda_backend *c, const cudaLaunchConfig_t &cfg, const mmv_segs &sg,
+                                    const act_rows &a, int m, const mmv_rope<ROPE> &rp)
+{
+    if constexpr (MAXM == 1 && ROWS == 1 && mmv_pf_ok<TA>() && mmv_pf_ok<TB>()) {
+        bool all;
+        const int pf = mmv_pf(all);
+        if (pf == 2) {
+            static const int per_sm = mmv_ctas_per_sm(mmv_direct<TA, TB, MAXM, ROWS, ROPE, 2>);
+            if (all || cfg.gridDim.x <= (unsigned)(per_sm * c->n_sm))
+                return cudaLaunchKernelEx(&cfg, mmv_direct<TA, TB, MAXM, ROWS, ROPE, 2>, sg, a, m, rp);
+        } else if (pf == 3) {
+            static const int per_sm = mmv_ctas_per_sm(mmv_direct<TA, TB, MAXM, ROWS, ROPE, 3>);
+            if (all || cfg.gridDim.x <= (unsigned)(per_sm * c->n_sm))
+                return cudaLaunchKernelEx(&cfg, mmv_direct<TA, TB, MAXM, ROWS, ROPE, 3>, sg, a, m, rp);
+        }
+    }
+    return cudaLaunchKernelEx(&cfg, mmv_direct<TA, TB, MAXM, ROWS, ROPE>, sg, a, m, rp);
+}
+
 /* Launched as a programmatic dependent of the quantizer (cuda/launch.cuh):
  * the first weight loads go out before the wait. */
 template <class TA, class TB, int MAXM>
@@ -1808,13 +1906,13 @@ static void mmv_direct_launch(cuda_backend *c, const luma_weight *const *ws, flo
     if (mask) {
         mmv_rope<true> rp = rq->rp;
         rp.mask = mask;
-        if (luma_cuda_fail(c, cudaLaunchKernelEx(&cfg, mmv_direct<TA, TB, MAXM, ROWS, true>, sg, a, m, rp),
+        if (luma_cuda_fail(c, mmv_direct_start<TA, TB, MAXM, ROWS, true>(c, cfg, sg, a, m, rp),
                            "matmul (matrix-vector kernel, rotating q and k)"))
             return;
         rq->done |= done;
         return;
     }
-    luma_cuda_fail(c, cudaLaunchKernelEx(&cfg, mmv_direct<TA, TB, MAXM, ROWS, false>, sg, a, m, mmv_rope<false>()),
+    luma_cuda_fail(c, mmv_direct_start<TA, TB, MAXM, ROWS, false>(c, cfg, sg, a, m, mmv_rope<false>()),
                    "matmul (matrix-vector kernel)");
 }
 

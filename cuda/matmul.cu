@@ -1727,12 +1727,15 @@ struct mmv_limits {
     int sm_threads, sm_regs, sm_smem, cta_reserved;
 };
 
-static mmv_limits mmv_setup(const void *fn)
+/* The limits of kernel fn, after allowing it smem_max bytes of dynamic
+ * shared memory (none asked for when 0). */
+static mmv_limits mmv_setup(const void *fn, int smem_max)
 {
     mmv_limits l = {};
     int dev = 0;
     l.e = cudaGetDevice(&dev);
-    if (l.e == cudaSuccess) l.e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, MMV_SMEM_MAX);
+    if (l.e == cudaSuccess && smem_max > 0)
+        l.e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_max);
     if (l.e == cudaSuccess) l.e = cudaFuncGetAttributes(&l.fa, fn);
     if (l.e == cudaSuccess) l.e = cudaDeviceGetAttribute(&l.sm_threads, cudaDevAttrMaxThreadsPerMultiProcessor, dev);
     if (l.e == cudaSuccess) l.e = cudaDeviceGetAttribute(&l.sm_regs, cudaDevAttrMaxRegistersPerMultiprocessor, dev);
@@ -1743,15 +1746,15 @@ static mmv_limits mmv_setup(const void *fn)
     return l;
 }
 
-/* CTAs of a staged kernel an SM holds with smem bytes of dynamic shared
- * memory each (registers are allocated 256 to a warp); computed here rather
- * than asked of the runtime, which a recording stream may not allow. */
-static int mmv_occupancy(const mmv_limits &l, size_t smem)
+/* CTAs of `warps` warps an SM holds of a kernel with smem bytes of dynamic
+ * shared memory each (registers are allocated 256 to a warp); computed here
+ * rather than asked of the runtime, which a recording stream may not allow. */
+static int mmv_occupancy(const mmv_limits &l, size_t smem, int warps)
 {
-    const int threads = MMV_STAGED_WARPS * 32;
+    const int threads = warps * 32;
     int by_threads = l.sm_threads / threads;
     int warp_regs = (l.fa.numRegs * 32 + 255) / 256 * 256;
-    int by_regs = warp_regs > 0 ? l.sm_regs / warp_regs / MMV_STAGED_WARPS : by_threads;
+    int by_regs = warp_regs > 0 ? l.sm_regs / warp_regs / warps : by_threads;
     size_t per_cta = smem + l.fa.sharedSizeBytes + (size_t)l.cta_reserved;
     int by_smem = smem > MMV_SMEM_MAX ? 0 : (int)((size_t)l.sm_smem / per_cta);
     int n = by_threads < by_regs ? by_threads : by_regs;
@@ -1766,7 +1769,7 @@ template <class T, int MAXM>
 static void mmv_staged_launch(cuda_backend *c, const luma_weight *w, const act_rows &a, int m, float *y)
 {
     constexpr int ROWS = mmv_rows(MAXM), BPI = 32 / T::lpb;
-    static const mmv_limits lim = mmv_setup((const void *)mmv_staged<T, MAXM>);
+    static const mmv_limits lim = mmv_setup((const void *)mmv_staged<T, MAXM>, MMV_SMEM_MAX);
     if (luma_cuda_fail(c, lim.e, "matmul (matrix-vector kernel setup)")) return;
     mmv_plan pl;
     pl.w = mmv_bytes<T>(w);
@@ -1790,7 +1793,7 @@ static void mmv_staged_launch(cuda_backend *c, const luma_weight *w, const act_r
         pl.piece = (piece_iters < slice_iters ? piece_iters : slice_iters) * BPI;
         pl.stride = (pl.piece * T::bytes + 32 + 15) & ~15;
         smem = (size_t)pl.buf_off + (size_t)MMV_STAGED_WARPS * ROWS * pl.stride;
-        occ = mmv_occupancy(lim, smem);
+        occ = mmv_occupancy(lim, smem, MMV_STAGED_WARPS);
         if (occ < 1) {
             luma_cuda_failf(c, "matmul: the matrix-vector kernel does not fit an SM (%zu bytes of shared memory)",
                             smem);
@@ -1829,16 +1832,14 @@ static int mmv_pf(bool &all)
     return pf;
 }
 
-/* CTAs of kernel k resident on an SM at once (0 when the query fails). */
-template <class K>
-static int mmv_ctas_per_sm(K k)
+/* Whether a launch of ctas CTAs takes mmv_direct with PF rounds in flight:
+ * with LUMA_CUDA_MMV_PF_ALL (all), or when they fit one wave of it. */
+template <class TA, class TB, int MAXM, int ROWS, bool ROPE, int PF>
+static bool mmv_pf_takes(const cuda_backend *c, unsigned ctas, bool all)
 {
-    int n = 0;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, k, MMV_DIRECT_WARPS * 32, 0) != cudaSuccess) {
-        (void)cudaGetLastError();
-        n = 0;
-    }
-    return n;
+    if (all) return true;
+    static const mmv_limits lim = mmv_setup((const void *)mmv_direct<TA, TB, MAXM, ROWS, ROPE, PF>, 0);
+    return lim.e == cudaSuccess && ctas <= (unsigned)(mmv_occupancy(lim, 0, MMV_DIRECT_WARPS) * c->n_sm);
 }
 
 /* cudaLaunchKernelEx of mmv_direct, with PF rounds in flight where mmv_pf
@@ -1850,15 +1851,10 @@ static cudaError_t mmv_direct_start(const cuda_backend *c, const cudaLaunchConfi
     if constexpr (MAXM == 1 && ROWS == 1 && mmv_pf_ok<TA>() && mmv_pf_ok<TB>()) {
         bool all;
         const int pf = mmv_pf(all);
-        if (pf == 2) {
-            static const int per_sm = mmv_ctas_per_sm(mmv_direct<TA, TB, MAXM, ROWS, ROPE, 2>);
-            if (all || cfg.gridDim.x <= (unsigned)(per_sm * c->n_sm))
-                return cudaLaunchKernelEx(&cfg, mmv_direct<TA, TB, MAXM, ROWS, ROPE, 2>, sg, a, m, rp);
-        } else if (pf == 3) {
-            static const int per_sm = mmv_ctas_per_sm(mmv_direct<TA, TB, MAXM, ROWS, ROPE, 3>);
-            if (all || cfg.gridDim.x <= (unsigned)(per_sm * c->n_sm))
-                return cudaLaunchKernelEx(&cfg, mmv_direct<TA, TB, MAXM, ROWS, ROPE, 3>, sg, a, m, rp);
-        }
+        if (pf == 2 && mmv_pf_takes<TA, TB, MAXM, ROWS, ROPE, 2>(c, cfg.gridDim.x, all))
+            return cudaLaunchKernelEx(&cfg, mmv_direct<TA, TB, MAXM, ROWS, ROPE, 2>, sg, a, m, rp);
+        if (pf == 3 && mmv_pf_takes<TA, TB, MAXM, ROWS, ROPE, 3>(c, cfg.gridDim.x, all))
+            return cudaLaunchKernelEx(&cfg, mmv_direct<TA, TB, MAXM, ROWS, ROPE, 3>, sg, a, m, rp);
     }
     return cudaLaunchKernelEx(&cfg, mmv_direct<TA, TB, MAXM, ROWS, ROPE>, sg, a, m, rp);
 }

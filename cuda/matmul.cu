@@ -1329,31 +1329,12 @@ struct mmv_rope_request {
     int done;
 };
 
-/* Deeper fetching at one activation row (PF > 1, below) is built for the
- * K formats of a Q4_K_M model. */
-template <class T>
-static __host__ __device__ constexpr bool mmv_pf_ok()
-{
-    return std::is_same<T, type_q4_K>::value || std::is_same<T, type_q5_K>::value ||
-           std::is_same<T, type_q6_K_mmv>::value;
-}
-
 /* y[j * rows + r] = W[r] . x[j] for the m <= MAXM activation rows; each warp
  * owns ROWS consecutive weight rows (from r0) and keeps ROWS x MAXM sums. A
  * lane takes blocks ib0, ib0 + stride, ...; the raw bytes of its next block
  * are fetched before the current one is decoded and used, so that a load
- * is in flight while the lane computes.
- *
- * PF > 1 (one activation row, a row a warp): PF rounds of blocks in flight
- * a lane, through PF + 1 register buffers in rotation, the loop unrolled
- * over them, so that a fetch never lands in the buffer being decoded; the
- * fetches past the row's end read its last block again instead of being
- * skipped. Both keep the compiler from fetching into temporaries that a
- * move then waits for: the plain loop's moves wait at the end of each
- * round for the fetch it issued (one block in flight), and a first PF > 1
- * build without them waited for its first buffer's fetch at once
- * (cuda/NOTES.md). The same blocks, sums and order as PF = 1. */
-template <class T, int MAXM, int ROWS, bool ROPE, int PF = 1>
+ * is in flight while the lane computes. */
+template <class T, int MAXM, int ROWS, bool ROPE>
 static __device__ __forceinline__ void mmv_direct_rows(const uint8_t *w, float *y, int64_t rows, int64_t r0,
                                                        size_t row_bytes, int nb, const act_rows &a, int m,
                                                        const mmv_rope<ROPE> &rp, bool rot)
@@ -1363,53 +1344,28 @@ static __device__ __forceinline__ void mmv_direct_rows(const uint8_t *w, float *
     const uint8_t *wr[ROWS];
 #pragma unroll
     for (int r = 0; r < ROWS; r++) wr[r] = w + (size_t)min(r0 + r, rows - 1) * row_bytes;
+    typename T::raw_t raw[ROWS];
+    int ib = lane / T::lpb;
+    if (ib < nb)
+#pragma unroll
+        for (int r = 0; r < ROWS; r++) T::fetch(wr[r] + (size_t)ib * T::bytes, p, raw[r]);
+    wait_for_previous_kernel();
+    let_next_kernel_start();
     float acc[ROWS][MAXM] = {};
-    if constexpr (PF > 1) {
-        static_assert(ROWS == 1 && MAXM == 1, "a row a warp at one activation row");
-        constexpr int U = PF + 1;
-        typename T::raw_t buf[U];
-        const int ib0 = lane / T::lpb;
+    for (; ib < nb; ib += stride) {
+        typename T::w_t wv[ROWS];
 #pragma unroll
-        for (int s = 0; s < PF; s++) T::fetch(wr[0] + (size_t)min(ib0 + s * stride, nb - 1) * T::bytes, p, buf[s]);
-        wait_for_previous_kernel();
-        let_next_kernel_start();
-        for (int ib = ib0; ib < nb; ib += U * stride) {
+        for (int r = 0; r < ROWS; r++) T::decode(raw[r], p, wv[r]);
+        if (ib + stride < nb)
 #pragma unroll
-            for (int s = 0; s < U; s++) {
-                const int b = ib + s * stride;
-                if (b < nb) {
-                    typename T::w_t wv;
-                    T::decode(buf[s], p, wv);
-                    T::fetch(wr[0] + (size_t)min(b + PF * stride, nb - 1) * T::bytes, p, buf[(s + PF) % U]);
-                    typename T::x_t xv;
-                    T::loadx(a, 0, b, p, xv);
-                    acc[0][0] += T::dot(wv, xv);
-                }
-            }
-        }
-    } else {
-        typename T::raw_t raw[ROWS];
-        int ib = lane / T::lpb;
-        if (ib < nb)
+            for (int r = 0; r < ROWS; r++) T::fetch(wr[r] + (size_t)(ib + stride) * T::bytes, p, raw[r]);
 #pragma unroll
-            for (int r = 0; r < ROWS; r++) T::fetch(wr[r] + (size_t)ib * T::bytes, p, raw[r]);
-        wait_for_previous_kernel();
-        let_next_kernel_start();
-        for (; ib < nb; ib += stride) {
-            typename T::w_t wv[ROWS];
+        for (int j = 0; j < MAXM; j++) {
+            if (j < m) {
+                typename T::x_t xv;
+                T::loadx(a, j, ib, p, xv);
 #pragma unroll
-            for (int r = 0; r < ROWS; r++) T::decode(raw[r], p, wv[r]);
-            if (ib + stride < nb)
-#pragma unroll
-                for (int r = 0; r < ROWS; r++) T::fetch(wr[r] + (size_t)(ib + stride) * T::bytes, p, raw[r]);
-#pragma unroll
-            for (int j = 0; j < MAXM; j++) {
-                if (j < m) {
-                    typename T::x_t xv;
-                    T::loadx(a, j, ib, p, xv);
-#pragma unroll
-                    for (int r = 0; r < ROWS; r++) acc[r][j] += T::dot(wv[r], xv);
-                }
+                for (int r = 0; r < ROWS; r++) acc[r][j] += T::dot(wv[r], xv);
             }
         }
     }
@@ -1460,7 +1416,7 @@ static __device__ __forceinline__ void mmv_direct_rows(const uint8_t *w, float *
  * mmv_direct_rows takes them, in type TA, or in type TB from CTA cta_b on
  * (q and k in one format, v in another of the same activation format); one
  * type when TA and TB are the same. */
-template <class TA, class TB, int MAXM, int ROWS, bool ROPE, int PF = 1>
+template <class TA, class TB, int MAXM, int ROWS, bool ROPE>
 static __global__ void __launch_bounds__(MMV_DIRECT_WARPS * 32)
 mmv_direct(mmv_segs sg, act_rows a, int m, const mmv_rope<ROPE> rp)
 {
@@ -1486,10 +1442,10 @@ mmv_direct(mmv_segs sg, act_rows a, int m, const mmv_rope<ROPE> rp)
     bool rot = false;
     if constexpr (ROPE) rot = (rp.mask >> seg) & 1;
     if constexpr (std::is_same<TA, TB>::value) {
-        mmv_direct_rows<TA, MAXM, ROWS, ROPE, PF>(w, y, rows, r0, row_bytes, nb, a, m, rp, rot);
+        mmv_direct_rows<TA, MAXM, ROWS, ROPE>(w, y, rows, r0, row_bytes, nb, a, m, rp, rot);
     } else {
-        if (blockIdx.x < sg.cta_b) mmv_direct_rows<TA, MAXM, ROWS, ROPE, PF>(w, y, rows, r0, row_bytes, nb, a, m, rp, rot);
-        else mmv_direct_rows<TB, MAXM, ROWS, ROPE, PF>(w, y, rows, r0, row_bytes, nb, a, m, rp, rot);
+        if (blockIdx.x < sg.cta_b) mmv_direct_rows<TA, MAXM, ROWS, ROPE>(w, y, rows, r0, row_bytes, nb, a, m, rp, rot);
+        else mmv_direct_rows<TB, MAXM, ROWS, ROPE>(w, y, rows, r0, row_bytes, nb, a, m, rp, rot);
     }
 }
 
@@ -1727,15 +1683,12 @@ struct mmv_limits {
     int sm_threads, sm_regs, sm_smem, cta_reserved;
 };
 
-/* The limits of kernel fn, after allowing it smem_max bytes of dynamic
- * shared memory (none asked for when 0). */
-static mmv_limits mmv_setup(const void *fn, int smem_max)
+static mmv_limits mmv_setup(const void *fn)
 {
     mmv_limits l = {};
     int dev = 0;
     l.e = cudaGetDevice(&dev);
-    if (l.e == cudaSuccess && smem_max > 0)
-        l.e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_max);
+    if (l.e == cudaSuccess) l.e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, MMV_SMEM_MAX);
     if (l.e == cudaSuccess) l.e = cudaFuncGetAttributes(&l.fa, fn);
     if (l.e == cudaSuccess) l.e = cudaDeviceGetAttribute(&l.sm_threads, cudaDevAttrMaxThreadsPerMultiProcessor, dev);
     if (l.e == cudaSuccess) l.e = cudaDeviceGetAttribute(&l.sm_regs, cudaDevAttrMaxRegistersPerMultiprocessor, dev);
@@ -1746,15 +1699,15 @@ static mmv_limits mmv_setup(const void *fn, int smem_max)
     return l;
 }
 
-/* CTAs of `warps` warps an SM holds of a kernel with smem bytes of dynamic
- * shared memory each (registers are allocated 256 to a warp); computed here
- * rather than asked of the runtime, which a recording stream may not allow. */
-static int mmv_occupancy(const mmv_limits &l, size_t smem, int warps)
+/* CTAs of a staged kernel an SM holds with smem bytes of dynamic shared
+ * memory each (registers are allocated 256 to a warp); computed here rather
+ * than asked of the runtime, which a recording stream may not allow. */
+static int mmv_occupancy(const mmv_limits &l, size_t smem)
 {
-    const int threads = warps * 32;
+    const int threads = MMV_STAGED_WARPS * 32;
     int by_threads = l.sm_threads / threads;
     int warp_regs = (l.fa.numRegs * 32 + 255) / 256 * 256;
-    int by_regs = warp_regs > 0 ? l.sm_regs / warp_regs / warps : by_threads;
+    int by_regs = warp_regs > 0 ? l.sm_regs / warp_regs / MMV_STAGED_WARPS : by_threads;
     size_t per_cta = smem + l.fa.sharedSizeBytes + (size_t)l.cta_reserved;
     int by_smem = smem > MMV_SMEM_MAX ? 0 : (int)((size_t)l.sm_smem / per_cta);
     int n = by_threads < by_regs ? by_threads : by_regs;
@@ -1769,7 +1722,7 @@ template <class T, int MAXM>
 static void mmv_staged_launch(cuda_backend *c, const luma_weight *w, const act_rows &a, int m, float *y)
 {
     constexpr int ROWS = mmv_rows(MAXM), BPI = 32 / T::lpb;
-    static const mmv_limits lim = mmv_setup((const void *)mmv_staged<T, MAXM>, MMV_SMEM_MAX);
+    static const mmv_limits lim = mmv_setup((const void *)mmv_staged<T, MAXM>);
     if (luma_cuda_fail(c, lim.e, "matmul (matrix-vector kernel setup)")) return;
     mmv_plan pl;
     pl.w = mmv_bytes<T>(w);
@@ -1793,7 +1746,7 @@ static void mmv_staged_launch(cuda_backend *c, const luma_weight *w, const act_r
         pl.piece = (piece_iters < slice_iters ? piece_iters : slice_iters) * BPI;
         pl.stride = (pl.piece * T::bytes + 32 + 15) & ~15;
         smem = (size_t)pl.buf_off + (size_t)MMV_STAGED_WARPS * ROWS * pl.stride;
-        occ = mmv_occupancy(lim, smem, MMV_STAGED_WARPS);
+        occ = mmv_occupancy(lim, smem);
         if (occ < 1) {
             luma_cuda_failf(c, "matmul: the matrix-vector kernel does not fit an SM (%zu bytes of shared memory)",
                             smem);
@@ -1810,53 +1763,6 @@ static void mmv_staged_launch(cuda_backend *c, const luma_weight *w, const act_r
     cudaLaunchConfig_t cfg = luma_launch_config(c, c->stream, (unsigned)(want < most ? want : most),
                                                 MMV_STAGED_WARPS * 32, smem, &at);
     luma_cuda_fail(c, cudaLaunchKernelEx(&cfg, mmv_staged<T, MAXM>, pl, a, m, y), "matmul (matrix-vector kernel)");
-}
-
-/* LUMA_CUDA_MMV_PF=2 or 3 (read once; 1, the default, turns it off) takes
- * mmv_direct_rows' PF rounds in flight for the launches at one activation
- * row of at most one wave of the deeper kernel (the 7B's q/k/v, o and
- * downs: a warp's rounds follow one another there, where a launch of many
- * waves has other warps to overlap them), or for every such launch with
- * LUMA_CUDA_MMV_PF_ALL=1. Off until measured on a GPU (cuda/NOTES.md). */
-static int mmv_pf(bool &all)
-{
-    static int pf = -1;
-    static bool every = false;
-    if (pf < 0) {
-        const char *s = getenv("LUMA_CUDA_MMV_PF"), *e = getenv("LUMA_CUDA_MMV_PF_ALL");
-        int v = s ? atoi(s) : 1;
-        pf = v == 2 || v == 3 ? v : 1;
-        every = e && atoi(e) != 0;
-    }
-    all = every;
-    return pf;
-}
-
-/* Whether a launch of ctas CTAs takes mmv_direct with PF rounds in flight:
- * with LUMA_CUDA_MMV_PF_ALL (all), or when they fit one wave of it. */
-template <class TA, class TB, int MAXM, int ROWS, bool ROPE, int PF>
-static bool mmv_pf_takes(const cuda_backend *c, unsigned ctas, bool all)
-{
-    if (all) return true;
-    static const mmv_limits lim = mmv_setup((const void *)mmv_direct<TA, TB, MAXM, ROWS, ROPE, PF>, 0);
-    return lim.e == cudaSuccess && ctas <= (unsigned)(mmv_occupancy(lim, 0, MMV_DIRECT_WARPS) * c->n_sm);
-}
-
-/* cudaLaunchKernelEx of mmv_direct, with PF rounds in flight where mmv_pf
- * asks for them and the types and m take them. */
-template <class TA, class TB, int MAXM, int ROWS, bool ROPE>
-static cudaError_t mmv_direct_start(const cuda_backend *c, const cudaLaunchConfig_t &cfg, const mmv_segs &sg,
-                                    const act_rows &a, int m, const mmv_rope<ROPE> &rp)
-{
-    if constexpr (MAXM == 1 && ROWS == 1 && mmv_pf_ok<TA>() && mmv_pf_ok<TB>()) {
-        bool all;
-        const int pf = mmv_pf(all);
-        if (pf == 2 && mmv_pf_takes<TA, TB, MAXM, ROWS, ROPE, 2>(c, cfg.gridDim.x, all))
-            return cudaLaunchKernelEx(&cfg, mmv_direct<TA, TB, MAXM, ROWS, ROPE, 2>, sg, a, m, rp);
-        if (pf == 3 && mmv_pf_takes<TA, TB, MAXM, ROWS, ROPE, 3>(c, cfg.gridDim.x, all))
-            return cudaLaunchKernelEx(&cfg, mmv_direct<TA, TB, MAXM, ROWS, ROPE, 3>, sg, a, m, rp);
-    }
-    return cudaLaunchKernelEx(&cfg, mmv_direct<TA, TB, MAXM, ROWS, ROPE>, sg, a, m, rp);
 }
 
 /* Launched as a programmatic dependent of the quantizer (cuda/launch.cuh):
@@ -1902,13 +1808,13 @@ static void mmv_direct_launch(cuda_backend *c, const luma_weight *const *ws, flo
     if (mask) {
         mmv_rope<true> rp = rq->rp;
         rp.mask = mask;
-        if (luma_cuda_fail(c, mmv_direct_start<TA, TB, MAXM, ROWS, true>(c, cfg, sg, a, m, rp),
+        if (luma_cuda_fail(c, cudaLaunchKernelEx(&cfg, mmv_direct<TA, TB, MAXM, ROWS, true>, sg, a, m, rp),
                            "matmul (matrix-vector kernel, rotating q and k)"))
             return;
         rq->done |= done;
         return;
     }
-    luma_cuda_fail(c, mmv_direct_start<TA, TB, MAXM, ROWS, false>(c, cfg, sg, a, m, mmv_rope<false>()),
+    luma_cuda_fail(c, cudaLaunchKernelEx(&cfg, mmv_direct<TA, TB, MAXM, ROWS, false>, sg, a, m, mmv_rope<false>()),
                    "matmul (matrix-vector kernel)");
 }
 

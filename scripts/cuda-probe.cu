@@ -95,6 +95,60 @@ probe(const uint8_t *__restrict__ w, int rows, int nb, const int4 *__restrict__ 
     if ((c0 ^ c1 ^ c2 ^ c3) == 0x9e3779b9u) out[0] = c0;   /* keeps the loads and the chains live */
 }
 
+/* The same loads with the work spread flat: the weight's rounds (4 blocks
+ * of one row) cut into equal runs, one a warp, over a grid of `ctas` CTAs
+ * (so that the warps an SM are what the registers allow, not what the
+ * rows give); a warp crossing a row's end sums its lanes (5 shuffles) and
+ * stores, as a kernel that writes partial rows would. PF 1. */
+template <int ACT>
+__global__ void __launch_bounds__(WARPS * 32)
+probe_flat(const uint8_t *__restrict__ w, int rows, int nb, const int4 *__restrict__ act, int pad, unsigned *out,
+           float *part)
+{
+    const int lane = threadIdx.x % 32, p = lane % 8;
+    const int per_row = nb / 4;
+    const long total = (long)rows * per_row, nw = (long)gridDim.x * WARPS;
+    const long wi = (long)blockIdx.x * WARPS + threadIdx.x / 32;
+    const long r0 = total * wi / nw, r1 = total * (wi + 1) / nw;
+    if (r0 >= r1) return;
+    int row = (int)(r0 / per_row), col = (int)(r0 % per_row) * 4 + lane / 8;
+    const uint8_t *b = w + ((size_t)row * nb + col) * BLOCK_BYTES;
+    int4 hdr = *(const int4 *)b, q = *(const int4 *)(b + 16 + 16 * p);
+    unsigned c0 = lane, c1 = row, c2 = 7, c3 = 11;
+    float sum = 0.0f;
+    for (long r = r0; r < r1; r++) {
+        unsigned x = (unsigned)(hdr.x ^ q.x ^ q.y ^ q.z ^ q.w);
+        const int ib = col;
+        b += 4 * BLOCK_BYTES;   /* the rows are contiguous: the next round is 4 blocks on */
+        if (r + 1 < r1) {
+            hdr = *(const int4 *)b;
+            q = *(const int4 *)(b + 16 + 16 * p);
+        }
+        if (ACT) {
+            const int v = ib * 16 + 4 * (p / 2) + (p % 2), d = nb * 16 + ib * 4 + p / 2;
+            int4 a = act[v], bb = act[v + 2], e = act[d];
+            x += (unsigned)(a.x ^ a.w ^ bb.y ^ e.z);
+        }
+        for (int k = 0; k < pad; k += 4) {
+            c0 = c0 * 1664525u + x;
+            c1 = c1 * 22695477u + x;
+            c2 = c2 * 1103515245u + x;
+            c3 = c3 * 134775813u + x;
+        }
+        c0 += x;
+        sum += (float)(x & 255);
+        col += 4;
+        if (col >= nb || r + 1 == r1) {   /* the row's end or the run's: a partial row's sum */
+            for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+            if (lane == 0) part[row] = sum;
+            sum = 0.0f;
+            col -= nb;
+            row++;
+        }
+    }
+    if ((c0 ^ c1 ^ c2 ^ c3) == 0x9e3779b9u) out[0] = c0;
+}
+
 struct shape {
     const char *name;
     int rows, nb;
@@ -137,6 +191,43 @@ static void run(const shape &sh, uint8_t *const *w, const int4 *act, int pad, un
            sh.rows, sh.nb, PF, acts[ACT], pad, fa.numRegs, per_sm, us, bytes / us / 1e3);
 }
 
+/* probe_flat on `per_sm` CTAs an SM (at most what its registers allow) */
+template <int ACT>
+static void run_flat(const shape &sh, uint8_t *const *w, const int4 *act, int pad, unsigned *out, float *part,
+                     int per_sm, int sms)
+{
+    int most = 0;
+    CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&most, probe_flat<ACT>, WARPS * 32, 0));
+    if (per_sm > most) return;
+    cudaFuncAttributes fa;
+    CHECK(cudaFuncGetAttributes(&fa, probe_flat<ACT>));
+    const int ctas = per_sm * sms;
+    for (int i = 0; i < COPIES; i++)
+        probe_flat<ACT><<<ctas, WARPS * 32>>>(w[i], sh.rows, sh.nb, act, pad, out, part);
+    CHECK(cudaGetLastError());
+    cudaEvent_t e0, e1;
+    CHECK(cudaEventCreate(&e0));
+    CHECK(cudaEventCreate(&e1));
+    const int reps = 4 * COPIES;
+    float best = 1e30f;
+    for (int t = 0; t < 3; t++) {
+        CHECK(cudaEventRecord(e0));
+        for (int i = 0; i < reps; i++)
+            probe_flat<ACT><<<ctas, WARPS * 32>>>(w[i % COPIES], sh.rows, sh.nb, act, pad, out, part);
+        CHECK(cudaEventRecord(e1));
+        CHECK(cudaEventSynchronize(e1));
+        float ms = 0;
+        CHECK(cudaEventElapsedTime(&ms, e0, e1));
+        if (ms < best) best = ms;
+    }
+    CHECK(cudaEventDestroy(e0));
+    CHECK(cudaEventDestroy(e1));
+    const double us = best * 1e3 / reps, bytes = (double)sh.rows * sh.nb * BLOCK_BYTES;
+    static const char *acts[] = { "none", "global", "shared" };
+    printf("%-8s %6d x %3d  flat  act %-6s  pad %3d  regs %3d  CTAs/SM %2d  %8.2f us  %7.0f GB/s\n", sh.name,
+           sh.rows, sh.nb, acts[ACT], pad, fa.numRegs, per_sm, us, bytes / us / 1e3);
+}
+
 template <int ACT>
 static void run_pfs(const shape &sh, uint8_t *const *w, const int4 *act, int pad, unsigned *out)
 {
@@ -145,7 +236,7 @@ static void run_pfs(const shape &sh, uint8_t *const *w, const int4 *act, int pad
     run<4, ACT>(sh, w, act, pad, out);
 }
 
-int main(void)
+int main(int argc, char **argv)
 {
     /* the 7B's one-row products: down (a single wave), o, gate and up together */
     const shape shapes[] = { { "down", 4096, 56 }, { "o", 4096, 16 }, { "gate/up", 28672, 16 } };
@@ -167,6 +258,22 @@ int main(void)
     cudaDeviceProp prop;
     CHECK(cudaGetDeviceProperties(&prop, 0));
     printf("cuda-probe: %s, %d SMs, %.0f MB of L2\n", prop.name, prop.multiProcessorCount, prop.l2CacheSize / 1e6);
+    float *part;
+    CHECK(cudaMalloc(&part, 28672 * sizeof(float)));
+    if (argc > 1 && argv[1][0] == 'f') {   /* "flat": rows a warp against runs a warp */
+        for (const shape &sh : shapes) {
+            for (int pad : { 0, 64 }) {
+                const int a = pad ? 1 : 0;
+                if (a) run<1, 1>(sh, w, act, pad, out);
+                else run<1, 0>(sh, w, act, pad, out);
+                for (int per_sm : { 8, 10, 12, 14, 16 }) {
+                    if (a) run_flat<1>(sh, w, act, pad, out, part, per_sm, prop.multiProcessorCount);
+                    else run_flat<0>(sh, w, act, pad, out, part, per_sm, prop.multiProcessorCount);
+                }
+            }
+        }
+        return 0;
+    }
     for (const shape &sh : shapes) {
         for (int pad : { 0, 64 }) {
             run_pfs<0>(sh, w, act, pad, out);
@@ -177,5 +284,6 @@ int main(void)
     for (int i = 0; i < COPIES; i++) CHECK(cudaFree(w[i]));
     CHECK(cudaFree(act));
     CHECK(cudaFree(out));
+    CHECK(cudaFree(part));
     return 0;
 }

@@ -1683,12 +1683,15 @@ struct mmv_limits {
     int sm_threads, sm_regs, sm_smem, cta_reserved;
 };
 
-static mmv_limits mmv_setup(const void *fn)
+/* The limits of kernel fn, after allowing it smem_max bytes of dynamic
+ * shared memory (none asked for when 0). */
+static mmv_limits mmv_setup(const void *fn, int smem_max)
 {
     mmv_limits l = {};
     int dev = 0;
     l.e = cudaGetDevice(&dev);
-    if (l.e == cudaSuccess) l.e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, MMV_SMEM_MAX);
+    if (l.e == cudaSuccess && smem_max > 0)
+        l.e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_max);
     if (l.e == cudaSuccess) l.e = cudaFuncGetAttributes(&l.fa, fn);
     if (l.e == cudaSuccess) l.e = cudaDeviceGetAttribute(&l.sm_threads, cudaDevAttrMaxThreadsPerMultiProcessor, dev);
     if (l.e == cudaSuccess) l.e = cudaDeviceGetAttribute(&l.sm_regs, cudaDevAttrMaxRegistersPerMultiprocessor, dev);
@@ -1699,15 +1702,15 @@ static mmv_limits mmv_setup(const void *fn)
     return l;
 }
 
-/* CTAs of a staged kernel an SM holds with smem bytes of dynamic shared
- * memory each (registers are allocated 256 to a warp); computed here rather
- * than asked of the runtime, which a recording stream may not allow. */
-static int mmv_occupancy(const mmv_limits &l, size_t smem)
+/* CTAs of `warps` warps an SM holds of a kernel with smem bytes of dynamic
+ * shared memory each (registers are allocated 256 to a warp); computed here
+ * rather than asked of the runtime, which a recording stream may not allow. */
+static int mmv_occupancy(const mmv_limits &l, size_t smem, int warps)
 {
-    const int threads = MMV_STAGED_WARPS * 32;
+    const int threads = warps * 32;
     int by_threads = l.sm_threads / threads;
     int warp_regs = (l.fa.numRegs * 32 + 255) / 256 * 256;
-    int by_regs = warp_regs > 0 ? l.sm_regs / warp_regs / MMV_STAGED_WARPS : by_threads;
+    int by_regs = warp_regs > 0 ? l.sm_regs / warp_regs / warps : by_threads;
     size_t per_cta = smem + l.fa.sharedSizeBytes + (size_t)l.cta_reserved;
     int by_smem = smem > MMV_SMEM_MAX ? 0 : (int)((size_t)l.sm_smem / per_cta);
     int n = by_threads < by_regs ? by_threads : by_regs;
@@ -1722,7 +1725,7 @@ template <class T, int MAXM>
 static void mmv_staged_launch(cuda_backend *c, const luma_weight *w, const act_rows &a, int m, float *y)
 {
     constexpr int ROWS = mmv_rows(MAXM), BPI = 32 / T::lpb;
-    static const mmv_limits lim = mmv_setup((const void *)mmv_staged<T, MAXM>);
+    static const mmv_limits lim = mmv_setup((const void *)mmv_staged<T, MAXM>, MMV_SMEM_MAX);
     if (luma_cuda_fail(c, lim.e, "matmul (matrix-vector kernel setup)")) return;
     mmv_plan pl;
     pl.w = mmv_bytes<T>(w);
@@ -1746,7 +1749,7 @@ static void mmv_staged_launch(cuda_backend *c, const luma_weight *w, const act_r
         pl.piece = (piece_iters < slice_iters ? piece_iters : slice_iters) * BPI;
         pl.stride = (pl.piece * T::bytes + 32 + 15) & ~15;
         smem = (size_t)pl.buf_off + (size_t)MMV_STAGED_WARPS * ROWS * pl.stride;
-        occ = mmv_occupancy(lim, smem);
+        occ = mmv_occupancy(lim, smem, MMV_STAGED_WARPS);
         if (occ < 1) {
             luma_cuda_failf(c, "matmul: the matrix-vector kernel does not fit an SM (%zu bytes of shared memory)",
                             smem);
@@ -1765,13 +1768,24 @@ static void mmv_staged_launch(cuda_backend *c, const luma_weight *w, const act_r
     luma_cuda_fail(c, cudaLaunchKernelEx(&cfg, mmv_staged<T, MAXM>, pl, a, m, y), "matmul (matrix-vector kernel)");
 }
 
+/* The CTAs of a direct launch of the n weights ws with ROWS rows a warp. */
+template <int ROWS>
+static unsigned mmv_direct_ctas(const luma_weight *const *ws, int n)
+{
+    unsigned ctas = 0;
+    for (int i = 0; i < n && i < MMV_SEGS; i++) {
+        int64_t warps = (ws[i]->rows + ROWS - 1) / ROWS;
+        ctas += (unsigned)((warps + MMV_DIRECT_WARPS - 1) / MMV_DIRECT_WARPS);
+    }
+    return ctas;
+}
+
 /* Launched as a programmatic dependent of the quantizer (cuda/launch.cuh):
  * the first weight loads go out before the wait. */
-template <class TA, class TB, int MAXM>
-static void mmv_direct_launch(cuda_backend *c, const luma_weight *const *ws, float *const *ys, int n, int n_a,
-                              const act_rows &a, int m)
+template <class TA, class TB, int MAXM, int ROWS>
+static void mmv_direct_launch_rows(cuda_backend *c, const luma_weight *const *ws, float *const *ys, int n, int n_a,
+                                   const act_rows &a, int m)
 {
-    constexpr int ROWS = mmv_rows(MAXM);
     mmv_segs sg = {};
     unsigned ctas = 0;
     sg.cta_b = UINT_MAX;
@@ -1816,6 +1830,62 @@ static void mmv_direct_launch(cuda_backend *c, const luma_weight *const *ws, flo
     }
     luma_cuda_fail(c, cudaLaunchKernelEx(&cfg, mmv_direct<TA, TB, MAXM, ROWS, false>, sg, a, m, mmv_rope<false>()),
                    "matmul (matrix-vector kernel)");
+}
+
+/* Two rows a warp at one activation row (below) for the K formats of a
+ * Q4_K_M model, whose q, k and v launches it is for. */
+template <class T>
+static constexpr bool mmv_pairs_ok()
+{
+    return std::is_same<T, type_q4_K>::value || std::is_same<T, type_q5_K>::value ||
+           std::is_same<T, type_q6_K_mmv>::value;
+}
+
+/* CTAs of mmv_direct<TA, TB, 1, ROWS, ROPE> the GPU holds at once. */
+template <class TA, class TB, int ROWS, bool ROPE>
+static int64_t mmv_direct_wave(const cuda_backend *c)
+{
+    static const mmv_limits lim = mmv_setup((const void *)mmv_direct<TA, TB, 1, ROWS, ROPE>, 0);
+    return lim.e == cudaSuccess ? (int64_t)c->n_sm * mmv_occupancy(lim, 0, MMV_DIRECT_WARPS) : 0;
+}
+
+/* LUMA_CUDA_MMV_PAIRS in the environment: 0 keeps a row a warp everywhere
+ * (for measuring), 2 takes two rows a warp for every launch that can (for
+ * testing); otherwise the rule below. Read once. */
+static int mmv_pairs_mode(void)
+{
+    static int mode = -1;
+    if (mode < 0) {
+        const char *v = getenv("LUMA_CUDA_MMV_PAIRS");
+        mode = v && strcmp(v, "0") == 0 ? 0 : v && strcmp(v, "2") == 0 ? 2 : 1;
+    }
+    return mode;
+}
+
+/* At one activation row a warp takes a row. Where that makes a launch a
+ * little more than the CTAs the GPU holds at once (the 7B's q, k and v:
+ * 1,536 CTAs where 1,452 fit), the few CTAs left over run alone after the
+ * others, as long as a whole wave; a warp then takes two rows, which makes
+ * it one wave. A row's sum is the same either way (the same blocks, lanes
+ * and order), so the rule cannot change a result. */
+template <class TA, class TB, int MAXM>
+static void mmv_direct_launch(cuda_backend *c, const luma_weight *const *ws, float *const *ys, int n, int n_a,
+                              const act_rows &a, int m)
+{
+    if constexpr (MAXM == 1 && mmv_pairs_ok<TA>() && mmv_pairs_ok<TB>()) {
+        const int mode = mmv_pairs_mode();
+        if (mode) {
+            const bool rope = c->qkv_rope != NULL;
+            int64_t ctas = mmv_direct_ctas<1>(ws, n), ctas2 = mmv_direct_ctas<2>(ws, n);
+            int64_t wave = rope ? mmv_direct_wave<TA, TB, 1, true>(c) : mmv_direct_wave<TA, TB, 1, false>(c);
+            int64_t wave2 = rope ? mmv_direct_wave<TA, TB, 2, true>(c) : mmv_direct_wave<TA, TB, 2, false>(c);
+            if (mode == 2 || (wave > 0 && ctas > wave && ctas2 <= wave2)) {
+                mmv_direct_launch_rows<TA, TB, 1, 2>(c, ws, ys, n, n_a, a, m);
+                return;
+            }
+        }
+    }
+    mmv_direct_launch_rows<TA, TB, MAXM, mmv_rows(MAXM)>(c, ws, ys, n, n_a, a, m);
 }
 
 /* Which kernel a weight takes (cuda/NOTES.md has the measurements): the

@@ -1863,8 +1863,8 @@ static int mmv_pairs_mode(void)
 }
 
 /* At one activation row a warp takes a row. Where that makes a launch a
- * little more than the CTAs the GPU holds at once (the 7B's q, k and v:
- * 1,536 CTAs where 1,452 fit), the few CTAs left over run alone after the
+ * little more than the CTAs the GPU holds at once (the 7B's q, k and v
+ * where v is Q6_K: 1,536 CTAs where 1,320 fit), the few CTAs left over run alone after the
  * others, as long as a whole wave; a warp then takes two rows, which makes
  * it one wave. A row's sum is the same either way (the same blocks, lanes
  * and order), so the rule cannot change a result. */

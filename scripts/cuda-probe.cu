@@ -37,6 +37,30 @@
         }                                                                                          \
     } while (0)
 
+/* A round's work beside its weight loads, on x (the loaded words folded):
+ * with ACT the activations as k_act32::load reads them (values at ib * 64
+ * + 16 (p / 2) + 4 (p % 2) ints and 8 ints on, (d, sum) at ib * 8 + 2 (p /
+ * 2) floats; stored here as 16 + 4 pieces a block) from x4, then pad
+ * multiply-adds in the 4 chains c. Returns x with the activations folded. */
+template <int ACT>
+__device__ __forceinline__ unsigned round_work(unsigned x, int ib, int p, int nb, const int4 *x4, int pad,
+                                               unsigned (&c)[4])
+{
+    if (ACT) {
+        const int v = ib * 16 + 4 * (p / 2) + (p % 2), d = nb * 16 + ib * 4 + p / 2;
+        int4 a = x4[v], b = x4[v + 2], e = x4[d];
+        x += (unsigned)(a.x ^ a.w ^ b.y ^ e.z);
+    }
+    for (int k = 0; k < pad; k += 4) {
+        c[0] = c[0] * 1664525u + x;
+        c[1] = c[1] * 22695477u + x;
+        c[2] = c[2] * 1103515245u + x;
+        c[3] = c[3] * 134775813u + x;
+    }
+    c[0] += x;
+    return x;
+}
+
 template <int PF, int ACT>
 __global__ void __launch_bounds__(WARPS * 32)
 probe(const uint8_t *__restrict__ w, int rows, int nb, const int4 *__restrict__ act, int pad, unsigned *out)
@@ -61,7 +85,7 @@ probe(const uint8_t *__restrict__ w, int rows, int nb, const int4 *__restrict__ 
             q[s] = *(const int4 *)(r + (size_t)ib * BLOCK_BYTES + 16 + 16 * p);
         }
     }
-    unsigned c0 = lane, c1 = row, c2 = 7, c3 = 11;
+    unsigned c[4] = { (unsigned)lane, (unsigned)row, 7, 11 };
     for (int it = 0; it < rounds; it += PF) {
 #pragma unroll
         for (int s = 0; s < PF; s++) {
@@ -73,26 +97,11 @@ probe(const uint8_t *__restrict__ w, int rows, int nb, const int4 *__restrict__ 
                     hdr[s] = *(const int4 *)(r + (size_t)nx * BLOCK_BYTES);
                     q[s] = *(const int4 *)(r + (size_t)nx * BLOCK_BYTES + 16 + 16 * p);
                 }
-                if (ACT) {
-                    /* k_act32::load's pieces: values at ib * 64 + 16 (p / 2) + 4 (p % 2) ints (and 8
-                     * ints on), (d, sum) at ib * 8 + 2 (p / 2) floats; stored here as 16 + 4 pieces a block */
-                    const int v = ib * 16 + 4 * (p / 2) + (p % 2), d = nb * 16 + ib * 4 + p / 2;
-                    int4 a = ACT == 2 ? xs[v] : act[v];
-                    int4 b = ACT == 2 ? xs[v + 2] : act[v + 2];
-                    int4 e = ACT == 2 ? xs[d] : act[d];
-                    x += (unsigned)(a.x ^ a.w ^ b.y ^ e.z);
-                }
-                for (int k = 0; k < pad; k += 4) {
-                    c0 = c0 * 1664525u + x;
-                    c1 = c1 * 22695477u + x;
-                    c2 = c2 * 1103515245u + x;
-                    c3 = c3 * 134775813u + x;
-                }
-                c0 += x;
+                round_work<ACT>(x, ib, p, nb, ACT == 2 ? xs : act, pad, c);
             }
         }
     }
-    if ((c0 ^ c1 ^ c2 ^ c3) == 0x9e3779b9u) out[0] = c0;   /* keeps the loads and the chains live */
+    if ((c[0] ^ c[1] ^ c[2] ^ c[3]) == 0x9e3779b9u) out[0] = c[0];   /* keeps the loads and the chains live */
 }
 
 /* The same loads with the work spread flat: the weight's rounds (4 blocks
@@ -114,7 +123,7 @@ probe_flat(const uint8_t *__restrict__ w, int rows, int nb, const int4 *__restri
     int row = (int)(r0 / per_row), col = (int)(r0 % per_row) * 4 + lane / 8;
     const uint8_t *b = w + ((size_t)row * nb + col) * BLOCK_BYTES;
     int4 hdr = *(const int4 *)b, q = *(const int4 *)(b + 16 + 16 * p);
-    unsigned c0 = lane, c1 = row, c2 = 7, c3 = 11;
+    unsigned c[4] = { (unsigned)lane, (unsigned)row, 7, 11 };
     float sum = 0.0f;
     for (long r = r0; r < r1; r++) {
         unsigned x = (unsigned)(hdr.x ^ q.x ^ q.y ^ q.z ^ q.w);
@@ -124,18 +133,7 @@ probe_flat(const uint8_t *__restrict__ w, int rows, int nb, const int4 *__restri
             hdr = *(const int4 *)b;
             q = *(const int4 *)(b + 16 + 16 * p);
         }
-        if (ACT) {
-            const int v = ib * 16 + 4 * (p / 2) + (p % 2), d = nb * 16 + ib * 4 + p / 2;
-            int4 a = act[v], bb = act[v + 2], e = act[d];
-            x += (unsigned)(a.x ^ a.w ^ bb.y ^ e.z);
-        }
-        for (int k = 0; k < pad; k += 4) {
-            c0 = c0 * 1664525u + x;
-            c1 = c1 * 22695477u + x;
-            c2 = c2 * 1103515245u + x;
-            c3 = c3 * 134775813u + x;
-        }
-        c0 += x;
+        x = round_work<ACT>(x, ib, p, nb, act, pad, c);
         sum += (float)(x & 255);
         col += 4;
         if (col >= nb || r + 1 == r1) {   /* the row's end or the run's: a partial row's sum */
@@ -146,13 +144,39 @@ probe_flat(const uint8_t *__restrict__ w, int rows, int nb, const int4 *__restri
             row++;
         }
     }
-    if ((c0 ^ c1 ^ c2 ^ c3) == 0x9e3779b9u) out[0] = c0;
+    if ((c[0] ^ c[1] ^ c[2] ^ c[3]) == 0x9e3779b9u) out[0] = c[0];
 }
 
 struct shape {
     const char *name;
     int rows, nb;
 };
+
+/* us a launch: the best of 3 runs of 4 x COPIES launches, launch(i)
+ * queuing one on weight copy i (after one launch on each as a warm-up). */
+template <class F>
+static double time_launches(F launch)
+{
+    for (int i = 0; i < COPIES; i++) launch(i);
+    CHECK(cudaGetLastError());
+    cudaEvent_t e0, e1;
+    CHECK(cudaEventCreate(&e0));
+    CHECK(cudaEventCreate(&e1));
+    const int reps = 4 * COPIES;
+    float best = 1e30f;
+    for (int t = 0; t < 3; t++) {
+        CHECK(cudaEventRecord(e0));
+        for (int i = 0; i < reps; i++) launch(i % COPIES);
+        CHECK(cudaEventRecord(e1));
+        CHECK(cudaEventSynchronize(e1));
+        float ms = 0;
+        CHECK(cudaEventElapsedTime(&ms, e0, e1));
+        if (ms < best) best = ms;
+    }
+    CHECK(cudaEventDestroy(e0));
+    CHECK(cudaEventDestroy(e1));
+    return best * 1e3 / reps;
+}
 
 template <int PF, int ACT>
 static void run(const shape &sh, uint8_t *const *w, const int4 *act, int pad, unsigned *out)
@@ -165,27 +189,10 @@ static void run(const shape &sh, uint8_t *const *w, const int4 *act, int pad, un
     CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, probe<PF, ACT>, WARPS * 32, smem));
     cudaFuncAttributes fa;
     CHECK(cudaFuncGetAttributes(&fa, probe<PF, ACT>));
-    for (int i = 0; i < COPIES; i++)   /* warm-up */
+    const double us = time_launches([&](int i) {
         probe<PF, ACT><<<ctas, WARPS * 32, smem>>>(w[i], sh.rows, sh.nb, act, pad, out);
-    CHECK(cudaGetLastError());
-    cudaEvent_t e0, e1;
-    CHECK(cudaEventCreate(&e0));
-    CHECK(cudaEventCreate(&e1));
-    const int reps = 4 * COPIES;
-    float best = 1e30f;
-    for (int t = 0; t < 3; t++) {
-        CHECK(cudaEventRecord(e0));
-        for (int i = 0; i < reps; i++)
-            probe<PF, ACT><<<ctas, WARPS * 32, smem>>>(w[i % COPIES], sh.rows, sh.nb, act, pad, out);
-        CHECK(cudaEventRecord(e1));
-        CHECK(cudaEventSynchronize(e1));
-        float ms = 0;
-        CHECK(cudaEventElapsedTime(&ms, e0, e1));
-        if (ms < best) best = ms;
-    }
-    CHECK(cudaEventDestroy(e0));
-    CHECK(cudaEventDestroy(e1));
-    const double us = best * 1e3 / reps, bytes = (double)sh.rows * sh.nb * BLOCK_BYTES;
+    });
+    const double bytes = (double)sh.rows * sh.nb * BLOCK_BYTES;
     static const char *acts[] = { "none", "global", "shared" };
     printf("%-8s %6d x %3d  PF %d  act %-6s  pad %3d  regs %3d  CTAs/SM %2d  %8.2f us  %7.0f GB/s\n", sh.name,
            sh.rows, sh.nb, PF, acts[ACT], pad, fa.numRegs, per_sm, us, bytes / us / 1e3);
@@ -202,27 +209,10 @@ static void run_flat(const shape &sh, uint8_t *const *w, const int4 *act, int pa
     cudaFuncAttributes fa;
     CHECK(cudaFuncGetAttributes(&fa, probe_flat<ACT>));
     const int ctas = per_sm * sms;
-    for (int i = 0; i < COPIES; i++)
+    const double us = time_launches([&](int i) {
         probe_flat<ACT><<<ctas, WARPS * 32>>>(w[i], sh.rows, sh.nb, act, pad, out, part);
-    CHECK(cudaGetLastError());
-    cudaEvent_t e0, e1;
-    CHECK(cudaEventCreate(&e0));
-    CHECK(cudaEventCreate(&e1));
-    const int reps = 4 * COPIES;
-    float best = 1e30f;
-    for (int t = 0; t < 3; t++) {
-        CHECK(cudaEventRecord(e0));
-        for (int i = 0; i < reps; i++)
-            probe_flat<ACT><<<ctas, WARPS * 32>>>(w[i % COPIES], sh.rows, sh.nb, act, pad, out, part);
-        CHECK(cudaEventRecord(e1));
-        CHECK(cudaEventSynchronize(e1));
-        float ms = 0;
-        CHECK(cudaEventElapsedTime(&ms, e0, e1));
-        if (ms < best) best = ms;
-    }
-    CHECK(cudaEventDestroy(e0));
-    CHECK(cudaEventDestroy(e1));
-    const double us = best * 1e3 / reps, bytes = (double)sh.rows * sh.nb * BLOCK_BYTES;
+    });
+    const double bytes = (double)sh.rows * sh.nb * BLOCK_BYTES;
     static const char *acts[] = { "none", "global", "shared" };
     printf("%-8s %6d x %3d  flat  act %-6s  pad %3d  regs %3d  CTAs/SM %2d  %8.2f us  %7.0f GB/s\n", sh.name,
            sh.rows, sh.nb, acts[ACT], pad, fa.numRegs, per_sm, us, bytes / us / 1e3);

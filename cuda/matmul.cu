@@ -1674,9 +1674,9 @@ mmv_staged(const mmv_plan pl, act_rows a, int m, float *__restrict__ y)
     }
 }
 
-/* The device's limits the staged kernels are planned with, read at the
- * first use of each (which runs eagerly: a step's first run is never
- * recorded), after raising its shared-memory limit. */
+/* The device's limits a matrix-vector kernel is planned with (the staged
+ * kernels' shapes, the direct kernels' waves), read at the first use of
+ * each (which runs eagerly: a step's first run is never recorded). */
 struct mmv_limits {
     cudaError_t e;
     cudaFuncAttributes fa;     /* registers, static shared memory */
@@ -1768,15 +1768,20 @@ static void mmv_staged_launch(cuda_backend *c, const luma_weight *w, const act_r
     luma_cuda_fail(c, cudaLaunchKernelEx(&cfg, mmv_staged<T, MAXM>, pl, a, m, y), "matmul (matrix-vector kernel)");
 }
 
+/* The CTAs a direct launch gives a weight of `rows` rows, ROWS rows a warp. */
+template <int ROWS>
+static unsigned mmv_direct_weight_ctas(int64_t rows)
+{
+    int64_t warps = (rows + ROWS - 1) / ROWS;
+    return (unsigned)((warps + MMV_DIRECT_WARPS - 1) / MMV_DIRECT_WARPS);
+}
+
 /* The CTAs of a direct launch of the n weights ws with ROWS rows a warp. */
 template <int ROWS>
 static unsigned mmv_direct_ctas(const luma_weight *const *ws, int n)
 {
     unsigned ctas = 0;
-    for (int i = 0; i < n && i < MMV_SEGS; i++) {
-        int64_t warps = (ws[i]->rows + ROWS - 1) / ROWS;
-        ctas += (unsigned)((warps + MMV_DIRECT_WARPS - 1) / MMV_DIRECT_WARPS);
-    }
+    for (int i = 0; i < n && i < MMV_SEGS; i++) ctas += mmv_direct_weight_ctas<ROWS>(ws[i]->rows);
     return ctas;
 }
 
@@ -1791,7 +1796,6 @@ static void mmv_direct_launch_rows(cuda_backend *c, const luma_weight *const *ws
     sg.cta_b = UINT_MAX;
     for (int i = 0; i < MMV_SEGS; i++) {
         if (i < n) {
-            int64_t warps = (ws[i]->rows + ROWS - 1) / ROWS;
             bool b = i >= n_a;
             if (b && sg.cta_b == UINT_MAX) sg.cta_b = ctas;
             sg.w[i] = b ? mmv_bytes<TB>(ws[i]) : mmv_bytes<TA>(ws[i]);
@@ -1800,7 +1804,7 @@ static void mmv_direct_launch_rows(cuda_backend *c, const luma_weight *const *ws
             sg.cta0[i] = ctas;
             sg.nb[i] = (int)(ws[i]->cols / (b ? TB::qk : TA::qk));
             sg.row_bytes[i] = (size_t)sg.nb[i] * (size_t)(b ? TB::bytes : TA::bytes);
-            ctas += (unsigned)((warps + MMV_DIRECT_WARPS - 1) / MMV_DIRECT_WARPS);
+            ctas += mmv_direct_weight_ctas<ROWS>(ws[i]->rows);
         } else {
             sg.cta0[i] = UINT_MAX;
         }
@@ -1864,9 +1868,9 @@ static int mmv_pairs_mode(void)
 
 /* At one activation row a warp takes a row. Where that makes a launch a
  * little more than the CTAs the GPU holds at once (the 7B's q, k and v
- * where v is Q6_K: 1,536 CTAs where 1,320 fit), the few CTAs left over run alone after the
- * others, as long as a whole wave; a warp then takes two rows, which makes
- * it one wave. A row's sum is the same either way (the same blocks, lanes
+ * where v is Q6_K: 1,536 CTAs where 1,320 fit), the few CTAs left over
+ * run alone after the others, as long as a whole wave; a warp then takes
+ * two rows, which makes it one wave. A row's sum is the same either way (the same blocks, lanes
  * and order), so the rule cannot change a result. */
 template <class TA, class TB, int MAXM>
 static void mmv_direct_launch(cuda_backend *c, const luma_weight *const *ws, float *const *ys, int n, int n_a,
@@ -1875,6 +1879,9 @@ static void mmv_direct_launch(cuda_backend *c, const luma_weight *const *ws, flo
     if constexpr (MAXM == 1 && mmv_pairs_ok<TA>() && mmv_pairs_ok<TB>()) {
         const int mode = mmv_pairs_mode();
         if (mode) {
+            /* the waves of the rotating variants while a q/k/v request is
+             * pending (a launch it does not cover takes the other: then the
+             * rule counts with a neighbour's registers, results alike) */
             const bool rope = c->qkv_rope != NULL;
             int64_t ctas = mmv_direct_ctas<1>(ws, n), ctas2 = mmv_direct_ctas<2>(ws, n);
             int64_t wave = rope ? mmv_direct_wave<TA, TB, 1, true>(c) : mmv_direct_wave<TA, TB, 1, false>(c);

@@ -1018,6 +1018,8 @@ luma_backend *luma_backend_cuda_new(int device, luma_err *err)
     c->device = device;
     c->graphs_on = !env_off("LUMA_CUDA_GRAPHS");
     c->pdl = !env_off("LUMA_CUDA_PDL");
+    const char *early = getenv("LUMA_CUDA_EARLY");
+    c->early = early && early[0] >= '0' && early[0] <= '2' && !early[1] ? early[0] - '0' : 1;
     /* programs are measured slower than the kernels at batch 1 (cuda/NOTES.md,
      * "Decode-step programs"): LUMA_CUDA_PROGRAM=1 turns them on */
     const char *prog = getenv("LUMA_CUDA_PROGRAM");

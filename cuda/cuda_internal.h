@@ -132,6 +132,11 @@ typedef struct cuda_backend {
     /* Kernels launched as programmatic dependents (cuda/launch.cuh;
      * LUMA_CUDA_PDL=0 in the environment turns it off). */
     bool pdl;
+    /* Which kernels let the next one start before their own wait
+     * (cuda/launch.cuh, follow_previous_kernel): 0 none, 1 the activation
+     * quantizers, 2 those and the residual norms (LUMA_CUDA_EARLY in the
+     * environment; 1 by default). */
+    int early;
     /* Q6_K matrices, and Q4_0, Q5_0 and Q8_0 ones, get a repacked copy for
      * the matrix-vector kernels (luma_weight.dev_mmv; LUMA_CUDA_Q6K_MMV=0,
      * LUMA_CUDA_X4_MMV=0 in the environment: not). Like the f16 copies they

@@ -15,6 +15,14 @@
  * the next kernel's CTAs be placed once every CTA of this one has called
  * it (or exited); without it they are placed as this one's CTAs exit.
  *
+ * A kernel may also call it before its wait (follow_previous_kernel(true):
+ * the quantizers and norms that c->early names). The next kernel's CTAs
+ * are then placed, and run up to their own wait, while the kernel before
+ * this one may still run: sound by the rule that keeps every kernel's work
+ * before its wait off anything a kernel of the step writes. The next
+ * kernel's wait still returns only once this one has completed, which is
+ * after this one's own wait.
+ *
  * Rules that keep this sound:
  * - a kernel launched with luma_launch calls wait_for_previous_kernel on
  *   every path that touches memory, before the first such access (a CTA
@@ -44,11 +52,13 @@ static __device__ __forceinline__ void let_next_kernel_start()
 #endif
 }
 
-/* The first statement of a kernel that fetches nothing ahead of the wait. */
-static __device__ __forceinline__ void follow_previous_kernel()
+/* The first statement of a kernel that fetches nothing ahead of the wait;
+ * early: the next kernel may start before this one waits (above). */
+static __device__ __forceinline__ void follow_previous_kernel(bool early = false)
 {
+    if (early) let_next_kernel_start();
     wait_for_previous_kernel();
-    let_next_kernel_start();
+    if (!early) let_next_kernel_start();
 }
 
 /* A launch configuration on stream s, a programmatic dependent of the

@@ -1184,9 +1184,9 @@ static __device__ __forceinline__ int quad_sum(const int iq[8])
 template <int SCHEME, bool F16, int ACT = -1, bool PERM = false>
 static __global__ void quantize_act(const float *__restrict__ x, int64_t n8, int8_t *__restrict__ q,
                                     float2 *__restrict__ ds, __half *__restrict__ xh, const float *__restrict__ up,
-                                    float *__restrict__ gated)
+                                    float *__restrict__ gated, bool early)
 {
-    follow_previous_kernel();
+    follow_previous_kernel(early);
     int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     bool live = i < n8;   /* every lane takes part in the shuffles */
     float v[8] = { 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f };
@@ -1247,7 +1247,10 @@ static __global__ void quantize_act(const float *__restrict__ x, int64_t n8, int
 /* Queues quantize_act for t's activation format: the f16 of d * q into xh
  * (in rs_kernel's k order when RS, for Q4_K), or the int8 values and scales
  * into q and ds; with ACT >= 0 x is first replaced by act(x) * up (stored
- * in gated). */
+ * in gated). With c->early the product after it starts before it waits
+ * (cuda/launch.cuh): the product's CTAs are placed, and fetch their first
+ * weights, while the kernel before the quantizer (decode attention before
+ * o, the norm before q, k and v) still runs. */
 template <int ACT, bool RS = false>
 static void quantize_launch(cuda_backend *c, enum luma_type t, float *gated, const float *x, const float *up,
                             int64_t n, int8_t *q, float2 *ds, __half *xh)
@@ -1260,16 +1263,22 @@ static void quantize_launch(cuda_backend *c, enum luma_type t, float *gated, con
     }
     int64_t n8 = n / 8;
     unsigned grid = (unsigned)((n8 + 255) / 256);
+    const bool early = c->early >= 1;
     if constexpr (RS) {
-        luma_launch(c, c->stream, grid, 256, 0, quantize_act<ACT_Q8_K, true, ACT, true>, x, n8, q, ds, xh, up, gated);
+        luma_launch(c, c->stream, grid, 256, 0, quantize_act<ACT_Q8_K, true, ACT, true>, x, n8, q, ds, xh, up, gated,
+                    early);
     } else {
-        if (xh && k) luma_launch(c, c->stream, grid, 256, 0, quantize_act<ACT_Q8_K, true, ACT>, x, n8, q, ds, xh, up, gated);
-        else if (xh) luma_launch(c, c->stream, grid, 256, 0, quantize_act<ACT_Q8_0, true, ACT>, x, n8, q, ds, xh, up, gated);
+        if (xh && k)
+            luma_launch(c, c->stream, grid, 256, 0, quantize_act<ACT_Q8_K, true, ACT>, x, n8, q, ds, xh, up, gated,
+                        early);
+        else if (xh)
+            luma_launch(c, c->stream, grid, 256, 0, quantize_act<ACT_Q8_0, true, ACT>, x, n8, q, ds, xh, up, gated,
+                        early);
     }
     if (!xh && k) luma_launch(c, c->stream, grid, 256, 0, quantize_act<ACT_Q8_K, false, ACT>, x, n8, q, ds, xh, up,
-                              gated);
+                              gated, early);
     else if (!xh) luma_launch(c, c->stream, grid, 256, 0, quantize_act<ACT_Q8_0, false, ACT>, x, n8, q, ds, xh, up,
-                              gated);
+                              gated, early);
     luma_cuda_fail(c, cudaGetLastError(), "matmul (quantizing activations)");
 }
 

@@ -318,9 +318,9 @@ __device__ static inline float4 add_scaled(float4 a, float4 b, float s, float4 w
  * us that way. Same operations in the same order, so the same bits. */
 template <int F>
 __global__ static void add_rmsnorm_regs(float *x, const float *y, const float *yg, const float *g, int64_t cols,
-                                        float eps, float *out)
+                                        float eps, float *out, bool early)
 {
-    follow_previous_kernel();
+    follow_previous_kernel(early);
     __shared__ float partial[THREADS / 32];
     size_t off = (size_t)blockIdx.x * (size_t)cols;
     float4 *xr = (float4 *)(x + off), *dst = (float4 *)(out + off);
@@ -374,9 +374,9 @@ __global__ static void add_rmsnorm_regs(float *x, const float *y, const float *y
  * its own writes; the row stays in L1 between the passes. */
 template <bool VEC>
 __global__ static void add_rmsnorm_kernel(float *x, const float *y, const float *yg, const float *g, int64_t cols,
-                                          float eps, float *out)
+                                          float eps, float *out, bool early)
 {
-    follow_previous_kernel();
+    follow_previous_kernel(early);
     __shared__ float partial[THREADS / 32];
     size_t off = (size_t)blockIdx.x * (size_t)cols;
     float *xr = x + off, *dst = out + off;
@@ -422,24 +422,25 @@ void luma_cuda_add_rmsnorm(luma_backend *be, luma_buf *x, const luma_buf *y, con
     const char *regs = getenv("LUMA_CUDA_NORM_REGS");
     int64_t per = regs && strcmp(regs, "0") == 0 ? INT64_MAX : (x->cols / 4 + THREADS - 1) / THREADS;
     unsigned grid = (unsigned)x->rows;
+    const bool early = c->early >= 2;
     if (vec && per <= 1)
         luma_launch(c, c->stream, grid, THREADS, 0, add_rmsnorm_regs<1>, x->data, y->data, ygd, gd, x->cols, eps,
-                    out->data);
+                    out->data, early);
     else if (vec && per <= 2)
         luma_launch(c, c->stream, grid, THREADS, 0, add_rmsnorm_regs<2>, x->data, y->data, ygd, gd, x->cols, eps,
-                    out->data);
+                    out->data, early);
     else if (vec && per <= 4)
         luma_launch(c, c->stream, grid, THREADS, 0, add_rmsnorm_regs<4>, x->data, y->data, ygd, gd, x->cols, eps,
-                    out->data);
+                    out->data, early);
     else if (vec && per <= 8)
         luma_launch(c, c->stream, grid, THREADS, 0, add_rmsnorm_regs<8>, x->data, y->data, ygd, gd, x->cols, eps,
-                    out->data);
+                    out->data, early);
     else if (vec)
         luma_launch(c, c->stream, grid, THREADS, 0, add_rmsnorm_kernel<true>, x->data, y->data, ygd, gd,
-                    x->cols, eps, out->data);
+                    x->cols, eps, out->data, early);
     else
         luma_launch(c, c->stream, (unsigned)x->rows, THREADS, 0, add_rmsnorm_kernel<false>, x->data, y->data, ygd, gd,
-                    x->cols, eps, out->data);
+                    x->cols, eps, out->data, early);
     luma_cuda_fail(c, cudaGetLastError(), "add_rmsnorm");
 }
 

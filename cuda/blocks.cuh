@@ -55,6 +55,13 @@ static __device__ __forceinline__ float i2f(int c)
     return __int_as_float(c + 0x4B400000) - 12582912.0f;
 }
 
+/* Byte i (0 or 1) of v as a float, exactly: i2f's trick with the byte put
+ * into 0x4B400000 by one byte permute. */
+static __device__ __forceinline__ float byte_f(uint32_t v, int i)
+{
+    return __int_as_float((int)__byte_perm(v, 0x4B400000u, i == 0 ? 0x7650 : 0x7651)) - 12582912.0f;
+}
+
 /* Two floats as the f16 pair of one 32-bit register (lo in the low half). */
 static __device__ __forceinline__ uint32_t pack_h2(float lo, float hi)
 {

@@ -73,6 +73,15 @@
 
 /* ---- small helpers ---------------------------------------------------------- */
 
+/* A switch in the environment for measuring, read once by each caller (a
+ * static): the digit it is set to, or dflt when it is unset or not one
+ * digit. */
+static int env_digit(const char *name, int dflt)
+{
+    const char *v = getenv(name);
+    return v && v[0] >= '0' && v[0] <= '9' && v[1] == 0 ? v[0] - '0' : dflt;
+}
+
 static __device__ __forceinline__ float ld_f16(const uint8_t *p)
 {
     return f16_bits(*(const uint16_t *)p);
@@ -503,16 +512,23 @@ static __device__ __forceinline__ int dp4a_us(int u, int s, int c)
 struct k_w32 {
     int lo[4], hi[4];          /* unsigned bytes */
     float da, db, ma, mb;      /* d * scale and dmin * minimum of the two sub-blocks */
+    /* scale_min_k4_pair's values, two to a word (sub-block 2 sj in byte
+     * 0, 2 sj + 1 in byte 1), then each byte a float by byte_f: fewer
+     * instructions than picking the four values apart. */
     static __device__ void scales(const int4 &hdr, int p, k_w32 &w)
     {
         float d = f16_bits((uint32_t)hdr.x & 0xffff), dmin = f16_bits((uint32_t)hdr.x >> 16);
-        int s0, m0, s1, m1;
-        scale_min_k4_pair(p / 2, hdr.y, hdr.z, hdr.w, s0, m0, s1, m1);
-        w.da = d * i2f(s0);
-        w.db = d * i2f(s1);
+        const int sj = p / 2, b = 16 * (sj & 1), sh = sj >= 2 ? 2 : 0;
+        const uint32_t t1 = (uint32_t)hdr.y >> b, t2 = (uint32_t)hdr.z >> b, t3 = (uint32_t)hdr.w >> b;
+        const uint32_t a = sj >= 2 ? t3 : t1, mm = sj >= 2 ? t3 >> 4 : t2;
+        /* the low 4 bits from a (mm), bits 4 and 5 from t1 (t2) >> sh */
+        const uint32_t sp = ((a & 0x0F0Fu) | ((t1 >> sh) & ~0x0F0Fu)) & 0x3F3Fu;
+        const uint32_t mp = ((mm & 0x0F0Fu) | ((t2 >> sh) & ~0x0F0Fu)) & 0x3F3Fu;
+        w.da = d * byte_f(sp, 0);
+        w.db = d * byte_f(sp, 1);
         const float dm = p % 2 == 0 ? dmin : 0.0f;
-        w.ma = dm * i2f(m0);
-        w.mb = dm * i2f(m1);
+        w.ma = dm * byte_f(mp, 0);
+        w.mb = dm * byte_f(mp, 1);
     }
     static __device__ float dot(const k_w32 &w, const k_act32 &x)
     {
@@ -1343,7 +1359,7 @@ struct mmv_rope_request {
  * lane takes blocks ib0, ib0 + stride, ...; the raw bytes of its next block
  * are fetched before the current one is decoded and used, so that a load
  * is in flight while the lane computes. */
-template <class T, int MAXM, int ROWS, bool ROPE>
+template <class T, int MAXM, int ROWS, bool ROPE, bool TWO>
 static __device__ __forceinline__ void mmv_direct_rows(const uint8_t *w, float *y, int64_t rows, int64_t r0,
                                                        size_t row_bytes, int nb, const act_rows &a, int m,
                                                        const mmv_rope<ROPE> &rp, bool rot)
@@ -1361,22 +1377,49 @@ static __device__ __forceinline__ void mmv_direct_rows(const uint8_t *w, float *
     wait_for_previous_kernel();
     let_next_kernel_start();
     float acc[ROWS][MAXM] = {};
-    for (; ib < nb; ib += stride) {
+    /* a round: decode the blocks at ib from `cur`, fetch the next round's
+     * into `nxt` (fetch), add the products */
+    auto round = [&](typename T::raw_t(&cur)[ROWS], typename T::raw_t(&nxt)[ROWS], int ib_, auto fetch) {
         typename T::w_t wv[ROWS];
 #pragma unroll
-        for (int r = 0; r < ROWS; r++) T::decode(raw[r], p, wv[r]);
-        if (ib + stride < nb)
-#pragma unroll
-            for (int r = 0; r < ROWS; r++) T::fetch(wr[r] + (size_t)(ib + stride) * T::bytes, p, raw[r]);
+        for (int r = 0; r < ROWS; r++) T::decode(cur[r], p, wv[r]);
+        fetch(nxt);
 #pragma unroll
         for (int j = 0; j < MAXM; j++) {
             if (j < m) {
                 typename T::x_t xv;
-                T::loadx(a, j, ib, p, xv);
+                T::loadx(a, j, ib_, p, xv);
 #pragma unroll
                 for (int r = 0; r < ROWS; r++) acc[r][j] += T::dot(wv[r], xv);
             }
         }
+    };
+    if constexpr (TWO) {
+        static_assert(MAXM == 1 && ROWS == 1, "two buffers at one row and one activation row");
+        /* Two buffers in turn: a fetch lands in the one the round before
+         * decoded, so the compiler copies nothing between rounds (one
+         * buffer costs a move a word a round: cuda/NOTES.md, "Fewer
+         * instructions a round"). Still one round in flight; past the
+         * row's end a fetch reads the last block again (a cache hit), so
+         * that no fetch is predicated. */
+        typename T::raw_t other[ROWS];
+        const int last = nb - 1;
+        for (; ib < nb; ib += 2 * stride) {
+            round(raw, other, ib, [&](typename T::raw_t(&n)[ROWS]) {
+                T::fetch(wr[0] + (size_t)min(ib + stride, last) * T::bytes, p, n[0]);
+            });
+            if (ib + stride >= nb) break;
+            round(other, raw, ib + stride, [&](typename T::raw_t(&n)[ROWS]) {
+                T::fetch(wr[0] + (size_t)min(ib + 2 * stride, last) * T::bytes, p, n[0]);
+            });
+        }
+    } else {
+        for (; ib < nb; ib += stride)
+            round(raw, raw, ib, [&](typename T::raw_t(&n)[ROWS]) {
+                if (ib + stride < nb)
+#pragma unroll
+                    for (int r = 0; r < ROWS; r++) T::fetch(wr[r] + (size_t)(ib + stride) * T::bytes, p, n[r]);
+            });
     }
     if constexpr (ROPE) {
         if (rot) {   /* every warp of the CTA (its rows are whole pairs) */
@@ -1425,7 +1468,7 @@ static __device__ __forceinline__ void mmv_direct_rows(const uint8_t *w, float *
  * mmv_direct_rows takes them, in type TA, or in type TB from CTA cta_b on
  * (q and k in one format, v in another of the same activation format); one
  * type when TA and TB are the same. */
-template <class TA, class TB, int MAXM, int ROWS, bool ROPE>
+template <class TA, class TB, int MAXM, int ROWS, bool ROPE, bool TWO = false>
 static __global__ void __launch_bounds__(MMV_DIRECT_WARPS * 32)
 mmv_direct(mmv_segs sg, act_rows a, int m, const mmv_rope<ROPE> rp)
 {
@@ -1451,10 +1494,12 @@ mmv_direct(mmv_segs sg, act_rows a, int m, const mmv_rope<ROPE> rp)
     bool rot = false;
     if constexpr (ROPE) rot = (rp.mask >> seg) & 1;
     if constexpr (std::is_same<TA, TB>::value) {
-        mmv_direct_rows<TA, MAXM, ROWS, ROPE>(w, y, rows, r0, row_bytes, nb, a, m, rp, rot);
+        mmv_direct_rows<TA, MAXM, ROWS, ROPE, TWO>(w, y, rows, r0, row_bytes, nb, a, m, rp, rot);
     } else {
-        if (blockIdx.x < sg.cta_b) mmv_direct_rows<TA, MAXM, ROWS, ROPE>(w, y, rows, r0, row_bytes, nb, a, m, rp, rot);
-        else mmv_direct_rows<TB, MAXM, ROWS, ROPE>(w, y, rows, r0, row_bytes, nb, a, m, rp, rot);
+        if (blockIdx.x < sg.cta_b)
+            mmv_direct_rows<TA, MAXM, ROWS, ROPE, TWO>(w, y, rows, r0, row_bytes, nb, a, m, rp, rot);
+        else
+            mmv_direct_rows<TB, MAXM, ROWS, ROPE, TWO>(w, y, rows, r0, row_bytes, nb, a, m, rp, rot);
     }
 }
 
@@ -1794,6 +1839,32 @@ static unsigned mmv_direct_ctas(const luma_weight *const *ws, int n)
     return ctas;
 }
 
+/* Two rows a warp at one activation row (below) for the K formats of a
+ * Q4_K_M model, whose q, k and v launches it is for. */
+template <class T>
+static constexpr bool mmv_pairs_ok()
+{
+    return std::is_same<T, type_q4_K>::value || std::is_same<T, type_q5_K>::value ||
+           std::is_same<T, type_q6_K_mmv>::value;
+}
+
+/* Two fetch buffers in turn (mmv_direct_rows) for one weight row a warp at
+ * one activation row, in the K formats of a Q4_K_M model, where it was
+ * measured. */
+template <class TA, class TB, int MAXM, int ROWS>
+static constexpr bool mmv_two_ok()
+{
+    return MAXM == 1 && ROWS == 1 && mmv_pairs_ok<TA>() && mmv_pairs_ok<TB>();
+}
+
+/* LUMA_CUDA_MMV_TWO=0 in the environment keeps one buffer (for
+ * measuring); read once. */
+static bool mmv_two_on(void)
+{
+    static const bool on = env_digit("LUMA_CUDA_MMV_TWO", 1) != 0;
+    return on;
+}
+
 /* Launched as a programmatic dependent of the quantizer (cuda/launch.cuh):
  * the first weight loads go out before the wait. */
 template <class TA, class TB, int MAXM, int ROWS>
@@ -1832,34 +1903,40 @@ static void mmv_direct_launch_rows(cuda_backend *c, const luma_weight *const *ws
             }
     cudaLaunchAttribute attr;
     cudaLaunchConfig_t cfg = luma_launch_config(c, c->stream, ctas, MMV_DIRECT_WARPS * 32, 0, &attr);
+    constexpr bool two = mmv_two_ok<TA, TB, MAXM, ROWS>();
     if (mask) {
         mmv_rope<true> rp = rq->rp;
         rp.mask = mask;
-        if (luma_cuda_fail(c, cudaLaunchKernelEx(&cfg, mmv_direct<TA, TB, MAXM, ROWS, true>, sg, a, m, rp),
-                           "matmul (matrix-vector kernel, rotating q and k)"))
-            return;
+        cudaError_t e = two && mmv_two_on()
+                            ? cudaLaunchKernelEx(&cfg, mmv_direct<TA, TB, MAXM, ROWS, true, two>, sg, a, m, rp)
+                            : cudaLaunchKernelEx(&cfg, mmv_direct<TA, TB, MAXM, ROWS, true>, sg, a, m, rp);
+        if (luma_cuda_fail(c, e, "matmul (matrix-vector kernel, rotating q and k)")) return;
         rq->done |= done;
         return;
     }
-    luma_cuda_fail(c, cudaLaunchKernelEx(&cfg, mmv_direct<TA, TB, MAXM, ROWS, false>, sg, a, m, mmv_rope<false>()),
-                   "matmul (matrix-vector kernel)");
+    const mmv_rope<false> rp;
+    cudaError_t e = two && mmv_two_on()
+                        ? cudaLaunchKernelEx(&cfg, mmv_direct<TA, TB, MAXM, ROWS, false, two>, sg, a, m, rp)
+                        : cudaLaunchKernelEx(&cfg, mmv_direct<TA, TB, MAXM, ROWS, false>, sg, a, m, rp);
+    luma_cuda_fail(c, e, "matmul (matrix-vector kernel)");
 }
 
-/* Two rows a warp at one activation row (below) for the K formats of a
- * Q4_K_M model, whose q, k and v launches it is for. */
-template <class T>
-static constexpr bool mmv_pairs_ok()
+
+/* CTAs of mmv_direct<TA, TB, 1, ROWS, ROPE, TWO> the GPU holds at once. */
+template <class TA, class TB, int ROWS, bool ROPE, bool TWO>
+static int64_t mmv_direct_wave(const cuda_backend *c)
 {
-    return std::is_same<T, type_q4_K>::value || std::is_same<T, type_q5_K>::value ||
-           std::is_same<T, type_q6_K_mmv>::value;
+    static const mmv_limits lim = mmv_setup((const void *)mmv_direct<TA, TB, 1, ROWS, ROPE, TWO>, 0);
+    return lim.e == cudaSuccess ? (int64_t)c->n_sm * mmv_occupancy(lim, 0, MMV_DIRECT_WARPS) : 0;
 }
 
-/* CTAs of mmv_direct<TA, TB, 1, ROWS, ROPE> the GPU holds at once. */
+/* The same for the kernel mmv_direct_launch_rows takes. */
 template <class TA, class TB, int ROWS, bool ROPE>
 static int64_t mmv_direct_wave(const cuda_backend *c)
 {
-    static const mmv_limits lim = mmv_setup((const void *)mmv_direct<TA, TB, 1, ROWS, ROPE>, 0);
-    return lim.e == cudaSuccess ? (int64_t)c->n_sm * mmv_occupancy(lim, 0, MMV_DIRECT_WARPS) : 0;
+    constexpr bool two = mmv_two_ok<TA, TB, 1, ROWS>();
+    return two && mmv_two_on() ? mmv_direct_wave<TA, TB, ROWS, ROPE, two>(c)
+                               : mmv_direct_wave<TA, TB, ROWS, ROPE, false>(c);
 }
 
 /* LUMA_CUDA_MMV_PAIRS in the environment: 0 keeps a row a warp everywhere
@@ -1867,11 +1944,7 @@ static int64_t mmv_direct_wave(const cuda_backend *c)
  * testing); otherwise the rule below. Read once. */
 static int mmv_pairs_mode(void)
 {
-    static int mode = -1;
-    if (mode < 0) {
-        const char *v = getenv("LUMA_CUDA_MMV_PAIRS");
-        mode = v && strcmp(v, "0") == 0 ? 0 : v && strcmp(v, "2") == 0 ? 2 : 1;
-    }
+    static const int mode = env_digit("LUMA_CUDA_MMV_PAIRS", 1);
     return mode;
 }
 

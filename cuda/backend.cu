@@ -114,6 +114,12 @@ static bool env_off(const char *name)
     return v && strcmp(v, "0") == 0;
 }
 
+int luma_cuda_env_digit(const char *name, int dflt)
+{
+    const char *v = getenv(name);
+    return v && v[0] >= '0' && v[0] <= '9' && v[1] == 0 ? v[0] - '0' : dflt;
+}
+
 /* ---- memory ------------------------------------------------------------- */
 
 /* The f16 copies of the weights may take 3/5 of the memory free at the first
@@ -1018,8 +1024,7 @@ luma_backend *luma_backend_cuda_new(int device, luma_err *err)
     c->device = device;
     c->graphs_on = !env_off("LUMA_CUDA_GRAPHS");
     c->pdl = !env_off("LUMA_CUDA_PDL");
-    const char *early = getenv("LUMA_CUDA_EARLY");
-    c->early = early && early[0] >= '0' && early[0] <= '2' && !early[1] ? early[0] - '0' : 1;
+    c->early = luma_cuda_env_digit("LUMA_CUDA_EARLY", 1);
     /* programs are measured slower than the kernels at batch 1 (cuda/NOTES.md,
      * "Decode-step programs"): LUMA_CUDA_PROGRAM=1 turns them on */
     const char *prog = getenv("LUMA_CUDA_PROGRAM");

@@ -255,6 +255,9 @@ void luma_cuda_matmul(cuda_backend *c, const luma_weight *w, const float *x, int
  * other paths, float weights); the caller then runs the two operations. */
 bool luma_cuda_gated_matmul(cuda_backend *c, const luma_weight *w, float *gate, const float *up, int act,
                             int64_t m, float *y);
+/* A switch in the environment for measuring (read once by each caller):
+ * the digit it is set to, or dflt when it is unset or not one digit. */
+int luma_cuda_env_digit(const char *name, int dflt);
 /* RoPE r's tables for heads of head_dim in rows of cols (cuda/rope.cuh);
  * false, recorded, when they are not supported. */
 bool luma_cuda_rope_args(cuda_backend *c, const luma_rope *r, int32_t head_dim, int64_t cols, struct rope_args *a);

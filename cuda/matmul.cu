@@ -73,15 +73,6 @@
 
 /* ---- small helpers ---------------------------------------------------------- */
 
-/* A switch in the environment for measuring, read once by each caller (a
- * static): the digit it is set to, or dflt when it is unset or not one
- * digit. */
-static int env_digit(const char *name, int dflt)
-{
-    const char *v = getenv(name);
-    return v && v[0] >= '0' && v[0] <= '9' && v[1] == 0 ? v[0] - '0' : dflt;
-}
-
 static __device__ __forceinline__ float ld_f16(const uint8_t *p)
 {
     return f16_bits(*(const uint16_t *)p);
@@ -1861,7 +1852,7 @@ static constexpr bool mmv_two_ok()
  * measuring); read once. */
 static bool mmv_two_on(void)
 {
-    static const bool on = env_digit("LUMA_CUDA_MMV_TWO", 1) != 0;
+    static const bool on = luma_cuda_env_digit("LUMA_CUDA_MMV_TWO", 1) != 0;
     return on;
 }
 
@@ -1944,7 +1935,7 @@ static int64_t mmv_direct_wave(const cuda_backend *c)
  * testing); otherwise the rule below. Read once. */
 static int mmv_pairs_mode(void)
 {
-    static const int mode = env_digit("LUMA_CUDA_MMV_PAIRS", 1);
+    static const int mode = luma_cuda_env_digit("LUMA_CUDA_MMV_PAIRS", 1);
     return mode;
 }
 

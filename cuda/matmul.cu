@@ -1349,7 +1349,8 @@ struct mmv_rope_request {
  * owns ROWS consecutive weight rows (from r0) and keeps ROWS x MAXM sums. A
  * lane takes blocks ib0, ib0 + stride, ...; the raw bytes of its next block
  * are fetched before the current one is decoded and used, so that a load
- * is in flight while the lane computes. */
+ * is in flight while the lane computes. TWO (one row, one activation row:
+ * mmv_two_ok) alternates two fetch buffers; the sums are the same. */
 template <class T, int MAXM, int ROWS, bool ROPE, bool TWO>
 static __device__ __forceinline__ void mmv_direct_rows(const uint8_t *w, float *y, int64_t rows, int64_t r0,
                                                        size_t row_bytes, int nb, const act_rows &a, int m,
@@ -1368,8 +1369,8 @@ static __device__ __forceinline__ void mmv_direct_rows(const uint8_t *w, float *
     wait_for_previous_kernel();
     let_next_kernel_start();
     float acc[ROWS][MAXM] = {};
-    /* a round: decode the blocks at ib from `cur`, fetch the next round's
-     * into `nxt` (fetch), add the products */
+    /* a round: decode the blocks at ib_ from cur, let fetch(nxt) fetch the
+     * next round's, add the products */
     auto round = [&](typename T::raw_t(&cur)[ROWS], typename T::raw_t(&nxt)[ROWS], int ib_, auto fetch) {
         typename T::w_t wv[ROWS];
 #pragma unroll

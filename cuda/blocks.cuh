@@ -33,18 +33,30 @@ static __device__ __forceinline__ void scale_min_k4(int s, uint32_t w1, uint32_t
 }
 
 /* The scales and minimums of sub-blocks 2 sj and 2 sj + 1 (scale_min_k4's)
- * without a branch: a lane's sj is fixed, and where the 8 lanes of a block
- * take both halves of the branch, a warp would run both. */
-static __device__ __forceinline__ void scale_min_k4_pair(int sj, uint32_t w1, uint32_t w2, uint32_t w3, int &s0,
-                                                         int &m0, int &s1, int &m1)
+ * without a branch, two to a word: sc holds 2 sj's scale in byte 0 and
+ * 2 sj + 1's in byte 1, m their minimums (a lane's sj is fixed, and where
+ * the 8 lanes of a block take both halves of the branch, a warp would run
+ * both). The low 4 bits come from a (mm), bits 4 and 5 from t1 (t2) >> sh. */
+static __device__ __forceinline__ void scale_min_k4_pair_packed(int sj, uint32_t w1, uint32_t w2, uint32_t w3,
+                                                                uint32_t &sc, uint32_t &m)
 {
     const int b = 16 * (sj & 1), sh = sj >= 2 ? 2 : 0;
     const uint32_t t1 = w1 >> b, t2 = w2 >> b, t3 = w3 >> b;
-    const uint32_t a = sj >= 2 ? t3 : t1, mm = sj >= 2 ? t3 >> 4 : t2, u1 = t1 >> sh, u2 = t2 >> sh;
-    s0 = (int)((a & 0xF) | (u1 & 0x30));
-    s1 = (int)(((a >> 8) & 0xF) | ((u1 >> 8) & 0x30));
-    m0 = (int)((mm & 0xF) | (u2 & 0x30));
-    m1 = (int)(((mm >> 8) & 0xF) | ((u2 >> 8) & 0x30));
+    const uint32_t a = sj >= 2 ? t3 : t1, mm = sj >= 2 ? t3 >> 4 : t2;
+    sc = ((a & 0x0F0Fu) | ((t1 >> sh) & ~0x0F0Fu)) & 0x3F3Fu;
+    m = ((mm & 0x0F0Fu) | ((t2 >> sh) & ~0x0F0Fu)) & 0x3F3Fu;
+}
+
+/* The same four values one to an int. */
+static __device__ __forceinline__ void scale_min_k4_pair(int sj, uint32_t w1, uint32_t w2, uint32_t w3, int &s0,
+                                                         int &m0, int &s1, int &m1)
+{
+    uint32_t sc, m;
+    scale_min_k4_pair_packed(sj, w1, w2, w3, sc, m);
+    s0 = (int)(sc & 0xFF);
+    s1 = (int)(sc >> 8);
+    m0 = (int)(m & 0xFF);
+    m1 = (int)(m >> 8);
 }
 
 /* An integer as a float, exactly for |c| < 2^22 (the sums of a block's

@@ -503,18 +503,13 @@ static __device__ __forceinline__ int dp4a_us(int u, int s, int c)
 struct k_w32 {
     int lo[4], hi[4];          /* unsigned bytes */
     float da, db, ma, mb;      /* d * scale and dmin * minimum of the two sub-blocks */
-    /* scale_min_k4_pair's values, two to a word (sub-block 2 sj in byte
-     * 0, 2 sj + 1 in byte 1), then each byte a float by byte_f: fewer
-     * instructions than picking the four values apart. */
+    /* the scale pairs two to a word, each byte a float by byte_f: fewer
+     * instructions than picking the four values apart */
     static __device__ void scales(const int4 &hdr, int p, k_w32 &w)
     {
         float d = f16_bits((uint32_t)hdr.x & 0xffff), dmin = f16_bits((uint32_t)hdr.x >> 16);
-        const int sj = p / 2, b = 16 * (sj & 1), sh = sj >= 2 ? 2 : 0;
-        const uint32_t t1 = (uint32_t)hdr.y >> b, t2 = (uint32_t)hdr.z >> b, t3 = (uint32_t)hdr.w >> b;
-        const uint32_t a = sj >= 2 ? t3 : t1, mm = sj >= 2 ? t3 >> 4 : t2;
-        /* the low 4 bits from a (mm), bits 4 and 5 from t1 (t2) >> sh */
-        const uint32_t sp = ((a & 0x0F0Fu) | ((t1 >> sh) & ~0x0F0Fu)) & 0x3F3Fu;
-        const uint32_t mp = ((mm & 0x0F0Fu) | ((t2 >> sh) & ~0x0F0Fu)) & 0x3F3Fu;
+        uint32_t sp, mp;
+        scale_min_k4_pair_packed(p / 2, hdr.y, hdr.z, hdr.w, sp, mp);
         w.da = d * byte_f(sp, 0);
         w.db = d * byte_f(sp, 1);
         const float dm = p % 2 == 0 ? dmin : 0.0f;
@@ -1849,12 +1844,13 @@ static constexpr bool mmv_two_ok()
     return MAXM == 1 && ROWS == 1 && mmv_pairs_ok<TA>() && mmv_pairs_ok<TB>();
 }
 
-/* LUMA_CUDA_MMV_TWO=0 in the environment keeps one buffer (for
- * measuring); read once. */
-static bool mmv_two_on(void)
+/* Whether a launch takes them: mmv_two_ok, unless LUMA_CUDA_MMV_TWO=0 in
+ * the environment keeps one buffer (for measuring; read once). */
+template <class TA, class TB, int MAXM, int ROWS>
+static bool mmv_two_taken(void)
 {
     static const bool on = luma_cuda_env_digit("LUMA_CUDA_MMV_TWO", 1) != 0;
-    return on;
+    return mmv_two_ok<TA, TB, MAXM, ROWS>() && on;
 }
 
 /* Launched as a programmatic dependent of the quantizer (cuda/launch.cuh):
@@ -1896,23 +1892,20 @@ static void mmv_direct_launch_rows(cuda_backend *c, const luma_weight *const *ws
     cudaLaunchAttribute attr;
     cudaLaunchConfig_t cfg = luma_launch_config(c, c->stream, ctas, MMV_DIRECT_WARPS * 32, 0, &attr);
     constexpr bool two = mmv_two_ok<TA, TB, MAXM, ROWS>();
+    const bool take_two = mmv_two_taken<TA, TB, MAXM, ROWS>();
     if (mask) {
         mmv_rope<true> rp = rq->rp;
         rp.mask = mask;
-        cudaError_t e = two && mmv_two_on()
-                            ? cudaLaunchKernelEx(&cfg, mmv_direct<TA, TB, MAXM, ROWS, true, two>, sg, a, m, rp)
-                            : cudaLaunchKernelEx(&cfg, mmv_direct<TA, TB, MAXM, ROWS, true>, sg, a, m, rp);
-        if (luma_cuda_fail(c, e, "matmul (matrix-vector kernel, rotating q and k)")) return;
+        auto *kernel = take_two ? mmv_direct<TA, TB, MAXM, ROWS, true, two> : mmv_direct<TA, TB, MAXM, ROWS, true>;
+        if (luma_cuda_fail(c, cudaLaunchKernelEx(&cfg, kernel, sg, a, m, rp),
+                           "matmul (matrix-vector kernel, rotating q and k)"))
+            return;
         rq->done |= done;
         return;
     }
-    const mmv_rope<false> rp;
-    cudaError_t e = two && mmv_two_on()
-                        ? cudaLaunchKernelEx(&cfg, mmv_direct<TA, TB, MAXM, ROWS, false, two>, sg, a, m, rp)
-                        : cudaLaunchKernelEx(&cfg, mmv_direct<TA, TB, MAXM, ROWS, false>, sg, a, m, rp);
-    luma_cuda_fail(c, e, "matmul (matrix-vector kernel)");
+    auto *kernel = take_two ? mmv_direct<TA, TB, MAXM, ROWS, false, two> : mmv_direct<TA, TB, MAXM, ROWS, false>;
+    luma_cuda_fail(c, cudaLaunchKernelEx(&cfg, kernel, sg, a, m, mmv_rope<false>()), "matmul (matrix-vector kernel)");
 }
-
 
 /* CTAs of mmv_direct<TA, TB, 1, ROWS, ROPE, TWO> the GPU holds at once. */
 template <class TA, class TB, int ROWS, bool ROPE, bool TWO>
@@ -1927,8 +1920,8 @@ template <class TA, class TB, int ROWS, bool ROPE>
 static int64_t mmv_direct_wave(const cuda_backend *c)
 {
     constexpr bool two = mmv_two_ok<TA, TB, 1, ROWS>();
-    return two && mmv_two_on() ? mmv_direct_wave<TA, TB, ROWS, ROPE, two>(c)
-                               : mmv_direct_wave<TA, TB, ROWS, ROPE, false>(c);
+    return mmv_two_taken<TA, TB, 1, ROWS>() ? mmv_direct_wave<TA, TB, ROWS, ROPE, two>(c)
+                                            : mmv_direct_wave<TA, TB, ROWS, ROPE, false>(c);
 }
 
 /* LUMA_CUDA_MMV_PAIRS in the environment: 0 keeps a row a warp everywhere

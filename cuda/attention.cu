@@ -23,11 +23,12 @@
  *            The number of splits follows the step's dec_keys_bound, not its
  *            context lengths, so that a decode step recorded as a CUDA graph
  *            replays unchanged for every step of its bucket: splits past a
- *            row's keys return at once. Many rows of short contexts (a
- *            step of at least DEC_LEAN_MIN rows x kv heads, at most
- *            DEC_LEAN_KEYS keys) take decode_lean_kernel instead: a warp
- *            per row and kv head over all its keys, no splits, nothing
- *            shared between warps.
+ *            row's keys return at once. Short contexts (a step's keys
+ *            bound of at most DEC_LEAN_KEYS) take decode_lean_kernel
+ *            instead: one to four warps per row and kv head over all its
+ *            keys (four at a few rows, their sums merged in shared
+ *            memory; one from a few dozen rows, nothing shared between
+ *            warps), no splits.
  *   prefill  long chunks are cut into tiles of LUMA_CUDA_ATTN_TILE (128)
  *            query rows, attended with an online softmax (flash attention):
  *            no score matrix is ever materialized beyond a tile of keys.
@@ -61,7 +62,7 @@
 #define DEC_HEADS 8           /* query heads per decode CTA: a kv head's group or part of it (4 when dv > 128) */
 #define DEC_MAX_SPLITS 256    /* splits of a decode row's keys at most */
 #define DEC_LEAN_WARPS 4     /* warps of a decode_lean_kernel CTA at most */
-#define DEC_LEAN_MIN 256      /* decode_lean_kernel from this many units (dec_tuning) */
+#define DEC_LEAN_MIN 1        /* decode_lean_kernel from this many units (dec_tuning) */
 #define DEC_LEAN_KEYS 256     /* and at most this many keys a row */
 #define DEC_P_SCALE 16384.0f  /* softmax weights (<= 1) times this on the tensor cores: f16 stays normal longer */
 #define PF_QT 16              /* query rows per CUDA-core prefill CTA */
@@ -101,6 +102,8 @@ typedef struct attn_args {
     float *part_ml;            /* their (m, l): [n_dec][n_head][n_splits][2] */
     int32_t *counters;         /* decode: [n_dec][kv heads x head chunks] splits arrived */
     int32_t merge_here;        /* decode: the last split of a row merges the partials (no combine_kernel) */
+    int32_t early;             /* decode_kernel: metadata and the first tiles of earlier steps' keys before the wait */
+    int32_t lean_split;        /* decode_lean_kernel: warps a unit (1, 2 or 4), its tiles dealt out among them */
 } attn_args;
 
 /* ---- element access ------------------------------------------------------ */
@@ -569,7 +572,7 @@ __device__ __forceinline__ static void tile_softmax_pv(const attn_args &a, float
 template <typename T, int H, int MMA>
 __global__ static void __launch_bounds__(DEC_MAX_WARPS * 32, MMA == 128 ? 2 : 1) decode_kernel(const attn_args a)
 {
-    follow_previous_kernel();
+    if (!a.early) follow_previous_kernel();
     const int VC = H == 8 ? 1 : 2;   /* CUDA cores: 128 value columns per lane group (H = 8 only for dv <= 128) */
     const int MT = MMA > 0 ? MMA / 16 : 1;   /* MMA: m16 tiles of value columns (dv <= MMA) */
     extern __shared__ __align__(16) unsigned char dsm[];
@@ -668,11 +671,25 @@ __global__ static void __launch_bounds__(DEC_MAX_WARPS * 32, MMA == 128 ? 2 : 1)
             }
         }
     };
+    /* a.early: before the wait for the kernel before, the step's metadata
+     * (above) and the first tiles that hold only keys of earlier steps
+     * (which no kernel of the step writes: cuda/launch.cuh); the chain of
+     * loads to a tile's first address is then off the path after the wait,
+     * as in decode_lean_kernel */
+    int pre = 0;
+    if (a.early) {
+        for (; pre < S - 1 && pre < nt && k0 + (warp + pre * W + 1) * TK <= spos0; pre++) {
+            issue(pre);
+            cp_async_commit();
+        }
+        wait_for_previous_kernel();
+        let_next_kernel_start();
+    }
     if (vec) {
         if (kd && kv_at < nkv) kv4 = *(const float4 *)(kv_at < a.dk ? k_row + kv_at : v_row + (kv_at - a.dk));
         load_q(kv_at);
     }
-    for (int j = 0; j < S - 1; j++) {
+    for (int j = pre; j < S - 1; j++) {
         if (j < nt) issue(j);
         cp_async_commit();
     }
@@ -944,13 +961,18 @@ __global__ static void __launch_bounds__(DEC_MAX_WARPS * 32, MMA == 128 ? 2 : 1)
 
 /* ---- decode, a warp a unit ----------------------------------------------- */
 
-/* The decode kernel for many rows of short contexts (decode_lean_launch):
- * grid (decode rows, units / warps), one warp per unit, a unit being one
- * row, one kv head and the query heads of it that decode_kernel's CTA
- * would take (H <= 8: the rows of the scores' m16 tiles), over all of the
- * row's keys. F16 caches with dk = dv = D (64 or 128). Nothing is shared
- * between the warps of a CTA: no q staging, no barrier, no merge of warps,
- * no splits. The unit's q stays in registers as the A fragments of the
+/* The decode kernel for rows of short contexts (decode_lean_launch): grid
+ * (decode rows, units / units a CTA), lean_split warps per unit, a unit
+ * being one row, one kv head and the query heads of it that decode_kernel's
+ * CTA would take (H <= 8: the rows of the scores' m16 tiles), over all of
+ * the row's keys. F16 caches with dk = dv = D (64 or 128). With one warp a
+ * unit (many rows) nothing is shared between warps: no q staging, no
+ * barrier, no merge. With 2 or 4 (few rows: batch 1's 8 units would leave
+ * a warp going through all the row's tiles alone), the unit's warps take
+ * its tiles in turn (warp part p: tiles p, p + split, ...), each with its
+ * own q, ring and online softmax, and the unit's first warp merges their
+ * sums, m and l through shared memory (their rings, spent) after a barrier
+ * of the unit's warps only. The unit's q stays in registers as the A fragments of the
  * scores (f16 hi + lo, as decode_kernel's), its keys stream in tiles of 16
  * through the warp's own ring of dec_stages stages (cp.async; a tile
  * inside one cache block is one running address: its K and V are 4 KB
@@ -964,8 +986,10 @@ __global__ static void __launch_bounds__(DEC_LEAN_WARPS * 32) decode_lean_kernel
     constexpr int PPR = D / 8, RPP = 32 / PPR, PASSES = 16 / RPP;   /* 16-byte pieces of a row; rows a pass */
     extern __shared__ __align__(16) unsigned char dsm[];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, S = a.dec_stages;
-    const int32_t z = a.n_kv_head * a.n_hchunks, zz = (int32_t)blockIdx.y * (int32_t)(blockDim.x / 32) + warp;
-    if (zz >= z) return;
+    const int sp = a.lean_split, part = warp % sp;
+    const int32_t z = a.n_kv_head * a.n_hchunks;
+    const int32_t zz = (int32_t)blockIdx.y * (int32_t)(blockDim.x / 32 / sp) + warp / sp;
+    if (zz >= z) return;   /* the unit's warps together */
     const int32_t y = (int32_t)blockIdx.x;
     const int32_t kvh = zz / a.n_hchunks, hc0 = zz % a.n_hchunks * a.heads_per_cta;
     const int32_t nh = min(a.heads_per_cta, a.group - hc0), h0 = kvh * a.group + hc0;
@@ -977,6 +1001,7 @@ __global__ static void __launch_bounds__(DEC_LEAN_WARPS * 32) decode_lean_kernel
     const lane_blocks blocks(a, tab, k0, k1);   /* the row's */
     const size_t head_off = a.layer_off + (size_t)kvh * (size_t)a.block_tokens * (size_t)(D * 2);
     const int32_t n_tiles = (k1 - k0 + 15) / 16;
+    const int32_t nt = n_tiles > part ? (n_tiles - part + sp - 1) / sp : 0;   /* this warp's: part + i sp */
     /* tile j's K rows to stage `slot` of the ring, its V rows TILE halves after them */
     auto issue = [&](int32_t j, int slot) {
         const int32_t kt = k0 + 16 * j;
@@ -1025,14 +1050,14 @@ __global__ static void __launch_bounds__(DEC_LEAN_WARPS * 32) decode_lean_kernel
      * step's k and v rows and the stores come after the wait. */
     const int32_t own_b = blocks.of(p);   /* every lane: the shuffle */
     int pre = 0;
-    for (; pre < S - 1 && pre < n_tiles && k0 + 16 * (pre + 1) <= spos0; pre++) {
-        issue(pre, pre);
+    for (; pre < S - 1 && pre < nt && k0 + 16 * (part + pre * sp + 1) <= spos0; pre++) {
+        issue(part + pre * sp, pre);
         cp_async_commit();
     }
     wait_for_previous_kernel();
     let_next_kernel_start();
-    for (int j = pre; j < S - 1; j++) {
-        if (j < n_tiles) issue(j, j);
+    for (int i = pre; i < S - 1; i++) {
+        if (i < nt) issue(part + i * sp, i);
         cp_async_commit();
     }
 
@@ -1070,7 +1095,7 @@ __global__ static void __launch_bounds__(DEC_LEAN_WARPS * 32) decode_lean_kernel
                 qh[kc][hf] = *(const uint32_t *)&hh;
                 ql[kc][hf] = *(const uint32_t *)&hl;
             }
-        if (hc0 == 0 && own_b >= 0) {
+        if (hc0 == 0 && part == 0 && own_b >= 0) {
             __half *slot = (__half *)(a.pool + (size_t)own_b * a.block_bytes + head_off +
                                       (size_t)(p & (a.block_tokens - 1)) * (D * 2));
 #pragma unroll
@@ -1085,13 +1110,14 @@ __global__ static void __launch_bounds__(DEC_LEAN_WARPS * 32) decode_lean_kernel
 #pragma unroll
     for (int i = 0; i < KC; i++) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
     const int lrow = lane % 8 + 8 * (lane / 16), lcol = 8 * (lane / 8 % 2);   /* ldmatrix addresses */
-    for (int32_t j = 0, rd = 0, wr = S - 1; j < n_tiles; j++) {   /* rd: tile j's stage, wr: tile j + S - 1's */
-        if (j + S - 1 < n_tiles) issue(j + S - 1, wr);
+    /* rd: this warp's tile i's stage, wr: its tile i + S - 1's */
+    for (int32_t i = 0, rd = 0, wr = S - 1; i < nt; i++) {
+        if (i + S - 1 < nt) issue(part + (i + S - 1) * sp, wr);
         cp_async_commit();
         cp_async_wait_n(S - 1);
         __syncwarp();
-        if (j == 0) first_tile();
-        const int32_t kt = k0 + 16 * j, n = min(16, k1 - kt);
+        if (i == 0) first_tile();
+        const int32_t kt = k0 + 16 * (part + i * sp), n = min(16, k1 - kt);
         const __half *ks = ring + rd * STAGE, *vs = ks + TILE;
         rd = rd + 1 == S ? 0 : rd + 1;
         wr = wr + 1 == S ? 0 : wr + 1;
@@ -1111,14 +1137,58 @@ __global__ static void __launch_bounds__(DEC_LEAN_WARPS * 32) decode_lean_kernel
         __syncwarp();   /* the stage is read before the next issue rewrites it */
     }
 
-    /* heads 2t and 2t + 1 of this lane's columns: their sums l sit in the
-     * quads at lanes 8t and 8t + 4 */
+    /* heads 2t and 2t + 1 of this lane's columns: their m and sums l sit
+     * in the quads at lanes 8t and 8t + 4 */
     l_row += __shfl_xor_sync(0xffffffffu, l_row, 1);
     l_row += __shfl_xor_sync(0xffffffffu, l_row, 2);
-    const float l0 = __shfl_sync(0xffffffffu, l_row, 8 * t), l1 = __shfl_sync(0xffffffffu, l_row, 8 * t + 4);
+    float lh[2] = { __shfl_sync(0xffffffffu, l_row, 8 * t), __shfl_sync(0xffffffffu, l_row, 8 * t + 4) };
+    if (sp > 1) {
+        /* the unit's warps' o, m and l to their rings ([KC * 4 + 2][32]
+         * floats a warp, lane-major), then the first warp weighs each part
+         * by exp(m_part - m) for each of its two heads */
+        constexpr int NF = KC * 4 + 2;
+        __syncwarp();
+        float *mine = (float *)ring;
+#pragma unroll
+        for (int i = 0; i < KC; i++)
+#pragma unroll
+            for (int c = 0; c < 4; c++) mine[(4 * i + c) * 32 + lane] = o[i][c];
+        mine[4 * KC * 32 + lane] = m_row;
+        mine[(4 * KC + 1) * 32 + lane] = l_row;
+        team_barrier(1 + warp / sp, sp * 32);
+        if (part != 0) return;
+        const float *first = (const float *)((__half *)dsm + (size_t)warp * (size_t)S * STAGE);
+        const size_t ring_floats = (size_t)S * STAGE / 2;
+        float mh[2] = { -INFINITY, -INFINITY }, f[4][2];
+#pragma unroll
+        for (int u = 0; u < 2; u++)
+#pragma unroll
+            for (int q = 0; q < 4; q++)
+                if (q < sp) mh[u] = fmaxf(mh[u], first[q * ring_floats + 4 * KC * 32 + 8 * t + 4 * u]);
+#pragma unroll
+        for (int u = 0; u < 2; u++) {
+            lh[u] = 0.0f;
+#pragma unroll
+            for (int q = 0; q < 4; q++) {
+                /* a part with no tile has m = -inf: weight 0 (part 0 always has one) */
+                f[q][u] = q < sp ? expf(first[q * ring_floats + 4 * KC * 32 + 8 * t + 4 * u] - mh[u]) : 0.0f;
+                if (q < sp) lh[u] += f[q][u] * first[q * ring_floats + (4 * KC + 1) * 32 + 8 * t + 4 * u];
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < KC; i++)
+#pragma unroll
+            for (int c = 0; c < 4; c++) {
+                float sum = 0.0f;
+#pragma unroll
+                for (int q = 0; q < 4; q++)
+                    if (q < sp) sum += f[q][c & 1] * first[q * ring_floats + (4 * i + c) * 32 + lane];
+                o[i][c] = sum;
+            }
+        static_assert(NF * 32 * 4 <= STAGE * 2, "a warp's merge fits one stage of its ring");
+    }
     const float unscale = 1.0f / DEC_P_SCALE;
     const int hd[2] = { 2 * t, 2 * t + 1 };
-    const float lh[2] = { l0, l1 };
 #pragma unroll
     for (int u = 0; u < 2; u++) {
         if (hd[u] >= nh) continue;
@@ -1752,9 +1822,11 @@ typedef struct dec_tuning {
     int one_split;             /* steps whose keys bound is at most this many: one split a row */
     int lean_min;              /* decode_lean_kernel from this many units (rows x kv heads x head chunks) */
     int lean_keys;             /* and at most this many keys a row */
+    int lean_split;            /* its warps a unit: 1, 2 or 4 (0: by the step's units, lean_split_for) */
 } dec_tuning;
 
-/* LUMA_CUDA_ATTN_DECODE="stages,stage_bytes,warps,waves,min_split,merge_kb,mma,one_split,lean_min,lean_keys" */
+/* LUMA_CUDA_ATTN_DECODE="stages,stage_bytes,warps,waves,min_split,merge_kb,mma,one_split,lean_min,lean_keys,
+ * lean_split" */
 static dec_tuning dec_tuning_get(void);
 
 /* The defaults that depend on the heads (cuda/NOTES.md, "Decode:
@@ -1782,11 +1854,11 @@ static dec_tuning dec_tuning_get(void)
 {
     /* stages 0, warps 0, mma -1 and one_split -1: the defaults for the layer's heads
      * (dec_defaults, decode_launch) */
-    dec_tuning t = { 0, 8192, 0, 1, 64, 64, -1, -1, DEC_LEAN_MIN, DEC_LEAN_KEYS };
+    dec_tuning t = { 0, 8192, 0, 1, 64, 64, -1, -1, DEC_LEAN_MIN, DEC_LEAN_KEYS, 0 };
     const char *s = getenv("LUMA_CUDA_ATTN_DECODE");
     if (s && *s)
-        sscanf(s, "%d,%d,%d,%d,%d,%d,%d,%d,%d,%d", &t.stages, &t.stage_bytes, &t.warps, &t.waves, &t.min_split,
-               &t.merge_kb, &t.mma, &t.one_split, &t.lean_min, &t.lean_keys);
+        sscanf(s, "%d,%d,%d,%d,%d,%d,%d,%d,%d,%d,%d", &t.stages, &t.stage_bytes, &t.warps, &t.waves, &t.min_split,
+               &t.merge_kb, &t.mma, &t.one_split, &t.lean_min, &t.lean_keys, &t.lean_split);
     if (t.stages != 0) t.stages = t.stages < 2 ? 2 : t.stages > DEC_MAX_STAGES ? DEC_MAX_STAGES : t.stages;
     if (t.warps != 0) t.warps = t.warps < 1 ? 1 : t.warps > DEC_MAX_WARPS ? DEC_MAX_WARPS : t.warps;
     if (t.waves < 1) t.waves = 1;
@@ -1935,6 +2007,18 @@ static void decode_launch(cuda_backend *c, attn_args *a, const dec_tuning &tunin
                     (size_t)a->n_splits * sizeof(float), combine_kernel, *a);
 }
 
+/* Warps a unit of decode_lean_kernel: the tuning's, else 4 while the
+ * step's units times 4 stay within two warps an SM, then 2, then 1 (the 7B
+ * on 132 SMs: 4 up to 8 rows, 2 up to 16, then 1, without a merge). */
+static int lean_split_for(const cuda_backend *c, const attn_args *a, const dec_tuning &tu)
+{
+    if (tu.lean_split > 0) return tu.lean_split >= 4 ? 4 : tu.lean_split >= 2 ? 2 : 1;
+    const int64_t units = (int64_t)c->step.n_dec * a->n_kv_head * a->n_hchunks;
+    int sp = 4;
+    while (sp > 1 && units * sp > 2 * (int64_t)c->n_sm) sp /= 2;
+    return sp;
+}
+
 /* Launches decode_lean_kernel<D> over the step's decode rows. */
 template <int D>
 static void decode_lean_launch(cuda_backend *c, attn_args *a, const dec_tuning &tu)
@@ -1944,7 +2028,8 @@ static void decode_lean_launch(cuda_backend *c, attn_args *a, const dec_tuning &
     if (luma_cuda_fail(c, setup, "attention (decode kernel)")) return;
     const cuda_step *st = &c->step;
     const int32_t z = a->n_kv_head * a->n_hchunks;
-    const int warps = z < DEC_LEAN_WARPS ? z : DEC_LEAN_WARPS, stages = tu.stages ? tu.stages : 3;
+    const int sp = lean_split_for(c, a, tu), upc = z < DEC_LEAN_WARPS / sp ? z : DEC_LEAN_WARPS / sp;
+    const int warps = upc * sp, stages = tu.stages ? tu.stages : 3;
     const size_t smem = (size_t)warps * (size_t)stages * 2 * 16 * (D + 8) * sizeof(__half);
     const int occ = decode_occupancy(fa, warps * 32, smem);
     if (occ < 1 || smem > dec_smem_max) {
@@ -1952,15 +2037,18 @@ static void decode_lean_launch(cuda_backend *c, attn_args *a, const dec_tuning &
         return;
     }
     a->dec_stages = stages;
-    luma_launch(c, c->stream, dim3((unsigned)st->n_dec, (unsigned)((z + warps - 1) / warps)), warps * 32, smem,
+    a->lean_split = sp;
+    luma_launch(c, c->stream, dim3((unsigned)st->n_dec, (unsigned)((z + upc - 1) / upc)), warps * 32, smem,
                 decode_lean_kernel<D>, *a);
 }
 
 /* Whether decode_lean_kernel takes the step's decode rows: F16 caches with
  * dk = dv of 64 or 128 on the tensor cores, at least lean_min units (rows x
- * kv heads x head chunks: enough warps to fill the GPU), at most lean_keys
- * keys a row (the step's bound; each warp goes through them alone), and
- * not under batch invariance (the kernel taken follows the step's rows). */
+ * kv heads x head chunks; 1 by default: with its warps a unit it beats
+ * decode_kernel from batch 1 on, cuda/NOTES.md), at most lean_keys keys a
+ * row (the step's bound; a unit's warps go through them without splits),
+ * and not under batch invariance (the kernel taken follows the step's
+ * rows). */
 static bool lean_covers(const cuda_backend *c, const attn_args *a, const dec_tuning &tu)
 {
     int64_t units = (int64_t)c->step.n_dec * a->n_kv_head * a->n_hchunks, keys = c->step.dec_keys_bound;
@@ -2082,6 +2170,8 @@ void luma_cuda_attention(cuda_backend *c, const luma_buf *q, const luma_buf *k, 
     a.part = a.part_ml = NULL;
     a.counters = NULL;
     a.merge_here = 0;
+    a.early = c->attn_early;
+    a.lean_split = 1;
     bool tc = tc_covers(l, &a);
     if (tc && (int64_t)st->n_tiles * a.n_head * (LUMA_CUDA_ATTN_TILE / (TC_WARPS * 16)) > INT32_MAX) {
         luma_cuda_failf(c, "attention: %d tiles of %d heads are too many CTAs", st->n_tiles, a.n_head);

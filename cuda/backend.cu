@@ -1025,6 +1025,7 @@ luma_backend *luma_backend_cuda_new(int device, luma_err *err)
     c->graphs_on = !env_off("LUMA_CUDA_GRAPHS");
     c->pdl = !env_off("LUMA_CUDA_PDL");
     c->early = luma_cuda_env_digit("LUMA_CUDA_EARLY", 1);
+    c->attn_early = luma_cuda_env_digit("LUMA_CUDA_ATTN_EARLY", 1);
     /* programs are measured slower than the kernels at batch 1 (cuda/NOTES.md,
      * "Decode-step programs"): LUMA_CUDA_PROGRAM=1 turns them on */
     const char *prog = getenv("LUMA_CUDA_PROGRAM");

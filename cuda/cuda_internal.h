@@ -137,6 +137,10 @@ typedef struct cuda_backend {
      * quantizers, 2 those and the residual norms (LUMA_CUDA_EARLY in the
      * environment; 1 by default). */
     int early;
+    /* decode_kernel reads the step's metadata and issues its first tiles of
+     * earlier steps' keys before its wait (LUMA_CUDA_ATTN_EARLY=0 in the
+     * environment: after it, as every other kernel). */
+    int attn_early;
     /* Q6_K matrices, and Q4_0, Q5_0 and Q8_0 ones, get a repacked copy for
      * the matrix-vector kernels (luma_weight.dev_mmv; LUMA_CUDA_Q6K_MMV=0,
      * LUMA_CUDA_X4_MMV=0 in the environment: not). Like the f16 copies they

@@ -52,6 +52,14 @@ static __device__ __forceinline__ void let_next_kernel_start()
 #endif
 }
 
+/* A barrier for `threads` threads (whole warps) on named barrier id (1 to
+ * 15; 0 is __syncthreads'): teams of warps that wait for each other, not
+ * for the rest of the CTA. */
+static __device__ __forceinline__ void team_barrier(int id, int threads)
+{
+    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
 /* The first statement of a kernel that fetches nothing ahead of the wait;
  * early: the next kernel may start before this one waits (above). */
 static __device__ __forceinline__ void follow_previous_kernel(bool early = false)

@@ -1537,11 +1537,6 @@ static __device__ __forceinline__ void mbar_wait(uint64_t *bar, uint32_t parity)
     } while (!done);
 }
 
-static __device__ __forceinline__ void team_barrier(int id, int threads)
-{
-    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
-}
-
 /* How the staged kernel walks its weight (set by mmv_staged_launch). A CTA
  * has MMV_STAGED_WARPS warps; ks consecutive warps form a team, which owns
  * one row group (ROWS rows) at a time, each warp a slice of `slice` blocks

@@ -1021,19 +1021,25 @@ static void test_attention_shape(const attn_shape *sh, enum luma_type type)
         if (k == 4) memcpy(rows, together, sizeof rows);
         attn_step as;
         if (build_step(&e, &as, steps[k].seqs, rows, steps[k].n)) {
-            char label[48];
+            char label[64];
             snprintf(label, sizeof label, "attn %s %s %s w0", sh->name, luma_type_name(type), steps[k].what);
             attend(&e, &as.t.s, &e.full, label, type == LUMA_F16 ? steps[k].timing : UNTIMED);
             snprintf(label, sizeof label, "attn %s %s %s w%d", sh->name, luma_type_name(type), steps[k].what, WINDOW);
             attend(&e, &as.t.s, &e.win, label, UNTIMED);
             /* the decode rows again on decode_lean_kernel (which the
-             * defaults give many rows of short contexts only) */
+             * defaults give rows of short contexts only), with 1, 2 and 4
+             * warps a unit (4 and 2 merge their parts) */
             if (type == LUMA_F16 && sh->dk == sh->dv && (sh->dk == 64 || sh->dk == 128)) {
-                setenv("LUMA_CUDA_ATTN_DECODE", "0,8192,0,1,64,64,-1,-1,0,1000000", 1);
-                snprintf(label, sizeof label, "attn %s f16 %s lean w0", sh->name, steps[k].what);
-                attend(&e, &as.t.s, &e.full, label, UNTIMED);
-                snprintf(label, sizeof label, "attn %s f16 %s lean w%d", sh->name, steps[k].what, WINDOW);
-                attend(&e, &as.t.s, &e.win, label, UNTIMED);
+                for (int split = 1; split <= 4; split *= 2) {
+                    char tuning[64];
+                    snprintf(tuning, sizeof tuning, "0,8192,0,1,64,64,-1,-1,0,1000000,%d", split);
+                    setenv("LUMA_CUDA_ATTN_DECODE", tuning, 1);
+                    snprintf(label, sizeof label, "attn %s f16 %s lean/%d w0", sh->name, steps[k].what, split);
+                    attend(&e, &as.t.s, &e.full, label, UNTIMED);
+                    snprintf(label, sizeof label, "attn %s f16 %s lean/%d w%d", sh->name, steps[k].what, split,
+                             WINDOW);
+                    attend(&e, &as.t.s, &e.win, label, UNTIMED);
+                }
                 unsetenv("LUMA_CUDA_ATTN_DECODE");
             }
         }
@@ -1066,7 +1072,7 @@ static void test_attention(void)
  * hi]. Checked against the CPU, then timed at the bandwidth of reading each
  * row's visible K and V once (F16 cache). LUMA_CUDA_DECODE_CONFIGS, a list
  * of decode tunings separated by ';' (each "stages,stage_bytes,warps,waves,
- * min_split,merge_kb,mma[,one_split,lean_min,lean_keys]", as cuda/attention.cu reads
+ * min_split,merge_kb,mma[,one_split,lean_min,lean_keys,lean_split]", as cuda/attention.cu reads
  * LUMA_CUDA_ATTN_DECODE, set to each in turn), also checks and times each of
  * them; LUMA_CUDA_DECODE_CASE=i runs case i alone (for a profiler). */
 typedef struct dec_case {

@@ -500,6 +500,19 @@ static __device__ __forceinline__ int dp4a_us(int u, int s, int c)
     return r;
 }
 
+/* A weight load of the matrix-vector kernels: with CS, ld.global.cs, whose
+ * lines L2 allocates evict-first. A step reads each weight byte once, and
+ * a 7B's 4 GB pass through the 50-60 MB L2 a token; marked so, they evict
+ * each other rather than what the step reads again (activations, its
+ * metadata, the recent keys and values, the norms' gains): 7B at batch 1
+ * 2.11-2.13 to 2.00-2.05 ms a token on an H200 (cuda/NOTES.md). Only for
+ * global memory (the direct kernels, mmv_fetch). */
+template <bool CS, class V> static __device__ __forceinline__ V ld_w(const uint8_t *p)
+{
+    if constexpr (CS) return __ldcs((const V *)p);
+    else return *(const V *)p;
+}
+
 struct k_w32 {
     int lo[4], hi[4];          /* unsigned bytes */
     float da, db, ma, mb;      /* d * scale and dmin * minimum of the two sub-blocks */
@@ -529,10 +542,10 @@ struct type_q4_K {
     struct raw_t { int4 hdr, q; };
     typedef k_w32 w_t;
     typedef k_act32 x_t;
-    static __device__ void fetch(const uint8_t *b, int p, raw_t &r)
+    template <bool CS = false> static __device__ void fetch(const uint8_t *b, int p, raw_t &r)
     {
-        r.hdr = *(const int4 *)b;
-        r.q = *(const int4 *)(b + 16 + 16 * p);
+        r.hdr = ld_w<CS, int4>(b);
+        r.q = ld_w<CS, int4>(b + 16 + 16 * p);
     }
     /* lane part p's 4-bit values, four a word: sub-block 2 (p / 2) in lo,
      * 2 (p / 2) + 1 in hi (also the float kernel's, kf_q4_K) */
@@ -586,11 +599,11 @@ struct type_q5_K {
     struct raw_t { int4 hdr, qh, q; };
     typedef k_w32 w_t;
     typedef k_act32 x_t;
-    static __device__ void fetch(const uint8_t *b, int p, raw_t &r)
+    template <bool CS = false> static __device__ void fetch(const uint8_t *b, int p, raw_t &r)
     {
-        r.hdr = *(const int4 *)b;
-        r.qh = *(const int4 *)(b + 16 + 16 * (p % 2));
-        r.q = *(const int4 *)(b + 48 + 16 * p);
+        r.hdr = ld_w<CS, int4>(b);
+        r.qh = ld_w<CS, int4>(b + 16 + 16 * (p % 2));
+        r.q = ld_w<CS, int4>(b + 48 + 16 * p);
     }
     /* lane part p's 5-bit values, as type_q4_K::bits (also kf_q5_K's) */
     static __device__ __forceinline__ void bits(const raw_t &r, int p, int *lo, int *hi)
@@ -700,12 +713,12 @@ struct type_q6_K_mmv {
     struct raw_t { int4 q; int2 h; uint32_t sc; float d; };
     struct w_t { int lo[4], hi[4]; float da, db; };
     typedef k_act32 x_t;
-    static __device__ void fetch(const uint8_t *b, int p, raw_t &r)
+    template <bool CS = false> static __device__ void fetch(const uint8_t *b, int p, raw_t &r)
     {
-        r.q = *(const int4 *)(b + 16 * p);
-        r.h = *(const int2 *)(b + 128 + 8 * p);
-        r.sc = *(const uint16_t *)(b + 192 + 2 * p);
-        r.d = *(const float *)(b + 208);
+        r.q = ld_w<CS, int4>(b + 16 * p);
+        r.h = ld_w<CS, int2>(b + 128 + 8 * p);
+        r.sc = ld_w<CS, unsigned short>(b + 192 + 2 * p);
+        r.d = ld_w<CS, float>(b + 208);
     }
     static __device__ void decode(const raw_t &r, int p, w_t &w)
     {
@@ -1340,6 +1353,24 @@ struct mmv_rope_request {
     int done;
 };
 
+/* The direct kernels' weight fetch: evict-first loads (ld_w) for the types
+ * whose fetch takes them (Q4_K, Q5_K, repacked Q6_K), unless built with
+ * LUMA_CUDA_MMV_CS=0 (-DCMAKE_CUDA_FLAGS=-DLUMA_CUDA_MMV_CS=0, for
+ * measuring). */
+#ifndef LUMA_CUDA_MMV_CS
+#define LUMA_CUDA_MMV_CS 1
+#endif
+template <class T, class = void> struct fetch_takes_cs : std::false_type {};
+template <class T>
+struct fetch_takes_cs<T, std::void_t<decltype(&T::template fetch<true>)>> : std::true_type {};
+
+template <class T>
+static __device__ __forceinline__ void mmv_fetch(const uint8_t *b, int p, typename T::raw_t &r)
+{
+    if constexpr (LUMA_CUDA_MMV_CS && fetch_takes_cs<T>::value) T::template fetch<true>(b, p, r);
+    else T::fetch(b, p, r);
+}
+
 /* y[j * rows + r] = W[r] . x[j] for the m <= MAXM activation rows; each warp
  * owns ROWS consecutive weight rows (from r0) and keeps ROWS x MAXM sums. A
  * lane takes blocks ib0, ib0 + stride, ...; the raw bytes of its next block
@@ -1360,7 +1391,7 @@ static __device__ __forceinline__ void mmv_direct_rows(const uint8_t *w, float *
     int ib = lane / T::lpb;
     if (ib < nb)
 #pragma unroll
-        for (int r = 0; r < ROWS; r++) T::fetch(wr[r] + (size_t)ib * T::bytes, p, raw[r]);
+        for (int r = 0; r < ROWS; r++) mmv_fetch<T>(wr[r] + (size_t)ib * T::bytes, p, raw[r]);
     wait_for_previous_kernel();
     let_next_kernel_start();
     float acc[ROWS][MAXM] = {};
@@ -1393,11 +1424,11 @@ static __device__ __forceinline__ void mmv_direct_rows(const uint8_t *w, float *
         const int last = nb - 1;
         for (; ib < nb; ib += 2 * stride) {
             round(raw, other, ib, [&](typename T::raw_t(&n)[ROWS]) {
-                T::fetch(wr[0] + (size_t)min(ib + stride, last) * T::bytes, p, n[0]);
+                mmv_fetch<T>(wr[0] + (size_t)min(ib + stride, last) * T::bytes, p, n[0]);
             });
             if (ib + stride >= nb) break;
             round(other, raw, ib + stride, [&](typename T::raw_t(&n)[ROWS]) {
-                T::fetch(wr[0] + (size_t)min(ib + 2 * stride, last) * T::bytes, p, n[0]);
+                mmv_fetch<T>(wr[0] + (size_t)min(ib + 2 * stride, last) * T::bytes, p, n[0]);
             });
         }
     } else {
@@ -1405,7 +1436,7 @@ static __device__ __forceinline__ void mmv_direct_rows(const uint8_t *w, float *
             round(raw, raw, ib, [&](typename T::raw_t(&n)[ROWS]) {
                 if (ib + stride < nb)
 #pragma unroll
-                    for (int r = 0; r < ROWS; r++) T::fetch(wr[r] + (size_t)(ib + stride) * T::bytes, p, n[r]);
+                    for (int r = 0; r < ROWS; r++) mmv_fetch<T>(wr[r] + (size_t)(ib + stride) * T::bytes, p, n[r]);
             });
     }
     if constexpr (ROPE) {

@@ -81,6 +81,23 @@ static __device__ __forceinline__ uint32_t pack_h2(float lo, float hi)
     return *(const uint32_t *)&h;
 }
 
+/* c += A B, int8: m16n8k32 (a: rows g, g + 8 at k 4t..4t+3, then the same
+ * at 16 + 4t..; b0, b1: k 4t.. and 16 + 4t.. of column g) and m16n8k16
+ * (a0, a1: rows g, g + 8 at k 4t..4t+3; b: those k of column g). */
+static __device__ __forceinline__ void mma_s8_k32(int (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1)
+{
+    asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+static __device__ __forceinline__ void mma_s8_k16(int (&c)[4], uint32_t a0, uint32_t a1, uint32_t b)
+{
+    asm("mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};"
+        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+        : "r"(a0), "r"(a1), "r"(b));
+}
+
 /* rs_kernel (mmq.cu) takes Q4_K weights as wgmma's A operand straight from
  * their quant bytes: for half a superblock (128 k, 64 bytes a row) thread t
  * of a quad reads bytes 16 t .. 16 t + 15, and each 32-bit word u of them

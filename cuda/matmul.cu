@@ -24,6 +24,9 @@
  *   with shuffles at the end. Q6_K, Q4_0, Q5_0 and Q8_0 weights are read
  *   from a copy weight_load repacked into aligned blocks
  *   (luma_weight.dev_mmv: type_q6_K_mmv, type_x4) where it made one.
+ *   Q4_K and Q5_K weights at 3 to 16 rows take a third kernel, mmv_tc,
+ *   whose warps meet 16 weight rows and 8 activation rows in one int8
+ *   mma.sync per sub-block, so that its cost hardly grows with m.
  *
  * - larger m (prefill, big batches): tensor cores through cuBLAS. The
  *   weights in f16 (the same values as luma_dequantize_row, rounded to f16)
@@ -46,6 +49,7 @@
 #include "program.cuh"
 
 #include <limits.h>
+#include <stdio.h>
 #include <type_traits>
 #include <stdlib.h>
 #include <string.h>
@@ -1486,38 +1490,49 @@ static __device__ __forceinline__ void mmv_direct_rows(const uint8_t *w, float *
  * mmv_direct_rows takes them, in type TA, or in type TB from CTA cta_b on
  * (q and k in one format, v in another of the same activation format); one
  * type when TA and TB are the same. */
+/* The segment of mmv_segs that CTA cta works on (constant indices: the
+ * segments stay kernel parameters). */
+struct mmv_seg {
+    const uint8_t *w;
+    float *y;
+    int64_t rows, cta0;
+    size_t row_bytes;
+    int nb, seg;
+};
+
+static __device__ __forceinline__ mmv_seg mmv_seg_of(const mmv_segs &sg, unsigned cta)
+{
+    mmv_seg s = { sg.w[0], sg.y[0], sg.rows[0], 0, sg.row_bytes[0], sg.nb[0], 0 };
+#pragma unroll
+    for (int i = 1; i < MMV_SEGS; i++)
+        if (cta >= sg.cta0[i]) {
+            s.seg = i;
+            s.w = sg.w[i];
+            s.y = sg.y[i];
+            s.rows = sg.rows[i];
+            s.cta0 = sg.cta0[i];
+            s.row_bytes = sg.row_bytes[i];
+            s.nb = sg.nb[i];
+        }
+    return s;
+}
+
 template <class TA, class TB, int MAXM, int ROWS, bool ROPE, bool TWO = false>
 static __global__ void __launch_bounds__(MMV_DIRECT_WARPS * 32)
 mmv_direct(mmv_segs sg, act_rows a, int m, const mmv_rope<ROPE> rp)
 {
-    /* this CTA's segment (constant indices: the segments stay parameters) */
-    const uint8_t *w = sg.w[0];
-    float *y = sg.y[0];
-    int64_t rows = sg.rows[0], cta0 = 0;
-    size_t row_bytes = sg.row_bytes[0];
-    int nb = sg.nb[0], seg = 0;
-#pragma unroll
-    for (int i = 1; i < MMV_SEGS; i++)
-        if (blockIdx.x >= sg.cta0[i]) {
-            seg = i;
-            w = sg.w[i];
-            y = sg.y[i];
-            rows = sg.rows[i];
-            cta0 = sg.cta0[i];
-            row_bytes = sg.row_bytes[i];
-            nb = sg.nb[i];
-        }
-    const int64_t r0 = (((int64_t)blockIdx.x - cta0) * MMV_DIRECT_WARPS + threadIdx.x / 32) * ROWS;
-    if (r0 >= rows) return;
+    const mmv_seg s = mmv_seg_of(sg, blockIdx.x);
+    const int64_t r0 = (((int64_t)blockIdx.x - s.cta0) * MMV_DIRECT_WARPS + threadIdx.x / 32) * ROWS;
+    if (r0 >= s.rows) return;
     bool rot = false;
-    if constexpr (ROPE) rot = (rp.mask >> seg) & 1;
+    if constexpr (ROPE) rot = (rp.mask >> s.seg) & 1;
     if constexpr (std::is_same<TA, TB>::value) {
-        mmv_direct_rows<TA, MAXM, ROWS, ROPE, TWO>(w, y, rows, r0, row_bytes, nb, a, m, rp, rot);
+        mmv_direct_rows<TA, MAXM, ROWS, ROPE, TWO>(s.w, s.y, s.rows, r0, s.row_bytes, s.nb, a, m, rp, rot);
     } else {
         if (blockIdx.x < sg.cta_b)
-            mmv_direct_rows<TA, MAXM, ROWS, ROPE, TWO>(w, y, rows, r0, row_bytes, nb, a, m, rp, rot);
+            mmv_direct_rows<TA, MAXM, ROWS, ROPE, TWO>(s.w, s.y, s.rows, r0, s.row_bytes, s.nb, a, m, rp, rot);
         else
-            mmv_direct_rows<TB, MAXM, ROWS, ROPE, TWO>(w, y, rows, r0, row_bytes, nb, a, m, rp, rot);
+            mmv_direct_rows<TB, MAXM, ROWS, ROPE, TWO>(s.w, s.y, s.rows, r0, s.row_bytes, s.nb, a, m, rp, rot);
     }
 }
 
@@ -1879,6 +1894,24 @@ static bool mmv_two_taken(void)
     return mmv_two_ok<TA, TB, MAXM, ROWS>() && on;
 }
 
+/* The segments (bit i: ws[i]) that rotate q or k of a pending
+ * luma_cuda_matmul_qkv_rope as they are written, where their rows are
+ * whole heads and whole pair-holding CTAs of `unit` rows; the bits of the
+ * request's outputs they cover into *done. */
+static uint32_t mmv_rope_mask(const cuda_backend *c, const luma_weight *const *ws, float *const *ys, int n,
+                              int64_t unit, int *done)
+{
+    const mmv_rope_request *rq = c->qkv_rope;
+    uint32_t mask = 0;
+    for (int i = 0; i < n && i < MMV_SEGS && rq; i++)
+        for (int o = 0; o < 2; o++)
+            if (ys[i] == rq->y[o] && ws[i]->rows % unit == 0 && ws[i]->rows % rq->rp.head_dim == 0) {
+                mask |= 1u << i;
+                *done |= 1 << o;
+            }
+    return mask;
+}
+
 /* Launched as a programmatic dependent of the quantizer (cuda/launch.cuh):
  * the first weight loads go out before the wait. */
 template <class TA, class TB, int MAXM, int ROWS>
@@ -1903,18 +1936,9 @@ static void mmv_direct_launch_rows(cuda_backend *c, const luma_weight *const *ws
             sg.cta0[i] = UINT_MAX;
         }
     }
-    /* q and k of a pending luma_cuda_matmul_qkv_rope, when their rows are
-     * whole CTAs of whole pairs */
-    mmv_rope_request *rq = c->qkv_rope;
-    uint32_t mask = 0;
     int done = 0;
-    for (int i = 0; i < n && i < MMV_SEGS && rq; i++)
-        for (int o = 0; o < 2; o++)
-            if (ys[i] == rq->y[o] && ws[i]->rows % (2 * MMV_DIRECT_WARPS) == 0 &&
-                ws[i]->rows % rq->rp.head_dim == 0) {
-                mask |= 1u << i;
-                done |= 1 << o;
-            }
+    const uint32_t mask = mmv_rope_mask(c, ws, ys, n, 2 * MMV_DIRECT_WARPS, &done);
+    mmv_rope_request *rq = c->qkv_rope;
     cudaLaunchAttribute attr;
     cudaLaunchConfig_t cfg = luma_launch_config(c, c->stream, ctas, MMV_DIRECT_WARPS * 32, 0, &attr);
     constexpr bool two = mmv_two_ok<TA, TB, MAXM, ROWS>();
@@ -1986,6 +2010,288 @@ static void mmv_direct_launch(cuda_backend *c, const luma_weight *const *ws, flo
         }
     }
     mmv_direct_launch_rows<TA, TB, MAXM, mmv_rows(MAXM)>(c, ws, ys, n, n_a, a, m);
+}
+
+/* -- the tensor-core kernel: a few activation rows on mma.sync --------------
+ *
+ * Q4_K and Q5_K weights by 3 to 16 activation rows (decode of a few
+ * sequences). The direct kernel's cost grows with m (a __dp4a per four
+ * weights and activation row, the float scaling of every block and row);
+ * here a warp's 16 weight rows meet 8 activation rows in one
+ * mma.sync.m16n8k32 per 32-element sub-block, so a step of 8 rows costs
+ * about what one row does. Nothing is dequantized: as in the CPU's
+ * dot_q4_K, a sub-block's integer sum times its 6-bit scale and the
+ * minimums times the activations' integer sums add up in integers over a
+ * superblock, which is then scaled once (y->d * (d * sumi - dmin * summ),
+ * the CPU's roundings); only the order of the superblocks' float sums
+ * differs from the CPU's.
+ *
+ * Thread (g, t) of a warp (g = lane / 4, t = lane % 4) holds weight rows g
+ * and g + 8 of the CTA's 16, bytes 8 t .. 8 t + 7 of each 32-byte chunk of
+ * their quant bytes: the low nibbles are positions 8 t .. 8 t + 7 of
+ * sub-block 2 j, the high ones of 2 j + 1. Those go to the A fragment's k
+ * slots 4 t .. 4 t + 3 and 16 + 4 t .. 16 + 4 t + 3 (a permutation of k that
+ * B follows: its two words are the activation row's 8 bytes at 8 t). The
+ * minimums take a second mma whose A is the rows' 6-bit minimum in every
+ * byte: it adds m * (sum of the sub-block's activations) straight into an
+ * accumulator. The CTA's MMV_TC_WARPS warps split a row's superblocks
+ * (warp w: w, w + MMV_TC_WARPS, ...; each fetches its next superblock
+ * while it multiplies this one) and add their partial sums in shared
+ * memory in warp order. */
+#define MMV_TC_WARPS 8
+#define MMV_TC_ROWS 16   /* weight rows of a CTA */
+#define MMV_TC_MAX_M 16  /* two n8 tiles */
+
+/* A thread's share of a superblock of two rows, and the values of its
+ * sub-block s: positions 8 t .. 8 t + 3 in v0, 8 t + 4 .. 8 t + 7 in v1. */
+struct tc_q4_K {
+    static constexpr int bytes = 144;
+    struct raw_t { int4 hdr; int2 q[4]; };
+    static __device__ __forceinline__ void fetch(const uint8_t *b, int t, raw_t &r)
+    {
+        r.hdr = ld_w<LUMA_CUDA_MMV_CS, int4>(b);
+#pragma unroll
+        for (int j = 0; j < 4; j++) r.q[j] = ld_w<LUMA_CUDA_MMV_CS, int2>(b + 16 + 32 * j + 8 * t);
+    }
+    static __device__ __forceinline__ void values(const raw_t &r, int s, uint32_t &v0, uint32_t &v1)
+    {
+        const int j = s / 2, sh = 4 * (s % 2);
+        v0 = ((uint32_t)r.q[j].x >> sh) & LOW4;
+        v1 = ((uint32_t)r.q[j].y >> sh) & LOW4;
+    }
+};
+
+/* Q5_K: the fifth bit of position l of sub-block s is bit s of qh[l]. */
+struct tc_q5_K {
+    static constexpr int bytes = 176;
+    struct raw_t { int4 hdr; int2 h; int2 q[4]; };
+    static __device__ __forceinline__ void fetch(const uint8_t *b, int t, raw_t &r)
+    {
+        r.hdr = ld_w<LUMA_CUDA_MMV_CS, int4>(b);
+        r.h = ld_w<LUMA_CUDA_MMV_CS, int2>(b + 16 + 8 * t);
+#pragma unroll
+        for (int j = 0; j < 4; j++) r.q[j] = ld_w<LUMA_CUDA_MMV_CS, int2>(b + 48 + 32 * j + 8 * t);
+    }
+    static __device__ __forceinline__ void values(const raw_t &r, int s, uint32_t &v0, uint32_t &v1)
+    {
+        const int j = s / 2, sh = 4 * (s % 2);
+        v0 = (((uint32_t)r.q[j].x >> sh) & LOW4) | (((uint32_t)r.h.x >> s) & 0x01010101u) << 4;
+        v1 = (((uint32_t)r.q[j].y >> sh) & LOW4) | (((uint32_t)r.h.y >> s) & 0x01010101u) << 4;
+    }
+};
+
+/* The eight 6-bit scales (sc) and minimums (mn) of a superblock from its
+ * scale words y, z, w, four to a word (scale_min_k4's values: [0] holds
+ * sub-blocks 0..3, [1] 4..7). */
+static __device__ __forceinline__ void scale_min_k4_all(uint32_t y, uint32_t z, uint32_t w, uint32_t (&sc)[2],
+                                                        uint32_t (&mn)[2])
+{
+    sc[0] = y & 0x3F3F3F3Fu;
+    mn[0] = z & 0x3F3F3F3Fu;
+    sc[1] = (w & 0x0F0F0F0Fu) | ((y >> 2) & 0x30303030u);
+    mn[1] = ((w >> 4) & 0x0F0F0F0Fu) | ((z >> 2) & 0x30303030u);
+}
+
+template <class T, int NT, bool ROPE, int MINB>
+static __global__ void __launch_bounds__(MMV_TC_WARPS * 32, MINB)
+mmv_tc(mmv_segs sg, act_rows a, int m, const mmv_rope<ROPE> rp)
+{
+    __shared__ float part[MMV_TC_WARPS][NT * 4][32];
+    const mmv_seg s = mmv_seg_of(sg, blockIdx.x);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const int64_t r0 = ((int64_t)blockIdx.x - s.cta0) * MMV_TC_ROWS;
+    const uint8_t *wr[2] = { s.w + (size_t)min(r0 + g, s.rows - 1) * s.row_bytes,
+                             s.w + (size_t)min(r0 + g + 8, s.rows - 1) * s.row_bytes };
+    /* tile i's activation rows: B's column g, C's columns 2 t and 2 t + 1
+     * (past m: the last row, whose products are dropped) */
+    const int *xb[NT];
+    const float2 *xd[NT][2];
+#pragma unroll
+    for (int i = 0; i < NT; i++) {
+        xb[i] = a.q + (int64_t)min(8 * i + g, m - 1) * a.q_stride + 2 * t;
+#pragma unroll
+        for (int e = 0; e < 2; e++) xd[i][e] = a.ds + (int64_t)min(8 * i + 2 * t + e, m - 1) * a.ds_stride;
+    }
+    const int nb = s.nb, last = nb - 1;
+    typename T::raw_t ra[2], rb[2];
+    if (warp < nb)
+#pragma unroll
+        for (int r = 0; r < 2; r++) T::fetch(wr[r] + (size_t)warp * T::bytes, t, ra[r]);
+    wait_for_previous_kernel();
+    let_next_kernel_start();
+    float acc[NT][4] = {};
+    /* a round: fetch the warp's next superblock into nxt (past the row's
+     * end the last again: no fetch is predicated), multiply cur's */
+    auto round = [&](const typename T::raw_t(&cur)[2], typename T::raw_t(&nxt)[2], int ib) {
+        const int nx = min(ib + MMV_TC_WARPS, last);
+#pragma unroll
+        for (int r = 0; r < 2; r++) T::fetch(wr[r] + (size_t)nx * T::bytes, t, nxt[r]);
+        uint32_t sc[2][2], mn[2][2];
+#pragma unroll
+        for (int r = 0; r < 2; r++)
+            scale_min_k4_all((uint32_t)cur[r].hdr.y, (uint32_t)cur[r].hdr.z, (uint32_t)cur[r].hdr.w, sc[r], mn[r]);
+        int isum[NT][4] = {}, imin[NT][4] = {};
+#pragma unroll
+        for (int sb = 0; sb < 8; sb++) {
+            uint32_t av[4];
+            T::values(cur[0], sb, av[0], av[2]);
+            T::values(cur[1], sb, av[1], av[3]);
+            const uint32_t sel = (uint32_t)(sb % 4) * 0x1111u;
+            const uint32_t m0 = __byte_perm(mn[0][sb / 4], 0, sel), m1 = __byte_perm(mn[1][sb / 4], 0, sel);
+            const uint32_t am[4] = { m0, m1, m0, m1 };
+            const int sc0 = (int)((sc[0][sb / 4] >> (8 * (sb % 4))) & 0xFF);
+            const int sc1 = (int)((sc[1][sb / 4] >> (8 * (sb % 4))) & 0xFF);
+#pragma unroll
+            for (int i = 0; i < NT; i++) {
+                const int2 b = *(const int2 *)(xb[i] + (int64_t)ib * 64 + 8 * sb);
+                int c[4] = { 0, 0, 0, 0 };
+                mma_s8_k32(c, av, (uint32_t)b.x, (uint32_t)b.y);
+                isum[i][0] += sc0 * c[0];
+                isum[i][1] += sc0 * c[1];
+                isum[i][2] += sc1 * c[2];
+                isum[i][3] += sc1 * c[3];
+                mma_s8_k32(imin[i], am, (uint32_t)b.x, (uint32_t)b.y);
+            }
+        }
+        float d[2], dmin[2];
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            d[r] = f16_bits((uint32_t)cur[r].hdr.x & 0xffff);
+            dmin[r] = f16_bits((uint32_t)cur[r].hdr.x >> 16);
+        }
+#pragma unroll
+        for (int i = 0; i < NT; i++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                const float dx = xd[i][e][(int64_t)ib * 8].x;   /* Q8_K: one d for the superblock */
+#pragma unroll
+                for (int r = 0; r < 2; r++) {
+                    const int k = 2 * r + e;
+                    const float v = __fsub_rn(__fmul_rn(d[r], (float)isum[i][k]), __fmul_rn(dmin[r], (float)imin[i][k]));
+                    acc[i][k] = __fadd_rn(acc[i][k], __fmul_rn(dx, v));
+                }
+            }
+    };
+    for (int ib = warp; ib < nb; ib += 2 * MMV_TC_WARPS) {
+        round(ra, rb, ib);
+        if (ib + MMV_TC_WARPS >= nb) break;
+        round(rb, ra, ib + MMV_TC_WARPS);
+    }
+#pragma unroll
+    for (int i = 0; i < NT; i++)
+#pragma unroll
+        for (int k = 0; k < 4; k++) part[warp][4 * i + k][lane] = acc[i][k];
+    __syncthreads();
+    /* output (row rr of the tile, activation row j): the warps' partial
+     * sums in warp order */
+    auto total = [&](int rr, int j) {
+        const float(*p)[NT * 4][32] = part;
+        const int k = 4 * (j / 8) + 2 * (rr / 8) + j % 2, l = 4 * (rr % 8) + (j % 8) / 2;
+        float v = 0.0f;
+#pragma unroll
+        for (int w = 0; w < MMV_TC_WARPS; w++) v += p[w][k][l];
+        return v;
+    };
+    const int u = threadIdx.x;
+    if constexpr (ROPE) {
+        if ((rp.mask >> s.seg) & 1) {
+            /* pairs of rows (2 p, 2 p + 1), p < 8, as the direct kernel
+             * rotates them */
+            const int pr = u % 8, j = u / 8;
+            if (j < m && j < 8 * NT) {
+                const int64_t row = r0 + 2 * pr;
+                const int32_t e = (int32_t)(row % rp.head_dim);
+                const float ang = rope_angle(rp.a, (float)rp.pos[j], e / 2);
+                float y0, y1;
+                rope_rotate(total(2 * pr, j), total(2 * pr + 1, j), sinf(ang), cosf(ang), y0, y1);
+                s.y[(int64_t)j * s.rows + row] = y0;
+                s.y[(int64_t)j * s.rows + row + 1] = y1;
+            }
+            return;
+        }
+    }
+    const int rr = u % MMV_TC_ROWS, j = u / MMV_TC_ROWS;
+    if (j < m && j < 8 * NT && r0 + rr < s.rows) s.y[(int64_t)j * s.rows + r0 + rr] = total(rr, j);
+}
+
+/* Whether the tensor-core kernel takes w at m activation rows: Q4_K and
+ * Q5_K at MMV_TC_MIN_M to MMV_TC_MAX_M, outside batch-invariant mode (its
+ * sums are not the direct kernel's) and with 8-bit activations. At m = 2
+ * the direct kernel was faster (the 7B's aggregate decode of 2 sequences
+ * 814-826 against 724-729 tokens/s on an H200), at 4 to 16 this one
+ * (cuda/NOTES.md). LUMA_CUDA_MMV_TC=lo,hi in the environment sets the
+ * range instead (for measuring; "9999,0": never). Read once. */
+#define MMV_TC_MIN_M 3
+static bool mmv_tc_takes(const cuda_backend *c, const luma_weight *w, int64_t m)
+{
+    static int lo = -1, hi = -1;
+    if (lo < 0) {
+        const char *e = getenv("LUMA_CUDA_MMV_TC");
+        int l = MMV_TC_MIN_M, h = MMV_TC_MAX_M;
+        if (e && sscanf(e, "%d,%d", &l, &h) != 2) l = MMV_TC_MIN_M, h = MMV_TC_MAX_M;
+        hi = h < MMV_TC_MAX_M ? h : MMV_TC_MAX_M;
+        lo = l < 1 ? 1 : l;
+    }
+    return (w->type == LUMA_Q4_K || w->type == LUMA_Q5_K) && !c->invariant && !c->float_act && m >= lo &&
+           m <= hi && ((uintptr_t)w->dev & 15) == 0;
+}
+
+template <class T, int NT>
+static void mmv_tc_launch_t(cuda_backend *c, const luma_weight *const *ws, float *const *ys, int n,
+                            const act_rows &a, int m)
+{
+    mmv_segs sg = {};
+    unsigned ctas = 0;
+    sg.cta_b = UINT_MAX;
+    for (int i = 0; i < MMV_SEGS; i++) {
+        if (i < n) {
+            sg.w[i] = (const uint8_t *)ws[i]->dev;
+            sg.y[i] = ys[i];
+            sg.rows[i] = ws[i]->rows;
+            sg.cta0[i] = ctas;
+            sg.nb[i] = (int)(ws[i]->cols / 256);
+            sg.row_bytes[i] = (size_t)sg.nb[i] * T::bytes;
+            ctas += (unsigned)((ws[i]->rows + MMV_TC_ROWS - 1) / MMV_TC_ROWS);
+        } else {
+            sg.cta0[i] = UINT_MAX;
+        }
+    }
+    int done = 0;
+    const uint32_t mask = mmv_rope_mask(c, ws, ys, n, MMV_TC_ROWS, &done);
+    /* CTAs an SM the registers must allow: NT == 1 ? 3 : 2, or 1 with
+     * LUMA_CUDA_MMV_TC_LOOSE=1 in the environment (for measuring) */
+    static const bool loose = luma_cuda_env_digit("LUMA_CUDA_MMV_TC_LOOSE", 0) != 0;
+    constexpr int minb = NT == 1 ? 3 : 2;
+    cudaLaunchAttribute attr;
+    cudaLaunchConfig_t cfg = luma_launch_config(c, c->stream, ctas, MMV_TC_WARPS * 32, 0, &attr);
+    if (mask) {
+        mmv_rope<true> rp = c->qkv_rope->rp;
+        rp.mask = mask;
+        auto *kernel = loose ? mmv_tc<T, NT, true, 1> : mmv_tc<T, NT, true, minb>;
+        if (luma_cuda_fail(c, cudaLaunchKernelEx(&cfg, kernel, sg, a, m, rp),
+                           "matmul (tensor-core matrix-vector kernel, rotating q and k)"))
+            return;
+        c->qkv_rope->done |= done;
+        return;
+    }
+    auto *kernel = loose ? mmv_tc<T, NT, false, 1> : mmv_tc<T, NT, false, minb>;
+    luma_cuda_fail(c, cudaLaunchKernelEx(&cfg, kernel, sg, a, m, mmv_rope<false>()),
+                   "matmul (tensor-core matrix-vector kernel)");
+}
+
+/* y_i = W_i x for n <= MMV_SEGS weights of one type (mmv_tc_takes) and
+ * width, in one launch. */
+static void mmv_tc_launch(cuda_backend *c, const luma_weight *const *ws, float *const *ys, int n, const act_rows &a,
+                          int64_t m)
+{
+    const bool q5 = ws[0]->type == LUMA_Q5_K;
+    if (m <= 8) {
+        if (q5) mmv_tc_launch_t<tc_q5_K, 1>(c, ws, ys, n, a, (int)m);
+        else mmv_tc_launch_t<tc_q4_K, 1>(c, ws, ys, n, a, (int)m);
+    } else {
+        if (q5) mmv_tc_launch_t<tc_q5_K, 2>(c, ws, ys, n, a, (int)m);
+        else mmv_tc_launch_t<tc_q4_K, 2>(c, ws, ys, n, a, (int)m);
+    }
 }
 
 /* Which kernel a weight takes (cuda/NOTES.md has the measurements): the
@@ -2306,6 +2612,10 @@ static bool mmv_run_many_either(cuda_backend *c, const luma_weight *const *ws, f
 static bool mm_vec_run_many(cuda_backend *c, const luma_weight *const *ws, float *const *ys, int n,
                             const act_rows &a, int64_t m)
 {
+    if (n <= MMV_SEGS && mmv_tc_takes(c, ws[0], m)) {
+        mmv_tc_launch(c, ws, ys, n, a, m);
+        return true;
+    }
     if (mmv_forced()) return false;
     int rp = n_repacked(c, ws, n);
     switch (ws[0]->type) {
@@ -2349,7 +2659,8 @@ static void mm_vec(cuda_backend *c, const luma_weight *w, const float *x, int64_
 static bool mm_vec_run_pair(cuda_backend *c, const luma_weight *const *ws, float *const *ys, int n, int n_a,
                             const act_rows &a, int64_t m)
 {
-    if (mmv_forced() || n > MMV_SEGS) return false;
+    /* the tensor-core kernel takes ws[0 .. n_a) alone */
+    if (mmv_forced() || n > MMV_SEGS || mmv_tc_takes(c, ws[0], m)) return false;
     enum luma_type ta = ws[0]->type, tb = ws[n_a]->type;
     if (ta == LUMA_Q4_K && tb == LUMA_Q6_K && n_repacked(c, ws + n_a, n - n_a) == n - n_a)
         mmv_run_many<type_q4_K, type_q6_K_mmv>(c, ws, ys, n, a, m, n_a);
@@ -2366,6 +2677,10 @@ static bool mm_vec_run_pair(cuda_backend *c, const luma_weight *const *ws, float
 
 static void mm_vec_run(cuda_backend *c, const luma_weight *w, const act_rows &a, int64_t m, float *y)
 {
+    if (mmv_tc_takes(c, w, m)) {
+        mmv_tc_launch(c, &w, &y, 1, a, m);
+        return;
+    }
     switch (w->type) {
     case LUMA_F32: mmv_run<type_f32>(c, w, a, m, y); break;
     case LUMA_F16: mmv_run<type_f16>(c, w, a, m, y); break;
@@ -2787,6 +3102,7 @@ static bool takes_vec(const cuda_backend *c, const luma_weight *w, const float *
         if (!c->invariant && resident_f16(c, w) && max_m > MMV_FLOAT_MAX_M) max_m = MMV_FLOAT_MAX_M;
         return m <= max_m && ((uintptr_t)x & 15) == 0;
     }
+    if (mmv_tc_takes(c, w, m)) return mmv_fits(w, x);
     return m <= max_m && mmv_fits(w, x) && !luma_cuda_mmq_small(c, w, x, m);
 }
 

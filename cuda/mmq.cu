@@ -415,23 +415,6 @@ struct mmq8_q6_K {
     }
 };
 
-/* c += A B, int8: m16n8k32 (a: rows g, g + 8 at k 4t..4t+3, then the same
- * at 16 + 4t..; b0, b1: k 4t.. and 16 + 4t.. of column g) and m16n8k16
- * (a0, a1: rows g, g + 8 at k 4t..4t+3; b: those k of column g). */
-static __device__ __forceinline__ void mma_s8_k32(int (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1)
-{
-    asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-static __device__ __forceinline__ void mma_s8_k16(int (&c)[4], uint32_t a0, uint32_t a1, uint32_t b)
-{
-    asm("mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};"
-        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
-        : "r"(a0), "r"(a1), "r"(b));
-}
-
 /* ---- the GEMM kernel ------------------------------------------------------- */
 
 /* A CTA's 8 warps: rw along the weight rows (32 rows each) times kw along
@@ -2614,7 +2597,9 @@ static bool mmq8_supports(enum luma_type t)
  * every shape (the products of 8 rows share one pass of mma over the
  * blocks), at m = 16 it beats cuBLAS on the copy and the f16 route for
  * Q4_K and Q5_K; Q6_K's sub-blocks of 16 double its scaling work and it
- * wins at m = 8 only. LUMA_CUDA_MMQ8="lo,hi" replaces the bounds of every
+ * wins at m = 8 only. Q4_K and Q5_K at m <= 16 now go to matmul.cu's
+ * mmv_tc before this route (takes_vec), so the rule decides for Q6_K and
+ * where mmv_tc is off. LUMA_CUDA_MMQ8="lo,hi" replaces the bounds of every
  * type, for measuring. */
 static const struct mmq8_rule {
     enum luma_type type;

@@ -233,16 +233,18 @@ static int keep_f16(cuda_backend *c, luma_weight *w, cuda_weight_copy *slot, lum
     return 0;
 }
 
-/* Gives a Q6_K, Q4_0, Q5_0 or Q8_0 matrix its repacked copy for the
- * matrix-vector kernels (luma_cuda_repack): Q6_K in 224 bytes a block
- * against the file's 210, read with 4 loads a lane instead of 11; the
- * others as four blocks in the same bytes, read with 8-byte loads instead
- * of 2-byte ones. Where the device has no room for it the weight goes
+/* Gives a Q6_K, Q4_0, Q5_0, Q8_0, Q4_K or Q5_K matrix its repacked copy for
+ * the matrix-vector kernels (luma_cuda_repack): Q6_K in 224 bytes a block
+ * against the file's 210, read with 4 loads a lane instead of 11; Q4_0,
+ * Q5_0 and Q8_0 as four blocks in the same bytes, read with 8-byte loads
+ * instead of 2-byte ones; Q4_K and Q5_K in tiles of 16 rows for mmv_tc,
+ * whose loads then read whole lines. Where the device has no room for it the weight goes
  * without (the kernels then read the file's layout), and a later
  * allocation that finds the device full frees them all (dev_malloc). */
 static int keep_mmv(cuda_backend *c, luma_weight *w, cuda_weight_copy *slot, luma_err *err)
 {
-    if (!c->mmv_on || (w->type == LUMA_Q6_K ? !c->repack_q6k : !c->repack_x4)) return 0;
+    const bool tc = w->type == LUMA_Q4_K || w->type == LUMA_Q5_K;
+    if (!c->mmv_on || (w->type == LUMA_Q6_K ? !c->repack_q6k : tc ? !c->repack_tc : !c->repack_x4)) return 0;
     size_t bytes = luma_cuda_mmv_bytes(w);
     if (bytes == 0) return 0;
     void *p = NULL;
@@ -1032,6 +1034,7 @@ luma_backend *luma_backend_cuda_new(int device, luma_err *err)
     c->prog_on = prog && strcmp(prog, "1") == 0;
     c->repack_q6k = !env_off("LUMA_CUDA_Q6K_MMV");
     c->repack_x4 = !env_off("LUMA_CUDA_X4_MMV");
+    c->repack_tc = !env_off("LUMA_CUDA_TC_MMV");
     c->rs6 = !env_off("LUMA_CUDA_RS6");
     c->rs_pair = !env_off("LUMA_CUDA_RS_PAIR");
     const char *fork_min = getenv("LUMA_CUDA_FORK");

@@ -147,7 +147,7 @@ typedef struct cuda_backend {
      * give way: an allocation that finds the device full frees them all and
      * clears mmv_on, after which no kernel reads a dev_mmv and no more are
      * made. */
-    bool repack_q6k, repack_x4, mmv_on;
+    bool repack_q6k, repack_x4, repack_tc, mmv_on;
     int32_t n_mmv;
     cuda_graph graphs[CUDA_GRAPHS];
     uint64_t n_steps;          /* steps run through step_run */
@@ -298,6 +298,13 @@ void luma_cuda_weight_to_f16(cuda_backend *c, const luma_weight *w, __half *out)
 #define LUMA_X4_Q4_0_BYTES 72
 #define LUMA_X4_Q5_0_BYTES 88
 #define LUMA_X4_Q8_0_BYTES 136
+/* Q4_K and Q5_K for mmv_tc (matmul.cu): tiles of 16 rows (the last padded
+ * with zero rows), a tile's superblocks in order, each one unit of 16
+ * blocks' bytes: the 16 rows' 16-byte headers (d, dmin, scales), Q5_K's
+ * high bits as 512 bytes, then 4 x 512 bytes of quant bytes. In the 512
+ * bytes of chunk j lane 4 g + t of a warp finds at 16 lane the bytes 8 t ..
+ * 8 t + 7 of chunk j (32 bytes) of rows g and g + 8, the same for the high
+ * bits: a warp's load reads 512 contiguous bytes. */
 /* Q6_K weights at least twice as wide as tall (a llama's downs) keep, after
  * their matrix-vector blocks, a second layout for rs_kernel (mmq.cu): per
  * block of 256, LUMA_Q6_K_RS_BYTES bytes (luma_cuda_q6k_rs has the layout). */

@@ -24,9 +24,11 @@
  *   with shuffles at the end. Q6_K, Q4_0, Q5_0 and Q8_0 weights are read
  *   from a copy weight_load repacked into aligned blocks
  *   (luma_weight.dev_mmv: type_q6_K_mmv, type_x4) where it made one.
- *   Q4_K and Q5_K weights at 3 to 16 rows take a third kernel, mmv_tc,
+ *   Q4_K and Q5_K weights at 2 to 16 rows take a third kernel, mmv_tc,
  *   whose warps meet 16 weight rows and 8 activation rows in one int8
- *   mma.sync per sub-block, so that its cost hardly grows with m.
+ *   mma.sync per sub-block, so that its cost hardly grows with m; it
+ *   reads a copy of the blocks in tiles of 16 rows (weight_load's, where
+ *   the device has room), whose loads read whole lines.
  *
  * - larger m (prefill, big batches): tensor cores through cuBLAS. The
  *   weights in f16 (the same values as luma_dequantize_row, rounded to f16)
@@ -2014,7 +2016,7 @@ static void mmv_direct_launch(cuda_backend *c, const luma_weight *const *ws, flo
 
 /* -- the tensor-core kernel: a few activation rows on mma.sync --------------
  *
- * Q4_K and Q5_K weights by 3 to 16 activation rows (decode of a few
+ * Q4_K and Q5_K weights by 2 to 16 activation rows (decode of a few
  * sequences). The direct kernel's cost grows with m (a __dp4a per four
  * weights and activation row, the float scaling of every block and row);
  * here a warp's 16 weight rows meet 8 activation rows in one
@@ -2037,46 +2039,68 @@ static void mmv_direct_launch(cuda_backend *c, const luma_weight *const *ws, flo
  * accumulator. The CTA's MMV_TC_WARPS warps split a row's superblocks
  * (warp w: w, w + MMV_TC_WARPS, ...; each fetches its next superblock
  * while it multiplies this one) and add their partial sums in shared
- * memory in warp order. */
+ * memory in warp order. In the file's layout each of a warp's weight loads
+ * touches 8 rows (8 cache lines for 256 bytes), and the kernel was bound
+ * by the L1's wavefronts; the tile copy (tc_k<..., true>) puts what a
+ * warp's load takes in 512 contiguous bytes (cuda/NOTES.md). */
 #define MMV_TC_WARPS 8
 #define MMV_TC_ROWS 16   /* weight rows of a CTA */
 #define MMV_TC_MAX_M 16  /* two n8 tiles */
 
-/* A thread's share of a superblock of two rows, and the values of its
- * sub-block s: positions 8 t .. 8 t + 3 in v0, 8 t + 4 .. 8 t + 7 in v1. */
-struct tc_q4_K {
-    static constexpr int bytes = 144;
-    struct raw_t { int4 hdr; int2 q[4]; };
-    static __device__ __forceinline__ void fetch(const uint8_t *b, int t, raw_t &r)
-    {
-        r.hdr = ld_w<LUMA_CUDA_MMV_CS, int4>(b);
-#pragma unroll
-        for (int j = 0; j < 4; j++) r.q[j] = ld_w<LUMA_CUDA_MMV_CS, int2>(b + 16 + 32 * j + 8 * t);
-    }
-    static __device__ __forceinline__ void values(const raw_t &r, int s, uint32_t &v0, uint32_t &v1)
-    {
-        const int j = s / 2, sh = 4 * (s % 2);
-        v0 = ((uint32_t)r.q[j].x >> sh) & LOW4;
-        v1 = ((uint32_t)r.q[j].y >> sh) & LOW4;
-    }
+/* A thread's share of one superblock of its two rows g and g + 8: the
+ * headers, and bytes 8 t .. 8 t + 7 of each 32-byte chunk of quant bytes
+ * (q[j].x, .y of row g, .z, .w of row g + 8; Q5_K also its high bits of
+ * those positions in h, the same way). Two layouts (cuda_internal.h):
+ * the file's (TILED false: two rows, a row pointer each) and the tile copy
+ * weight_load makes (TILED: the 16 rows' superblock in one unit of 16
+ * blocks' bytes, each load of a warp 512 contiguous bytes). */
+struct tc_raw {
+    int4 hdr[2], q[4], h;
 };
 
-/* Q5_K: the fifth bit of position l of sub-block s is bit s of qh[l]. */
-struct tc_q5_K {
-    static constexpr int bytes = 176;
-    struct raw_t { int4 hdr; int2 h; int2 q[4]; };
-    static __device__ __forceinline__ void fetch(const uint8_t *b, int t, raw_t &r)
+template <bool Q5, bool TILED>
+struct tc_k {
+    static constexpr int bytes = Q5 ? 176 : 144, qs = Q5 ? 48 : 16;
+    static constexpr int unit = 16 * bytes;               /* a tile's superblock (TILED) */
+    static constexpr int tile_qs = Q5 ? 768 : 256;        /* its quant bytes' offset */
+    static constexpr size_t step = TILED ? unit : bytes;  /* from a superblock to the next */
+    /* b: the rows' superblock (w[0] row g, w[1] row g + 8; TILED: both the unit) */
+    static __device__ __forceinline__ void fetch(const uint8_t *b0, const uint8_t *b1, int g, int t, tc_raw &r)
     {
-        r.hdr = ld_w<LUMA_CUDA_MMV_CS, int4>(b);
-        r.h = ld_w<LUMA_CUDA_MMV_CS, int2>(b + 16 + 8 * t);
+        constexpr bool CS = LUMA_CUDA_MMV_CS;
+        if constexpr (TILED) {
+            const int lane = 4 * g + t;
+            r.hdr[0] = ld_w<CS, int4>(b0 + 16 * g);
+            r.hdr[1] = ld_w<CS, int4>(b0 + 16 * (g + 8));
+            if constexpr (Q5) r.h = ld_w<CS, int4>(b0 + 256 + 16 * lane);
 #pragma unroll
-        for (int j = 0; j < 4; j++) r.q[j] = ld_w<LUMA_CUDA_MMV_CS, int2>(b + 48 + 32 * j + 8 * t);
+            for (int j = 0; j < 4; j++) r.q[j] = ld_w<CS, int4>(b0 + tile_qs + 512 * j + 16 * lane);
+        } else {
+            r.hdr[0] = ld_w<CS, int4>(b0);
+            r.hdr[1] = ld_w<CS, int4>(b1);
+            if constexpr (Q5) {
+                const int2 h0 = ld_w<CS, int2>(b0 + 16 + 8 * t), h1 = ld_w<CS, int2>(b1 + 16 + 8 * t);
+                r.h = make_int4(h0.x, h0.y, h1.x, h1.y);
+            }
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                const int2 q0 = ld_w<CS, int2>(b0 + qs + 32 * j + 8 * t), q1 = ld_w<CS, int2>(b1 + qs + 32 * j + 8 * t);
+                r.q[j] = make_int4(q0.x, q0.y, q1.x, q1.y);
+            }
+        }
     }
-    static __device__ __forceinline__ void values(const raw_t &r, int s, uint32_t &v0, uint32_t &v1)
+    /* sub-block s's A fragment: positions 8 t .. 8 t + 3 of row g (a[0]) and
+     * g + 8 (a[1]), 8 t + 4 .. 8 t + 7 of each (a[2], a[3]) */
+    static __device__ __forceinline__ void values(const tc_raw &r, int s, uint32_t (&a)[4])
     {
         const int j = s / 2, sh = 4 * (s % 2);
-        v0 = (((uint32_t)r.q[j].x >> sh) & LOW4) | (((uint32_t)r.h.x >> s) & 0x01010101u) << 4;
-        v1 = (((uint32_t)r.q[j].y >> sh) & LOW4) | (((uint32_t)r.h.y >> s) & 0x01010101u) << 4;
+        const uint32_t w[4] = { (uint32_t)r.q[j].x, (uint32_t)r.q[j].z, (uint32_t)r.q[j].y, (uint32_t)r.q[j].w };
+        const uint32_t h[4] = { (uint32_t)r.h.x, (uint32_t)r.h.z, (uint32_t)r.h.y, (uint32_t)r.h.w };
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            a[i] = (w[i] >> sh) & LOW4;
+            if constexpr (Q5) a[i] |= ((h[i] >> s) & 0x01010101u) << 4;
+        }
     }
 };
 
@@ -2099,9 +2123,17 @@ mmv_tc(mmv_segs sg, act_rows a, int m, const mmv_rope<ROPE> rp)
     __shared__ float part[MMV_TC_WARPS][NT * 4][32];
     const mmv_seg s = mmv_seg_of(sg, blockIdx.x);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-    const int64_t r0 = ((int64_t)blockIdx.x - s.cta0) * MMV_TC_ROWS;
-    const uint8_t *wr[2] = { s.w + (size_t)min(r0 + g, s.rows - 1) * s.row_bytes,
-                             s.w + (size_t)min(r0 + g + 8, s.rows - 1) * s.row_bytes };
+    const int64_t tile = (int64_t)blockIdx.x - s.cta0, r0 = tile * MMV_TC_ROWS;
+    const int nb = s.nb, last = nb - 1;
+    /* the rows' first superblocks (row_bytes: a row's, or a tile's for the
+     * tile copy) */
+    const uint8_t *w0, *w1;
+    if (T::step == T::unit) {
+        w0 = w1 = s.w + (size_t)tile * s.row_bytes;
+    } else {
+        w0 = s.w + (size_t)min(r0 + g, s.rows - 1) * s.row_bytes;
+        w1 = s.w + (size_t)min(r0 + g + 8, s.rows - 1) * s.row_bytes;
+    }
     /* tile i's activation rows: B's column g, C's columns 2 t and 2 t + 1
      * (past m: the last row, whose products are dropped) */
     const int *xb[NT];
@@ -2112,30 +2144,25 @@ mmv_tc(mmv_segs sg, act_rows a, int m, const mmv_rope<ROPE> rp)
 #pragma unroll
         for (int e = 0; e < 2; e++) xd[i][e] = a.ds + (int64_t)min(8 * i + 2 * t + e, m - 1) * a.ds_stride;
     }
-    const int nb = s.nb, last = nb - 1;
-    typename T::raw_t ra[2], rb[2];
-    if (warp < nb)
-#pragma unroll
-        for (int r = 0; r < 2; r++) T::fetch(wr[r] + (size_t)warp * T::bytes, t, ra[r]);
+    tc_raw ra, rb;
+    if (warp < nb) T::fetch(w0 + (size_t)warp * T::step, w1 + (size_t)warp * T::step, g, t, ra);
     wait_for_previous_kernel();
     let_next_kernel_start();
     float acc[NT][4] = {};
     /* a round: fetch the warp's next superblock into nxt (past the row's
      * end the last again: no fetch is predicated), multiply cur's */
-    auto round = [&](const typename T::raw_t(&cur)[2], typename T::raw_t(&nxt)[2], int ib) {
-        const int nx = min(ib + MMV_TC_WARPS, last);
-#pragma unroll
-        for (int r = 0; r < 2; r++) T::fetch(wr[r] + (size_t)nx * T::bytes, t, nxt[r]);
+    auto round = [&](const tc_raw &cur, tc_raw &nxt, int ib) {
+        const size_t nx = (size_t)min(ib + MMV_TC_WARPS, last) * T::step;
+        T::fetch(w0 + nx, w1 + nx, g, t, nxt);
         uint32_t sc[2][2], mn[2][2];
 #pragma unroll
         for (int r = 0; r < 2; r++)
-            scale_min_k4_all((uint32_t)cur[r].hdr.y, (uint32_t)cur[r].hdr.z, (uint32_t)cur[r].hdr.w, sc[r], mn[r]);
+            scale_min_k4_all((uint32_t)cur.hdr[r].y, (uint32_t)cur.hdr[r].z, (uint32_t)cur.hdr[r].w, sc[r], mn[r]);
         int isum[NT][4] = {}, imin[NT][4] = {};
 #pragma unroll
         for (int sb = 0; sb < 8; sb++) {
             uint32_t av[4];
-            T::values(cur[0], sb, av[0], av[2]);
-            T::values(cur[1], sb, av[1], av[3]);
+            T::values(cur, sb, av);
             const uint32_t sel = (uint32_t)(sb % 4) * 0x1111u;
             const uint32_t m0 = __byte_perm(mn[0][sb / 4], 0, sel), m1 = __byte_perm(mn[1][sb / 4], 0, sel);
             const uint32_t am[4] = { m0, m1, m0, m1 };
@@ -2156,8 +2183,8 @@ mmv_tc(mmv_segs sg, act_rows a, int m, const mmv_rope<ROPE> rp)
         float d[2], dmin[2];
 #pragma unroll
         for (int r = 0; r < 2; r++) {
-            d[r] = f16_bits((uint32_t)cur[r].hdr.x & 0xffff);
-            dmin[r] = f16_bits((uint32_t)cur[r].hdr.x >> 16);
+            d[r] = f16_bits((uint32_t)cur.hdr[r].x & 0xffff);
+            dmin[r] = f16_bits((uint32_t)cur.hdr[r].x >> 16);
         }
 #pragma unroll
         for (int i = 0; i < NT; i++)
@@ -2214,25 +2241,59 @@ mmv_tc(mmv_segs sg, act_rows a, int m, const mmv_rope<ROPE> rp)
     if (j < m && j < 8 * NT && r0 + rr < s.rows) s.y[(int64_t)j * s.rows + r0 + rr] = total(rr, j);
 }
 
+/* The tile copy of a Q4_K or Q5_K weight (weight_load's, cuda_internal.h):
+ * thread (unit, lane) writes its 16-byte pieces of a tile's superblock
+ * from the file's blocks (rows past the weight's end: zeros). */
+template <bool Q5>
+static __global__ void repack_tc(const uint8_t *__restrict__ src, int64_t rows, int nb, int64_t units,
+                                 uint8_t *__restrict__ dst)
+{
+    typedef tc_k<Q5, true> T;
+    follow_previous_kernel();
+    const int64_t id = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, un = id / 32;
+    if (un >= units) return;
+    const int lane = (int)(id % 32), g = lane / 4, t = lane % 4, ib = (int)(un % nb);
+    const int64_t tile = un / nb, row_bytes = (int64_t)nb * T::bytes;
+    uint8_t *o = dst + un * T::unit;
+    auto block = [&](int64_t r) { return r < rows ? src + r * row_bytes + (int64_t)ib * T::bytes : NULL; };
+    auto piece8 = [&](const uint8_t *b, int off) { return b ? *(const uint2 *)(b + off) : make_uint2(0, 0); };
+    const uint8_t *b0 = block(16 * tile + g), *b1 = block(16 * tile + g + 8);
+    if (lane < 16) {
+        const uint8_t *bh = block(16 * tile + lane);
+        *(uint4 *)(o + 16 * lane) = bh ? *(const uint4 *)bh : make_uint4(0, 0, 0, 0);
+    }
+    if (Q5) {
+        const uint2 h0 = piece8(b0, 16 + 8 * t), h1 = piece8(b1, 16 + 8 * t);
+        *(uint4 *)(o + 256 + 16 * lane) = make_uint4(h0.x, h0.y, h1.x, h1.y);
+    }
+    for (int j = 0; j < 4; j++) {
+        const uint2 q0 = piece8(b0, T::qs + 32 * j + 8 * t), q1 = piece8(b1, T::qs + 32 * j + 8 * t);
+        *(uint4 *)(o + T::tile_qs + 512 * j + 16 * lane) = make_uint4(q0.x, q0.y, q1.x, q1.y);
+    }
+}
+
+static bool has_mmv(const cuda_backend *c, const luma_weight *w);
+
 /* Whether the tensor-core kernel takes w at m activation rows: Q4_K and
- * Q5_K at MMV_TC_MIN_M to MMV_TC_MAX_M, outside batch-invariant mode (its
- * sums are not the direct kernel's) and with 8-bit activations. At m = 2
- * the direct kernel was faster (the 7B's aggregate decode of 2 sequences
- * 814-826 against 724-729 tokens/s on an H200), at 4 to 16 this one
- * (cuda/NOTES.md). LUMA_CUDA_MMV_TC=lo,hi in the environment sets the
- * range instead (for measuring; "9999,0": never). Read once. */
-#define MMV_TC_MIN_M 3
+ * Q5_K outside batch-invariant mode (its sums are not the direct
+ * kernel's) and with 8-bit activations, at 2 to MMV_TC_MAX_M rows on the
+ * tile copy, 3 to MMV_TC_MAX_M on the file's blocks. Measured on an H200
+ * (cuda/NOTES.md): on the tile copy it beats the direct kernel from 2
+ * rows and ties it at 1, on the file's blocks from 3. LUMA_CUDA_MMV_TC=
+ * lo,hi in the environment sets the range instead (for measuring;
+ * "9999,0": never). Read once. */
 static bool mmv_tc_takes(const cuda_backend *c, const luma_weight *w, int64_t m)
 {
     static int lo = -1, hi = -1;
     if (lo < 0) {
         const char *e = getenv("LUMA_CUDA_MMV_TC");
-        int l = MMV_TC_MIN_M, h = MMV_TC_MAX_M;
-        if (e && sscanf(e, "%d,%d", &l, &h) != 2) l = MMV_TC_MIN_M, h = MMV_TC_MAX_M;
+        int l = 0, h = MMV_TC_MAX_M;
+        if (e && sscanf(e, "%d,%d", &l, &h) != 2) l = 0, h = MMV_TC_MAX_M;
         hi = h < MMV_TC_MAX_M ? h : MMV_TC_MAX_M;
-        lo = l < 1 ? 1 : l;
+        lo = l < 0 ? 0 : l;
     }
-    return (w->type == LUMA_Q4_K || w->type == LUMA_Q5_K) && !c->invariant && !c->float_act && m >= lo &&
+    const int64_t from = lo > 0 ? lo : has_mmv(c, w) ? 2 : 3;
+    return (w->type == LUMA_Q4_K || w->type == LUMA_Q5_K) && !c->invariant && !c->float_act && m >= from &&
            m <= hi && ((uintptr_t)w->dev & 15) == 0;
 }
 
@@ -2245,12 +2306,13 @@ static void mmv_tc_launch_t(cuda_backend *c, const luma_weight *const *ws, float
     sg.cta_b = UINT_MAX;
     for (int i = 0; i < MMV_SEGS; i++) {
         if (i < n) {
-            sg.w[i] = (const uint8_t *)ws[i]->dev;
+            sg.w[i] = (const uint8_t *)(T::step == T::unit ? ws[i]->dev_mmv : ws[i]->dev);
             sg.y[i] = ys[i];
             sg.rows[i] = ws[i]->rows;
             sg.cta0[i] = ctas;
             sg.nb[i] = (int)(ws[i]->cols / 256);
-            sg.row_bytes[i] = (size_t)sg.nb[i] * T::bytes;
+            /* a row's bytes, or a tile's in the tile copy */
+            sg.row_bytes[i] = (size_t)sg.nb[i] * (T::step == T::unit ? T::unit : T::bytes);
             ctas += (unsigned)((ws[i]->rows + MMV_TC_ROWS - 1) / MMV_TC_ROWS);
         } else {
             sg.cta0[i] = UINT_MAX;
@@ -2280,18 +2342,25 @@ static void mmv_tc_launch_t(cuda_backend *c, const luma_weight *const *ws, float
 }
 
 /* y_i = W_i x for n <= MMV_SEGS weights of one type (mmv_tc_takes) and
- * width, in one launch. */
+ * width, in one launch: on their tile copies where all have one, else on
+ * the file's blocks. */
+template <bool Q5>
+static void mmv_tc_launch_q(cuda_backend *c, const luma_weight *const *ws, float *const *ys, int n,
+                            const act_rows &a, int m, bool tiled)
+{
+    if (tiled && m <= 8) mmv_tc_launch_t<tc_k<Q5, true>, 1>(c, ws, ys, n, a, m);
+    else if (tiled) mmv_tc_launch_t<tc_k<Q5, true>, 2>(c, ws, ys, n, a, m);
+    else if (m <= 8) mmv_tc_launch_t<tc_k<Q5, false>, 1>(c, ws, ys, n, a, m);
+    else mmv_tc_launch_t<tc_k<Q5, false>, 2>(c, ws, ys, n, a, m);
+}
+
 static void mmv_tc_launch(cuda_backend *c, const luma_weight *const *ws, float *const *ys, int n, const act_rows &a,
                           int64_t m)
 {
-    const bool q5 = ws[0]->type == LUMA_Q5_K;
-    if (m <= 8) {
-        if (q5) mmv_tc_launch_t<tc_q5_K, 1>(c, ws, ys, n, a, (int)m);
-        else mmv_tc_launch_t<tc_q4_K, 1>(c, ws, ys, n, a, (int)m);
-    } else {
-        if (q5) mmv_tc_launch_t<tc_q5_K, 2>(c, ws, ys, n, a, (int)m);
-        else mmv_tc_launch_t<tc_q4_K, 2>(c, ws, ys, n, a, (int)m);
-    }
+    bool tiled = true;
+    for (int i = 0; i < n; i++) tiled = tiled && has_mmv(c, ws[i]);
+    if (ws[0]->type == LUMA_Q5_K) mmv_tc_launch_q<true>(c, ws, ys, n, a, (int)m, tiled);
+    else mmv_tc_launch_q<false>(c, ws, ys, n, a, (int)m, tiled);
 }
 
 /* Which kernel a weight takes (cuda/NOTES.md has the measurements): the
@@ -2505,7 +2574,8 @@ static void mm_float(cuda_backend *c, const luma_weight *w, const float *x, int6
         if (xo && LUMA_CUDA_OK(c)) mm_kfloat(c, w, xo, m, y);
         return;
     }
-    if (has_mmv(c, w) && w->type != LUMA_Q6_K) {   /* the repacked Q4_0, Q5_0 and Q8_0: x as it is */
+    if (has_mmv(c, w) && (w->type == LUMA_Q4_0 || w->type == LUMA_Q5_0 || w->type == LUMA_Q8_0)) {
+        /* the repacked Q4_0, Q5_0 and Q8_0: x as it is */
         act_rows a = { NULL, NULL, x, 0, 0, w->cols };
         if (w->type == LUMA_Q4_0) mmv_run<kf_q4_0>(c, w, a, m, y);
         else if (w->type == LUMA_Q5_0) mmv_run<kf_q5_0>(c, w, a, m, y);
@@ -2916,6 +2986,12 @@ static size_t mmv_part_bytes(const luma_weight *w)
 {
     int64_t qk;
     size_t block, bytes;
+    if (w->type == LUMA_Q4_K || w->type == LUMA_Q5_K) {   /* the tile copy: whole tiles of 16 rows */
+        if (w->rows < 2 || w->cols % 256 != 0) return 0;
+        size_t tiles = (size_t)((w->rows + MMV_TC_ROWS - 1) / MMV_TC_ROWS);
+        if (luma_mul_size(tiles * MMV_TC_ROWS, luma_row_size(w->type, w->cols), &bytes)) return 0;
+        return bytes;
+    }
     mmv_layout(w->type, &qk, &block);
     if (qk == 0 || w->rows < 2 || w->cols % qk != 0) return 0;
     if (luma_mul_size((size_t)w->rows, (size_t)(w->cols / qk) * block, &bytes)) return 0;
@@ -2942,6 +3018,19 @@ void luma_cuda_repack(cuda_backend *c, const luma_weight *w, uint8_t *out)
 {
     int64_t qk;
     size_t block;
+    if (w->type == LUMA_Q4_K || w->type == LUMA_Q5_K) {
+        const int nb = (int)(w->cols / 256);
+        const int64_t units = (w->rows + MMV_TC_ROWS - 1) / MMV_TC_ROWS * nb;
+        const uint8_t *src = (const uint8_t *)w->dev;
+        if (w->type == LUMA_Q4_K)
+            luma_launch(c, c->stream, blocks_for(units * 32, 128), 128, 0, repack_tc<false>, src, w->rows, nb, units,
+                        out);
+        else
+            luma_launch(c, c->stream, blocks_for(units * 32, 128), 128, 0, repack_tc<true>, src, w->rows, nb, units,
+                        out);
+        luma_cuda_fail(c, cudaGetLastError(), "repacking a weight for the tensor-core matrix-vector kernel");
+        return;
+    }
     mmv_layout(w->type, &qk, &block);
     int64_t n = w->rows * (w->cols / qk);
     const uint8_t *src = (const uint8_t *)w->dev;

@@ -99,12 +99,15 @@ describe("CUDA backend against the CPU backend", function()
   -- products agree to 1e-5), but their other sums run in other orders, and
   -- one activation that rounds the other way in 8 bits moves the logits by
   -- up to about 1 (cuda/NOTES.md): the floor the CPU against llama.cpp sits
-  -- at too (forward_spec).
-  it("gives the CPU's top token at 96% of positions, differing only at near ties", function()
+  -- at too (forward_spec). The CPU against itself with one norm's scale
+  -- moved by one ulp agrees at 94.0% of the five texts' positions (NOTES.md,
+  -- "how sensitive the model is"), so 94% is what any float order gets; the
+  -- real check is that every difference is a near tie.
+  it("gives the CPU's top token at 94% of positions, differing only at near ties", function()
     local agree, total, maxdiff, worst = top1(cpu, gpu, PROMPTS)
     print(string.format("\n  cuda vs cpu: top-1 %d/%d, max |diff| over the CPU top-32 %.3f, worst margin %.3f",
                         agree, total, maxdiff, worst))
-    assert.is_true(agree / total >= 0.96)
+    assert.is_true(agree / total >= 0.94)
     assert.is_true(worst <= 0.5)
   end)
 

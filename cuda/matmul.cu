@@ -1914,6 +1914,20 @@ static uint32_t mmv_rope_mask(const cuda_backend *c, const luma_weight *const *w
     return mask;
 }
 
+/* Segment i of sg: the weight's blocks at w (rows of row_bytes, nb blocks
+ * a row), its output y, n_ctas CTAs from *ctas on (which it advances). */
+static void mmv_seg_put(mmv_segs &sg, int i, const uint8_t *w, float *y, int64_t rows, int nb, size_t row_bytes,
+                        unsigned n_ctas, unsigned *ctas)
+{
+    sg.w[i] = w;
+    sg.y[i] = y;
+    sg.rows[i] = rows;
+    sg.cta0[i] = *ctas;
+    sg.nb[i] = nb;
+    sg.row_bytes[i] = row_bytes;
+    *ctas += n_ctas;
+}
+
 /* Launched as a programmatic dependent of the quantizer (cuda/launch.cuh):
  * the first weight loads go out before the wait. */
 template <class TA, class TB, int MAXM, int ROWS>
@@ -1927,13 +1941,10 @@ static void mmv_direct_launch_rows(cuda_backend *c, const luma_weight *const *ws
         if (i < n) {
             bool b = i >= n_a;
             if (b && sg.cta_b == UINT_MAX) sg.cta_b = ctas;
-            sg.w[i] = b ? mmv_bytes<TB>(ws[i]) : mmv_bytes<TA>(ws[i]);
-            sg.y[i] = ys[i];
-            sg.rows[i] = ws[i]->rows;
-            sg.cta0[i] = ctas;
-            sg.nb[i] = (int)(ws[i]->cols / (b ? TB::qk : TA::qk));
-            sg.row_bytes[i] = (size_t)sg.nb[i] * (size_t)(b ? TB::bytes : TA::bytes);
-            ctas += mmv_direct_weight_ctas<ROWS>(ws[i]->rows);
+            const int nb = (int)(ws[i]->cols / (b ? TB::qk : TA::qk));
+            mmv_seg_put(sg, i, b ? mmv_bytes<TB>(ws[i]) : mmv_bytes<TA>(ws[i]), ys[i], ws[i]->rows, nb,
+                        (size_t)nb * (size_t)(b ? TB::bytes : TA::bytes), mmv_direct_weight_ctas<ROWS>(ws[i]->rows),
+                        &ctas);
         } else {
             sg.cta0[i] = UINT_MAX;
         }
@@ -2306,14 +2317,11 @@ static void mmv_tc_launch_t(cuda_backend *c, const luma_weight *const *ws, float
     sg.cta_b = UINT_MAX;
     for (int i = 0; i < MMV_SEGS; i++) {
         if (i < n) {
-            sg.w[i] = (const uint8_t *)(T::step == T::unit ? ws[i]->dev_mmv : ws[i]->dev);
-            sg.y[i] = ys[i];
-            sg.rows[i] = ws[i]->rows;
-            sg.cta0[i] = ctas;
-            sg.nb[i] = (int)(ws[i]->cols / 256);
+            const int nb = (int)(ws[i]->cols / 256);
             /* a row's bytes, or a tile's in the tile copy */
-            sg.row_bytes[i] = (size_t)sg.nb[i] * (T::step == T::unit ? T::unit : T::bytes);
-            ctas += (unsigned)((ws[i]->rows + MMV_TC_ROWS - 1) / MMV_TC_ROWS);
+            mmv_seg_put(sg, i, (const uint8_t *)(T::step == T::unit ? ws[i]->dev_mmv : ws[i]->dev), ys[i], ws[i]->rows,
+                        nb, (size_t)nb * (T::step == T::unit ? T::unit : T::bytes),
+                        (unsigned)((ws[i]->rows + MMV_TC_ROWS - 1) / MMV_TC_ROWS), &ctas);
         } else {
             sg.cta0[i] = UINT_MAX;
         }

@@ -1914,6 +1914,15 @@ static uint32_t mmv_rope_mask(const cuda_backend *c, const luma_weight *const *w
     return mask;
 }
 
+/* Segments with none in use (each starts past any grid), no second type. */
+static mmv_segs mmv_segs_none(void)
+{
+    mmv_segs sg = {};
+    for (int i = 0; i < MMV_SEGS; i++) sg.cta0[i] = UINT_MAX;
+    sg.cta_b = UINT_MAX;
+    return sg;
+}
+
 /* Segment i of sg: the weight's blocks at w (rows of row_bytes, nb blocks
  * a row), its output y, n_ctas CTAs from *ctas on (which it advances). */
 static void mmv_seg_put(mmv_segs &sg, int i, const uint8_t *w, float *y, int64_t rows, int nb, size_t row_bytes,
@@ -1934,20 +1943,14 @@ template <class TA, class TB, int MAXM, int ROWS>
 static void mmv_direct_launch_rows(cuda_backend *c, const luma_weight *const *ws, float *const *ys, int n, int n_a,
                                    const act_rows &a, int m)
 {
-    mmv_segs sg = {};
+    mmv_segs sg = mmv_segs_none();
     unsigned ctas = 0;
-    sg.cta_b = UINT_MAX;
-    for (int i = 0; i < MMV_SEGS; i++) {
-        if (i < n) {
-            bool b = i >= n_a;
-            if (b && sg.cta_b == UINT_MAX) sg.cta_b = ctas;
-            const int nb = (int)(ws[i]->cols / (b ? TB::qk : TA::qk));
-            mmv_seg_put(sg, i, b ? mmv_bytes<TB>(ws[i]) : mmv_bytes<TA>(ws[i]), ys[i], ws[i]->rows, nb,
-                        (size_t)nb * (size_t)(b ? TB::bytes : TA::bytes), mmv_direct_weight_ctas<ROWS>(ws[i]->rows),
-                        &ctas);
-        } else {
-            sg.cta0[i] = UINT_MAX;
-        }
+    for (int i = 0; i < n && i < MMV_SEGS; i++) {
+        bool b = i >= n_a;
+        if (b && sg.cta_b == UINT_MAX) sg.cta_b = ctas;
+        const int nb = (int)(ws[i]->cols / (b ? TB::qk : TA::qk));
+        mmv_seg_put(sg, i, b ? mmv_bytes<TB>(ws[i]) : mmv_bytes<TA>(ws[i]), ys[i], ws[i]->rows, nb,
+                    (size_t)nb * (size_t)(b ? TB::bytes : TA::bytes), mmv_direct_weight_ctas<ROWS>(ws[i]->rows), &ctas);
     }
     int done = 0;
     const uint32_t mask = mmv_rope_mask(c, ws, ys, n, 2 * MMV_DIRECT_WARPS, &done);
@@ -2312,19 +2315,14 @@ template <class T, int NT>
 static void mmv_tc_launch_t(cuda_backend *c, const luma_weight *const *ws, float *const *ys, int n,
                             const act_rows &a, int m)
 {
-    mmv_segs sg = {};
+    mmv_segs sg = mmv_segs_none();
     unsigned ctas = 0;
-    sg.cta_b = UINT_MAX;
-    for (int i = 0; i < MMV_SEGS; i++) {
-        if (i < n) {
-            const int nb = (int)(ws[i]->cols / 256);
-            /* a row's bytes, or a tile's in the tile copy */
-            mmv_seg_put(sg, i, (const uint8_t *)(T::step == T::unit ? ws[i]->dev_mmv : ws[i]->dev), ys[i], ws[i]->rows,
-                        nb, (size_t)nb * (T::step == T::unit ? T::unit : T::bytes),
-                        (unsigned)((ws[i]->rows + MMV_TC_ROWS - 1) / MMV_TC_ROWS), &ctas);
-        } else {
-            sg.cta0[i] = UINT_MAX;
-        }
+    for (int i = 0; i < n && i < MMV_SEGS; i++) {
+        const int nb = (int)(ws[i]->cols / 256);
+        /* a row's bytes, or a tile's in the tile copy */
+        mmv_seg_put(sg, i, (const uint8_t *)(T::step == T::unit ? ws[i]->dev_mmv : ws[i]->dev), ys[i], ws[i]->rows, nb,
+                    (size_t)nb * (T::step == T::unit ? T::unit : T::bytes),
+                    (unsigned)((ws[i]->rows + MMV_TC_ROWS - 1) / MMV_TC_ROWS), &ctas);
     }
     int done = 0;
     const uint32_t mask = mmv_rope_mask(c, ws, ys, n, MMV_TC_ROWS, &done);

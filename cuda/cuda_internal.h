@@ -11,6 +11,8 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
 
 extern "C" {
 #include "backend.h"
@@ -262,6 +264,27 @@ bool luma_cuda_gated_matmul(cuda_backend *c, const luma_weight *w, float *gate, 
 /* A switch in the environment for measuring (read once by each caller):
  * the digit it is set to, or dflt when it is unset or not one digit. */
 int luma_cuda_env_digit(const char *name, int dflt);
+/* A range of activation rows "lo,hi" from environment variable name, read
+ * at the first call for r (a static of the rule that asks): true when it is
+ * set, with lo >= 0. The rules' knobs for measuring (mmq.cu, matmul.cu). */
+struct env_rows {
+    int lo = -2, hi = 0;
+};
+
+static inline bool env_rows_set(env_rows &r, const char *name)
+{
+    if (r.lo == -2) {
+        const char *s = getenv(name);
+        int lo, hi;
+        if (s && *s && sscanf(s, "%d,%d", &lo, &hi) == 2) {
+            r.hi = hi;
+            r.lo = lo;
+        } else {
+            r.lo = -1;
+        }
+    }
+    return r.lo >= 0;
+}
 /* RoPE r's tables for heads of head_dim in rows of cols (cuda/rope.cuh);
  * false, recorded, when they are not supported. */
 bool luma_cuda_rope_args(cuda_backend *c, const luma_rope *r, int32_t head_dim, int64_t cols, struct rope_args *a);

@@ -2130,8 +2130,11 @@ static __device__ __forceinline__ void scale_min_k4_all(uint32_t y, uint32_t z, 
     mn[1] = ((w >> 4) & 0x0F0F0F0Fu) | ((z >> 2) & 0x30303030u);
 }
 
-template <class T, int NT, bool ROPE, int MINB>
-static __global__ void __launch_bounds__(MMV_TC_WARPS * 32, MINB)
+/* 3 CTAs an SM at one n8 tile (80 registers), 2 at two (128): against one
+ * CTA an SM with the registers free (126-168), faster at 16 sequences and
+ * within a few percent elsewhere (cuda/NOTES.md) */
+template <class T, int NT, bool ROPE>
+static __global__ void __launch_bounds__(MMV_TC_WARPS * 32, NT == 1 ? 3 : 2)
 mmv_tc(mmv_segs sg, act_rows a, int m, const mmv_rope<ROPE> rp)
 {
     __shared__ float part[MMV_TC_WARPS][NT * 4][32];
@@ -2298,16 +2301,10 @@ static bool has_mmv(const cuda_backend *c, const luma_weight *w);
  * "9999,0": never). Read once. */
 static bool mmv_tc_takes(const cuda_backend *c, const luma_weight *w, int64_t m)
 {
-    static int lo = -1, hi = -1;
-    if (lo < 0) {
-        const char *e = getenv("LUMA_CUDA_MMV_TC");
-        int l = 0, h = MMV_TC_MAX_M;
-        if (e && sscanf(e, "%d,%d", &l, &h) != 2) l = 0, h = MMV_TC_MAX_M;
-        hi = h < MMV_TC_MAX_M ? h : MMV_TC_MAX_M;
-        lo = l < 0 ? 0 : l;
-    }
-    const int64_t from = lo > 0 ? lo : has_mmv(c, w) ? 2 : 3;
-    return (w->type == LUMA_Q4_K || w->type == LUMA_Q5_K) && !c->invariant && !c->float_act && m >= from &&
+    static env_rows env;
+    const bool set = env_rows_set(env, "LUMA_CUDA_MMV_TC");
+    const int64_t lo = set ? env.lo : has_mmv(c, w) ? 2 : 3, hi = set && env.hi < MMV_TC_MAX_M ? env.hi : MMV_TC_MAX_M;
+    return (w->type == LUMA_Q4_K || w->type == LUMA_Q5_K) && !c->invariant && !c->float_act && m >= lo &&
            m <= hi && ((uintptr_t)w->dev & 15) == 0;
 }
 
@@ -2326,24 +2323,18 @@ static void mmv_tc_launch_t(cuda_backend *c, const luma_weight *const *ws, float
     }
     int done = 0;
     const uint32_t mask = mmv_rope_mask(c, ws, ys, n, MMV_TC_ROWS, &done);
-    /* CTAs an SM the registers must allow: NT == 1 ? 3 : 2, or 1 with
-     * LUMA_CUDA_MMV_TC_LOOSE=1 in the environment (for measuring) */
-    static const bool loose = luma_cuda_env_digit("LUMA_CUDA_MMV_TC_LOOSE", 0) != 0;
-    constexpr int minb = NT == 1 ? 3 : 2;
     cudaLaunchAttribute attr;
     cudaLaunchConfig_t cfg = luma_launch_config(c, c->stream, ctas, MMV_TC_WARPS * 32, 0, &attr);
     if (mask) {
         mmv_rope<true> rp = c->qkv_rope->rp;
         rp.mask = mask;
-        auto *kernel = loose ? mmv_tc<T, NT, true, 1> : mmv_tc<T, NT, true, minb>;
-        if (luma_cuda_fail(c, cudaLaunchKernelEx(&cfg, kernel, sg, a, m, rp),
+        if (luma_cuda_fail(c, cudaLaunchKernelEx(&cfg, mmv_tc<T, NT, true>, sg, a, m, rp),
                            "matmul (tensor-core matrix-vector kernel, rotating q and k)"))
             return;
         c->qkv_rope->done |= done;
         return;
     }
-    auto *kernel = loose ? mmv_tc<T, NT, false, 1> : mmv_tc<T, NT, false, minb>;
-    luma_cuda_fail(c, cudaLaunchKernelEx(&cfg, kernel, sg, a, m, mmv_rope<false>()),
+    luma_cuda_fail(c, cudaLaunchKernelEx(&cfg, mmv_tc<T, NT, false>, sg, a, m, mmv_rope<false>()),
                    "matmul (tensor-core matrix-vector kernel)");
 }
 

@@ -1237,28 +1237,6 @@ struct mmq_x {
     const float2 *xds;
 };
 
-/* A range of activation rows "lo,hi" from environment variable name, read
- * at the first call for r (a static of the rule that asks): true when it is
- * set, with lo >= 0. The rules' knobs for measuring. */
-struct env_rows {
-    int lo = -2, hi = 0;
-};
-
-static bool env_rows_set(env_rows &r, const char *name)
-{
-    if (r.lo == -2) {
-        const char *s = getenv(name);
-        int lo, hi;
-        if (s && *s && sscanf(s, "%d,%d", &lo, &hi) == 2) {
-            r.hi = hi;
-            r.lo = lo;
-        } else {
-            r.lo = -1;
-        }
-    }
-    return r.lo >= 0;
-}
-
 /* The kernel's arguments for y = W x over m activation rows at xh. */
 static mmq_args mmq_args_for(const luma_weight *w, const mmq_x &x, int64_t m, float *y)
 {

@@ -238,7 +238,8 @@ static int keep_f16(cuda_backend *c, luma_weight *w, cuda_weight_copy *slot, lum
  * against the file's 210, read with 4 loads a lane instead of 11; Q4_0,
  * Q5_0 and Q8_0 as four blocks in the same bytes, read with 8-byte loads
  * instead of 2-byte ones; Q4_K and Q5_K in tiles of 16 rows for mmv_tc,
- * whose loads then read whole lines. Where the device has no room for it
+ * whose loads then read whole lines (Q6_K's tiles follow its other
+ * layouts). Where the device has no room for it
  * the weight goes without (the kernels then read the file's layout), and
  * a later allocation that finds the device full frees them all
  * (dev_malloc). */
@@ -246,7 +247,7 @@ static int keep_mmv(cuda_backend *c, luma_weight *w, cuda_weight_copy *slot, lum
 {
     const bool tc = w->type == LUMA_Q4_K || w->type == LUMA_Q5_K;
     if (!c->mmv_on || (w->type == LUMA_Q6_K ? !c->repack_q6k : tc ? !c->repack_tc : !c->repack_x4)) return 0;
-    size_t bytes = luma_cuda_mmv_bytes(w);
+    size_t bytes = luma_cuda_mmv_bytes(c, w);
     if (bytes == 0) return 0;
     void *p = NULL;
     if (cudaMalloc(&p, bytes) != cudaSuccess) {
@@ -1036,6 +1037,7 @@ luma_backend *luma_backend_cuda_new(int device, luma_err *err)
     c->repack_q6k = !env_off("LUMA_CUDA_Q6K_MMV");
     c->repack_x4 = !env_off("LUMA_CUDA_X4_MMV");
     c->repack_tc = !env_off("LUMA_CUDA_TC_MMV");
+    c->tc_q6k = c->repack_tc && !env_off("LUMA_CUDA_TC_Q6K");
     c->rs6 = !env_off("LUMA_CUDA_RS6");
     c->rs_pair = !env_off("LUMA_CUDA_RS_PAIR");
     const char *fork_min = getenv("LUMA_CUDA_FORK");

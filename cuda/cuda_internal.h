@@ -145,11 +145,13 @@ typedef struct cuda_backend {
     int attn_early;
     /* Q6_K matrices, and Q4_0, Q5_0 and Q8_0 ones, get a repacked copy for
      * the matrix-vector kernels (luma_weight.dev_mmv; LUMA_CUDA_Q6K_MMV=0,
-     * LUMA_CUDA_X4_MMV=0 in the environment: not). Like the f16 copies they
+     * LUMA_CUDA_X4_MMV=0 in the environment: not), Q4_K, Q5_K and Q6_K one
+     * in tiles for mmv_tc (repack_tc, LUMA_CUDA_TC_MMV=0: not; tc_q6k,
+     * LUMA_CUDA_TC_Q6K=0: not for Q6_K). Like the f16 copies they
      * give way: an allocation that finds the device full frees them all and
      * clears mmv_on, after which no kernel reads a dev_mmv and no more are
      * made. */
-    bool repack_q6k, repack_x4, repack_tc, mmv_on;
+    bool repack_q6k, repack_x4, repack_tc, tc_q6k, mmv_on;
     int32_t n_mmv;
     cuda_graph graphs[CUDA_GRAPHS];
     uint64_t n_steps;          /* steps run through step_run */
@@ -332,10 +334,18 @@ void luma_cuda_weight_to_f16(cuda_backend *c, const luma_weight *w, __half *out)
  * their matrix-vector blocks, a second layout for rs_kernel (mmq.cu): per
  * block of 256, LUMA_Q6_K_RS_BYTES bytes (luma_cuda_q6k_rs has the layout). */
 #define LUMA_Q6_K_RS_BYTES 288
+/* and, after those, while its tile copies are on (tc_q6k), a tile copy
+ * for mmv_tc (matmul.cu's tc_q6k has the layout): tiles of 16 rows (the
+ * last padded with zero rows), a tile's superblocks in order, each one unit
+ * of 16 x LUMA_Q6_K_TC_BYTES: the rows' int8 scales (16 bytes a row), their
+ * d as f32, then 4 x 512 bytes of low nibbles and 2 x 512 of high bits, in
+ * which each load of a warp reads 512 contiguous bytes. */
+#define LUMA_Q6_K_TC_BYTES 212
 /* Bytes of w repacked into its type's layout, 0 where it has none (another
  * type, a width the layout does not divide, a single row); with the rs
- * layout after it where w has one. */
-size_t luma_cuda_mmv_bytes(const luma_weight *w);
+ * layout and the tile copy after it where w has them (c: whether tile
+ * copies are made). */
+size_t luma_cuda_mmv_bytes(const cuda_backend *c, const luma_weight *w);
 /* The rs layout of w's repacked copy, where it has one and the kernels may
  * read it (the copies were not dropped since); else NULL. */
 const uint8_t *luma_cuda_q6k_rs(const cuda_backend *c, const luma_weight *w);

@@ -2030,9 +2030,10 @@ static void mmv_direct_launch(cuda_backend *c, const luma_weight *const *ws, flo
 
 /* -- the tensor-core kernel: a few activation rows on mma.sync --------------
  *
- * Q4_K and Q5_K weights by 2 to 16 activation rows (decode of a few
- * sequences). The direct kernel's cost grows with m (a __dp4a per four
- * weights and activation row, the float scaling of every block and row);
+ * Q4_K, Q5_K and Q6_K weights by 2 to 16 activation rows (decode of a few
+ * sequences; Q6_K's scales per 16 elements take k16 mmas: tc_q6k). The
+ * direct kernel's cost grows with m (a __dp4a per four weights and
+ * activation row, the float scaling of every block and row);
  * here a warp's 16 weight rows meet 8 activation rows in one
  * mma.sync.m16n8k32 per 32-element sub-block, so a step of 8 rows costs
  * about what one row does. Nothing is dequantized: as in the CPU's
@@ -2061,25 +2062,46 @@ static void mmv_direct_launch(cuda_backend *c, const luma_weight *const *ws, flo
 #define MMV_TC_ROWS 16   /* weight rows of a CTA */
 #define MMV_TC_MAX_M 16  /* two n8 tiles */
 
-/* A thread's share of one superblock of its two rows g and g + 8: the
- * headers, and bytes 8 t .. 8 t + 7 of each 32-byte chunk of quant bytes
- * (q[j].x, .y of row g, .z, .w of row g + 8; Q5_K also its high bits of
- * those positions in h, the same way). Two layouts (cuda_internal.h):
- * the file's (TILED false: two rows, a row pointer each) and the tile copy
- * weight_load makes (TILED: the 16 rows' superblock in one unit of 16
- * blocks' bytes, each load of a warp 512 contiguous bytes). */
-struct tc_raw {
-    int4 hdr[2], q[4], h;
-};
+/* The eight 6-bit scales (sc) and minimums (mn) of a superblock from its
+ * scale words y, z, w, four to a word (scale_min_k4's values: [0] holds
+ * sub-blocks 0..3, [1] 4..7). */
+static __device__ __forceinline__ void scale_min_k4_all(uint32_t y, uint32_t z, uint32_t w, uint32_t (&sc)[2],
+                                                        uint32_t (&mn)[2])
+{
+    sc[0] = y & 0x3F3F3F3Fu;
+    mn[0] = z & 0x3F3F3F3Fu;
+    sc[1] = (w & 0x0F0F0F0Fu) | ((y >> 2) & 0x30303030u);
+    mn[1] = ((w >> 4) & 0x0F0F0F0Fu) | ((z >> 2) & 0x30303030u);
+}
 
+/* A tile type of mmv_tc gives: raw_t (a thread's share of one superblock of
+ * its rows g and g + 8), fetch (that share from the rows' superblock: b0
+ * row g's, b1 row g + 8's, the same unit in a tile copy), mul (its products
+ * with the activation rows added to acc: acc[i][k] is C fragment k of n8
+ * tile i), x_ints (a thread's offset in the activation row, in ints a t),
+ * tiled, bytes (a row's block in the file's layout) and unit (a tile's
+ * superblock in the tile copy). xb[i]: tile i's activation row of B's
+ * column g at the thread's offset; xd[i][e]: the scales of C's column
+ * 2 t + e. */
+
+/* Q4_K and Q5_K. A thread's share: the headers, and bytes 8 t .. 8 t + 7 of
+ * each 32-byte chunk of quant bytes (q[j].x, .y of row g, .z, .w of row
+ * g + 8; Q5_K also its high bits of those positions in h, the same way).
+ * Two layouts (cuda_internal.h): the file's (TILED false: two rows, a row
+ * pointer each) and the tile copy weight_load makes (TILED: the 16 rows'
+ * superblock in one unit of 16 blocks' bytes, each load of a warp 512
+ * contiguous bytes). */
 template <bool Q5, bool TILED>
 struct tc_k {
-    static constexpr int bytes = Q5 ? 176 : 144, qs = Q5 ? 48 : 16;
+    struct raw_t {
+        int4 hdr[2], q[4], h;
+    };
+    static constexpr bool tiled = TILED;
+    static constexpr int bytes = Q5 ? 176 : 144, qs = Q5 ? 48 : 16, x_ints = 2;
     static constexpr int unit = 16 * bytes;               /* a tile's superblock (TILED) */
     static constexpr int tile_qs = Q5 ? 768 : 256;        /* its quant bytes' offset */
     static constexpr size_t step = TILED ? unit : bytes;  /* from a superblock to the next */
-    /* b: the rows' superblock (w[0] row g, w[1] row g + 8; TILED: both the unit) */
-    static __device__ __forceinline__ void fetch(const uint8_t *b0, const uint8_t *b1, int g, int t, tc_raw &r)
+    static __device__ __forceinline__ void fetch(const uint8_t *b0, const uint8_t *b1, int g, int t, raw_t &r)
     {
         constexpr bool CS = LUMA_CUDA_MMV_CS;
         if constexpr (TILED) {
@@ -2105,7 +2127,7 @@ struct tc_k {
     }
     /* sub-block s's A fragment: positions 8 t .. 8 t + 3 of row g (a[0]) and
      * g + 8 (a[1]), 8 t + 4 .. 8 t + 7 of each (a[2], a[3]) */
-    static __device__ __forceinline__ void values(const tc_raw &r, int s, uint32_t (&a)[4])
+    static __device__ __forceinline__ void values(const raw_t &r, int s, uint32_t (&a)[4])
     {
         const int j = s / 2, sh = 4 * (s % 2);
         const uint32_t w[4] = { (uint32_t)r.q[j].x, (uint32_t)r.q[j].z, (uint32_t)r.q[j].y, (uint32_t)r.q[j].w };
@@ -2116,70 +2138,19 @@ struct tc_k {
             if constexpr (Q5) a[i] |= ((h[i] >> s) & 0x01010101u) << 4;
         }
     }
-};
-
-/* The eight 6-bit scales (sc) and minimums (mn) of a superblock from its
- * scale words y, z, w, four to a word (scale_min_k4's values: [0] holds
- * sub-blocks 0..3, [1] 4..7). */
-static __device__ __forceinline__ void scale_min_k4_all(uint32_t y, uint32_t z, uint32_t w, uint32_t (&sc)[2],
-                                                        uint32_t (&mn)[2])
-{
-    sc[0] = y & 0x3F3F3F3Fu;
-    mn[0] = z & 0x3F3F3F3Fu;
-    sc[1] = (w & 0x0F0F0F0Fu) | ((y >> 2) & 0x30303030u);
-    mn[1] = ((w >> 4) & 0x0F0F0F0Fu) | ((z >> 2) & 0x30303030u);
-}
-
-/* 3 CTAs an SM at one n8 tile (80 registers), 2 at two (128): against one
- * CTA an SM with the registers free (126-168), faster at 16 sequences and
- * within a few percent elsewhere (cuda/NOTES.md) */
-template <class T, int NT, bool ROPE>
-static __global__ void __launch_bounds__(MMV_TC_WARPS * 32, NT == 1 ? 3 : 2)
-mmv_tc(mmv_segs sg, act_rows a, int m, const mmv_rope<ROPE> rp)
-{
-    __shared__ float part[MMV_TC_WARPS][NT * 4][32];
-    const mmv_seg s = mmv_seg_of(sg, blockIdx.x);
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-    const int64_t tile = (int64_t)blockIdx.x - s.cta0, r0 = tile * MMV_TC_ROWS;
-    const int nb = s.nb, last = nb - 1;
-    /* the rows' first superblocks (row_bytes: a row's, or a tile's for the
-     * tile copy) */
-    const uint8_t *w0, *w1;
-    if (T::step == T::unit) {
-        w0 = w1 = s.w + (size_t)tile * s.row_bytes;
-    } else {
-        w0 = s.w + (size_t)min(r0 + g, s.rows - 1) * s.row_bytes;
-        w1 = s.w + (size_t)min(r0 + g + 8, s.rows - 1) * s.row_bytes;
-    }
-    /* tile i's activation rows: B's column g, C's columns 2 t and 2 t + 1
-     * (past m: the last row, whose products are dropped) */
-    const int *xb[NT];
-    const float2 *xd[NT][2];
-#pragma unroll
-    for (int i = 0; i < NT; i++) {
-        xb[i] = a.q + (int64_t)min(8 * i + g, m - 1) * a.q_stride + 2 * t;
-#pragma unroll
-        for (int e = 0; e < 2; e++) xd[i][e] = a.ds + (int64_t)min(8 * i + 2 * t + e, m - 1) * a.ds_stride;
-    }
-    tc_raw ra, rb;
-    if (warp < nb) T::fetch(w0 + (size_t)warp * T::step, w1 + (size_t)warp * T::step, g, t, ra);
-    wait_for_previous_kernel();
-    let_next_kernel_start();
-    float acc[NT][4] = {};
-    /* a round: fetch the warp's next superblock into nxt (past the row's
-     * end the last again: no fetch is predicated), multiply cur's */
-    auto round = [&](const tc_raw &cur, tc_raw &nxt, int ib) {
-        const size_t nx = (size_t)min(ib + MMV_TC_WARPS, last) * T::step;
-        T::fetch(w0 + nx, w1 + nx, g, t, nxt);
+    template <int NT>
+    static __device__ __forceinline__ void mul(const raw_t &r, const int *const (&xb)[NT],
+                                               const float2 *const (&xd)[NT][2], int ib, float (&acc)[NT][4])
+    {
         uint32_t sc[2][2], mn[2][2];
 #pragma unroll
-        for (int r = 0; r < 2; r++)
-            scale_min_k4_all((uint32_t)cur.hdr[r].y, (uint32_t)cur.hdr[r].z, (uint32_t)cur.hdr[r].w, sc[r], mn[r]);
+        for (int k = 0; k < 2; k++)
+            scale_min_k4_all((uint32_t)r.hdr[k].y, (uint32_t)r.hdr[k].z, (uint32_t)r.hdr[k].w, sc[k], mn[k]);
         int isum[NT][4] = {}, imin[NT][4] = {};
 #pragma unroll
         for (int sb = 0; sb < 8; sb++) {
             uint32_t av[4];
-            T::values(cur, sb, av);
+            values(r, sb, av);
             const uint32_t sel = (uint32_t)(sb % 4) * 0x1111u;
             const uint32_t m0 = __byte_perm(mn[0][sb / 4], 0, sel), m1 = __byte_perm(mn[1][sb / 4], 0, sel);
             const uint32_t am[4] = { m0, m1, m0, m1 };
@@ -2199,9 +2170,9 @@ mmv_tc(mmv_segs sg, act_rows a, int m, const mmv_rope<ROPE> rp)
         }
         float d[2], dmin[2];
 #pragma unroll
-        for (int r = 0; r < 2; r++) {
-            d[r] = f16_bits((uint32_t)cur.hdr[r].x & 0xffff);
-            dmin[r] = f16_bits((uint32_t)cur.hdr[r].x >> 16);
+        for (int k = 0; k < 2; k++) {
+            d[k] = f16_bits((uint32_t)r.hdr[k].x & 0xffff);
+            dmin[k] = f16_bits((uint32_t)r.hdr[k].x >> 16);
         }
 #pragma unroll
         for (int i = 0; i < NT; i++)
@@ -2209,12 +2180,151 @@ mmv_tc(mmv_segs sg, act_rows a, int m, const mmv_rope<ROPE> rp)
             for (int e = 0; e < 2; e++) {
                 const float dx = xd[i][e][(int64_t)ib * 8].x;   /* Q8_K: one d for the superblock */
 #pragma unroll
-                for (int r = 0; r < 2; r++) {
-                    const int k = 2 * r + e;
-                    const float v = __fsub_rn(__fmul_rn(d[r], (float)isum[i][k]), __fmul_rn(dmin[r], (float)imin[i][k]));
+                for (int rr = 0; rr < 2; rr++) {
+                    const int k = 2 * rr + e;
+                    const float v = __fsub_rn(__fmul_rn(d[rr], (float)isum[i][k]), __fmul_rn(dmin[rr], (float)imin[i][k]));
                     acc[i][k] = __fadd_rn(acc[i][k], __fmul_rn(dx, v));
                 }
             }
+    }
+};
+
+/* Q6_K, on its tile copy only (the file's 210-byte blocks allow 2-byte
+ * loads). A superblock's 16 scale groups G (elements 16 G .. 16 G + 15,
+ * one int8 scale) take one mma.sync.m16n8k16 each: thread (g, t) holds
+ * elements 4 t .. 4 t + 3 of the group in rows g (a0) and g + 8 (a1), and
+ * B is the activation row's 4 bytes at 16 G + 4 t. As in the CPU's
+ * dot_q6_K, the groups' integer sums times their scales add up in integers
+ * over the superblock, scaled once by y->d * d. The unit of a tile's
+ * superblock (16 x LUMA_Q6_K_TC_BYTES, cuda_internal.h):
+ *   [0, 256)       row r's 16 scales at 16 r;
+ *   [256, 320)     row r's d as f32 (exact) at 256 + 4 r;
+ *   [320, 2368)    low nibbles, 4 chunks of 512 bytes;
+ *   [2368, 3392)   high bits, 2 chunks of 512 bytes.
+ * In chunk j lane 4 g + t finds at 16 lane four words: row g's words 2 j
+ * and 2 j + 1, then row g + 8's. A row's nibble word n (0..7) holds in
+ * byte b element 4 t + b of group n (low nibble) and of group n + 8 (high
+ * nibble), the low 4 bits of its 6-bit value q (the weight is
+ * d sc (q - 32)); its high-bit word u (0..3) holds in bits 2 i, 2 i + 1 of
+ * byte b the top two bits of element 4 t + b of group u + 4 i. */
+struct tc_q6k {
+    struct raw_t {
+        int4 sc[2], q[4], h[2];
+        float d[2];
+    };
+    static constexpr bool tiled = true;
+    static constexpr int bytes = 210, x_ints = 1;
+    static constexpr int unit = 16 * LUMA_Q6_K_TC_BYTES;
+    static constexpr size_t step = unit;
+    static_assert(unit == 320 + 4 * 512 + 2 * 512, "LUMA_Q6_K_TC_BYTES");
+    static __device__ __forceinline__ void fetch(const uint8_t *b0, const uint8_t *, int g, int t, raw_t &r)
+    {
+        constexpr bool CS = LUMA_CUDA_MMV_CS;
+        const int lane = 4 * g + t;
+        r.sc[0] = ld_w<CS, int4>(b0 + 16 * g);
+        r.sc[1] = ld_w<CS, int4>(b0 + 16 * (g + 8));
+        r.d[0] = ld_w<CS, float>(b0 + 256 + 4 * g);
+        r.d[1] = ld_w<CS, float>(b0 + 256 + 4 * (g + 8));
+#pragma unroll
+        for (int j = 0; j < 4; j++) r.q[j] = ld_w<CS, int4>(b0 + 320 + 512 * j + 16 * lane);
+#pragma unroll
+        for (int j = 0; j < 2; j++) r.h[j] = ld_w<CS, int4>(b0 + 2368 + 512 * j + 16 * lane);
+    }
+    /* the int8 values q - 32 of group G from nibble word n (G = n or n + 8)
+     * and high-bit word h: q + 0x60 stays within its byte, and flipping
+     * bit 7 then gives q - 32 */
+    static __device__ __forceinline__ uint32_t values(uint32_t n, uint32_t h, int G)
+    {
+        const uint32_t lo = (n >> (G / 8 * 4)) & LOW4, hi = (h >> (2 * (G / 4))) & 0x03030303u;
+        return ((lo | hi << 4) + 0x60606060u) ^ 0x80808080u;
+    }
+    template <int NT>
+    static __device__ __forceinline__ void mul(const raw_t &r, const int *const (&xb)[NT],
+                                               const float2 *const (&xd)[NT][2], int ib, float (&acc)[NT][4])
+    {
+        const uint32_t n[2][8] = {
+            { (uint32_t)r.q[0].x, (uint32_t)r.q[0].y, (uint32_t)r.q[1].x, (uint32_t)r.q[1].y, (uint32_t)r.q[2].x,
+              (uint32_t)r.q[2].y, (uint32_t)r.q[3].x, (uint32_t)r.q[3].y },
+            { (uint32_t)r.q[0].z, (uint32_t)r.q[0].w, (uint32_t)r.q[1].z, (uint32_t)r.q[1].w, (uint32_t)r.q[2].z,
+              (uint32_t)r.q[2].w, (uint32_t)r.q[3].z, (uint32_t)r.q[3].w }
+        };
+        const uint32_t h[2][4] = { { (uint32_t)r.h[0].x, (uint32_t)r.h[0].y, (uint32_t)r.h[1].x, (uint32_t)r.h[1].y },
+                                   { (uint32_t)r.h[0].z, (uint32_t)r.h[0].w, (uint32_t)r.h[1].z, (uint32_t)r.h[1].w } };
+        const uint32_t sw[2][4] = { { (uint32_t)r.sc[0].x, (uint32_t)r.sc[0].y, (uint32_t)r.sc[0].z, (uint32_t)r.sc[0].w },
+                                    { (uint32_t)r.sc[1].x, (uint32_t)r.sc[1].y, (uint32_t)r.sc[1].z, (uint32_t)r.sc[1].w } };
+        int isum[NT][4] = {};
+#pragma unroll
+        for (int G = 0; G < 16; G++) {
+            const uint32_t a0 = values(n[0][G % 8], h[0][G % 4], G), a1 = values(n[1][G % 8], h[1][G % 4], G);
+            const int sc0 = (int)(int8_t)(sw[0][G / 4] >> (8 * (G % 4)));
+            const int sc1 = (int)(int8_t)(sw[1][G / 4] >> (8 * (G % 4)));
+#pragma unroll
+            for (int i = 0; i < NT; i++) {
+                const uint32_t b = (uint32_t)xb[i][(int64_t)ib * 64 + 4 * G];
+                int c[4] = { 0, 0, 0, 0 };
+                mma_s8_k16(c, a0, a1, b);
+                isum[i][0] += sc0 * c[0];
+                isum[i][1] += sc0 * c[1];
+                isum[i][2] += sc1 * c[2];
+                isum[i][3] += sc1 * c[3];
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < NT; i++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                const float dx = xd[i][e][(int64_t)ib * 8].x;   /* Q8_K: one d for the superblock */
+#pragma unroll
+                for (int rr = 0; rr < 2; rr++) {
+                    const int k = 2 * rr + e;
+                    acc[i][k] = __fadd_rn(acc[i][k], __fmul_rn(__fmul_rn(dx, r.d[rr]), (float)isum[i][k]));
+                }
+            }
+    }
+};
+
+/* 3 CTAs an SM at one n8 tile (80 registers), 2 at two (128): against one
+ * CTA an SM with the registers free (126-168), faster at 16 sequences and
+ * within a few percent elsewhere (cuda/NOTES.md) */
+template <class T, int NT, bool ROPE>
+static __global__ void __launch_bounds__(MMV_TC_WARPS * 32, NT == 1 ? 3 : 2)
+mmv_tc(mmv_segs sg, act_rows a, int m, const mmv_rope<ROPE> rp)
+{
+    __shared__ float part[MMV_TC_WARPS][NT * 4][32];
+    const mmv_seg s = mmv_seg_of(sg, blockIdx.x);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const int64_t tile = (int64_t)blockIdx.x - s.cta0, r0 = tile * MMV_TC_ROWS;
+    const int nb = s.nb, last = nb - 1;
+    /* the rows' first superblocks (row_bytes: a row's, or a tile's for the
+     * tile copy) */
+    const uint8_t *w0, *w1;
+    if constexpr (T::tiled) {
+        w0 = w1 = s.w + (size_t)tile * s.row_bytes;
+    } else {
+        w0 = s.w + (size_t)min(r0 + g, s.rows - 1) * s.row_bytes;
+        w1 = s.w + (size_t)min(r0 + g + 8, s.rows - 1) * s.row_bytes;
+    }
+    /* tile i's activation rows: B's column g, C's columns 2 t and 2 t + 1
+     * (past m: the last row, whose products are dropped) */
+    const int *xb[NT];
+    const float2 *xd[NT][2];
+#pragma unroll
+    for (int i = 0; i < NT; i++) {
+        xb[i] = a.q + (int64_t)min(8 * i + g, m - 1) * a.q_stride + T::x_ints * t;
+#pragma unroll
+        for (int e = 0; e < 2; e++) xd[i][e] = a.ds + (int64_t)min(8 * i + 2 * t + e, m - 1) * a.ds_stride;
+    }
+    typename T::raw_t ra, rb;
+    if (warp < nb) T::fetch(w0 + (size_t)warp * T::step, w1 + (size_t)warp * T::step, g, t, ra);
+    wait_for_previous_kernel();
+    let_next_kernel_start();
+    float acc[NT][4] = {};
+    /* a round: fetch the warp's next superblock into nxt (past the row's
+     * end the last again: no fetch is predicated), multiply cur's */
+    auto round = [&](const typename T::raw_t &cur, typename T::raw_t &nxt, int ib) {
+        const size_t nx = (size_t)min(ib + MMV_TC_WARPS, last) * T::step;
+        T::fetch(w0 + nx, w1 + nx, g, t, nxt);
+        T::template mul<NT>(cur, xb, xd, ib, acc);
     };
     for (int ib = warp; ib < nb; ib += 2 * MMV_TC_WARPS) {
         round(ra, rb, ib);
@@ -2290,22 +2400,41 @@ static __global__ void repack_tc(const uint8_t *__restrict__ src, int64_t rows, 
 }
 
 static bool has_mmv(const cuda_backend *c, const luma_weight *w);
+static const uint8_t *q6k_tc(const cuda_backend *c, const luma_weight *w);
 
-/* Whether the tensor-core kernel takes w at m activation rows: Q4_K and
- * Q5_K outside batch-invariant mode (its sums are not the direct
+/* Whether the tensor-core kernel takes w at m activation rows: Q4_K, Q5_K
+ * and Q6_K outside batch-invariant mode (its sums are not the direct
  * kernel's) and with 8-bit activations, at 2 to MMV_TC_MAX_M rows on the
- * tile copy, 3 to MMV_TC_MAX_M on the file's blocks. Measured on an H200
- * (cuda/NOTES.md): on the tile copy it beats the direct kernel from 2
- * rows and ties it at 1, on the file's blocks from 3. LUMA_CUDA_MMV_TC=
- * lo,hi in the environment sets the range instead (for measuring;
- * "9999,0": never). Read once. */
+ * tile copy, 3 to MMV_TC_MAX_M on the file's blocks (Q4_K and Q5_K; Q6_K
+ * needs its tile copy). Measured on an H200 (cuda/NOTES.md): on the tile
+ * copy it beats the direct kernel from 2 rows and ties it at 1, on the
+ * file's blocks from 3. LUMA_CUDA_MMV_TC=lo,hi in the environment sets
+ * the range instead (for measuring; "9999,0": never). Read once. */
 static bool mmv_tc_takes(const cuda_backend *c, const luma_weight *w, int64_t m)
 {
     static env_rows env;
     const bool set = env_rows_set(env, "LUMA_CUDA_MMV_TC");
+    const bool k45 = w->type == LUMA_Q4_K || w->type == LUMA_Q5_K;
+    if (!(k45 || (w->type == LUMA_Q6_K && q6k_tc(c, w))) || c->invariant || c->float_act) return false;
     const int64_t lo = set ? env.lo : has_mmv(c, w) ? 2 : 3, hi = set && env.hi < MMV_TC_MAX_M ? env.hi : MMV_TC_MAX_M;
-    return (w->type == LUMA_Q4_K || w->type == LUMA_Q5_K) && !c->invariant && !c->float_act && m >= lo &&
-           m <= hi && ((uintptr_t)w->dev & 15) == 0;
+    return m >= lo && m <= hi && ((uintptr_t)w->dev & 15) == 0;
+}
+
+/* mmv_tc_takes for each of n weights */
+static bool mmv_tc_takes_all(const cuda_backend *c, const luma_weight *const *ws, int n, int64_t m)
+{
+    for (int i = 0; i < n; i++)
+        if (!mmv_tc_takes(c, ws[i], m)) return false;
+    return n > 0;
+}
+
+/* The weight bytes mmv_tc<T> reads: the tile copy (T::tiled) or the
+ * file's blocks. */
+template <class T>
+static const uint8_t *tc_weight(const cuda_backend *c, const luma_weight *w)
+{
+    if (w->type == LUMA_Q6_K) return q6k_tc(c, w);
+    return (const uint8_t *)(T::tiled ? w->dev_mmv : w->dev);
 }
 
 template <class T, int NT>
@@ -2317,8 +2446,8 @@ static void mmv_tc_launch_t(cuda_backend *c, const luma_weight *const *ws, float
     for (int i = 0; i < n && i < MMV_SEGS; i++) {
         const int nb = (int)(ws[i]->cols / 256);
         /* a row's bytes, or a tile's in the tile copy */
-        mmv_seg_put(sg, i, (const uint8_t *)(T::step == T::unit ? ws[i]->dev_mmv : ws[i]->dev), ys[i], ws[i]->rows, nb,
-                    (size_t)nb * (T::step == T::unit ? T::unit : T::bytes),
+        mmv_seg_put(sg, i, tc_weight<T>(c, ws[i]), ys[i], ws[i]->rows, nb,
+                    (size_t)nb * (T::tiled ? T::unit : T::bytes),
                     (unsigned)((ws[i]->rows + MMV_TC_ROWS - 1) / MMV_TC_ROWS), &ctas);
     }
     int done = 0;
@@ -2338,26 +2467,33 @@ static void mmv_tc_launch_t(cuda_backend *c, const luma_weight *const *ws, float
                    "matmul (tensor-core matrix-vector kernel)");
 }
 
-/* y_i = W_i x for n <= MMV_SEGS weights of one type (mmv_tc_takes) and
- * width, in one launch: on their tile copies where all have one, else on
- * the file's blocks. */
-template <bool Q5>
-static void mmv_tc_launch_q(cuda_backend *c, const luma_weight *const *ws, float *const *ys, int n,
-                            const act_rows &a, int m, bool tiled)
+/* mmv_tc_launch_t at one n8 tile up to 8 rows, two above */
+template <class T>
+static void mmv_tc_launch_n(cuda_backend *c, const luma_weight *const *ws, float *const *ys, int n,
+                            const act_rows &a, int m)
 {
-    if (tiled && m <= 8) mmv_tc_launch_t<tc_k<Q5, true>, 1>(c, ws, ys, n, a, m);
-    else if (tiled) mmv_tc_launch_t<tc_k<Q5, true>, 2>(c, ws, ys, n, a, m);
-    else if (m <= 8) mmv_tc_launch_t<tc_k<Q5, false>, 1>(c, ws, ys, n, a, m);
-    else mmv_tc_launch_t<tc_k<Q5, false>, 2>(c, ws, ys, n, a, m);
+    if (m <= 8) mmv_tc_launch_t<T, 1>(c, ws, ys, n, a, m);
+    else mmv_tc_launch_t<T, 2>(c, ws, ys, n, a, m);
 }
 
+/* y_i = W_i x for n <= MMV_SEGS weights of one type and width that
+ * mmv_tc_takes, in one launch: Q4_K and Q5_K on their tile copies where
+ * all have one, else on the file's blocks; Q6_K on its tile copies. */
 static void mmv_tc_launch(cuda_backend *c, const luma_weight *const *ws, float *const *ys, int n, const act_rows &a,
                           int64_t m)
 {
     bool tiled = true;
     for (int i = 0; i < n; i++) tiled = tiled && has_mmv(c, ws[i]);
-    if (ws[0]->type == LUMA_Q5_K) mmv_tc_launch_q<true>(c, ws, ys, n, a, (int)m, tiled);
-    else mmv_tc_launch_q<false>(c, ws, ys, n, a, (int)m, tiled);
+    switch (ws[0]->type) {
+    case LUMA_Q6_K: mmv_tc_launch_n<tc_q6k>(c, ws, ys, n, a, (int)m); break;
+    case LUMA_Q5_K:
+        if (tiled) mmv_tc_launch_n<tc_k<true, true>>(c, ws, ys, n, a, (int)m);
+        else mmv_tc_launch_n<tc_k<true, false>>(c, ws, ys, n, a, (int)m);
+        break;
+    default:
+        if (tiled) mmv_tc_launch_n<tc_k<false, true>>(c, ws, ys, n, a, (int)m);
+        else mmv_tc_launch_n<tc_k<false, false>>(c, ws, ys, n, a, (int)m);
+    }
 }
 
 /* Which kernel a weight takes (cuda/NOTES.md has the measurements): the
@@ -2679,7 +2815,7 @@ static bool mmv_run_many_either(cuda_backend *c, const luma_weight *const *ws, f
 static bool mm_vec_run_many(cuda_backend *c, const luma_weight *const *ws, float *const *ys, int n,
                             const act_rows &a, int64_t m)
 {
-    if (n <= MMV_SEGS && mmv_tc_takes(c, ws[0], m)) {
+    if (n <= MMV_SEGS && mmv_tc_takes_all(c, ws, n, m)) {
         mmv_tc_launch(c, ws, ys, n, a, m);
         return true;
     }
@@ -2941,6 +3077,44 @@ static __global__ void repack_q6_K_rs(const uint8_t *__restrict__ src, int64_t n
     put_block<LUMA_Q6_K_RS_BYTES>(out, dst + ib * LUMA_Q6_K_RS_BYTES);
 }
 
+/* Q6_K's tile copy (tc_q6k): thread (unit, lane) writes lane 4 g + t's
+ * 16-byte pieces of a tile's superblock, and lanes 0..15 row lane's scales
+ * and d, from the file's blocks (rows past the weight's end: zeros). */
+static __global__ void repack_tc_q6k(const uint8_t *__restrict__ src, int64_t rows, int nb, int64_t units,
+                                     uint8_t *__restrict__ dst)
+{
+    follow_previous_kernel();
+    const int64_t id = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, un = id / 32;
+    if (un >= units) return;
+    const int lane = (int)(id % 32), g = lane / 4, t = lane % 4, ib = (int)(un % nb);
+    const int64_t tile = un / nb, row_bytes = (int64_t)nb * 210;
+    uint8_t *o = dst + un * tc_q6k::unit;
+    auto block = [&](int64_t r) { return r < rows ? src + r * row_bytes + (int64_t)ib * 210 : NULL; };
+    if (lane < 16) {
+        const uint8_t *b = block(16 * tile + lane);
+        uint32_t sc[4] = {};
+        for (int G = 0; G < 16 && b; G++) sc[G / 4] |= (uint32_t)b[192 + G] << (8 * (G % 4));
+        *(uint4 *)(o + 16 * lane) = make_uint4(sc[0], sc[1], sc[2], sc[3]);
+        *(float *)(o + 256 + 4 * lane) = b ? q6k_d(b) : 0.0f;
+    }
+    /* element 4 t + e of group G: element 16 G + 4 t + e of the block, that
+     * is l = 16 (G % 2) + 4 t + e of sub-block G / 2 */
+    auto q = [&](const uint8_t *b, int G, int e) { return b ? q6k_q(b, G / 2, 16 * (G % 2) + 4 * t + e) : 0; };
+    const uint8_t *rb[2] = { block(16 * tile + g), block(16 * tile + g + 8) };
+    uint32_t nw[2][8] = {}, hw[2][4] = {};
+    for (int r = 0; r < 2; r++)
+        for (int G = 0; G < 16; G++)
+            for (int e = 0; e < 4; e++) {
+                const uint32_t v = (uint32_t)q(rb[r], G, e);
+                nw[r][G % 8] |= (v & 0xF) << (8 * e + 4 * (G / 8));
+                hw[r][G % 4] |= (v >> 4) << (8 * e + 2 * (G / 4));
+            }
+    for (int j = 0; j < 4; j++)
+        *(uint4 *)(o + 320 + 512 * j + 16 * lane) = make_uint4(nw[0][2 * j], nw[0][2 * j + 1], nw[1][2 * j], nw[1][2 * j + 1]);
+    for (int j = 0; j < 2; j++)
+        *(uint4 *)(o + 2368 + 512 * j + 16 * lane) = make_uint4(hw[0][2 * j], hw[0][2 * j + 1], hw[1][2 * j], hw[1][2 * j + 1]);
+}
+
 /* One thread per repacked block: four GGUF blocks of sb bytes (d, then qh
  * of qh bytes, then qs of qs bytes) to x4_layout's [qs x 4][qh x 4][d x 4]. */
 static __global__ void repack_x4(const uint8_t *__restrict__ src, int64_t n_blocks, int sb, int qh, int qs,
@@ -2995,12 +3169,29 @@ static size_t mmv_part_bytes(const luma_weight *w)
     return bytes;
 }
 
-size_t luma_cuda_mmv_bytes(const luma_weight *w)
+/* Bytes of w's rs layout (0: none). */
+static size_t q6k_rs_bytes(const luma_weight *w)
 {
-    size_t bytes = mmv_part_bytes(w), rs, all;
-    if (bytes == 0 || !q6k_has_rs(w)) return bytes;
-    if (luma_mul_size((size_t)w->rows, (size_t)(w->cols / 256) * LUMA_Q6_K_RS_BYTES, &rs) ||
-        luma_add_size(bytes, rs, &all))
+    size_t rs;
+    if (!q6k_has_rs(w) || luma_mul_size((size_t)w->rows, (size_t)(w->cols / 256) * LUMA_Q6_K_RS_BYTES, &rs)) return 0;
+    return rs;
+}
+
+/* Bytes of a Q6_K weight's tile copy (whole tiles of 16 rows). */
+static size_t q6k_tc_bytes(const luma_weight *w)
+{
+    size_t tiles = (size_t)((w->rows + MMV_TC_ROWS - 1) / MMV_TC_ROWS), bytes;
+    if (luma_mul_size(tiles * (size_t)(w->cols / 256), (size_t)MMV_TC_ROWS * LUMA_Q6_K_TC_BYTES, &bytes)) return 0;
+    return bytes;
+}
+
+size_t luma_cuda_mmv_bytes(const cuda_backend *c, const luma_weight *w)
+{
+    size_t bytes = mmv_part_bytes(w), all;
+    if (bytes == 0 || w->type != LUMA_Q6_K) return bytes;
+    size_t rs = q6k_rs_bytes(w), tc = c->tc_q6k ? q6k_tc_bytes(w) : 0;
+    if ((q6k_has_rs(w) && rs == 0) || (c->tc_q6k && tc == 0) || luma_add_size(bytes, rs, &all) ||
+        luma_add_size(all, tc, &all))
         return 0;
     return all;
 }
@@ -3009,6 +3200,13 @@ const uint8_t *luma_cuda_q6k_rs(const cuda_backend *c, const luma_weight *w)
 {
     if (!c->mmv_on || !w->dev_mmv || !q6k_has_rs(w)) return NULL;
     return (const uint8_t *)w->dev_mmv + mmv_part_bytes(w);
+}
+
+/* A Q6_K weight's tile copy where the kernels may read it, else NULL. */
+static const uint8_t *q6k_tc(const cuda_backend *c, const luma_weight *w)
+{
+    if (w->type != LUMA_Q6_K || !c->tc_q6k || !has_mmv(c, w)) return NULL;
+    return (const uint8_t *)w->dev_mmv + mmv_part_bytes(w) + q6k_rs_bytes(w);
 }
 
 void luma_cuda_repack(cuda_backend *c, const luma_weight *w, uint8_t *out)
@@ -3037,6 +3235,12 @@ void luma_cuda_repack(cuda_backend *c, const luma_weight *w, uint8_t *out)
     else if (w->type == LUMA_Q5_0) luma_launch(c, c->stream, ctas, 128, 0, repack_x4, src, n, 22, 4, 16, out);
     else luma_launch(c, c->stream, ctas, 128, 0, repack_x4, src, n, 34, 0, 32, out);
     if (q6k_has_rs(w)) luma_launch(c, c->stream, ctas, 128, 0, repack_q6_K_rs, src, n, out + mmv_part_bytes(w));
+    if (w->type == LUMA_Q6_K && c->tc_q6k) {
+        const int nb = (int)(w->cols / 256);
+        const int64_t units = (w->rows + MMV_TC_ROWS - 1) / MMV_TC_ROWS * nb;
+        luma_launch(c, c->stream, blocks_for(units * 32, 128), 128, 0, repack_tc_q6k, src, w->rows, nb, units,
+                    out + mmv_part_bytes(w) + q6k_rs_bytes(w));
+    }
     luma_cuda_fail(c, cudaGetLastError(), "repacking a weight for the matrix-vector kernels");
 }
 

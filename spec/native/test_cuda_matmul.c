@@ -88,6 +88,20 @@ static const int ms[] = { 1, 2, 3, 8, 16, 64, 512 };
 /* LUMA_MMV_MAX_M of cuda/matmul.cu: a larger m takes the tensor-core path
  * (F16 weights take it from m = 3, with no copy to tell apart). */
 #define MMV_MAX_M 8
+/* ... except for the 8-bit tensor-core kernel (mmv_tc), which takes Q4_K
+ * and Q5_K (and Q6_K on its tile copy) up to 16 rows and multiplies the
+ * same int8 values as the CPU */
+#define MMV_TC_MAX_M 16
+
+/* Whether the product of w at m rows multiplies the CPU's int8 values in
+ * another order only (a matrix-vector kernel): tile, whether w has its
+ * repacked copy. */
+static bool cpu_exact(const luma_weight *w, int64_t m, bool tile)
+{
+    if (m <= MMV_MAX_M) return true;
+    bool tc = w->type == LUMA_Q4_K || w->type == LUMA_Q5_K || (w->type == LUMA_Q6_K && tile);
+    return tc && m <= MMV_TC_MAX_M && w->cols % 256 == 0 && !getenv("LUMA_CUDA_MMV_TC");
+}
 
 /* Errors relative to sum |w x|: int8 activations (block formats with small
  * m) lose about 1/254 of each block's largest value per element; f16
@@ -367,13 +381,14 @@ static void check_shape(ctx *cx, enum luma_type t, const struct shape *sh, timin
         if (len < (int)sizeof line) len += snprintf(line + len, sizeof line - (size_t)len, "  m=%lld %.1e", (long long)m, e);
         if (tr->is_quantized) {
             /* and the CPU backend's product: the same int8 activations */
-            double tc = m <= MMV_MAX_M ? TOL_CPU_INT8 : TOL_CPU_F16;
+            bool tiles = w.dev_mmv && !env_off("LUMA_CUDA_TC_MMV") && !env_off("LUMA_CUDA_TC_Q6K");
+            double tc = cpu_exact(&w, m, tiles) ? TOL_CPU_INT8 : TOL_CPU_F16;
             double ec = cpu_product_rel_error(t, host, row_bytes, wref, rows_s, ns, x, m, cols, y, rows, SAMPLE_ACTS);
             CHECKF(ec <= tc, "%s %lldx%lld m=%lld: max error %.3g against the CPU backend's product > %.1g", tr->name,
                    (long long)rows, (long long)cols, (long long)m, ec, tc);
             if (len < (int)sizeof line) len += snprintf(line + len, sizeof line - (size_t)len, " (cpu %.0e)", ec);
         }
-        if (m <= MMV_MAX_M && w.dev_mmv) {
+        if (w.dev_mmv && (m <= MMV_MAX_M || cpu_exact(&file_layout, m, false))) {
             for (int64_t k = 0; k < m * rows; k++) y[k] = NAN;
             if (run_matmul(cx, &file_layout, x, m, y) != 0) continue;
             double ec = cpu_product_rel_error(t, host, row_bytes, wref, rows_s, ns, x, m, cols, y, rows, SAMPLE_ACTS);

@@ -32,15 +32,19 @@ static inline bool env_off(const char *name)
  * bytes, four Q4_0, Q5_0 or Q8_0 blocks in the file's bytes, Q4_K and Q5_K
  * in tiles of 16 rows (the last padded) for mmv_tc; then, for Q6_K
  * weights at least twice as wide as tall, rs_kernel's layout, 288 bytes a
+ * block, and for every Q6_K one its tiles for mmv_tc, 212 bytes a row's
  * block. 0 where it makes none: another type, a width the layout does not
  * divide, one row, or the copy turned off in the environment. */
 static inline size_t repacked_bytes(const luma_weight *w)
 {
     if (w->rows < 2) return 0;
-    if (w->type == LUMA_Q6_K && w->cols % 256 == 0 && !env_off("LUMA_CUDA_Q6K_MMV"))
-        return (size_t)w->rows * (size_t)(w->cols / 256) * (w->cols >= 2 * w->rows ? 224 + 288 : 224);
+    bool tc_on = !env_off("LUMA_CUDA_TC_MMV");
+    bool tc6_on = tc_on && !env_off("LUMA_CUDA_TC_Q6K");
+    if (w->type == LUMA_Q6_K && w->cols % 256 == 0 && !env_off("LUMA_CUDA_Q6K_MMV"))   /* + tiles of 16 rows */
+        return (size_t)w->rows * (size_t)(w->cols / 256) * (w->cols >= 2 * w->rows ? 224 + 288 : 224) +
+               (tc6_on ? (size_t)((w->rows + 15) / 16 * 16) * (size_t)(w->cols / 256) * 212 : 0);
     bool tc_type = w->type == LUMA_Q4_K || w->type == LUMA_Q5_K;
-    if (tc_type && w->cols % 256 == 0 && !env_off("LUMA_CUDA_TC_MMV"))   /* whole tiles of 16 rows */
+    if (tc_type && w->cols % 256 == 0 && tc_on)   /* whole tiles of 16 rows */
         return (size_t)((w->rows + 15) / 16 * 16) * luma_row_size(w->type, w->cols);
     bool x4_type = w->type == LUMA_Q4_0 || w->type == LUMA_Q5_0 || w->type == LUMA_Q8_0;
     if (x4_type && w->cols % 128 == 0 && !env_off("LUMA_CUDA_X4_MMV"))

@@ -327,9 +327,10 @@ void luma_cuda_weight_to_f16(cuda_backend *c, const luma_weight *w, __half *out)
  * with zero rows), a tile's superblocks in order, each one unit of 16
  * blocks' bytes: the 16 rows' 16-byte headers (d, dmin, scales), Q5_K's
  * high bits as 512 bytes, then 4 x 512 bytes of quant bytes. In the 512
- * bytes of chunk j lane 4 g + t of a warp finds at 16 lane the bytes 8 t ..
- * 8 t + 7 of chunk j (32 bytes) of rows g and g + 8, the same for the high
- * bits: a warp's load reads 512 contiguous bytes. */
+ * bytes of chunk j lane 4 g + t of a warp finds at 16 lane the bytes 4 t ..
+ * 4 t + 3 and 16 + 4 t .. 16 + 4 t + 3 of chunk j (32 bytes) of row g, then
+ * of row g + 8, the same for the high bits: a warp's load reads 512
+ * contiguous bytes. */
 /* Q6_K weights at least twice as wide as tall (a llama's downs) keep, after
  * their matrix-vector blocks, a second layout for rs_kernel (mmq.cu): per
  * block of 256, LUMA_Q6_K_RS_BYTES bytes (luma_cuda_q6k_rs has the layout). */

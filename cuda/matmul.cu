@@ -137,6 +137,11 @@ struct act_rows {
     const float2 *ds;
     const float *f;
     int64_t q_stride, ds_stride, f_stride;   /* per row, in ints, float2s, floats */
+    /* the int8 values again, interleaved for mmv_tc (quantize_act has the
+     * layout), and the int4s from one octet of rows to the next; NULL
+     * where not made */
+    const int4 *qi;
+    int64_t qi_octet;
 };
 
 #define LOW4 0x0F0F0F0F
@@ -1202,10 +1207,32 @@ static __device__ __forceinline__ int quad_sum(const int iq[8])
     return sum;
 }
 
+/* The int8 values of rows of cols for mmv_tc (act_rows.qi; cols a
+ * multiple of 256): octet o (rows 8 o .. 8 o + 7; past the last row, the
+ * last row again), superblock ib (nb a row), load j (0..3) and lane 4 g + t
+ * of a warp at int4 (o nb + ib) 128 + 32 j + 4 g + t: row 8 o + g's bytes
+ * 4 t .. 4 t + 3 and 16 + 4 t .. 16 + 4 t + 3 of the superblock's 32-byte
+ * chunks 2 j (the int4's first 8 bytes) and 2 j + 1. A warp's load of one
+ * superblock's chunk pair is 512 contiguous bytes (against 8 rows' lines
+ * in the plain layout). This writes the 8 values of the plain layout's
+ * unit i (elements 8 i .. 8 i + 7) there: two words, t and t + 1. */
+static __device__ __forceinline__ void put_qi(uint32_t *qi, int64_t cols, int m, int64_t i, uint2 v)
+{
+    const int64_t e = 8 * i, j = e / cols, p = e % cols, nb = cols / 256;
+    const int c = (int)(p % 256) / 32, w = (int)(p % 32), t = (w % 16) / 4;
+    const int64_t last = j == m - 1 ? (m + 7) / 8 * 8 : j + 1;   /* the last row fills its octet */
+    for (int64_t r = j; r < last; r++) {
+        const int64_t at = ((r / 8 * nb + p / 256) * 128 + 32 * (c / 2) + 4 * (r % 8) + t) * 4 + 2 * (c % 2) + w / 16;
+        qi[at] = v.x;
+        qi[at + 4] = v.y;   /* t + 1 */
+    }
+}
+
 template <int SCHEME, bool F16, int ACT = -1, bool PERM = false>
 static __global__ void quantize_act(const float *__restrict__ x, int64_t n8, int8_t *__restrict__ q,
                                     float2 *__restrict__ ds, __half *__restrict__ xh, const float *__restrict__ up,
-                                    float *__restrict__ gated, bool early)
+                                    float *__restrict__ gated, bool early, uint32_t *__restrict__ qi, int64_t cols,
+                                    int m)
 {
     follow_previous_kernel(early);
     int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
@@ -1261,20 +1288,24 @@ static __global__ void quantize_act(const float *__restrict__ x, int64_t n8, int
     }
     int sum = quad_sum(iq);
     if (!live) return;
-    ((uint2 *)q)[i] = pack_q8(iq);
+    const uint2 packed = pack_q8(iq);
+    ((uint2 *)q)[i] = packed;
     if (lane % 4 == 0) ds[i / 4] = make_float2(d, d * (float)sum);
+    if (qi) put_qi(qi, cols, m, i, packed);
 }
 
 /* Queues quantize_act for t's activation format: the f16 of d * q into xh
  * (in rs_kernel's k order when RS, for Q4_K), or the int8 values and scales
- * into q and ds; with ACT >= 0 x is first replaced by act(x) * up (stored
- * in gated). With c->early the product after it starts before it waits
- * (cuda/launch.cuh): the product's CTAs are placed, and fetch their first
- * weights, while the kernel before the quantizer (decode attention before
- * o, the norm before q, k and v) still runs. */
+ * into q and ds, and where qi is not NULL also into qi, interleaved for
+ * mmv_tc (m rows of cols: put_qi); with ACT >= 0 x is first replaced by
+ * act(x) * up (stored in gated). With c->early the product after it starts
+ * before it waits (cuda/launch.cuh): the product's CTAs are placed, and
+ * fetch their first weights, while the kernel before the quantizer (decode
+ * attention before o, the norm before q, k and v) still runs. */
 template <int ACT, bool RS = false>
 static void quantize_launch(cuda_backend *c, enum luma_type t, float *gated, const float *x, const float *up,
-                            int64_t n, int8_t *q, float2 *ds, __half *xh)
+                            int64_t n, int8_t *q, float2 *ds, __half *xh, uint32_t *qi = NULL, int64_t cols = 0,
+                            int m = 0)
 {
     bool k = luma_type_get(t)->act_type == LUMA_Q8_K;
     if (n % (k ? 256 : 32) != 0 || ((uintptr_t)x & 15) != 0 || ((uintptr_t)up & 15) != 0) {
@@ -1287,19 +1318,19 @@ static void quantize_launch(cuda_backend *c, enum luma_type t, float *gated, con
     const bool early = c->early >= 1;
     if constexpr (RS) {
         luma_launch(c, c->stream, grid, 256, 0, quantize_act<ACT_Q8_K, true, ACT, true>, x, n8, q, ds, xh, up, gated,
-                    early);
+                    early, (uint32_t *)NULL, (int64_t)0, 0);
     } else {
         if (xh && k)
             luma_launch(c, c->stream, grid, 256, 0, quantize_act<ACT_Q8_K, true, ACT>, x, n8, q, ds, xh, up, gated,
-                        early);
+                        early, (uint32_t *)NULL, (int64_t)0, 0);
         else if (xh)
             luma_launch(c, c->stream, grid, 256, 0, quantize_act<ACT_Q8_0, true, ACT>, x, n8, q, ds, xh, up, gated,
-                        early);
+                        early, (uint32_t *)NULL, (int64_t)0, 0);
     }
     if (!xh && k) luma_launch(c, c->stream, grid, 256, 0, quantize_act<ACT_Q8_K, false, ACT>, x, n8, q, ds, xh, up,
-                              gated, early);
+                              gated, early, qi, cols, m);
     else if (!xh) luma_launch(c, c->stream, grid, 256, 0, quantize_act<ACT_Q8_0, false, ACT>, x, n8, q, ds, xh, up,
-                              gated, early);
+                              gated, early, (uint32_t *)NULL, (int64_t)0, 0);
     luma_cuda_fail(c, cudaGetLastError(), "matmul (quantizing activations)");
 }
 
@@ -2044,11 +2075,14 @@ static void mmv_direct_launch(cuda_backend *c, const luma_weight *const *ws, flo
  * differs from the CPU's.
  *
  * Thread (g, t) of a warp (g = lane / 4, t = lane % 4) holds weight rows g
- * and g + 8 of the CTA's 16, bytes 8 t .. 8 t + 7 of each 32-byte chunk of
- * their quant bytes: the low nibbles are positions 8 t .. 8 t + 7 of
- * sub-block 2 j, the high ones of 2 j + 1. Those go to the A fragment's k
- * slots 4 t .. 4 t + 3 and 16 + 4 t .. 16 + 4 t + 3 (a permutation of k that
- * B follows: its two words are the activation row's 8 bytes at 8 t). The
+ * and g + 8 of the CTA's 16, bytes 4 t .. 4 t + 3 and 16 + 4 t .. 16 + 4 t
+ * + 3 of each 32-byte chunk of their quant bytes: the low nibbles are those
+ * positions of sub-block 2 j, the high ones of 2 j + 1, and they are the A
+ * fragment's k slots 4 t .. 4 t + 3 and 16 + 4 t .. 16 + 4 t + 3. B's two
+ * words are the activation row's bytes at the same positions, read from an
+ * interleaved copy the quantizer writes beside the plain one (put_qi), in
+ * which a warp's load of 8 rows' words is 512 contiguous bytes (in the
+ * plain layout it touched 8 rows' lines: most of the L1's wavefronts). The
  * minimums take a second mma whose A is the rows' 6-bit minimum in every
  * byte: it adds m * (sum of the sub-block's activations) straight into an
  * accumulator. The CTA's MMV_TC_WARPS warps split a row's superblocks
@@ -2078,15 +2112,18 @@ static __device__ __forceinline__ void scale_min_k4_all(uint32_t y, uint32_t z, 
  * its rows g and g + 8), fetch (that share from the rows' superblock: b0
  * row g's, b1 row g + 8's, the same unit in a tile copy), mul (its products
  * with the activation rows added to acc: acc[i][k] is C fragment k of n8
- * tile i), x_ints (a thread's offset in the activation row, in ints a t),
- * tiled, bytes (a row's block in the file's layout) and unit (a tile's
- * superblock in the tile copy). xb[i]: tile i's activation row of B's
- * column g at the thread's offset; xd[i][e]: the scales of C's column
- * 2 t + e. */
+ * tile i), tiled, bytes (a row's block in the file's layout) and unit (a
+ * tile's superblock in the tile copy). Both types take, of each 32-element
+ * chunk of a superblock, elements 4 t .. 4 t + 3 and 16 + 4 t .. 16 + 4 t
+ * + 3 (the mma's own k order), so that B is read from the activations'
+ * interleaved copy (put_qi): xq[i] is n8 tile i's octet at the thread's
+ * lane, xq[i][128 ib + 32 j] the chunks 2 j and 2 j + 1 of superblock ib;
+ * xd[i][e]: the scales of C's column 2 t + e. */
 
-/* Q4_K and Q5_K. A thread's share: the headers, and bytes 8 t .. 8 t + 7 of
- * each 32-byte chunk of quant bytes (q[j].x, .y of row g, .z, .w of row
- * g + 8; Q5_K also its high bits of those positions in h, the same way).
+/* Q4_K and Q5_K. A thread's share: the headers, and bytes 4 t .. 4 t + 3
+ * and 16 + 4 t .. 16 + 4 t + 3 of each 32-byte chunk of quant bytes
+ * (q[j].x, .y of row g, .z, .w of row g + 8; Q5_K also its high bits of
+ * those positions in h, the same way).
  * Two layouts (cuda_internal.h): the file's (TILED false: two rows, a row
  * pointer each) and the tile copy weight_load makes (TILED: the 16 rows'
  * superblock in one unit of 16 blocks' bytes, each load of a warp 512
@@ -2097,7 +2134,7 @@ struct tc_k {
         int4 hdr[2], q[4], h;
     };
     static constexpr bool tiled = TILED;
-    static constexpr int bytes = Q5 ? 176 : 144, qs = Q5 ? 48 : 16, x_ints = 2;
+    static constexpr int bytes = Q5 ? 176 : 144, qs = Q5 ? 48 : 16;
     static constexpr int unit = 16 * bytes;               /* a tile's superblock (TILED) */
     static constexpr int tile_qs = Q5 ? 768 : 256;        /* its quant bytes' offset */
     static constexpr size_t step = TILED ? unit : bytes;  /* from a superblock to the next */
@@ -2114,19 +2151,23 @@ struct tc_k {
         } else {
             r.hdr[0] = ld_w<CS, int4>(b0);
             r.hdr[1] = ld_w<CS, int4>(b1);
+            /* the row's 4 bytes at off + 4 t and off + 16 + 4 t */
+            auto two = [&](const uint8_t *b, int off) {
+                return make_int2(ld_w<CS, int>(b + off + 4 * t), ld_w<CS, int>(b + off + 16 + 4 * t));
+            };
             if constexpr (Q5) {
-                const int2 h0 = ld_w<CS, int2>(b0 + 16 + 8 * t), h1 = ld_w<CS, int2>(b1 + 16 + 8 * t);
+                const int2 h0 = two(b0, 16), h1 = two(b1, 16);
                 r.h = make_int4(h0.x, h0.y, h1.x, h1.y);
             }
 #pragma unroll
             for (int j = 0; j < 4; j++) {
-                const int2 q0 = ld_w<CS, int2>(b0 + qs + 32 * j + 8 * t), q1 = ld_w<CS, int2>(b1 + qs + 32 * j + 8 * t);
+                const int2 q0 = two(b0, qs + 32 * j), q1 = two(b1, qs + 32 * j);
                 r.q[j] = make_int4(q0.x, q0.y, q1.x, q1.y);
             }
         }
     }
-    /* sub-block s's A fragment: positions 8 t .. 8 t + 3 of row g (a[0]) and
-     * g + 8 (a[1]), 8 t + 4 .. 8 t + 7 of each (a[2], a[3]) */
+    /* sub-block s's A fragment: positions 4 t .. 4 t + 3 of row g (a[0]) and
+     * g + 8 (a[1]), 16 + 4 t .. 16 + 4 t + 3 of each (a[2], a[3]) */
     static __device__ __forceinline__ void values(const raw_t &r, int s, uint32_t (&a)[4])
     {
         const int j = s / 2, sh = 4 * (s % 2);
@@ -2139,7 +2180,7 @@ struct tc_k {
         }
     }
     template <int NT>
-    static __device__ __forceinline__ void mul(const raw_t &r, const int *const (&xb)[NT],
+    static __device__ __forceinline__ void mul(const raw_t &r, const int4 *const (&xq)[NT],
                                                const float2 *const (&xd)[NT][2], int ib, float (&acc)[NT][4])
     {
         uint32_t sc[2][2], mn[2][2];
@@ -2158,7 +2199,8 @@ struct tc_k {
             const int sc1 = (int)((sc[1][sb / 4] >> (8 * (sb % 4))) & 0xFF);
 #pragma unroll
             for (int i = 0; i < NT; i++) {
-                const int2 b = *(const int2 *)(xb[i] + (int64_t)ib * 64 + 8 * sb);
+                const int4 x = xq[i][(int64_t)ib * 128 + 32 * (sb / 2)];   /* one load for sb and sb ^ 1 */
+                const int2 b = sb % 2 ? make_int2(x.z, x.w) : make_int2(x.x, x.y);
                 int c[4] = { 0, 0, 0, 0 };
                 mma_s8_k32(c, av, (uint32_t)b.x, (uint32_t)b.y);
                 isum[i][0] += sc0 * c[0];
@@ -2193,7 +2235,8 @@ struct tc_k {
  * loads). A superblock's 16 scale groups G (elements 16 G .. 16 G + 15,
  * one int8 scale) take one mma.sync.m16n8k16 each: thread (g, t) holds
  * elements 4 t .. 4 t + 3 of the group in rows g (a0) and g + 8 (a1), and
- * B is the activation row's 4 bytes at 16 G + 4 t. As in the CPU's
+ * B is the activation row's 4 bytes at 16 G + 4 t (word G % 4 of the
+ * interleaved copy's int4 for chunks G / 4 * 2 ..). As in the CPU's
  * dot_q6_K, the groups' integer sums times their scales add up in integers
  * over the superblock, scaled once by y->d * d. The unit of a tile's
  * superblock (16 x LUMA_Q6_K_TC_BYTES, cuda_internal.h):
@@ -2213,7 +2256,7 @@ struct tc_q6k {
         float d[2];
     };
     static constexpr bool tiled = true;
-    static constexpr int bytes = 210, x_ints = 1;
+    static constexpr int bytes = 210;
     static constexpr int unit = 16 * LUMA_Q6_K_TC_BYTES;
     static constexpr size_t step = unit;
     static_assert(unit == 320 + 4 * 512 + 2 * 512, "LUMA_Q6_K_TC_BYTES");
@@ -2239,7 +2282,7 @@ struct tc_q6k {
         return ((lo | hi << 4) + 0x60606060u) ^ 0x80808080u;
     }
     template <int NT>
-    static __device__ __forceinline__ void mul(const raw_t &r, const int *const (&xb)[NT],
+    static __device__ __forceinline__ void mul(const raw_t &r, const int4 *const (&xq)[NT],
                                                const float2 *const (&xd)[NT][2], int ib, float (&acc)[NT][4])
     {
         const uint32_t n[2][8] = {
@@ -2260,7 +2303,8 @@ struct tc_q6k {
             const int sc1 = (int)(int8_t)(sw[1][G / 4] >> (8 * (G % 4)));
 #pragma unroll
             for (int i = 0; i < NT; i++) {
-                const uint32_t b = (uint32_t)xb[i][(int64_t)ib * 64 + 4 * G];
+                const int4 x = xq[i][(int64_t)ib * 128 + 32 * (G / 4)];   /* one load for 4 groups */
+                const uint32_t b = (uint32_t)(G % 4 == 0 ? x.x : G % 4 == 1 ? x.y : G % 4 == 2 ? x.z : x.w);
                 int c[4] = { 0, 0, 0, 0 };
                 mma_s8_k16(c, a0, a1, b);
                 isum[i][0] += sc0 * c[0];
@@ -2304,13 +2348,14 @@ mmv_tc(mmv_segs sg, act_rows a, int m, const mmv_rope<ROPE> rp)
         w0 = s.w + (size_t)min(r0 + g, s.rows - 1) * s.row_bytes;
         w1 = s.w + (size_t)min(r0 + g + 8, s.rows - 1) * s.row_bytes;
     }
-    /* tile i's activation rows: B's column g, C's columns 2 t and 2 t + 1
-     * (past m: the last row, whose products are dropped) */
-    const int *xb[NT];
+    /* tile i's activation rows: B's column g (the interleaved copy's octet
+     * i), C's columns 2 t and 2 t + 1 (past m: the last row, whose products
+     * are dropped) */
+    const int4 *xq[NT];
     const float2 *xd[NT][2];
 #pragma unroll
     for (int i = 0; i < NT; i++) {
-        xb[i] = a.q + (int64_t)min(8 * i + g, m - 1) * a.q_stride + T::x_ints * t;
+        xq[i] = a.qi + i * a.qi_octet + lane;
 #pragma unroll
         for (int e = 0; e < 2; e++) xd[i][e] = a.ds + (int64_t)min(8 * i + 2 * t + e, m - 1) * a.ds_stride;
     }
@@ -2324,7 +2369,7 @@ mmv_tc(mmv_segs sg, act_rows a, int m, const mmv_rope<ROPE> rp)
     auto round = [&](const typename T::raw_t &cur, typename T::raw_t &nxt, int ib) {
         const size_t nx = (size_t)min(ib + MMV_TC_WARPS, last) * T::step;
         T::fetch(w0 + nx, w1 + nx, g, t, nxt);
-        T::template mul<NT>(cur, xb, xd, ib, acc);
+        T::template mul<NT>(cur, xq, xd, ib, acc);
     };
     for (int ib = warp; ib < nb; ib += 2 * MMV_TC_WARPS) {
         round(ra, rb, ib);
@@ -2383,18 +2428,22 @@ static __global__ void repack_tc(const uint8_t *__restrict__ src, int64_t rows, 
     const int64_t tile = un / nb, row_bytes = (int64_t)nb * T::bytes;
     uint8_t *o = dst + un * T::unit;
     auto block = [&](int64_t r) { return r < rows ? src + r * row_bytes + (int64_t)ib * T::bytes : NULL; };
-    auto piece8 = [&](const uint8_t *b, int off) { return b ? *(const uint2 *)(b + off) : make_uint2(0, 0); };
+    /* the row's 4 bytes at off + 4 t and off + 16 + 4 t (tc_k's positions) */
+    auto piece8 = [&](const uint8_t *b, int off) {
+        return b ? make_uint2(*(const uint32_t *)(b + off + 4 * t), *(const uint32_t *)(b + off + 16 + 4 * t))
+                 : make_uint2(0, 0);
+    };
     const uint8_t *b0 = block(16 * tile + g), *b1 = block(16 * tile + g + 8);
     if (lane < 16) {
         const uint8_t *bh = block(16 * tile + lane);
         *(uint4 *)(o + 16 * lane) = bh ? *(const uint4 *)bh : make_uint4(0, 0, 0, 0);
     }
     if (Q5) {
-        const uint2 h0 = piece8(b0, 16 + 8 * t), h1 = piece8(b1, 16 + 8 * t);
+        const uint2 h0 = piece8(b0, 16), h1 = piece8(b1, 16);
         *(uint4 *)(o + 256 + 16 * lane) = make_uint4(h0.x, h0.y, h1.x, h1.y);
     }
     for (int j = 0; j < 4; j++) {
-        const uint2 q0 = piece8(b0, T::qs + 32 * j + 8 * t), q1 = piece8(b1, T::qs + 32 * j + 8 * t);
+        const uint2 q0 = piece8(b0, T::qs + 32 * j), q1 = piece8(b1, T::qs + 32 * j);
         *(uint4 *)(o + T::tile_qs + 512 * j + 16 * lane) = make_uint4(q0.x, q0.y, q1.x, q1.y);
     }
 }
@@ -2441,6 +2490,10 @@ template <class T, int NT>
 static void mmv_tc_launch_t(cuda_backend *c, const luma_weight *const *ws, float *const *ys, int n,
                             const act_rows &a, int m)
 {
+    if (!a.qi) {   /* act_rows_at makes it wherever mmv_tc_takes a product */
+        luma_cuda_failf(c, "matmul: no interleaved activations for the tensor-core matrix-vector kernel");
+        return;
+    }
     mmv_segs sg = mmv_segs_none();
     unsigned ctas = 0;
     for (int i = 0; i < n && i < MMV_SEGS; i++) {
@@ -2752,19 +2805,32 @@ static bool mmv_fits(const luma_weight *w, const float *x)
 
 /* Bytes of the quantized activations of m rows of cols (int8 values, then
  * a (d, sum) per block of 32). */
+/* Rows of the interleaved copy mmv_tc reads (act_rows.qi): m rounded up
+ * to octets where mmv_tc may take the product, else none. */
+static int64_t tc_act_rows(int64_t m, int64_t cols)
+{
+    return m >= 2 && m <= MMV_TC_MAX_M && cols % 256 == 0 ? (m + 7) / 8 * 8 : 0;
+}
+
 static size_t act_q_bytes(int64_t m, int64_t cols)
 {
-    return align256((size_t)m * (size_t)cols) + align256((size_t)(m * (cols / 32)) * sizeof(float2));
+    return align256((size_t)m * (size_t)cols) + align256((size_t)(m * (cols / 32)) * sizeof(float2)) +
+           align256((size_t)tc_act_rows(m, cols) * (size_t)cols);
 }
 
 /* The activation rows the matrix-vector kernels read: x itself for float
  * weights, else x quantized for w's type into s (act_q_bytes). */
 static act_rows act_rows_at(const luma_weight *w, const float *x, int64_t m, uint8_t *s)
 {
-    act_rows a = { NULL, NULL, x, w->cols / 4, w->cols / 32, w->cols };
+    act_rows a = { NULL, NULL, x, w->cols / 4, w->cols / 32, w->cols, NULL, 0 };
     if (s) {
+        const size_t ds = align256((size_t)m * (size_t)w->cols);
         a.q = (const int *)s;
-        a.ds = (const float2 *)(s + align256((size_t)m * (size_t)w->cols));
+        a.ds = (const float2 *)(s + ds);
+        if (tc_act_rows(m, w->cols) > 0 && luma_type_get(w->type)->act_type == LUMA_Q8_K) {
+            a.qi = (const int4 *)(s + ds + align256((size_t)(m * (w->cols / 32)) * sizeof(float2)));
+            a.qi_octet = w->cols / 256 * 128;
+        }
     }
     return a;
 }
@@ -2772,7 +2838,8 @@ static act_rows act_rows_at(const luma_weight *w, const float *x, int64_t m, uin
 static void quantize_into(cuda_backend *c, const luma_weight *w, const float *x, int64_t m, uint8_t *s)
 {
     act_rows a = act_rows_at(w, x, m, s);
-    luma_cuda_quantize_act(c, w->type, x, m * w->cols, (int8_t *)a.q, (float2 *)a.ds, NULL);
+    quantize_launch<-1>(c, w->type, NULL, x, NULL, m * w->cols, (int8_t *)a.q, (float2 *)a.ds, NULL, (uint32_t *)a.qi,
+                        w->cols, (int)m);
 }
 
 static void mm_vec_run(cuda_backend *c, const luma_weight *w, const act_rows &a, int64_t m, float *y);
@@ -3417,10 +3484,10 @@ static bool cublas_on_copy(cuda_backend *c, const luma_weight *w, const float *x
  * rs_kernel's order when RS). */
 template <bool RS = false>
 static void quantize_gated(cuda_backend *c, int act, enum luma_type t, float *gate, const float *up, int64_t n,
-                           int8_t *q, float2 *ds, __half *xh)
+                           int8_t *q, float2 *ds, __half *xh, uint32_t *qi = NULL, int64_t cols = 0, int m = 0)
 {
-    if (act == LUMA_ACT_GELU) quantize_launch<LUMA_ACT_GELU, RS>(c, t, gate, gate, up, n, q, ds, xh);
-    else quantize_launch<LUMA_ACT_SILU, RS>(c, t, gate, gate, up, n, q, ds, xh);
+    if (act == LUMA_ACT_GELU) quantize_launch<LUMA_ACT_GELU, RS>(c, t, gate, gate, up, n, q, ds, xh, qi, cols, m);
+    else quantize_launch<LUMA_ACT_SILU, RS>(c, t, gate, gate, up, n, q, ds, xh, qi, cols, m);
 }
 
 /* gated_matmul past the matrix-vector path, where the product is rs_kernel
@@ -3453,7 +3520,8 @@ bool luma_cuda_gated_matmul(cuda_backend *c, const luma_weight *w, float *gate, 
     uint8_t *s = (uint8_t *)luma_cuda_scratch(c, act_q_bytes(m, w->cols));
     if (!s) return true;
     act_rows a = act_rows_at(w, gate, m, s);
-    quantize_gated(c, act, w->type, gate, up, m * w->cols, (int8_t *)a.q, (float2 *)a.ds, NULL);
+    quantize_gated(c, act, w->type, gate, up, m * w->cols, (int8_t *)a.q, (float2 *)a.ds, NULL, (uint32_t *)a.qi,
+                   w->cols, (int)m);
     if (LUMA_CUDA_OK(c)) mm_vec_run(c, w, a, m, y);
     return true;
 }

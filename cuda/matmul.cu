@@ -24,11 +24,13 @@
  *   with shuffles at the end. Q6_K, Q4_0, Q5_0 and Q8_0 weights are read
  *   from a copy weight_load repacked into aligned blocks
  *   (luma_weight.dev_mmv: type_q6_K_mmv, type_x4) where it made one.
- *   Q4_K and Q5_K weights at 2 to 16 rows take a third kernel, mmv_tc,
- *   whose warps meet 16 weight rows and 8 activation rows in one int8
- *   mma.sync per sub-block, so that its cost hardly grows with m; it
- *   reads a copy of the blocks in tiles of 16 rows (weight_load's, where
- *   the device has room), whose loads read whole lines.
+ *   Q4_K, Q5_K and Q6_K weights at 2 to 16 rows take a third kernel,
+ *   mmv_tc, whose warps meet 16 weight rows and 8 activation rows in one
+ *   int8 mma.sync per sub-block (Q6_K: per scale group), so that its cost
+ *   hardly grows with m; it reads a copy of the blocks in tiles of 16 rows
+ *   (weight_load's, where the device has room) and a copy of the
+ *   activations interleaved by row (the quantizer's), whose loads read
+ *   whole lines.
  *
  * - larger m (prefill, big batches): tensor cores through cuBLAS. The
  *   weights in f16 (the same values as luma_dequantize_row, rounded to f16)

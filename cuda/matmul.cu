@@ -2122,6 +2122,33 @@ static __device__ __forceinline__ void scale_min_k4_all(uint32_t y, uint32_t z, 
  * lane, xq[i][128 ib + 32 j] the chunks 2 j and 2 j + 1 of superblock ib;
  * xd[i][e]: the scales of C's column 2 t + e. */
 
+/* isum += an mma's C fragment c times the scale of its row: sc0 for row g
+ * (c[0], c[1]), sc1 for row g + 8 */
+static __device__ __forceinline__ void tc_add_scaled(int (&isum)[4], int sc0, int sc1, const int (&c)[4])
+{
+    isum[0] += sc0 * c[0];
+    isum[1] += sc0 * c[1];
+    isum[2] += sc1 * c[2];
+    isum[3] += sc1 * c[3];
+}
+
+/* acc[i][k] += sb(dx, i, k, rr): superblock ib's scaled sum of C fragment
+ * k of n8 tile i (weight row rr = k / 2 of the thread's two, activation
+ * column 2 t + k % 2, whose superblock scale is dx) */
+template <int NT, class F>
+static __device__ __forceinline__ void tc_accumulate(float (&acc)[NT][4], const float2 *const (&xd)[NT][2], int ib,
+                                                     F sb)
+{
+#pragma unroll
+    for (int i = 0; i < NT; i++)
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+            const float dx = xd[i][e][(int64_t)ib * 8].x;   /* Q8_K: one d for the superblock */
+#pragma unroll
+            for (int rr = 0; rr < 2; rr++) acc[i][2 * rr + e] = __fadd_rn(acc[i][2 * rr + e], sb(dx, i, 2 * rr + e, rr));
+        }
+}
+
 /* Q4_K and Q5_K. A thread's share: the headers, and bytes 4 t .. 4 t + 3
  * and 16 + 4 t .. 16 + 4 t + 3 of each 32-byte chunk of quant bytes
  * (q[j].x, .y of row g, .z, .w of row g + 8; Q5_K also its high bits of
@@ -2205,10 +2232,7 @@ struct tc_k {
                 const int2 b = sb % 2 ? make_int2(x.z, x.w) : make_int2(x.x, x.y);
                 int c[4] = { 0, 0, 0, 0 };
                 mma_s8_k32(c, av, (uint32_t)b.x, (uint32_t)b.y);
-                isum[i][0] += sc0 * c[0];
-                isum[i][1] += sc0 * c[1];
-                isum[i][2] += sc1 * c[2];
-                isum[i][3] += sc1 * c[3];
+                tc_add_scaled(isum[i], sc0, sc1, c);
                 mma_s8_k32(imin[i], am, (uint32_t)b.x, (uint32_t)b.y);
             }
         }
@@ -2218,18 +2242,9 @@ struct tc_k {
             d[k] = f16_bits((uint32_t)r.hdr[k].x & 0xffff);
             dmin[k] = f16_bits((uint32_t)r.hdr[k].x >> 16);
         }
-#pragma unroll
-        for (int i = 0; i < NT; i++)
-#pragma unroll
-            for (int e = 0; e < 2; e++) {
-                const float dx = xd[i][e][(int64_t)ib * 8].x;   /* Q8_K: one d for the superblock */
-#pragma unroll
-                for (int rr = 0; rr < 2; rr++) {
-                    const int k = 2 * rr + e;
-                    const float v = __fsub_rn(__fmul_rn(d[rr], (float)isum[i][k]), __fmul_rn(dmin[rr], (float)imin[i][k]));
-                    acc[i][k] = __fadd_rn(acc[i][k], __fmul_rn(dx, v));
-                }
-            }
+        tc_accumulate<NT>(acc, xd, ib, [&](float dx, int i, int k, int rr) {
+            return __fmul_rn(dx, __fsub_rn(__fmul_rn(d[rr], (float)isum[i][k]), __fmul_rn(dmin[rr], (float)imin[i][k])));
+        });
     }
 };
 
@@ -2309,23 +2324,12 @@ struct tc_q6k {
                 const uint32_t b = (uint32_t)(G % 4 == 0 ? x.x : G % 4 == 1 ? x.y : G % 4 == 2 ? x.z : x.w);
                 int c[4] = { 0, 0, 0, 0 };
                 mma_s8_k16(c, a0, a1, b);
-                isum[i][0] += sc0 * c[0];
-                isum[i][1] += sc0 * c[1];
-                isum[i][2] += sc1 * c[2];
-                isum[i][3] += sc1 * c[3];
+                tc_add_scaled(isum[i], sc0, sc1, c);
             }
         }
-#pragma unroll
-        for (int i = 0; i < NT; i++)
-#pragma unroll
-            for (int e = 0; e < 2; e++) {
-                const float dx = xd[i][e][(int64_t)ib * 8].x;   /* Q8_K: one d for the superblock */
-#pragma unroll
-                for (int rr = 0; rr < 2; rr++) {
-                    const int k = 2 * rr + e;
-                    acc[i][k] = __fadd_rn(acc[i][k], __fmul_rn(__fmul_rn(dx, r.d[rr]), (float)isum[i][k]));
-                }
-            }
+        tc_accumulate<NT>(acc, xd, ib, [&](float dx, int i, int k, int rr) {
+            return __fmul_rn(__fmul_rn(dx, r.d[rr]), (float)isum[i][k]);   /* y->d * d * sumi */
+        });
     }
 };
 

@@ -239,10 +239,9 @@ static int keep_f16(cuda_backend *c, luma_weight *w, cuda_weight_copy *slot, lum
  * Q5_0 and Q8_0 as four blocks in the same bytes, read with 8-byte loads
  * instead of 2-byte ones; Q4_K and Q5_K in tiles of 16 rows for mmv_tc,
  * whose loads then read whole lines (Q6_K's tiles follow its other
- * layouts). Where the device has no room for it
- * the weight goes without (the kernels then read the file's layout), and
- * a later allocation that finds the device full frees them all
- * (dev_malloc). */
+ * layouts). Where the device has no room for it the weight goes without
+ * (the kernels then read the file's layout), and a later allocation that
+ * finds the device full frees them all (dev_malloc). */
 static int keep_mmv(cuda_backend *c, luma_weight *w, cuda_weight_copy *slot, luma_err *err)
 {
     const bool tc = w->type == LUMA_Q4_K || w->type == LUMA_Q5_K;

@@ -2462,16 +2462,20 @@ static const uint8_t *q6k_tc(const cuda_backend *c, const luma_weight *w);
  * kernel's) and with 8-bit activations, at 2 to MMV_TC_MAX_M rows on the
  * tile copy, 3 to MMV_TC_MAX_M on the file's blocks (Q4_K and Q5_K; Q6_K
  * needs its tile copy). Measured on an H200 (cuda/NOTES.md): on the tile
- * copy it beats the direct kernel from 2 rows and ties it at 1, on the
- * file's blocks from 3. LUMA_CUDA_MMV_TC=lo,hi in the environment sets
- * the range instead (for measuring; "9999,0": never). Read once. */
+ * copy it beats the direct kernel from 2 rows and tied it at 1 (before the
+ * interleaved activations, which the quantizer writes from 2 rows only),
+ * on the file's blocks from 3. LUMA_CUDA_MMV_TC=lo,hi in the environment
+ * sets the range instead, from 2 up (for measuring; "9999,0": never).
+ * Read once. */
 static bool mmv_tc_takes(const cuda_backend *c, const luma_weight *w, int64_t m)
 {
     static env_rows env;
     const bool set = env_rows_set(env, "LUMA_CUDA_MMV_TC");
     const bool k45 = w->type == LUMA_Q4_K || w->type == LUMA_Q5_K;
     if (!(k45 || (w->type == LUMA_Q6_K && q6k_tc(c, w))) || c->invariant || c->float_act) return false;
-    const int64_t lo = set ? env.lo : has_mmv(c, w) ? 2 : 3, hi = set && env.hi < MMV_TC_MAX_M ? env.hi : MMV_TC_MAX_M;
+    /* never one row: the quantizer writes the interleaved copy from 2 */
+    const int64_t lo = set ? (env.lo > 2 ? env.lo : 2) : has_mmv(c, w) ? 2 : 3;
+    const int64_t hi = set && env.hi < MMV_TC_MAX_M ? env.hi : MMV_TC_MAX_M;
     return m >= lo && m <= hi && ((uintptr_t)w->dev & 15) == 0;
 }
 

@@ -972,13 +972,14 @@ __global__ static void __launch_bounds__(DEC_MAX_WARPS * 32, MMA == 128 ? 2 : 1)
  * its tiles in turn (warp part p: tiles p, p + split, ...), each with its
  * own q, ring and online softmax, and the unit's first warp merges their
  * sums, m and l through shared memory (their rings, spent) after a barrier
- * of the unit's warps only. The unit's q stays in registers as the A fragments of the
- * scores (f16 hi + lo, as decode_kernel's), its keys stream in tiles of 16
- * through the warp's own ring of dec_stages stages (cp.async; a tile
- * inside one cache block is one running address: its K and V are 4 KB
- * each for D = 128), and the per-tile work is decode_kernel's tensor-core
- * path. The row's own k and v: as decode_kernel (taken from the step,
- * stored by the unit of head chunk 0). */
+ * of the unit's warps only. The unit's q stays in registers as the A
+ * fragments of the scores (f16 hi + lo, as decode_kernel's), its keys
+ * stream in tiles of 16 through the warp's own ring of dec_stages stages
+ * (cp.async; a tile inside one cache block is one running address: its K
+ * and V are 4 KB each for D = 128), and the per-tile work is
+ * decode_kernel's tensor-core path. The row's own k and v: as
+ * decode_kernel (taken from the step, stored by the unit of head chunk
+ * 0). */
 template <int D>
 __global__ static void __launch_bounds__(DEC_LEAN_WARPS * 32) decode_lean_kernel(const attn_args a)
 {
@@ -2007,13 +2008,20 @@ static void decode_launch(cuda_backend *c, attn_args *a, const dec_tuning &tunin
                     (size_t)a->n_splits * sizeof(float), combine_kernel, *a);
 }
 
+/* Units of the step's decode rows for decode_lean_kernel: rows x kv heads x
+ * head chunks. */
+static int64_t lean_units(const cuda_backend *c, const attn_args *a)
+{
+    return (int64_t)c->step.n_dec * a->n_kv_head * a->n_hchunks;
+}
+
 /* Warps a unit of decode_lean_kernel: the tuning's, else 4 while the
  * step's units times 4 stay within two warps an SM, then 2, then 1 (the 7B
  * on 132 SMs: 4 up to 8 rows, 2 up to 16, then 1, without a merge). */
 static int lean_split_for(const cuda_backend *c, const attn_args *a, const dec_tuning &tu)
 {
     if (tu.lean_split > 0) return tu.lean_split >= 4 ? 4 : tu.lean_split >= 2 ? 2 : 1;
-    const int64_t units = (int64_t)c->step.n_dec * a->n_kv_head * a->n_hchunks;
+    const int64_t units = lean_units(c, a);
     int sp = 4;
     while (sp > 1 && units * sp > 2 * (int64_t)c->n_sm) sp /= 2;
     return sp;
@@ -2051,7 +2059,7 @@ static void decode_lean_launch(cuda_backend *c, attn_args *a, const dec_tuning &
  * rows). */
 static bool lean_covers(const cuda_backend *c, const attn_args *a, const dec_tuning &tu)
 {
-    int64_t units = (int64_t)c->step.n_dec * a->n_kv_head * a->n_hchunks, keys = c->step.dec_keys_bound;
+    int64_t units = lean_units(c, a), keys = c->step.dec_keys_bound;
     if (a->window > 0 && a->window < keys) keys = a->window;
     return tu.mma && !c->invariant && a->dk == a->dv && (a->dk == 64 || a->dk == 128) && a->heads_per_cta <= 8 &&
            units >= tu.lean_min && keys <= tu.lean_keys;

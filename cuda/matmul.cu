@@ -53,7 +53,6 @@
 #include "program.cuh"
 
 #include <limits.h>
-#include <stdio.h>
 #include <type_traits>
 #include <stdlib.h>
 #include <string.h>
@@ -1298,12 +1297,13 @@ static __global__ void quantize_act(const float *__restrict__ x, int64_t n8, int
 
 /* Queues quantize_act for t's activation format: the f16 of d * q into xh
  * (in rs_kernel's k order when RS, for Q4_K), or the int8 values and scales
- * into q and ds, and where qi is not NULL also into qi, interleaved for
- * mmv_tc (m rows of cols: put_qi); with ACT >= 0 x is first replaced by
- * act(x) * up (stored in gated). With c->early the product after it starts
- * before it waits (cuda/launch.cuh): the product's CTAs are placed, and
- * fetch their first weights, while the kernel before the quantizer (decode
- * attention before o, the norm before q, k and v) still runs. */
+ * into q and ds, and where qi is not NULL (the callers pass it only with
+ * the int8 values of Q8_K) also into qi, interleaved for mmv_tc (m rows of
+ * cols: put_qi); with ACT >= 0 x is first replaced by act(x) * up (stored
+ * in gated). With c->early the product after it starts before it waits
+ * (cuda/launch.cuh): the product's CTAs are placed, and fetch their first
+ * weights, while the kernel before the quantizer (decode attention before
+ * o, the norm before q, k and v) still runs. */
 template <int ACT, bool RS = false>
 static void quantize_launch(cuda_backend *c, enum luma_type t, float *gated, const float *x, const float *up,
                             int64_t n, int8_t *q, float2 *ds, __half *xh, uint32_t *qi = NULL, int64_t cols = 0,
@@ -1320,19 +1320,19 @@ static void quantize_launch(cuda_backend *c, enum luma_type t, float *gated, con
     const bool early = c->early >= 1;
     if constexpr (RS) {
         luma_launch(c, c->stream, grid, 256, 0, quantize_act<ACT_Q8_K, true, ACT, true>, x, n8, q, ds, xh, up, gated,
-                    early, (uint32_t *)NULL, (int64_t)0, 0);
+                    early, qi, cols, m);
     } else {
         if (xh && k)
             luma_launch(c, c->stream, grid, 256, 0, quantize_act<ACT_Q8_K, true, ACT>, x, n8, q, ds, xh, up, gated,
-                        early, (uint32_t *)NULL, (int64_t)0, 0);
+                        early, qi, cols, m);
         else if (xh)
             luma_launch(c, c->stream, grid, 256, 0, quantize_act<ACT_Q8_0, true, ACT>, x, n8, q, ds, xh, up, gated,
-                        early, (uint32_t *)NULL, (int64_t)0, 0);
+                        early, qi, cols, m);
     }
     if (!xh && k) luma_launch(c, c->stream, grid, 256, 0, quantize_act<ACT_Q8_K, false, ACT>, x, n8, q, ds, xh, up,
                               gated, early, qi, cols, m);
     else if (!xh) luma_launch(c, c->stream, grid, 256, 0, quantize_act<ACT_Q8_0, false, ACT>, x, n8, q, ds, xh, up,
-                              gated, early, (uint32_t *)NULL, (int64_t)0, 0);
+                              gated, early, qi, cols, m);
     luma_cuda_fail(c, cudaGetLastError(), "matmul (quantizing activations)");
 }
 
@@ -2066,10 +2066,10 @@ static void mmv_direct_launch(cuda_backend *c, const luma_weight *const *ws, flo
  * Q4_K, Q5_K and Q6_K weights by 2 to 16 activation rows (decode of a few
  * sequences; Q6_K's scales per 16 elements take k16 mmas: tc_q6k). The
  * direct kernel's cost grows with m (a __dp4a per four weights and
- * activation row, the float scaling of every block and row);
- * here a warp's 16 weight rows meet 8 activation rows in one
- * mma.sync.m16n8k32 per 32-element sub-block, so a step of 8 rows costs
- * about what one row does. Nothing is dequantized: as in the CPU's
+ * activation row, the float scaling of every block and row); here a
+ * warp's 16 weight rows meet 8 activation rows in one mma.sync.m16n8k32
+ * per 32-element sub-block, so a step of 8 rows costs about what one row
+ * does. Nothing is dequantized: as in the CPU's
  * dot_q4_K, a sub-block's integer sum times its 6-bit scale and the
  * minimums times the activations' integer sums add up in integers over a
  * superblock, which is then scaled once (y->d * (d * sumi - dmin * summ),
@@ -2097,6 +2097,13 @@ static void mmv_direct_launch(cuda_backend *c, const luma_weight *const *ws, flo
 #define MMV_TC_WARPS 8
 #define MMV_TC_ROWS 16   /* weight rows of a CTA */
 #define MMV_TC_MAX_M 16  /* two n8 tiles */
+
+/* Tiles of MMV_TC_ROWS rows that cover rows (the tile copies' and mmv_tc's
+ * CTAs a weight). */
+static inline int64_t tc_tiles(int64_t rows)
+{
+    return (rows + MMV_TC_ROWS - 1) / MMV_TC_ROWS;
+}
 
 /* The eight 6-bit scales (sc) and minimums (mn) of a superblock from its
  * scale words y, z, w, four to a word (scale_min_k4's values: [0] holds
@@ -2511,7 +2518,7 @@ static void mmv_tc_launch_t(cuda_backend *c, const luma_weight *const *ws, float
         /* a row's bytes, or a tile's in the tile copy */
         mmv_seg_put(sg, i, tc_weight<T>(c, ws[i]), ys[i], ws[i]->rows, nb,
                     (size_t)nb * (T::tiled ? T::unit : T::bytes),
-                    (unsigned)((ws[i]->rows + MMV_TC_ROWS - 1) / MMV_TC_ROWS), &ctas);
+                    (unsigned)tc_tiles(ws[i]->rows), &ctas);
     }
     int done = 0;
     const uint32_t mask = mmv_rope_mask(c, ws, ys, n, MMV_TC_ROWS, &done);
@@ -2813,14 +2820,15 @@ static bool mmv_fits(const luma_weight *w, const float *x)
     return w->cols % per16 == 0 && ((uintptr_t)w->dev & 15) == 0 && ((uintptr_t)x & 15) == 0;
 }
 
-/* Bytes of the quantized activations of m rows of cols (int8 values, then
- * a (d, sum) per block of 32). */
 /* Rows of the interleaved copy mmv_tc reads (act_rows.qi): m rounded up
  * to octets where mmv_tc may take the product, else none. */
 static int64_t tc_act_rows(int64_t m, int64_t cols)
 {
     return m >= 2 && m <= MMV_TC_MAX_M && cols % 256 == 0 ? (m + 7) / 8 * 8 : 0;
 }
+
+/* Bytes of the quantized activations of m rows of cols (int8 values, then
+ * a (d, sum) per block of 32, then the interleaved copy of tc_act_rows). */
 
 static size_t act_q_bytes(int64_t m, int64_t cols)
 {
@@ -3164,9 +3172,9 @@ static __global__ void repack_tc_q6k(const uint8_t *__restrict__ src, int64_t ro
     const int64_t id = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, un = id / 32;
     if (un >= units) return;
     const int lane = (int)(id % 32), g = lane / 4, t = lane % 4, ib = (int)(un % nb);
-    const int64_t tile = un / nb, row_bytes = (int64_t)nb * 210;
+    const int64_t tile = un / nb, row_bytes = (int64_t)nb * tc_q6k::bytes;
     uint8_t *o = dst + un * tc_q6k::unit;
-    auto block = [&](int64_t r) { return r < rows ? src + r * row_bytes + (int64_t)ib * 210 : NULL; };
+    auto block = [&](int64_t r) { return r < rows ? src + r * row_bytes + (int64_t)ib * tc_q6k::bytes : NULL; };
     if (lane < 16) {
         const uint8_t *b = block(16 * tile + lane);
         uint32_t sc[4] = {};
@@ -3236,8 +3244,7 @@ static size_t mmv_part_bytes(const luma_weight *w)
     size_t block, bytes;
     if (w->type == LUMA_Q4_K || w->type == LUMA_Q5_K) {   /* the tile copy: whole tiles of 16 rows */
         if (w->rows < 2 || w->cols % 256 != 0) return 0;
-        size_t tiles = (size_t)((w->rows + MMV_TC_ROWS - 1) / MMV_TC_ROWS);
-        if (luma_mul_size(tiles * MMV_TC_ROWS, luma_row_size(w->type, w->cols), &bytes)) return 0;
+        if (luma_mul_size((size_t)tc_tiles(w->rows) * MMV_TC_ROWS, luma_row_size(w->type, w->cols), &bytes)) return 0;
         return bytes;
     }
     mmv_layout(w->type, &qk, &block);
@@ -3257,8 +3264,10 @@ static size_t q6k_rs_bytes(const luma_weight *w)
 /* Bytes of a Q6_K weight's tile copy (whole tiles of 16 rows). */
 static size_t q6k_tc_bytes(const luma_weight *w)
 {
-    size_t tiles = (size_t)((w->rows + MMV_TC_ROWS - 1) / MMV_TC_ROWS), bytes;
-    if (luma_mul_size(tiles * (size_t)(w->cols / 256), (size_t)MMV_TC_ROWS * LUMA_Q6_K_TC_BYTES, &bytes)) return 0;
+    size_t bytes;
+    if (luma_mul_size((size_t)tc_tiles(w->rows) * (size_t)(w->cols / 256), (size_t)MMV_TC_ROWS * LUMA_Q6_K_TC_BYTES,
+                      &bytes))
+        return 0;
     return bytes;
 }
 
@@ -3290,16 +3299,16 @@ void luma_cuda_repack(cuda_backend *c, const luma_weight *w, uint8_t *out)
 {
     int64_t qk;
     size_t block;
+    /* a tile copy (Q4_K, Q5_K, Q6_K's last part): a warp a tile's superblock */
+    const int tc_nb = (int)(w->cols / 256);
+    const int64_t tc_units = tc_tiles(w->rows) * tc_nb;
+    const unsigned tc_ctas = blocks_for(tc_units * 32, 128);
     if (w->type == LUMA_Q4_K || w->type == LUMA_Q5_K) {
-        const int nb = (int)(w->cols / 256);
-        const int64_t units = (w->rows + MMV_TC_ROWS - 1) / MMV_TC_ROWS * nb;
         const uint8_t *src = (const uint8_t *)w->dev;
         if (w->type == LUMA_Q4_K)
-            luma_launch(c, c->stream, blocks_for(units * 32, 128), 128, 0, repack_tc<false>, src, w->rows, nb, units,
-                        out);
+            luma_launch(c, c->stream, tc_ctas, 128, 0, repack_tc<false>, src, w->rows, tc_nb, tc_units, out);
         else
-            luma_launch(c, c->stream, blocks_for(units * 32, 128), 128, 0, repack_tc<true>, src, w->rows, nb, units,
-                        out);
+            luma_launch(c, c->stream, tc_ctas, 128, 0, repack_tc<true>, src, w->rows, tc_nb, tc_units, out);
         luma_cuda_fail(c, cudaGetLastError(), "repacking a weight for the tensor-core matrix-vector kernel");
         return;
     }
@@ -3312,12 +3321,9 @@ void luma_cuda_repack(cuda_backend *c, const luma_weight *w, uint8_t *out)
     else if (w->type == LUMA_Q5_0) luma_launch(c, c->stream, ctas, 128, 0, repack_x4, src, n, 22, 4, 16, out);
     else luma_launch(c, c->stream, ctas, 128, 0, repack_x4, src, n, 34, 0, 32, out);
     if (q6k_has_rs(w)) luma_launch(c, c->stream, ctas, 128, 0, repack_q6_K_rs, src, n, out + mmv_part_bytes(w));
-    if (w->type == LUMA_Q6_K && c->tc_q6k) {
-        const int nb = (int)(w->cols / 256);
-        const int64_t units = (w->rows + MMV_TC_ROWS - 1) / MMV_TC_ROWS * nb;
-        luma_launch(c, c->stream, blocks_for(units * 32, 128), 128, 0, repack_tc_q6k, src, w->rows, nb, units,
+    if (w->type == LUMA_Q6_K && c->tc_q6k)
+        luma_launch(c, c->stream, tc_ctas, 128, 0, repack_tc_q6k, src, w->rows, tc_nb, tc_units,
                     out + mmv_part_bytes(w) + q6k_rs_bytes(w));
-    }
     luma_cuda_fail(c, cudaGetLastError(), "repacking a weight for the matrix-vector kernels");
 }
 

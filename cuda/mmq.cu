@@ -2577,8 +2577,8 @@ static bool mmq8_supports(enum luma_type t)
  * Q4_K and Q5_K; Q6_K's sub-blocks of 16 double its scaling work and it
  * wins at m = 8 only. Q4_K and Q5_K at m <= 16, and Q6_K with its tile
  * copy, now go to matmul.cu's mmv_tc before this route (takes_vec), so the
- * rule decides where mmv_tc is off. LUMA_CUDA_MMQ8="lo,hi" replaces the bounds of every
- * type, for measuring. */
+ * rule decides where mmv_tc is off. LUMA_CUDA_MMQ8="lo,hi" replaces the
+ * bounds of every type, for measuring. */
 static const struct mmq8_rule {
     enum luma_type type;
     int lo, hi;

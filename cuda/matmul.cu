@@ -24,10 +24,11 @@
  *   with shuffles at the end. Q6_K, Q4_0, Q5_0 and Q8_0 weights are read
  *   from a copy weight_load repacked into aligned blocks
  *   (luma_weight.dev_mmv: type_q6_K_mmv, type_x4) where it made one.
- *   Q4_K, Q5_K and Q6_K weights at 2 to 16 rows take a third kernel,
+ *   Q4_K, Q5_K and Q6_K weights at 2 to 32 rows take a third kernel,
  *   mmv_tc, whose warps meet 16 weight rows and 8 activation rows in one
  *   int8 mma.sync per sub-block (Q6_K: per scale group), so that its cost
- *   hardly grows with m; it reads a copy of the blocks in tiles of 16 rows
+ *   hardly grows with m up to 16 (past 16 a tile's weights are read by a
+ *   CTA for each 16 rows, the later ones from L2); it reads a copy of the blocks in tiles of 16 rows
  *   (weight_load's, where the device has room) and a copy of the
  *   activations interleaved by row (the quantizer's), whose loads read
  *   whole lines.
@@ -1208,10 +1209,21 @@ static __device__ __forceinline__ int quad_sum(const int iq[8])
     return sum;
 }
 
+#define MMV_TC_GROUP 16  /* activation rows of a CTA: two n8 tiles */
+#define MMV_TC_MAX_M 64  /* the most rows mmv_tc takes */
+
+/* Rows of the interleaved activations (put_qi) for m rows: one octet up to
+ * 8, else whole groups, so that every CTA's last group is there. */
+static __host__ __device__ __forceinline__ int tc_qi_rows(int m)
+{
+    return m <= 8 ? 8 : (m + MMV_TC_GROUP - 1) / MMV_TC_GROUP * MMV_TC_GROUP;
+}
+
 /* The int8 values of rows of cols for mmv_tc (act_rows.qi; cols a
- * multiple of 256): octet o (rows 8 o .. 8 o + 7; past the last row, the
- * last row again), superblock ib (nb a row), load j (0..3) and lane 4 g + t
- * of a warp at int4 (o nb + ib) 128 + 32 j + 4 g + t: row 8 o + g's bytes
+ * multiple of 256): octet o (rows 8 o .. 8 o + 7; past the last row up
+ * to tc_qi_rows, the last row again), superblock ib (nb a row), load j
+ * (0..3) and lane 4 g + t of a warp at int4 (o nb + ib) 128 + 32 j + 4 g +
+ * t: row 8 o + g's bytes
  * 4 t .. 4 t + 3 and 16 + 4 t .. 16 + 4 t + 3 of the superblock's 32-byte
  * chunks 2 j (the int4's first 8 bytes) and 2 j + 1. A warp's load of one
  * superblock's chunk pair is 512 contiguous bytes (against 8 rows' lines
@@ -1221,7 +1233,7 @@ static __device__ __forceinline__ void put_qi(uint32_t *qi, int64_t cols, int m,
 {
     const int64_t e = 8 * i, j = e / cols, p = e % cols, nb = cols / 256;
     const int c = (int)(p % 256) / 32, w = (int)(p % 32), t = (w % 16) / 4;
-    const int64_t last = j == m - 1 ? (m + 7) / 8 * 8 : j + 1;   /* the last row fills its octet */
+    const int64_t last = j == m - 1 ? tc_qi_rows(m) : j + 1;   /* the last row fills its octet or group */
     for (int64_t r = j; r < last; r++) {
         const int64_t at = ((r / 8 * nb + p / 256) * 128 + 32 * (c / 2) + 4 * (r % 8) + t) * 4 + 2 * (c % 2) + w / 16;
         qi[at] = v.x;
@@ -2063,7 +2075,7 @@ static void mmv_direct_launch(cuda_backend *c, const luma_weight *const *ws, flo
 
 /* -- the tensor-core kernel: a few activation rows on mma.sync --------------
  *
- * Q4_K, Q5_K and Q6_K weights by 2 to 16 activation rows (decode of a few
+ * Q4_K, Q5_K and Q6_K weights by 2 to 32 activation rows (decode of a few
  * sequences; Q6_K's scales per 16 elements take k16 mmas: tc_q6k). The
  * direct kernel's cost grows with m (a __dp4a per four weights and
  * activation row, the float scaling of every block and row); here a
@@ -2093,16 +2105,25 @@ static void mmv_direct_launch(cuda_backend *c, const luma_weight *const *ws, flo
  * memory in warp order. In the file's layout each of a warp's weight loads
  * touches 8 rows (8 cache lines for 256 bytes), and the kernel was bound
  * by the L1's wavefronts; the tile copy (tc_k<..., true>) puts what a
- * warp's load takes in 512 contiguous bytes (cuda/NOTES.md). */
+ * warp's load takes in 512 contiguous bytes (cuda/NOTES.md). Past 16
+ * activation rows a tile takes a CTA for each group of 16 (mmv_tc_groups),
+ * the CTAs of a tile side by side, so that the later ones find its weights
+ * in L2. */
 #define MMV_TC_WARPS 8
 #define MMV_TC_ROWS 16   /* weight rows of a CTA */
-#define MMV_TC_MAX_M 16  /* two n8 tiles */
 
 /* Tiles of MMV_TC_ROWS rows that cover rows (the tile copies' and mmv_tc's
  * CTAs a weight). */
 static inline int64_t tc_tiles(int64_t rows)
 {
     return (rows + MMV_TC_ROWS - 1) / MMV_TC_ROWS;
+}
+
+/* The groups of 8 NT activation rows that cover m: a tile's CTAs (each
+ * reads the tile's weights; those after the first find them in L2) */
+static __host__ __device__ __forceinline__ int mmv_tc_groups(int m, int NT)
+{
+    return (m + 8 * NT - 1) / (8 * NT);
 }
 
 /* The eight 6-bit scales (sc) and minimums (mn) of a superblock from its
@@ -2350,7 +2371,11 @@ mmv_tc(mmv_segs sg, act_rows a, int m, const mmv_rope<ROPE> rp)
     __shared__ float part[MMV_TC_WARPS][NT * 4][32];
     const mmv_seg s = mmv_seg_of(sg, blockIdx.x);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-    const int64_t tile = (int64_t)blockIdx.x - s.cta0, r0 = tile * MMV_TC_ROWS;
+    /* the CTA's tile of weight rows and group of activation rows (from j0;
+     * mmv_tc_groups of them, the CTAs of a tile side by side) */
+    const int groups = mmv_tc_groups(m, NT);
+    const int64_t cta = (int64_t)blockIdx.x - s.cta0, tile = cta / groups, r0 = tile * MMV_TC_ROWS;
+    const int j0 = (int)(cta % groups) * 8 * NT;
     const int nb = s.nb, last = nb - 1;
     /* the rows' first superblocks (row_bytes: a row's, or a tile's for the
      * tile copy) */
@@ -2361,16 +2386,16 @@ mmv_tc(mmv_segs sg, act_rows a, int m, const mmv_rope<ROPE> rp)
         w0 = s.w + (size_t)min(r0 + g, s.rows - 1) * s.row_bytes;
         w1 = s.w + (size_t)min(r0 + g + 8, s.rows - 1) * s.row_bytes;
     }
-    /* tile i's activation rows: B's column g (the interleaved copy's octet
-     * i), C's columns 2 t and 2 t + 1 (past m: the last row, whose products
-     * are dropped) */
+    /* tile i's activation rows j0 + 8 i ..: B's column g (the interleaved
+     * copy's octet j0 / 8 + i), C's columns 2 t and 2 t + 1 (past m: the
+     * last row, whose products are dropped) */
     const int4 *xq[NT];
     const float2 *xd[NT][2];
 #pragma unroll
     for (int i = 0; i < NT; i++) {
-        xq[i] = a.qi + i * a.qi_octet + lane;
+        xq[i] = a.qi + (j0 / 8 + i) * a.qi_octet + lane;
 #pragma unroll
-        for (int e = 0; e < 2; e++) xd[i][e] = a.ds + (int64_t)min(8 * i + 2 * t + e, m - 1) * a.ds_stride;
+        for (int e = 0; e < 2; e++) xd[i][e] = a.ds + (int64_t)min(j0 + 8 * i + 2 * t + e, m - 1) * a.ds_stride;
     }
     typename T::raw_t ra, rb;
     if (warp < nb) T::fetch(w0 + (size_t)warp * T::step, w1 + (size_t)warp * T::step, g, t, ra);
@@ -2394,8 +2419,8 @@ mmv_tc(mmv_segs sg, act_rows a, int m, const mmv_rope<ROPE> rp)
 #pragma unroll
         for (int k = 0; k < 4; k++) part[warp][4 * i + k][lane] = acc[i][k];
     __syncthreads();
-    /* output (row rr of the tile, activation row j): the warps' partial
-     * sums in warp order */
+    /* output (row rr of the tile, activation row j0 + j): the warps'
+     * partial sums in warp order */
     auto total = [&](int rr, int j) {
         const float(*p)[NT * 4][32] = part;
         const int k = 4 * (j / 8) + 2 * (rr / 8) + j % 2, l = 4 * (rr % 8) + (j % 8) / 2;
@@ -2410,20 +2435,20 @@ mmv_tc(mmv_segs sg, act_rows a, int m, const mmv_rope<ROPE> rp)
             /* pairs of rows (2 p, 2 p + 1), p < 8, as the direct kernel
              * rotates them */
             const int pr = u % 8, j = u / 8;
-            if (j < m && j < 8 * NT) {
+            if (j0 + j < m && j < 8 * NT) {
                 const int64_t row = r0 + 2 * pr;
                 const int32_t e = (int32_t)(row % rp.head_dim);
-                const float ang = rope_angle(rp.a, (float)rp.pos[j], e / 2);
+                const float ang = rope_angle(rp.a, (float)rp.pos[j0 + j], e / 2);
                 float y0, y1;
                 rope_rotate(total(2 * pr, j), total(2 * pr + 1, j), sinf(ang), cosf(ang), y0, y1);
-                s.y[(int64_t)j * s.rows + row] = y0;
-                s.y[(int64_t)j * s.rows + row + 1] = y1;
+                s.y[(int64_t)(j0 + j) * s.rows + row] = y0;
+                s.y[(int64_t)(j0 + j) * s.rows + row + 1] = y1;
             }
             return;
         }
     }
     const int rr = u % MMV_TC_ROWS, j = u / MMV_TC_ROWS;
-    if (j < m && j < 8 * NT && r0 + rr < s.rows) s.y[(int64_t)j * s.rows + r0 + rr] = total(rr, j);
+    if (j0 + j < m && j < 8 * NT && r0 + rr < s.rows) s.y[(int64_t)(j0 + j) * s.rows + r0 + rr] = total(rr, j);
 }
 
 /* The tile copy of a Q4_K or Q5_K weight (weight_load's, cuda_internal.h):
@@ -2464,25 +2489,48 @@ static __global__ void repack_tc(const uint8_t *__restrict__ src, int64_t rows, 
 static bool has_mmv(const cuda_backend *c, const luma_weight *w);
 static const uint8_t *q6k_tc(const cuda_backend *c, const luma_weight *w);
 
-/* Whether the tensor-core kernel takes w at m activation rows: Q4_K, Q5_K
- * and Q6_K outside batch-invariant mode (its sums are not the direct
- * kernel's) and with 8-bit activations, at 2 to MMV_TC_MAX_M rows on the
- * tile copy, 3 to MMV_TC_MAX_M on the file's blocks (Q4_K and Q5_K; Q6_K
- * needs its tile copy). Measured on an H200 (cuda/NOTES.md): on the tile
- * copy it beats the direct kernel from 2 rows and tied it at 1 (before the
- * interleaved activations, which the quantizer writes from 2 rows only),
- * on the file's blocks from 3. LUMA_CUDA_MMV_TC=lo,hi in the environment
- * sets the range instead, from 2 up (for measuring; "9999,0": never).
- * Read once. */
-static bool mmv_tc_takes(const cuda_backend *c, const luma_weight *w, int64_t m)
+/* The most rows mmv_tc takes by its rule (mmv_tc_takes) */
+#define MMV_TC_RULE_HI 32
+
+/* LUMA_CUDA_MMV_TC=lo,hi from the environment (read once): the range of
+ * rows mmv_tc takes instead of its rule, from 2 up to MMV_TC_MAX_M (for
+ * measuring; "9999,0": never). False when it is not set. */
+static bool mmv_tc_env(int64_t *lo, int64_t *hi)
 {
     static env_rows env;
-    const bool set = env_rows_set(env, "LUMA_CUDA_MMV_TC");
+    if (!env_rows_set(env, "LUMA_CUDA_MMV_TC")) return false;
+    *lo = env.lo > 2 ? env.lo : 2;   /* never one row: the quantizer writes the interleaved copy from 2 */
+    *hi = env.hi < MMV_TC_MAX_M ? env.hi : MMV_TC_MAX_M;
+    return true;
+}
+
+/* The most rows mmv_tc takes (the rule's, or the environment's) */
+static int64_t mmv_tc_hi(void)
+{
+    int64_t lo, hi;
+    return mmv_tc_env(&lo, &hi) ? hi : MMV_TC_RULE_HI;
+}
+
+/* Whether the tensor-core kernel takes w at m activation rows: Q4_K, Q5_K
+ * and Q6_K outside batch-invariant mode (its sums are not the direct
+ * kernel's) and with 8-bit activations, at 2 to MMV_TC_RULE_HI rows on
+ * the tile copy, 3 to MMV_TC_RULE_HI on the file's blocks (Q4_K and Q5_K;
+ * Q6_K needs its tile copy). Measured on an H200 (cuda/NOTES.md): on the
+ * tile copy it beats the direct kernel from 2 rows and tied it at 1
+ * (before the interleaved activations, which the quantizer writes from 2
+ * rows only), on the file's blocks from 3; from 17 to 32 rows (two groups)
+ * the 7B's aggregate decode beat mmq's and rs_kernel's routes by 7%, at 48
+ * and 64 it lost by 20 and 33%. LUMA_CUDA_MMV_TC sets the range instead
+ * (mmv_tc_env). */
+static bool mmv_tc_takes(const cuda_backend *c, const luma_weight *w, int64_t m)
+{
     const bool k45 = w->type == LUMA_Q4_K || w->type == LUMA_Q5_K;
     if (!(k45 || (w->type == LUMA_Q6_K && q6k_tc(c, w))) || c->invariant || c->float_act) return false;
-    /* never one row: the quantizer writes the interleaved copy from 2 */
-    const int64_t lo = set ? (env.lo > 2 ? env.lo : 2) : has_mmv(c, w) ? 2 : 3;
-    const int64_t hi = set && env.hi < MMV_TC_MAX_M ? env.hi : MMV_TC_MAX_M;
+    int64_t lo, hi;
+    if (!mmv_tc_env(&lo, &hi)) {
+        lo = has_mmv(c, w) ? 2 : 3;
+        hi = MMV_TC_RULE_HI;
+    }
     return m >= lo && m <= hi && ((uintptr_t)w->dev & 15) == 0;
 }
 
@@ -2518,7 +2566,7 @@ static void mmv_tc_launch_t(cuda_backend *c, const luma_weight *const *ws, float
         /* a row's bytes, or a tile's in the tile copy */
         mmv_seg_put(sg, i, tc_weight<T>(c, ws[i]), ys[i], ws[i]->rows, nb,
                     (size_t)nb * (T::tiled ? T::unit : T::bytes),
-                    (unsigned)tc_tiles(ws[i]->rows), &ctas);
+                    (unsigned)(tc_tiles(ws[i]->rows) * mmv_tc_groups(m, NT)), &ctas);
     }
     int done = 0;
     const uint32_t mask = mmv_rope_mask(c, ws, ys, n, MMV_TC_ROWS, &done);
@@ -2537,7 +2585,8 @@ static void mmv_tc_launch_t(cuda_backend *c, const luma_weight *const *ws, float
                    "matmul (tensor-core matrix-vector kernel)");
 }
 
-/* mmv_tc_launch_t at one n8 tile up to 8 rows, two above */
+/* mmv_tc_launch_t at one n8 tile up to 8 rows, two above (groups of 16
+ * rows past 16) */
 template <class T>
 static void mmv_tc_launch_n(cuda_backend *c, const luma_weight *const *ws, float *const *ys, int n,
                             const act_rows &a, int m)
@@ -2824,7 +2873,7 @@ static bool mmv_fits(const luma_weight *w, const float *x)
  * to octets where mmv_tc may take the product, else none. */
 static int64_t tc_act_rows(int64_t m, int64_t cols)
 {
-    return m >= 2 && m <= MMV_TC_MAX_M && cols % 256 == 0 ? (m + 7) / 8 * 8 : 0;
+    return m >= 2 && m <= mmv_tc_hi() && cols % 256 == 0 ? tc_qi_rows((int)m) : 0;
 }
 
 /* Bytes of the quantized activations of m rows of cols (int8 values, then

@@ -2575,7 +2575,7 @@ static bool mmq8_supports(enum luma_type t)
  * every shape (the products of 8 rows share one pass of mma over the
  * blocks), at m = 16 it beats cuBLAS on the copy and the f16 route for
  * Q4_K and Q5_K; Q6_K's sub-blocks of 16 double its scaling work and it
- * wins at m = 8 only. Q4_K and Q5_K at m <= 16, and Q6_K with its tile
+ * wins at m = 8 only. Q4_K and Q5_K at m <= 32, and Q6_K with its tile
  * copy, now go to matmul.cu's mmv_tc before this route (takes_vec), so the
  * rule decides where mmv_tc is off. LUMA_CUDA_MMQ8="lo,hi" replaces the
  * bounds of every type, for measuring. */

@@ -83,15 +83,15 @@ static const struct shape { int64_t rows, cols; int big; } shapes[] = {
 };
 #define N_SHAPES (int)(sizeof shapes / sizeof shapes[0])
 
-static const int ms[] = { 1, 2, 3, 8, 16, 64, 512 };
+static const int ms[] = { 1, 2, 3, 8, 16, 24, 40, 64, 512 };
 #define N_MS (int)(sizeof ms / sizeof ms[0])
 /* LUMA_MMV_MAX_M of cuda/matmul.cu: a larger m takes the tensor-core path
  * (F16 weights take it from m = 3, with no copy to tell apart). */
 #define MMV_MAX_M 8
 /* ... except for the 8-bit tensor-core kernel (mmv_tc), which takes Q4_K
- * and Q5_K (and Q6_K on its tile copy) up to 16 rows and multiplies the
- * same int8 values as the CPU */
-#define MMV_TC_MAX_M 16
+ * and Q5_K (and Q6_K on its tile copy) up to 32 rows (MMV_TC_RULE_HI) and
+ * multiplies the same int8 values as the CPU */
+#define MMV_TC_MAX_M 32
 
 /* Whether the product of w at m rows multiplies the CPU's int8 values in
  * another order only (a matrix-vector kernel): tile, whether w has its

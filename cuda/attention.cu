@@ -2016,14 +2016,18 @@ static int64_t lean_units(const cuda_backend *c, const attn_args *a)
 }
 
 /* Warps a unit of decode_lean_kernel: the tuning's, else 4 while the
- * step's units times 4 stay within two warps an SM, then 2, then 1 (the 7B
- * on 132 SMs: 4 up to 8 rows, 2 up to 16, then 1, without a merge). */
+ * step's units times 4 stay within LEAN_WARPS_SM warps an SM, then 2, then
+ * 1 (the 7B on 132 SMs: 4 up to 24 rows, 2 up to 48, then 1, without a
+ * merge). Six: on the H200 the 7B's aggregate decode at 16 / 24 / 32 / 64
+ * / 128 sequences measured best with splits 4 / 4 / 2 / 1 or 2 / 1, where
+ * a bound of two warps an SM gave 2 / 1 / 1 / 1 / 1 (cuda/NOTES.md). */
+#define LEAN_WARPS_SM 6
 static int lean_split_for(const cuda_backend *c, const attn_args *a, const dec_tuning &tu)
 {
     if (tu.lean_split > 0) return tu.lean_split >= 4 ? 4 : tu.lean_split >= 2 ? 2 : 1;
     const int64_t units = lean_units(c, a);
     int sp = 4;
-    while (sp > 1 && units * sp > 2 * (int64_t)c->n_sm) sp /= 2;
+    while (sp > 1 && units * sp > LEAN_WARPS_SM * (int64_t)c->n_sm) sp /= 2;
     return sp;
 }
 

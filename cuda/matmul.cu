@@ -2663,10 +2663,28 @@ static act_rows act_rows_from(const act_rows &a, int64_t j0)
     return aj;
 }
 
+/* A pending q/k/v rotation (luma_cuda_matmul_qkv_rope) held back while
+ * the direct kernel runs more than one pass (batch invariance, or
+ * LUMA_CUDA_MMV_MAX_M): its launches rotate one pass's rows only, so then
+ * none rotates and the caller rotates the outputs afterwards. */
+struct rope_hold {
+    cuda_backend *c;
+    mmv_rope_request *rq;
+    rope_hold(cuda_backend *c_, int64_t m) : c(c_), rq(m > MMV_PASS_M ? c_->qkv_rope : NULL)
+    {
+        if (rq) c->qkv_rope = NULL;
+    }
+    ~rope_hold()
+    {
+        if (rq) c->qkv_rope = rq;
+    }
+};
+
 /* Passes of up to MMV_PASS_M activation rows, each on the kernel sized for it. */
 template <class T>
 static void mmv_run(cuda_backend *c, const luma_weight *w, const act_rows &a, int64_t m, float *y)
 {
+    const rope_hold hold(c, m);
     for (int64_t j0 = 0; j0 < m && LUMA_CUDA_OK(c); j0 += MMV_PASS_M) {
         int n = (int)(m - j0 < MMV_PASS_M ? m - j0 : MMV_PASS_M);
         act_rows aj = act_rows_from(a, j0);
@@ -2686,6 +2704,7 @@ template <class TA, class TB = TA>
 static void mmv_run_many(cuda_backend *c, const luma_weight *const *ws, float *const *ys, int n, const act_rows &a,
                          int64_t m, int n_a = MMV_SEGS)
 {
+    const rope_hold hold(c, m);
     for (int64_t j0 = 0; j0 < m && LUMA_CUDA_OK(c); j0 += MMV_PASS_M) {
         int nj = (int)(m - j0 < MMV_PASS_M ? m - j0 : MMV_PASS_M);
         act_rows aj = act_rows_from(a, j0);
@@ -3591,10 +3610,15 @@ bool luma_cuda_gated_matmul(cuda_backend *c, const luma_weight *w, float *gate, 
     return true;
 }
 
+int64_t luma_cuda_qkv_rope_max_m(void)
+{
+    return mmv_tc_hi() > MMV_PASS_M ? mmv_tc_hi() : MMV_PASS_M;
+}
+
 int luma_cuda_matmul_qkv_rope(cuda_backend *c, const luma_weight *const *ws, const float *x, int64_t m,
                               float *const *ys, int32_t head_dim, const rope_args *a, const int32_t *pos)
 {
-    if (m > MMV_PASS_M || head_dim <= 0 || head_dim % 2 != 0 || !pos) {
+    if (m > luma_cuda_qkv_rope_max_m() || head_dim <= 0 || head_dim % 2 != 0 || !pos) {
         luma_cuda_matmul_many(c, 3, ws, x, m, ys);
         return 0;
     }

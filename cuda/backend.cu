@@ -838,8 +838,8 @@ static bool cuda_qkv_rope(luma_backend *be, const luma_weight *const *ws, const 
     static const bool off = env_off("LUMA_CUDA_QKV_ROPE");
     if (luma_cuda_prog_qkv_rope(c, ws, x, ys, head_dim, pos, r)) return true;
     luma_cuda_prog_flush(c);
-    if (off || r->kind != LUMA_ROPE_NORM || r->n_dims != head_dim || c->float_act || x->rows > luma_cuda_qkv_rope_max_m() ||
-        !LUMA_CUDA_OK(c))
+    if (off || r->kind != LUMA_ROPE_NORM || r->n_dims != head_dim || c->float_act ||
+        x->rows > luma_cuda_qkv_rope_max_m() || !LUMA_CUDA_OK(c))
         return false;
     float *y[3];
     many_outputs(3, ws, x, ys, y);

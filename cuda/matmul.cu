@@ -28,10 +28,10 @@
  *   mmv_tc, whose warps meet 16 weight rows and 8 activation rows in one
  *   int8 mma.sync per sub-block (Q6_K: per scale group), so that its cost
  *   hardly grows with m up to 16 (past 16 a tile's weights are read by a
- *   CTA for each 16 rows, the later ones from L2); it reads a copy of the blocks in tiles of 16 rows
- *   (weight_load's, where the device has room) and a copy of the
- *   activations interleaved by row (the quantizer's), whose loads read
- *   whole lines.
+ *   CTA for each 16 rows, the later ones from L2); it reads a copy of the
+ *   blocks in tiles of 16 rows (weight_load's, where the device has room)
+ *   and a copy of the activations interleaved by row (the quantizer's),
+ *   whose loads read whole lines.
  *
  * - larger m (prefill, big batches): tensor cores through cuBLAS. The
  *   weights in f16 (the same values as luma_dequantize_row, rounded to f16)
@@ -1222,13 +1222,13 @@ static __host__ __device__ __forceinline__ int tc_qi_rows(int m)
 /* The int8 values of rows of cols for mmv_tc (act_rows.qi; cols a
  * multiple of 256): octet o (rows 8 o .. 8 o + 7; past the last row up
  * to tc_qi_rows, the last row again), superblock ib (nb a row), load j
- * (0..3) and lane 4 g + t of a warp at int4 (o nb + ib) 128 + 32 j + 4 g +
- * t: row 8 o + g's bytes
- * 4 t .. 4 t + 3 and 16 + 4 t .. 16 + 4 t + 3 of the superblock's 32-byte
- * chunks 2 j (the int4's first 8 bytes) and 2 j + 1. A warp's load of one
- * superblock's chunk pair is 512 contiguous bytes (against 8 rows' lines
- * in the plain layout). This writes the 8 values of the plain layout's
- * unit i (elements 8 i .. 8 i + 7) there: two words, t and t + 1. */
+ * (0..3) and lane 4 g + t of a warp at int4 (o nb + ib) 128 + 32 j + 4 g
+ * + t: row 8 o + g's bytes 4 t .. 4 t + 3 and 16 + 4 t .. 16 + 4 t + 3 of
+ * the superblock's 32-byte chunks 2 j (the int4's first 8 bytes) and 2 j
+ * + 1. A warp's load of one superblock's chunk pair is 512 contiguous
+ * bytes (against 8 rows' lines in the plain layout). This writes the 8
+ * values of the plain layout's unit i (elements 8 i .. 8 i + 7) there: two
+ * words, t and t + 1. */
 static __device__ __forceinline__ void put_qi(uint32_t *qi, int64_t cols, int m, int64_t i, uint2 v)
 {
     const int64_t e = 8 * i, j = e / cols, p = e % cols, nb = cols / 256;

@@ -1209,14 +1209,27 @@ static __device__ __forceinline__ int quad_sum(const int iq[8])
     return sum;
 }
 
-#define MMV_TC_GROUP 16  /* activation rows of a CTA: two n8 tiles */
 #define MMV_TC_MAX_M 64  /* the most rows mmv_tc takes */
 
-/* Rows of the interleaved activations (put_qi) for m rows: one octet up to
- * 8, else whole groups, so that every CTA's last group is there. */
+/* The n8 tiles (octets of activation rows) of an mmv_tc CTA at m rows: one
+ * up to 8, two above */
+static __host__ __device__ __forceinline__ int mmv_tc_nt(int m)
+{
+    return m <= 8 ? 1 : 2;
+}
+
+/* The groups of 8 NT activation rows that cover m: a tile's CTAs (each
+ * reads the tile's weights; those after the first find them in L2) */
+static __host__ __device__ __forceinline__ int mmv_tc_groups(int m, int NT)
+{
+    return (m + 8 * NT - 1) / (8 * NT);
+}
+
+/* Rows of the interleaved activations (put_qi) for m rows: every group's
+ * octets, so that the last CTA of a tile finds all it reads. */
 static __host__ __device__ __forceinline__ int tc_qi_rows(int m)
 {
-    return m <= 8 ? 8 : (m + MMV_TC_GROUP - 1) / MMV_TC_GROUP * MMV_TC_GROUP;
+    return mmv_tc_groups(m, mmv_tc_nt(m)) * 8 * mmv_tc_nt(m);
 }
 
 /* The int8 values of rows of cols for mmv_tc (act_rows.qi; cols a
@@ -2119,13 +2132,6 @@ static inline int64_t tc_tiles(int64_t rows)
     return (rows + MMV_TC_ROWS - 1) / MMV_TC_ROWS;
 }
 
-/* The groups of 8 NT activation rows that cover m: a tile's CTAs (each
- * reads the tile's weights; those after the first find them in L2) */
-static __host__ __device__ __forceinline__ int mmv_tc_groups(int m, int NT)
-{
-    return (m + 8 * NT - 1) / (8 * NT);
-}
-
 /* The eight 6-bit scales (sc) and minimums (mn) of a superblock from its
  * scale words y, z, w, four to a word (scale_min_k4's values: [0] holds
  * sub-blocks 0..3, [1] 4..7). */
@@ -2173,7 +2179,8 @@ static __device__ __forceinline__ void tc_accumulate(float (&acc)[NT][4], const 
         for (int e = 0; e < 2; e++) {
             const float dx = xd[i][e][(int64_t)ib * 8].x;   /* Q8_K: one d for the superblock */
 #pragma unroll
-            for (int rr = 0; rr < 2; rr++) acc[i][2 * rr + e] = __fadd_rn(acc[i][2 * rr + e], sb(dx, i, 2 * rr + e, rr));
+            for (int rr = 0; rr < 2; rr++)
+                acc[i][2 * rr + e] = __fadd_rn(acc[i][2 * rr + e], sb(dx, i, 2 * rr + e, rr));
         }
 }
 
@@ -2271,7 +2278,8 @@ struct tc_k {
             dmin[k] = f16_bits((uint32_t)r.hdr[k].x >> 16);
         }
         tc_accumulate<NT>(acc, xd, ib, [&](float dx, int i, int k, int rr) {
-            return __fmul_rn(dx, __fsub_rn(__fmul_rn(d[rr], (float)isum[i][k]), __fmul_rn(dmin[rr], (float)imin[i][k])));
+            return __fmul_rn(dx,
+                             __fsub_rn(__fmul_rn(d[rr], (float)isum[i][k]), __fmul_rn(dmin[rr], (float)imin[i][k])));
         });
     }
 };
@@ -2338,8 +2346,10 @@ struct tc_q6k {
         };
         const uint32_t h[2][4] = { { (uint32_t)r.h[0].x, (uint32_t)r.h[0].y, (uint32_t)r.h[1].x, (uint32_t)r.h[1].y },
                                    { (uint32_t)r.h[0].z, (uint32_t)r.h[0].w, (uint32_t)r.h[1].z, (uint32_t)r.h[1].w } };
-        const uint32_t sw[2][4] = { { (uint32_t)r.sc[0].x, (uint32_t)r.sc[0].y, (uint32_t)r.sc[0].z, (uint32_t)r.sc[0].w },
-                                    { (uint32_t)r.sc[1].x, (uint32_t)r.sc[1].y, (uint32_t)r.sc[1].z, (uint32_t)r.sc[1].w } };
+        const uint32_t sw[2][4] = {
+            { (uint32_t)r.sc[0].x, (uint32_t)r.sc[0].y, (uint32_t)r.sc[0].z, (uint32_t)r.sc[0].w },
+            { (uint32_t)r.sc[1].x, (uint32_t)r.sc[1].y, (uint32_t)r.sc[1].z, (uint32_t)r.sc[1].w }
+        };
         int isum[NT][4] = {};
 #pragma unroll
         for (int G = 0; G < 16; G++) {
@@ -2585,13 +2595,12 @@ static void mmv_tc_launch_t(cuda_backend *c, const luma_weight *const *ws, float
                    "matmul (tensor-core matrix-vector kernel)");
 }
 
-/* mmv_tc_launch_t at one n8 tile up to 8 rows, two above (groups of 16
- * rows past 16) */
+/* mmv_tc_launch_t at mmv_tc_nt's n8 tiles (groups of 16 rows past 16) */
 template <class T>
 static void mmv_tc_launch_n(cuda_backend *c, const luma_weight *const *ws, float *const *ys, int n,
                             const act_rows &a, int m)
 {
-    if (m <= 8) mmv_tc_launch_t<T, 1>(c, ws, ys, n, a, m);
+    if (mmv_tc_nt(m) == 1) mmv_tc_launch_t<T, 1>(c, ws, ys, n, a, m);
     else mmv_tc_launch_t<T, 2>(c, ws, ys, n, a, m);
 }
 
@@ -2888,8 +2897,8 @@ static bool mmv_fits(const luma_weight *w, const float *x)
     return w->cols % per16 == 0 && ((uintptr_t)w->dev & 15) == 0 && ((uintptr_t)x & 15) == 0;
 }
 
-/* Rows of the interleaved copy mmv_tc reads (act_rows.qi): m rounded up
- * to octets where mmv_tc may take the product, else none. */
+/* Rows of the interleaved copy mmv_tc reads (act_rows.qi): tc_qi_rows
+ * where mmv_tc may take the product, else none. */
 static int64_t tc_act_rows(int64_t m, int64_t cols)
 {
     return m >= 2 && m <= mmv_tc_hi() && cols % 256 == 0 ? tc_qi_rows((int)m) : 0;
@@ -2897,7 +2906,6 @@ static int64_t tc_act_rows(int64_t m, int64_t cols)
 
 /* Bytes of the quantized activations of m rows of cols (int8 values, then
  * a (d, sum) per block of 32, then the interleaved copy of tc_act_rows). */
-
 static size_t act_q_bytes(int64_t m, int64_t cols)
 {
     return align256((size_t)m * (size_t)cols) + align256((size_t)(m * (cols / 32)) * sizeof(float2)) +
@@ -3263,9 +3271,11 @@ static __global__ void repack_tc_q6k(const uint8_t *__restrict__ src, int64_t ro
                 hw[r][G % 4] |= (v >> 4) << (8 * e + 2 * (G / 4));
             }
     for (int j = 0; j < 4; j++)
-        *(uint4 *)(o + 320 + 512 * j + 16 * lane) = make_uint4(nw[0][2 * j], nw[0][2 * j + 1], nw[1][2 * j], nw[1][2 * j + 1]);
+        *(uint4 *)(o + 320 + 512 * j + 16 * lane) =
+            make_uint4(nw[0][2 * j], nw[0][2 * j + 1], nw[1][2 * j], nw[1][2 * j + 1]);
     for (int j = 0; j < 2; j++)
-        *(uint4 *)(o + 2368 + 512 * j + 16 * lane) = make_uint4(hw[0][2 * j], hw[0][2 * j + 1], hw[1][2 * j], hw[1][2 * j + 1]);
+        *(uint4 *)(o + 2368 + 512 * j + 16 * lane) =
+            make_uint4(hw[0][2 * j], hw[0][2 * j + 1], hw[1][2 * j], hw[1][2 * j + 1]);
 }
 
 /* One thread per repacked block: four GGUF blocks of sb bytes (d, then qh

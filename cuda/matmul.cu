@@ -2121,7 +2121,7 @@ static void mmv_direct_launch(cuda_backend *c, const luma_weight *const *ws, flo
  * warp's load takes in 512 contiguous bytes (cuda/NOTES.md). Past 16
  * activation rows a tile takes a CTA for each group of 16 (mmv_tc_groups),
  * the CTAs of a tile side by side, so that the later ones find its weights
- * in L2. */
+ * in L2; a last group of 8 rows or fewer multiplies one n8 tile. */
 #define MMV_TC_WARPS 8
 #define MMV_TC_ROWS 16   /* weight rows of a CTA */
 
@@ -2371,21 +2371,15 @@ struct tc_q6k {
     }
 };
 
-/* 3 CTAs an SM at one n8 tile (80 registers), 2 at two (128): against one
- * CTA an SM with the registers free (126-168), faster at 16 sequences and
- * within a few percent elsewhere (cuda/NOTES.md) */
+/* mmv_tc's CTA at NT n8 tiles: rows r0 .. r0 + 15 of segment s (tile
+ * `tile`), activation rows j0 .. j0 + 8 NT - 1; part holds MMV_TC_WARPS x
+ * NT * 4 x 32 floats. */
 template <class T, int NT, bool ROPE>
-static __global__ void __launch_bounds__(MMV_TC_WARPS * 32, NT == 1 ? 3 : 2)
-mmv_tc(mmv_segs sg, act_rows a, int m, const mmv_rope<ROPE> rp)
+static __device__ __forceinline__ void mmv_tc_cta(const mmv_seg &s, int64_t tile, int j0, const act_rows &a, int m,
+                                                  const mmv_rope<ROPE> &rp, float (*part)[NT * 4][32])
 {
-    __shared__ float part[MMV_TC_WARPS][NT * 4][32];
-    const mmv_seg s = mmv_seg_of(sg, blockIdx.x);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-    /* the CTA's tile of weight rows and group of activation rows (from j0;
-     * mmv_tc_groups of them, the CTAs of a tile side by side) */
-    const int groups = mmv_tc_groups(m, NT);
-    const int64_t cta = (int64_t)blockIdx.x - s.cta0, tile = cta / groups, r0 = tile * MMV_TC_ROWS;
-    const int j0 = (int)(cta % groups) * 8 * NT;
+    const int64_t r0 = tile * MMV_TC_ROWS;
     const int nb = s.nb, last = nb - 1;
     /* the rows' first superblocks (row_bytes: a row's, or a tile's for the
      * tile copy) */
@@ -2432,11 +2426,10 @@ mmv_tc(mmv_segs sg, act_rows a, int m, const mmv_rope<ROPE> rp)
     /* output (row rr of the tile, activation row j0 + j): the warps'
      * partial sums in warp order */
     auto total = [&](int rr, int j) {
-        const float(*p)[NT * 4][32] = part;
         const int k = 4 * (j / 8) + 2 * (rr / 8) + j % 2, l = 4 * (rr % 8) + (j % 8) / 2;
         float v = 0.0f;
 #pragma unroll
-        for (int w = 0; w < MMV_TC_WARPS; w++) v += p[w][k][l];
+        for (int w = 0; w < MMV_TC_WARPS; w++) v += part[w][k][l];
         return v;
     };
     const int u = threadIdx.x;
@@ -2459,6 +2452,31 @@ mmv_tc(mmv_segs sg, act_rows a, int m, const mmv_rope<ROPE> rp)
     }
     const int rr = u % MMV_TC_ROWS, j = u / MMV_TC_ROWS;
     if (j0 + j < m && j < 8 * NT && r0 + rr < s.rows) s.y[(int64_t)(j0 + j) * s.rows + r0 + rr] = total(rr, j);
+}
+
+/* 3 CTAs an SM at one n8 tile (80 registers), 2 at two (128): against one
+ * CTA an SM with the registers free (126-168), faster at 16 sequences and
+ * within a few percent elsewhere (cuda/NOTES.md). At two n8 tiles, the
+ * CTAs of a last group of 8 rows or fewer (17 to 24 rows, ...) take one
+ * (LUMA_CUDA_MMV_TC_SHORT=0 in the environment: two, for measuring). */
+template <class T, int NT, bool ROPE>
+static __global__ void __launch_bounds__(MMV_TC_WARPS * 32, NT == 1 ? 3 : 2)
+mmv_tc(mmv_segs sg, act_rows a, int m, const mmv_rope<ROPE> rp, bool short_last)
+{
+    __shared__ float part[MMV_TC_WARPS][NT * 4][32];
+    const mmv_seg s = mmv_seg_of(sg, blockIdx.x);
+    /* the CTA's tile of weight rows and group of activation rows (from j0;
+     * mmv_tc_groups of them, the CTAs of a tile side by side) */
+    const int groups = mmv_tc_groups(m, NT);
+    const int64_t cta = (int64_t)blockIdx.x - s.cta0, tile = cta / groups;
+    const int j0 = (int)(cta % groups) * 8 * NT;
+    if constexpr (NT == 2) {
+        if (short_last && m - j0 <= 8) {
+            mmv_tc_cta<T, 1, ROPE>(s, tile, j0, a, m, rp, (float(*)[4][32])part);
+            return;
+        }
+    }
+    mmv_tc_cta<T, NT, ROPE>(s, tile, j0, a, m, rp, part);
 }
 
 /* The tile copy of a Q4_K or Q5_K weight (weight_load's, cuda_internal.h):
@@ -2561,6 +2579,18 @@ static const uint8_t *tc_weight(const cuda_backend *c, const luma_weight *w)
     return (const uint8_t *)(T::tiled ? w->dev_mmv : w->dev);
 }
 
+/* Whether mmv_tc's last group of 8 rows or fewer takes one n8 tile: yes,
+ * unless LUMA_CUDA_MMV_TC_SHORT=0 in the environment (read once) */
+static bool mmv_tc_short(void)
+{
+    static int on = -1;
+    if (on < 0) {
+        const char *s = getenv("LUMA_CUDA_MMV_TC_SHORT");
+        on = !(s && strcmp(s, "0") == 0);
+    }
+    return on != 0;
+}
+
 template <class T, int NT>
 static void mmv_tc_launch_t(cuda_backend *c, const luma_weight *const *ws, float *const *ys, int n,
                             const act_rows &a, int m)
@@ -2585,13 +2615,13 @@ static void mmv_tc_launch_t(cuda_backend *c, const luma_weight *const *ws, float
     if (mask) {
         mmv_rope<true> rp = c->qkv_rope->rp;
         rp.mask = mask;
-        if (luma_cuda_fail(c, cudaLaunchKernelEx(&cfg, mmv_tc<T, NT, true>, sg, a, m, rp),
+        if (luma_cuda_fail(c, cudaLaunchKernelEx(&cfg, mmv_tc<T, NT, true>, sg, a, m, rp, mmv_tc_short()),
                            "matmul (tensor-core matrix-vector kernel, rotating q and k)"))
             return;
         c->qkv_rope->done |= done;
         return;
     }
-    luma_cuda_fail(c, cudaLaunchKernelEx(&cfg, mmv_tc<T, NT, false>, sg, a, m, mmv_rope<false>()),
+    luma_cuda_fail(c, cudaLaunchKernelEx(&cfg, mmv_tc<T, NT, false>, sg, a, m, mmv_rope<false>(), mmv_tc_short()),
                    "matmul (tensor-core matrix-vector kernel)");
 }
 

@@ -215,23 +215,6 @@ __global__ static void store_kernel(const attn_args a)
 
 /* ---- tiles of keys in shared memory ------------------------------------- */
 
-/* 16 bytes from global to shared memory without passing through registers;
- * when !valid nothing is read and the 16 bytes are zeros. */
-__device__ static void cp_async16(void *dst, const void *src, bool valid)
-{
-    unsigned d = (unsigned)__cvta_generic_to_shared(dst);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(valid ? 16 : 0));
-}
-
-__device__ static void cp_async_commit(void) { asm volatile("cp.async.commit_group;\n" ::); }
-
-/* Waits until at most N groups of copies are still in flight. */
-template <int N>
-__device__ static void cp_async_wait(void)
-{
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-
 /* Starts copying the K (or V) rows of kv head h for keys [kb, kb + n) into
  * rows [0, n) of dst (ld elements apart), and zeros into rows [n, rows):
  * a key past the range must weigh 0 * finite, never 0 * garbage. Rows of

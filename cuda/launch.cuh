@@ -1,4 +1,5 @@
-/* Kernel launches of a step (every .cu file that queues step work).
+/* Kernel launches of a step (every .cu file that queues step work), and the
+ * asynchronous copies to shared memory (cp.async) the kernels share.
  *
  * Programmatic dependent launch (sm_90): every kernel a step queues is
  * launched with cudaLaunchAttributeProgrammaticStreamSerialization, so that
@@ -58,6 +59,34 @@ static __device__ __forceinline__ void let_next_kernel_start()
 static __device__ __forceinline__ void team_barrier(int id, int threads)
 {
     asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+/* 16 bytes from global to shared memory without passing through registers:
+ * src_bytes (0 to 16) of them read, the rest zeros. */
+static __device__ __forceinline__ void cp_async16_n(void *dst, const void *src, int src_bytes)
+{
+    unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(src_bytes) : "memory");
+}
+
+/* cp_async16_n of all 16 bytes, or (!valid) of none: zeros. Without
+ * cp_async16_n's compiler barrier, so that other accesses may be scheduled
+ * across the copy (attention's kernels, built and measured so; the waits
+ * are barriers, and so are the __syncwarp and __syncthreads before any read
+ * of what was copied). */
+static __device__ __forceinline__ void cp_async16(void *dst, const void *src, bool valid)
+{
+    unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(valid ? 16 : 0));
+}
+
+static __device__ __forceinline__ void cp_async_commit(void) { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+/* Waits until at most N groups of copies are still in flight. */
+template <int N>
+static __device__ __forceinline__ void cp_async_wait(void)
+{
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
 /* The first statement of a kernel that fetches nothing ahead of the wait;

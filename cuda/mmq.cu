@@ -104,23 +104,6 @@ static __device__ __forceinline__ uint2 ld8_a2(const uint8_t *p)
     return make_uint2((uint32_t)h[0] | (uint32_t)h[1] << 16, (uint32_t)h[2] | (uint32_t)h[3] << 16);
 }
 
-static __device__ __forceinline__ void cp_async16(void *dst, const void *src, int src_bytes)
-{
-    unsigned d = (unsigned)__cvta_generic_to_shared(dst);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(src_bytes) : "memory");
-}
-
-static __device__ __forceinline__ void cp_async_commit()
-{
-    asm volatile("cp.async.commit_group;" ::: "memory");
-}
-
-template <int N>
-static __device__ __forceinline__ void cp_async_wait()
-{
-    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
-
 /* c += A B for one m16n8k16 tile: a holds the A fragment (rows g, g + 8;
  * k slots 2t, 2t + 1 and 2t + 8, 2t + 9), b0 and b1 the B fragment. */
 static __device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1)
@@ -491,13 +474,13 @@ static __device__ __forceinline__ void load_raw(uint8_t *dst, const mmq_args &p,
         int rr = i / pieces, k = i % pieces;
         const uint8_t *span = span_at<T>(p, r0, rr, kb);
         if (aligned) {
-            cp_async16(dst + rr * T::slot + 16 * k, span + 16 * k, 16);
+            cp_async16_n(dst + rr * T::slot + 16 * k, span + 16 * k, 16);
             continue;
         }
         const uint8_t *src = (const uint8_t *)((uintptr_t)span & ~(uintptr_t)15) + 16 * k;
         if (src < span + T::span) {
             ptrdiff_t left = p.w_end - src;
-            cp_async16(dst + rr * T::slot + 16 * k, src, left < 16 ? (int)left : 16);
+            cp_async16_n(dst + rr * T::slot + 16 * k, src, left < 16 ? (int)left : 16);
         }
     }
 }
@@ -510,7 +493,7 @@ static __device__ __forceinline__ void load_x(uint8_t *dst, const mmq_args &p, i
         int nn = i / 32, k = i % 32;
         int64_t n = n0 + nn < p.m ? n0 + nn : p.m - 1;
         const __half *src = p.xh + n * p.cols + (int64_t)kb * MMQ_K + 8 * k;
-        cp_async16(dst + nn * 512 + ((k ^ ((nn & 1) << 2)) * 16), src, n0 + nn < p.m ? 16 : 0);
+        cp_async16_n(dst + nn * 512 + ((k ^ ((nn & 1) << 2)) * 16), src, n0 + nn < p.m ? 16 : 0);
     }
 }
 
@@ -529,7 +512,7 @@ static __device__ __forceinline__ void load_x8(uint8_t *dst, const mmq_args &p, 
     for (int i = threadIdx.x; i < BM * 16; i += MMQ_THREADS) {
         int nn = i / 16, k = i % 16;
         int64_t n = n0 + nn < p.m ? n0 + nn : p.m - 1;
-        cp_async16(dst + nn * MMQ8_XROW + 16 * k, p.xq + n * p.cols + (int64_t)kb * MMQ_K + 16 * k,
+        cp_async16_n(dst + nn * MMQ8_XROW + 16 * k, p.xq + n * p.cols + (int64_t)kb * MMQ_K + 16 * k,
                    n0 + nn < p.m ? 16 : 0);
     }
     uint8_t *ds = dst + BM * MMQ8_XROW;

@@ -2352,17 +2352,26 @@ struct tc_q6k {
         };
         int isum[NT][4] = {};
 #pragma unroll
-        for (int G = 0; G < 16; G++) {
-            const uint32_t a0 = values(n[0][G % 8], h[0][G % 4], G), a1 = values(n[1][G % 8], h[1][G % 4], G);
-            const int sc0 = (int)(int8_t)(sw[0][G / 4] >> (8 * (G % 4)));
-            const int sc1 = (int)(int8_t)(sw[1][G / 4] >> (8 * (G % 4)));
+        for (int G4 = 0; G4 < 4; G4++) {
+            /* one 16-byte load for 4 groups (read as a plain int4 of which
+             * each group takes a word, it was compiled into four 4-byte
+             * loads: four times the L1 wavefronts) */
+            int4 x[NT];
 #pragma unroll
-            for (int i = 0; i < NT; i++) {
-                const int4 x = xq[i][(int64_t)ib * 128 + 32 * (G / 4)];   /* one load for 4 groups */
-                const uint32_t b = (uint32_t)(G % 4 == 0 ? x.x : G % 4 == 1 ? x.y : G % 4 == 2 ? x.z : x.w);
-                int c[4] = { 0, 0, 0, 0 };
-                mma_s8_k16(c, a0, a1, b);
-                tc_add_scaled(isum[i], sc0, sc1, c);
+            for (int i = 0; i < NT; i++) x[i] = __ldg(&xq[i][(int64_t)ib * 128 + 32 * G4]);
+#pragma unroll
+            for (int G = 4 * G4; G < 4 * G4 + 4; G++) {
+                const uint32_t a0 = values(n[0][G % 8], h[0][G % 4], G), a1 = values(n[1][G % 8], h[1][G % 4], G);
+                const int sc0 = (int)(int8_t)(sw[0][G / 4] >> (8 * (G % 4)));
+                const int sc1 = (int)(int8_t)(sw[1][G / 4] >> (8 * (G % 4)));
+#pragma unroll
+                for (int i = 0; i < NT; i++) {
+                    const uint32_t b =
+                        (uint32_t)(G % 4 == 0 ? x[i].x : G % 4 == 1 ? x[i].y : G % 4 == 2 ? x[i].z : x[i].w);
+                    int c[4] = { 0, 0, 0, 0 };
+                    mma_s8_k16(c, a0, a1, b);
+                    tc_add_scaled(isum[i], sc0, sc1, c);
+                }
             }
         }
         tc_accumulate<NT>(acc, xd, ib, [&](float dx, int i, int k, int rr) {

@@ -2488,6 +2488,27 @@ mmv_tc(mmv_segs sg, act_rows a, int m, const mmv_rope<ROPE> rp, bool short_last)
     mmv_tc_cta<T, NT, ROPE>(s, tile, j0, a, m, rp, part);
 }
 
+/* Thread id's place in a tile copy of T (tile type of mmv_tc) of rows of
+ * nb superblocks: unit un (a tile's superblock ib), lane 4 g + t of its
+ * warp; o the unit in the copy, block(r) row r's superblock ib in the
+ * file's blocks (NULL past the weight's end). */
+template <class T>
+struct tc_repack_at {
+    int64_t un, tile, rows, row_bytes;
+    int lane, g, t, ib;
+    const uint8_t *src;
+    uint8_t *o;
+    __device__ tc_repack_at(int64_t id, const uint8_t *src_, int64_t rows_, int nb, uint8_t *dst)
+        : un(id / 32), tile(un / nb), rows(rows_), row_bytes((int64_t)nb * T::bytes), lane((int)(id % 32)),
+          g(lane / 4), t(lane % 4), ib((int)(un % nb)), src(src_), o(dst + un * T::unit)
+    {
+    }
+    __device__ const uint8_t *block(int64_t r) const
+    {
+        return r < rows ? src + r * row_bytes + (int64_t)ib * T::bytes : NULL;
+    }
+};
+
 /* The tile copy of a Q4_K or Q5_K weight (weight_load's, cuda_internal.h):
  * thread (unit, lane) writes its 16-byte pieces of a tile's superblock
  * from the file's blocks (rows past the weight's end: zeros). */
@@ -2497,20 +2518,19 @@ static __global__ void repack_tc(const uint8_t *__restrict__ src, int64_t rows, 
 {
     typedef tc_k<Q5, true> T;
     follow_previous_kernel();
-    const int64_t id = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, un = id / 32;
-    if (un >= units) return;
-    const int lane = (int)(id % 32), g = lane / 4, t = lane % 4, ib = (int)(un % nb);
-    const int64_t tile = un / nb, row_bytes = (int64_t)nb * T::bytes;
-    uint8_t *o = dst + un * T::unit;
-    auto block = [&](int64_t r) { return r < rows ? src + r * row_bytes + (int64_t)ib * T::bytes : NULL; };
+    const tc_repack_at<T> at((int64_t)blockIdx.x * blockDim.x + threadIdx.x, src, rows, nb, dst);
+    if (at.un >= units) return;
+    const int lane = at.lane, t = at.t;
+    const int64_t tile = at.tile;
+    uint8_t *o = at.o;
     /* the row's 4 bytes at off + 4 t and off + 16 + 4 t (tc_k's positions) */
     auto piece8 = [&](const uint8_t *b, int off) {
         return b ? make_uint2(*(const uint32_t *)(b + off + 4 * t), *(const uint32_t *)(b + off + 16 + 4 * t))
                  : make_uint2(0, 0);
     };
-    const uint8_t *b0 = block(16 * tile + g), *b1 = block(16 * tile + g + 8);
+    const uint8_t *b0 = at.block(16 * tile + at.g), *b1 = at.block(16 * tile + at.g + 8);
     if (lane < 16) {
-        const uint8_t *bh = block(16 * tile + lane);
+        const uint8_t *bh = at.block(16 * tile + lane);
         *(uint4 *)(o + 16 * lane) = bh ? *(const uint4 *)bh : make_uint4(0, 0, 0, 0);
     }
     if (Q5) {
@@ -3284,14 +3304,13 @@ static __global__ void repack_tc_q6k(const uint8_t *__restrict__ src, int64_t ro
                                      uint8_t *__restrict__ dst)
 {
     follow_previous_kernel();
-    const int64_t id = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, un = id / 32;
-    if (un >= units) return;
-    const int lane = (int)(id % 32), g = lane / 4, t = lane % 4, ib = (int)(un % nb);
-    const int64_t tile = un / nb, row_bytes = (int64_t)nb * tc_q6k::bytes;
-    uint8_t *o = dst + un * tc_q6k::unit;
-    auto block = [&](int64_t r) { return r < rows ? src + r * row_bytes + (int64_t)ib * tc_q6k::bytes : NULL; };
+    const tc_repack_at<tc_q6k> at((int64_t)blockIdx.x * blockDim.x + threadIdx.x, src, rows, nb, dst);
+    if (at.un >= units) return;
+    const int lane = at.lane, g = at.g, t = at.t;
+    const int64_t tile = at.tile;
+    uint8_t *o = at.o;
     if (lane < 16) {
-        const uint8_t *b = block(16 * tile + lane);
+        const uint8_t *b = at.block(16 * tile + lane);
         uint32_t sc[4] = {};
         for (int G = 0; G < 16 && b; G++) sc[G / 4] |= (uint32_t)b[192 + G] << (8 * (G % 4));
         *(uint4 *)(o + 16 * lane) = make_uint4(sc[0], sc[1], sc[2], sc[3]);
@@ -3300,7 +3319,7 @@ static __global__ void repack_tc_q6k(const uint8_t *__restrict__ src, int64_t ro
     /* element 4 t + e of group G: element 16 G + 4 t + e of the block, that
      * is l = 16 (G % 2) + 4 t + e of sub-block G / 2 */
     auto q = [&](const uint8_t *b, int G, int e) { return b ? q6k_q(b, G / 2, 16 * (G % 2) + 4 * t + e) : 0; };
-    const uint8_t *rb[2] = { block(16 * tile + g), block(16 * tile + g + 8) };
+    const uint8_t *rb[2] = { at.block(16 * tile + g), at.block(16 * tile + g + 8) };
     uint32_t nw[2][8] = {}, hw[2][4] = {};
     for (int r = 0; r < 2; r++)
         for (int G = 0; G < 16; G++)

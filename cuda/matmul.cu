@@ -2112,17 +2112,17 @@ static void mmv_direct_launch(cuda_backend *c, const luma_weight *const *ws, flo
  * plain layout it touched 8 rows' lines: most of the L1's wavefronts). The
  * minimums take a second mma whose A is the rows' 6-bit minimum in every
  * byte: it adds m * (sum of the sub-block's activations) straight into an
- * accumulator. The CTA's MMV_TC_WARPS warps split a row's superblocks
- * (warp w: w, w + MMV_TC_WARPS, ...; each fetches its next superblock
- * while it multiplies this one) and add their partial sums in shared
- * memory in warp order. In the file's layout each of a warp's weight loads
- * touches 8 rows (8 cache lines for 256 bytes), and the kernel was bound
+ * accumulator. The CTA's W warps split a row's superblocks (warp w: w, w
+ * + W, ...; each fetches its next superblock while it multiplies this
+ * one) and add their partial sums in shared memory in warp order: W = 8
+ * for one group of activation rows, 4 for two or more (mmv_tc_warps).
+ * In the file's layout each of a warp's weight loads touches 8 rows (8
+ * cache lines for 256 bytes), and the kernel was bound
  * by the L1's wavefronts; the tile copy (tc_k<..., true>) puts what a
  * warp's load takes in 512 contiguous bytes (cuda/NOTES.md). Past 16
  * activation rows a tile takes a CTA for each group of 16 (mmv_tc_groups),
  * the CTAs of a tile side by side, so that the later ones find its weights
  * in L2; a last group of 8 rows or fewer multiplies one n8 tile. */
-#define MMV_TC_WARPS 8
 #define MMV_TC_ROWS 16   /* weight rows of a CTA */
 
 /* Tiles of MMV_TC_ROWS rows that cover rows (the tile copies' and mmv_tc's
@@ -2380,10 +2380,10 @@ struct tc_q6k {
     }
 };
 
-/* mmv_tc's CTA at NT n8 tiles: rows r0 .. r0 + 15 of segment s (tile
- * `tile`), activation rows j0 .. j0 + 8 NT - 1; part holds MMV_TC_WARPS x
+/* mmv_tc's CTA of W warps at NT n8 tiles: rows r0 .. r0 + 15 of segment
+ * s (tile `tile`), activation rows j0 .. j0 + 8 NT - 1; part holds W x
  * NT * 4 x 32 floats. */
-template <class T, int NT, bool ROPE>
+template <class T, int NT, bool ROPE, int W>
 static __device__ __forceinline__ void mmv_tc_cta(const mmv_seg &s, int64_t tile, int j0, const act_rows &a, int m,
                                                   const mmv_rope<ROPE> &rp, float (*part)[NT * 4][32])
 {
@@ -2418,14 +2418,14 @@ static __device__ __forceinline__ void mmv_tc_cta(const mmv_seg &s, int64_t tile
     /* a round: fetch the warp's next superblock into nxt (past the row's
      * end the last again: no fetch is predicated), multiply cur's */
     auto round = [&](const typename T::raw_t &cur, typename T::raw_t &nxt, int ib) {
-        const size_t nx = (size_t)min(ib + MMV_TC_WARPS, last) * T::step;
+        const size_t nx = (size_t)min(ib + W, last) * T::step;
         T::fetch(w0 + nx, w1 + nx, g, t, nxt);
         T::template mul<NT>(cur, xq, xd, ib, acc);
     };
-    for (int ib = warp; ib < nb; ib += 2 * MMV_TC_WARPS) {
+    for (int ib = warp; ib < nb; ib += 2 * W) {
         round(ra, rb, ib);
-        if (ib + MMV_TC_WARPS >= nb) break;
-        round(rb, ra, ib + MMV_TC_WARPS);
+        if (ib + W >= nb) break;
+        round(rb, ra, ib + W);
     }
 #pragma unroll
     for (int i = 0; i < NT; i++)
@@ -2438,14 +2438,15 @@ static __device__ __forceinline__ void mmv_tc_cta(const mmv_seg &s, int64_t tile
         const int k = 4 * (j / 8) + 2 * (rr / 8) + j % 2, l = 4 * (rr % 8) + (j % 8) / 2;
         float v = 0.0f;
 #pragma unroll
-        for (int w = 0; w < MMV_TC_WARPS; w++) v += part[w][k][l];
+        for (int w = 0; w < W; w++) v += part[w][k][l];
         return v;
     };
     const int u = threadIdx.x;
     if constexpr (ROPE) {
         if ((rp.mask >> s.seg) & 1) {
             /* pairs of rows (2 p, 2 p + 1), p < 8, as the direct kernel
-             * rotates them */
+             * rotates them (W 32 / 8 >= 8 NT activation rows) */
+            static_assert(W * 4 >= 8 * NT, "a thread a pair and activation row");
             const int pr = u % 8, j = u / 8;
             if (j0 + j < m && j < 8 * NT) {
                 const int64_t row = r0 + 2 * pr;
@@ -2459,20 +2460,21 @@ static __device__ __forceinline__ void mmv_tc_cta(const mmv_seg &s, int64_t tile
             return;
         }
     }
-    const int rr = u % MMV_TC_ROWS, j = u / MMV_TC_ROWS;
-    if (j0 + j < m && j < 8 * NT && r0 + rr < s.rows) s.y[(int64_t)(j0 + j) * s.rows + r0 + rr] = total(rr, j);
+    const int rr = u % MMV_TC_ROWS;
+    for (int j = u / MMV_TC_ROWS; j < 8 * NT; j += W * 32 / MMV_TC_ROWS)
+        if (j0 + j < m && r0 + rr < s.rows) s.y[(int64_t)(j0 + j) * s.rows + r0 + rr] = total(rr, j);
 }
 
-/* 3 CTAs an SM at one n8 tile (80 registers), 2 at two (128): against one
- * CTA an SM with the registers free (126-168), faster at 16 sequences and
- * within a few percent elsewhere (cuda/NOTES.md). At two n8 tiles, the
+/* 24 warps an SM at one n8 tile (80 registers), 16 at two (128): against
+ * one CTA an SM with the registers free (126-168), faster at 16 sequences
+ * and within a few percent elsewhere (cuda/NOTES.md). At two n8 tiles, the
  * CTAs of a last group of 8 rows or fewer (17 to 24 rows, ...) take one
  * (LUMA_CUDA_MMV_TC_SHORT=0 in the environment: two, for measuring). */
-template <class T, int NT, bool ROPE>
-static __global__ void __launch_bounds__(MMV_TC_WARPS * 32, NT == 1 ? 3 : 2)
+template <class T, int NT, bool ROPE, int W>
+static __global__ void __launch_bounds__(W * 32, (NT == 1 ? 24 : 16) / W)
 mmv_tc(mmv_segs sg, act_rows a, int m, const mmv_rope<ROPE> rp, bool short_last)
 {
-    __shared__ float part[MMV_TC_WARPS][NT * 4][32];
+    __shared__ float part[W][NT * 4][32];
     const mmv_seg s = mmv_seg_of(sg, blockIdx.x);
     /* the CTA's tile of weight rows and group of activation rows (from j0;
      * mmv_tc_groups of them, the CTAs of a tile side by side) */
@@ -2481,11 +2483,11 @@ mmv_tc(mmv_segs sg, act_rows a, int m, const mmv_rope<ROPE> rp, bool short_last)
     const int j0 = (int)(cta % groups) * 8 * NT;
     if constexpr (NT == 2) {
         if (short_last && m - j0 <= 8) {
-            mmv_tc_cta<T, 1, ROPE>(s, tile, j0, a, m, rp, (float(*)[4][32])part);
+            mmv_tc_cta<T, 1, ROPE, W>(s, tile, j0, a, m, rp, (float(*)[4][32])part);
             return;
         }
     }
-    mmv_tc_cta<T, NT, ROPE>(s, tile, j0, a, m, rp, part);
+    mmv_tc_cta<T, NT, ROPE, W>(s, tile, j0, a, m, rp, part);
 }
 
 /* Thread id's place in a tile copy of T (tile type of mmv_tc) of rows of
@@ -2620,10 +2622,24 @@ static bool mmv_tc_short(void)
     return on != 0;
 }
 
-template <class T, int NT>
+/* Warps of an mmv_tc CTA at m rows: 4 where a tile takes two groups or
+ * more (17 to 32 rows), else 8. Against 8 everywhere (7B, H200): 10-12%
+ * more tokens/s at 24 and 32 sequences, but 11% fewer at 16, 2% at 4
+ * (cuda/NOTES.md). LUMA_CUDA_MMV_TC_W4=0 in the environment: 8 always,
+ * for measuring (read once). */
+static int mmv_tc_warps(int m)
+{
+    static int w4 = -1;
+    if (w4 < 0) w4 = luma_cuda_env_digit("LUMA_CUDA_MMV_TC_W4", 1);
+    return w4 && mmv_tc_nt(m) == 2 && mmv_tc_groups(m, 2) >= 2 ? 4 : 8;
+}
+
+/* mmv_tc's launch at NT n8 tiles, CTAs of W warps */
+template <class T, int NT, int W>
 static void mmv_tc_launch_t(cuda_backend *c, const luma_weight *const *ws, float *const *ys, int n,
                             const act_rows &a, int m)
 {
+    static_assert(W == 8 || W == 4, "CTAs of 8 or 4 warps");
     if (!a.qi) {   /* act_rows_at makes it wherever mmv_tc_takes a product */
         luma_cuda_failf(c, "matmul: no interleaved activations for the tensor-core matrix-vector kernel");
         return;
@@ -2640,17 +2656,17 @@ static void mmv_tc_launch_t(cuda_backend *c, const luma_weight *const *ws, float
     int done = 0;
     const uint32_t mask = mmv_rope_mask(c, ws, ys, n, MMV_TC_ROWS, &done);
     cudaLaunchAttribute attr;
-    cudaLaunchConfig_t cfg = luma_launch_config(c, c->stream, ctas, MMV_TC_WARPS * 32, 0, &attr);
+    cudaLaunchConfig_t cfg = luma_launch_config(c, c->stream, ctas, W * 32, 0, &attr);
     if (mask) {
         mmv_rope<true> rp = c->qkv_rope->rp;
         rp.mask = mask;
-        if (luma_cuda_fail(c, cudaLaunchKernelEx(&cfg, mmv_tc<T, NT, true>, sg, a, m, rp, mmv_tc_short()),
+        if (luma_cuda_fail(c, cudaLaunchKernelEx(&cfg, mmv_tc<T, NT, true, W>, sg, a, m, rp, mmv_tc_short()),
                            "matmul (tensor-core matrix-vector kernel, rotating q and k)"))
             return;
         c->qkv_rope->done |= done;
         return;
     }
-    luma_cuda_fail(c, cudaLaunchKernelEx(&cfg, mmv_tc<T, NT, false>, sg, a, m, mmv_rope<false>(), mmv_tc_short()),
+    luma_cuda_fail(c, cudaLaunchKernelEx(&cfg, mmv_tc<T, NT, false, W>, sg, a, m, mmv_rope<false>(), mmv_tc_short()),
                    "matmul (tensor-core matrix-vector kernel)");
 }
 
@@ -2659,8 +2675,9 @@ template <class T>
 static void mmv_tc_launch_n(cuda_backend *c, const luma_weight *const *ws, float *const *ys, int n,
                             const act_rows &a, int m)
 {
-    if (mmv_tc_nt(m) == 1) mmv_tc_launch_t<T, 1>(c, ws, ys, n, a, m);
-    else mmv_tc_launch_t<T, 2>(c, ws, ys, n, a, m);
+    if (mmv_tc_nt(m) == 1) mmv_tc_launch_t<T, 1, 8>(c, ws, ys, n, a, m);
+    else if (mmv_tc_warps(m) == 4) mmv_tc_launch_t<T, 2, 4>(c, ws, ys, n, a, m);
+    else mmv_tc_launch_t<T, 2, 8>(c, ws, ys, n, a, m);
 }
 
 /* y_i = W_i x for n <= MMV_SEGS weights of one type and width that

@@ -2615,10 +2615,7 @@ static const uint8_t *tc_weight(const cuda_backend *c, const luma_weight *w)
 static bool mmv_tc_short(void)
 {
     static int on = -1;
-    if (on < 0) {
-        const char *s = getenv("LUMA_CUDA_MMV_TC_SHORT");
-        on = !(s && strcmp(s, "0") == 0);
-    }
+    if (on < 0) on = luma_cuda_env_digit("LUMA_CUDA_MMV_TC_SHORT", 1);
     return on != 0;
 }
 
@@ -2631,7 +2628,7 @@ static int mmv_tc_warps(int m)
 {
     static int w4 = -1;
     if (w4 < 0) w4 = luma_cuda_env_digit("LUMA_CUDA_MMV_TC_W4", 1);
-    return w4 && mmv_tc_nt(m) == 2 && mmv_tc_groups(m, 2) >= 2 ? 4 : 8;
+    return w4 && mmv_tc_groups(m, mmv_tc_nt(m)) >= 2 ? 4 : 8;
 }
 
 /* mmv_tc's launch at NT n8 tiles, CTAs of W warps */

@@ -25,8 +25,8 @@
  *            replays unchanged for every step of its bucket: splits past a
  *            row's keys return at once. Short contexts (a step's keys
  *            bound of at most DEC_LEAN_KEYS) take decode_lean_kernel
- *            instead: one to four warps per row and kv head over all its
- *            keys (four at a few rows, their sums merged in shared
+ *            instead: one to eight warps per row and kv head over all
+ *            its keys (eight at a few rows, their sums merged in shared
  *            memory; one from a few dozen rows, nothing shared between
  *            warps), no splits.
  *   prefill  long chunks are cut into tiles of LUMA_CUDA_ATTN_TILE (128)
@@ -61,7 +61,8 @@
 #define DEC_MAX_STAGES 4      /* stages of a decode warp's ring at most */
 #define DEC_HEADS 8           /* query heads per decode CTA: a kv head's group or part of it (4 when dv > 128) */
 #define DEC_MAX_SPLITS 256    /* splits of a decode row's keys at most */
-#define DEC_LEAN_WARPS 4     /* warps of a decode_lean_kernel CTA at most */
+#define DEC_LEAN_WARPS 8      /* warps of a decode_lean_kernel CTA at most (a unit split 8 ways) */
+#define DEC_LEAN_CTA_WARPS 4  /* units of fewer warps share a CTA up to this many warps */
 #define DEC_LEAN_MIN 1        /* decode_lean_kernel from this many units (dec_tuning) */
 #define DEC_LEAN_KEYS 256     /* and at most this many keys a row */
 #define DEC_P_SCALE 16384.0f  /* softmax weights (<= 1) times this on the tensor cores: f16 stays normal longer */
@@ -103,7 +104,6 @@ typedef struct attn_args {
     int32_t *counters;         /* decode: [n_dec][kv heads x head chunks] splits arrived */
     int32_t merge_here;        /* decode: the last split of a row merges the partials (no combine_kernel) */
     int32_t early;             /* decode_kernel: metadata and the first tiles of earlier steps' keys before the wait */
-    int32_t lean_split;        /* decode_lean_kernel: warps a unit (1, 2 or 4), its tiles dealt out among them */
 } attn_args;
 
 /* ---- element access ------------------------------------------------------ */
@@ -945,34 +945,38 @@ __global__ static void __launch_bounds__(DEC_MAX_WARPS * 32, MMA == 128 ? 2 : 1)
 /* ---- decode, a warp a unit ----------------------------------------------- */
 
 /* The decode kernel for rows of short contexts (decode_lean_launch): grid
- * (decode rows, units / units a CTA), lean_split warps per unit, a unit
- * being one row, one kv head and the query heads of it that decode_kernel's
- * CTA would take (H <= 8: the rows of the scores' m16 tiles), over all of
- * the row's keys. F16 caches with dk = dv = D (64 or 128). With one warp a
+ * (decode rows, units / units a CTA), SP warps per unit, a unit being one
+ * row, one kv head and the query heads of it that decode_kernel's CTA
+ * would take (H <= 8: the rows of the scores' m16 tiles), over all of the
+ * row's keys. F16 caches with dk = dv = D (64 or 128). With one warp a
  * unit (many rows) nothing is shared between warps: no q staging, no
- * barrier, no merge. With 2 or 4 (few rows: batch 1's 8 units would leave
- * a warp going through all the row's tiles alone), the unit's warps take
- * its tiles in turn (warp part p: tiles p, p + split, ...), each with its
- * own q, ring and online softmax, and the unit's first warp merges their
- * sums, m and l through shared memory (their rings, spent) after a barrier
- * of the unit's warps only. The unit's q stays in registers as the A
- * fragments of the scores (f16 hi + lo, as decode_kernel's), its keys
- * stream in tiles of 16 through the warp's own ring of dec_stages stages
- * (cp.async; a tile inside one cache block is one running address: its K
- * and V are 4 KB each for D = 128), and the per-tile work is
- * decode_kernel's tensor-core path. The row's own k and v: as
- * decode_kernel (taken from the step, stored by the unit of head chunk
- * 0). */
-template <int D>
-__global__ static void __launch_bounds__(DEC_LEAN_WARPS * 32) decode_lean_kernel(const attn_args a)
+ * barrier, no merge. With 2, 4 or 8 (few rows: batch 1's 8 units would
+ * leave a warp going through all the row's tiles alone), the unit's warps
+ * take its tiles in turn (warp part p: tiles p, p + SP, ...), each with
+ * its own q, ring and online softmax; after a barrier of the unit's warps
+ * only, each part merges its share of the columns over all the parts
+ * through shared memory (their rings, spent) and writes them. The unit's q
+ * stays in registers as the A fragments of the scores (f16 hi + lo, as
+ * decode_kernel's), its keys stream in tiles of 16 through the warp's own
+ * ring of dec_stages stages (cp.async; a tile inside one cache block is
+ * one running address: its K and V are 4 KB each for D = 128), and the
+ * per-tile work is decode_kernel's tensor-core path. The row's own k and
+ * v: as decode_kernel (taken from the step, stored by the unit of head
+ * chunk 0). SP is a template argument: at batch 1 the kernel is a latency
+ * chain run once an SM a layer, and each split's code is only its own
+ * (cuda/NOTES.md). */
+template <int D, int SP>
+__global__ static void __launch_bounds__(SP > DEC_LEAN_CTA_WARPS ? SP * 32 : DEC_LEAN_CTA_WARPS * 32, 1)
+    decode_lean_kernel(const attn_args a)
 {
+    static_assert(SP == 1 || SP == 2 || SP == 4 || SP == 8, "a unit's warps");
     constexpr int LD = D + 8, TILE = 16 * LD, STAGE = 2 * TILE, KC = D / 16;
     constexpr int PPR = D / 8, RPP = 32 / PPR, PASSES = 16 / RPP;   /* 16-byte pieces of a row; rows a pass */
     extern __shared__ __align__(16) unsigned char dsm[];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, S = a.dec_stages;
-    const int sp = a.lean_split, part = warp % sp;
+    const int part = warp % SP;
     const int32_t z = a.n_kv_head * a.n_hchunks;
-    const int32_t zz = (int32_t)blockIdx.y * (int32_t)(blockDim.x / 32 / sp) + warp / sp;
+    const int32_t zz = (int32_t)blockIdx.y * (int32_t)(blockDim.x / 32 / SP) + warp / SP;
     if (zz >= z) return;   /* the unit's warps together */
     const int32_t y = (int32_t)blockIdx.x;
     const int32_t kvh = zz / a.n_hchunks, hc0 = zz % a.n_hchunks * a.heads_per_cta;
@@ -985,7 +989,7 @@ __global__ static void __launch_bounds__(DEC_LEAN_WARPS * 32) decode_lean_kernel
     const lane_blocks blocks(a, tab, k0, k1);   /* the row's */
     const size_t head_off = a.layer_off + (size_t)kvh * (size_t)a.block_tokens * (size_t)(D * 2);
     const int32_t n_tiles = (k1 - k0 + 15) / 16;
-    const int32_t nt = n_tiles > part ? (n_tiles - part + sp - 1) / sp : 0;   /* this warp's: part + i sp */
+    const int32_t nt = n_tiles > part ? (n_tiles - part + SP - 1) / SP : 0;   /* this warp's: part + i SP */
     /* tile j's K rows to stage `slot` of the ring, its V rows TILE halves after them */
     auto issue = [&](int32_t j, int slot) {
         const int32_t kt = k0 + 16 * j;
@@ -1034,36 +1038,42 @@ __global__ static void __launch_bounds__(DEC_LEAN_WARPS * 32) decode_lean_kernel
      * step's k and v rows and the stores come after the wait. */
     const int32_t own_b = blocks.of(p);   /* every lane: the shuffle */
     int pre = 0;
-    for (; pre < S - 1 && pre < nt && k0 + 16 * (part + pre * sp + 1) <= spos0; pre++) {
-        issue(part + pre * sp, pre);
+    for (; pre < S - 1 && pre < nt && k0 + 16 * (part + pre * SP + 1) <= spos0; pre++) {
+        issue(part + pre * SP, pre);
         cp_async_commit();
     }
     wait_for_previous_kernel();
     let_next_kernel_start();
     for (int i = pre; i < S - 1; i++) {
-        if (i < nt) issue(part + i * sp, i);
+        if (i < nt) issue(part + i * SP, i);
         cp_async_commit();
     }
 
     /* q of the unit's heads (rows g < nh of the A fragments) and the row's
      * own k and v (head chunk 0 stores them): loaded now, used once the
      * first tile has come, so that their latency hides behind its */
-    float qf[KC][2][2], kf_own[D / 32], vf_own[D / 32];
+    float2 qf[KC][2];
+    /* the row's own k and v, columns (D / 32) lane + [0, D / 32): x, y, z, w for D = 128, x, y for 64 */
+    float4 k_own = make_float4(0.0f, 0.0f, 0.0f, 0.0f), v_own = k_own;
     {
+        /* lean_covers: q, k and v and their rows 16-byte aligned */
         const float *q = a.q + (size_t)r * (size_t)a.q_cols + (size_t)(h0 + g) * D + 2 * t;
 #pragma unroll
         for (int kc = 0; kc < KC; kc++)
 #pragma unroll
-            for (int hf = 0; hf < 2; hf++) {
-                qf[kc][hf][0] = g < nh ? q[kc * 16 + 8 * hf] : 0.0f;
-                qf[kc][hf][1] = g < nh ? q[kc * 16 + 8 * hf + 1] : 0.0f;
-            }
-        const float *kr = a.k + (size_t)r * (size_t)a.k_cols + (size_t)kvh * D;
-        const float *vr = a.v + (size_t)r * (size_t)a.v_cols + (size_t)kvh * D;
-#pragma unroll
-        for (int i = 0; i < D / 32; i++) {
-            kf_own[i] = hc0 == 0 ? kr[lane + 32 * i] : 0.0f;
-            vf_own[i] = hc0 == 0 ? vr[lane + 32 * i] : 0.0f;
+            for (int hf = 0; hf < 2; hf++)
+                qf[kc][hf] = g < nh ? *(const float2 *)(q + kc * 16 + 8 * hf) : make_float2(0.0f, 0.0f);
+        const float *kr = a.k + (size_t)r * (size_t)a.k_cols + (size_t)kvh * D + lane * (D / 32);
+        const float *vr = a.v + (size_t)r * (size_t)a.v_cols + (size_t)kvh * D + lane * (D / 32);
+        if (D == 128 && hc0 == 0 && part == 0) {
+            k_own = *(const float4 *)kr;
+            v_own = *(const float4 *)vr;
+        } else if (hc0 == 0 && part == 0) {
+            const float2 k2 = *(const float2 *)kr, v2 = *(const float2 *)vr;
+            k_own.x = k2.x;
+            k_own.y = k2.y;
+            v_own.x = v2.x;
+            v_own.y = v2.y;
         }
     }
     uint32_t qh[KC][2], ql[KC][2];   /* q as f16 hi + lo A fragments */
@@ -1073,19 +1083,23 @@ __global__ static void __launch_bounds__(DEC_LEAN_WARPS * 32) decode_lean_kernel
 #pragma unroll
             for (int hf = 0; hf < 2; hf++) {
                 __half h0h, h0l, h1h, h1l;
-                split_hi_lo(qf[kc][hf][0], h0h, h0l);
-                split_hi_lo(qf[kc][hf][1], h1h, h1l);
+                split_hi_lo(qf[kc][hf].x, h0h, h0l);
+                split_hi_lo(qf[kc][hf].y, h1h, h1l);
                 __half2 hh = __halves2half2(h0h, h1h), hl = __halves2half2(h0l, h1l);
                 qh[kc][hf] = *(const uint32_t *)&hh;
                 ql[kc][hf] = *(const uint32_t *)&hl;
             }
         if (hc0 == 0 && part == 0 && own_b >= 0) {
             __half *slot = (__half *)(a.pool + (size_t)own_b * a.block_bytes + head_off +
-                                      (size_t)(p & (a.block_tokens - 1)) * (D * 2));
-#pragma unroll
-            for (int i = 0; i < D / 32; i++) {
-                slot[lane + 32 * i] = __float2half_rn(kf_own[i]);
-                ((__half *)((uint8_t *)slot + a.v_off))[lane + 32 * i] = __float2half_rn(vf_own[i]);
+                                      (size_t)(p & (a.block_tokens - 1)) * (D * 2)) + lane * (D / 32);
+            const __half2 kh[2] = { __floats2half2_rn(k_own.x, k_own.y), __floats2half2_rn(k_own.z, k_own.w) };
+            const __half2 vh[2] = { __floats2half2_rn(v_own.x, v_own.y), __floats2half2_rn(v_own.z, v_own.w) };
+            if (D == 128) {
+                *(uint2 *)slot = *(const uint2 *)kh;
+                *(uint2 *)((uint8_t *)slot + a.v_off) = *(const uint2 *)vh;
+            } else {
+                *(__half2 *)slot = kh[0];
+                *(__half2 *)((uint8_t *)slot + a.v_off) = vh[0];
             }
         }
     };
@@ -1096,12 +1110,12 @@ __global__ static void __launch_bounds__(DEC_LEAN_WARPS * 32) decode_lean_kernel
     const int lrow = lane % 8 + 8 * (lane / 16), lcol = 8 * (lane / 8 % 2);   /* ldmatrix addresses */
     /* rd: this warp's tile i's stage, wr: its tile i + S - 1's */
     for (int32_t i = 0, rd = 0, wr = S - 1; i < nt; i++) {
-        if (i + S - 1 < nt) issue(part + (i + S - 1) * sp, wr);
+        if (i + S - 1 < nt) issue(part + (i + S - 1) * SP, wr);
         cp_async_commit();
         cp_async_wait_n(S - 1);
         __syncwarp();
         if (i == 0) first_tile();
-        const int32_t kt = k0 + 16 * (part + i * sp), n = min(16, k1 - kt);
+        const int32_t kt = k0 + 16 * (part + i * SP), n = min(16, k1 - kt);
         const __half *ks = ring + rd * STAGE, *vs = ks + TILE;
         rd = rd + 1 == S ? 0 : rd + 1;
         wr = wr + 1 == S ? 0 : wr + 1;
@@ -1125,63 +1139,67 @@ __global__ static void __launch_bounds__(DEC_LEAN_WARPS * 32) decode_lean_kernel
      * in the quads at lanes 8t and 8t + 4 */
     l_row += __shfl_xor_sync(0xffffffffu, l_row, 1);
     l_row += __shfl_xor_sync(0xffffffffu, l_row, 2);
-    float lh[2] = { __shfl_sync(0xffffffffu, l_row, 8 * t), __shfl_sync(0xffffffffu, l_row, 8 * t + 4) };
-    if (sp > 1) {
-        /* the unit's warps' o, m and l to their rings ([KC * 4 + 2][32]
-         * floats a warp, lane-major), then the first warp weighs each part
-         * by exp(m_part - m) for each of its two heads */
-        constexpr int NF = KC * 4 + 2;
-        __syncwarp();
-        float *mine = (float *)ring;
-#pragma unroll
-        for (int i = 0; i < KC; i++)
-#pragma unroll
-            for (int c = 0; c < 4; c++) mine[(4 * i + c) * 32 + lane] = o[i][c];
-        mine[4 * KC * 32 + lane] = m_row;
-        mine[(4 * KC + 1) * 32 + lane] = l_row;
-        team_barrier(1 + warp / sp, sp * 32);
-        if (part != 0) return;
-        const float *first = (const float *)((__half *)dsm + (size_t)warp * (size_t)S * STAGE);
-        const size_t ring_floats = (size_t)S * STAGE / 2;
-        float mh[2] = { -INFINITY, -INFINITY }, f[4][2];
-#pragma unroll
-        for (int u = 0; u < 2; u++)
-#pragma unroll
-            for (int q = 0; q < 4; q++)
-                if (q < sp) mh[u] = fmaxf(mh[u], first[q * ring_floats + 4 * KC * 32 + 8 * t + 4 * u]);
-#pragma unroll
-        for (int u = 0; u < 2; u++) {
-            lh[u] = 0.0f;
-#pragma unroll
-            for (int q = 0; q < 4; q++) {
-                /* a part with no tile has m = -inf: weight 0 (part 0 always has one) */
-                f[q][u] = q < sp ? expf(first[q * ring_floats + 4 * KC * 32 + 8 * t + 4 * u] - mh[u]) : 0.0f;
-                if (q < sp) lh[u] += f[q][u] * first[q * ring_floats + (4 * KC + 1) * 32 + 8 * t + 4 * u];
-            }
-        }
-#pragma unroll
-        for (int i = 0; i < KC; i++)
-#pragma unroll
-            for (int c = 0; c < 4; c++) {
-                float sum = 0.0f;
-#pragma unroll
-                for (int q = 0; q < 4; q++)
-                    if (q < sp) sum += f[q][c & 1] * first[q * ring_floats + (4 * i + c) * 32 + lane];
-                o[i][c] = sum;
-            }
-        static_assert(NF * 32 * 4 <= STAGE * 2, "a warp's merge fits one stage of its ring");
-    }
     const float unscale = 1.0f / DEC_P_SCALE;
     const int hd[2] = { 2 * t, 2 * t + 1 };
+    float *const out = a.out + (size_t)r * (size_t)a.out_cols + (size_t)h0 * D + g;   /* + head * D + column */
+    if (SP == 1) {
+        const float lh[2] = { __shfl_sync(0xffffffffu, l_row, 8 * t), __shfl_sync(0xffffffffu, l_row, 8 * t + 4) };
+#pragma unroll
+        for (int u = 0; u < 2; u++) {
+            if (hd[u] >= nh) continue;
+            const float w = unscale / lh[u];
+#pragma unroll
+            for (int i = 0; i < KC; i++) {
+                out[hd[u] * D + 16 * i] = o[i][u] * w;
+                out[hd[u] * D + 16 * i + 8] = o[i][2 + u] * w;
+            }
+        }
+        return;
+    }
+    /* The unit's warps' o, m and l to their rings ([KC * 4 + 2][32] floats
+     * a warp, lane-major: value v of lane l at v * 32 + l), then every part
+     * merges its share of the values (o[i][c] is value 4 i + c; part q
+     * takes values q KC * 4 / SP and on) over the SP parts, each weighed by
+     * exp(m_part - m) for its head, and writes them: the merge's loads are
+     * KC * 4 a lane whatever the split, spread over the unit's warps. */
+    constexpr int NF = KC * 4 + 2;
+    static_assert(NF * 32 * 4 <= STAGE * 2, "a warp's merge fits one stage of its ring");
+    __syncwarp();
+    float *mine = (float *)ring;
+#pragma unroll
+    for (int i = 0; i < KC; i++)
+#pragma unroll
+        for (int c = 0; c < 4; c++) mine[(4 * i + c) * 32 + lane] = o[i][c];
+    mine[4 * KC * 32 + lane] = m_row;
+    mine[(4 * KC + 1) * 32 + lane] = l_row;
+    team_barrier(1 + warp / SP, SP * 32);
+    const float *first = (const float *)((__half *)dsm + (size_t)(warp - part) * (size_t)S * STAGE);
+    const size_t ring_floats = (size_t)S * STAGE / 2;
+    float mh[2] = { -INFINITY, -INFINITY }, f[SP][2], w[2];
+#pragma unroll
+    for (int u = 0; u < 2; u++)
+#pragma unroll
+        for (int q = 0; q < SP; q++) mh[u] = fmaxf(mh[u], first[q * ring_floats + 4 * KC * 32 + 8 * t + 4 * u]);
 #pragma unroll
     for (int u = 0; u < 2; u++) {
-        if (hd[u] >= nh) continue;
-        float *to = a.out + (size_t)r * (size_t)a.out_cols + (size_t)(h0 + hd[u]) * D + g;
+        float l = 0.0f;
 #pragma unroll
-        for (int i = 0; i < KC; i++) {
-            to[16 * i] = o[i][u] * unscale / lh[u];
-            to[16 * i + 8] = o[i][2 + u] * unscale / lh[u];
+        for (int q = 0; q < SP; q++) {
+            /* a part with no tile has m = -inf: weight 0 (part 0 always has one) */
+            f[q][u] = expf(first[q * ring_floats + 4 * KC * 32 + 8 * t + 4 * u] - mh[u]);
+            l += f[q][u] * first[q * ring_floats + (4 * KC + 1) * 32 + 8 * t + 4 * u];
         }
+        w[u] = unscale / l;
+    }
+    constexpr int PER = 4 * KC / SP;   /* even: a value's head (u = v & 1) is j's */
+    static_assert(PER % 2 == 0, "a part's values pair up by head");
+#pragma unroll
+    for (int j = 0; j < PER; j++) {
+        const int v = part * PER + j, u = j & 1;
+        float sum = 0.0f;
+#pragma unroll
+        for (int q = 0; q < SP; q++) sum += f[q][u] * first[q * ring_floats + v * 32 + lane];
+        if (2 * t + u < nh) out[(2 * t + u) * D + 16 * (v / 4) + 8 * (v % 4 / 2)] = sum * w[u];
     }
 }
 
@@ -1731,7 +1749,10 @@ int luma_cuda_attention_setup(const luma_kv_layout *l, luma_err *err)
         (const void *)decode_kernel<__half, 4, 0>,   (const void *)decode_kernel<__half, 8, 0>,
         (const void *)decode_kernel<float, 1, 0>,    (const void *)decode_kernel<float, 2, 0>,
         (const void *)decode_kernel<float, 4, 0>,    (const void *)decode_kernel<float, 8, 0>,
-        (const void *)decode_lean_kernel<64>,        (const void *)decode_lean_kernel<128>,
+        (const void *)decode_lean_kernel<64, 1>,     (const void *)decode_lean_kernel<64, 2>,
+        (const void *)decode_lean_kernel<64, 4>,     (const void *)decode_lean_kernel<64, 8>,
+        (const void *)decode_lean_kernel<128, 1>,    (const void *)decode_lean_kernel<128, 2>,
+        (const void *)decode_lean_kernel<128, 4>,    (const void *)decode_lean_kernel<128, 8>,
     };
     dec_smem_max = (size_t)optin;
     for (size_t i = 0; i < sizeof decoders / sizeof decoders[0]; i++) {
@@ -1806,7 +1827,7 @@ typedef struct dec_tuning {
     int one_split;             /* steps whose keys bound is at most this many: one split a row */
     int lean_min;              /* decode_lean_kernel from this many units (rows x kv heads x head chunks) */
     int lean_keys;             /* and at most this many keys a row */
-    int lean_split;            /* its warps a unit: 1, 2 or 4 (0: by the step's units, lean_split_for) */
+    int lean_split;            /* its warps a unit: 1, 2, 4 or 8 (0: by the step's units, lean_split_for) */
 } dec_tuning;
 
 /* LUMA_CUDA_ATTN_DECODE="stages,stage_bytes,warps,waves,min_split,merge_kb,mma,one_split,lean_min,lean_keys,
@@ -1998,33 +2019,37 @@ static int64_t lean_units(const cuda_backend *c, const attn_args *a)
     return (int64_t)c->step.n_dec * a->n_kv_head * a->n_hchunks;
 }
 
-/* Warps a unit of decode_lean_kernel: the tuning's, else 4 while the
- * step's units times 4 stay within LEAN_WARPS_SM warps an SM, then 2, then
- * 1 (the 7B on 132 SMs: 4 up to 24 rows, 2 up to 48, then 1, without a
- * merge). Six: on the H200 the 7B's aggregate decode at 16 / 24 / 32 / 64
- * / 128 sequences measured best with splits 4 / 4 / 2 / 1 or 2 / 1, where
- * a bound of two warps an SM gave 2 / 1 / 1 / 1 / 1 (cuda/NOTES.md). */
+/* Warps a unit of decode_lean_kernel: the tuning's, else 8 while the
+ * step's units times 8 stay within LEAN_WARPS_SM warps an SM, then 4, 2,
+ * 1 (the 7B on 132 SMs: 8 up to 12 rows, 4 up to 24, 2 up to 48, then 1,
+ * without a merge). Six: on the H200 the 7B's aggregate decode at 16 / 24
+ * / 32 / 64 / 128 sequences measured best with splits 4 / 4 / 2 / 1 or 2 /
+ * 1, where a bound of two warps an SM gave 2 / 1 / 1 / 1 / 1; 8 beat 4 at
+ * 1, 4 and 8 sequences, not at 16 (cuda/NOTES.md). */
 #define LEAN_WARPS_SM 6
 static int lean_split_for(const cuda_backend *c, const attn_args *a, const dec_tuning &tu)
 {
-    if (tu.lean_split > 0) return tu.lean_split >= 4 ? 4 : tu.lean_split >= 2 ? 2 : 1;
+    if (tu.lean_split > 0) return tu.lean_split >= 8 ? 8 : tu.lean_split >= 4 ? 4 : tu.lean_split >= 2 ? 2 : 1;
     const int64_t units = lean_units(c, a);
-    int sp = 4;
+    int sp = DEC_LEAN_WARPS;
     while (sp > 1 && units * sp > LEAN_WARPS_SM * (int64_t)c->n_sm) sp /= 2;
     return sp;
 }
 
-/* Launches decode_lean_kernel<D> over the step's decode rows. */
-template <int D>
-static void decode_lean_launch(cuda_backend *c, attn_args *a, const dec_tuning &tu)
+/* Launches decode_lean_kernel<D, SP> over the step's decode rows: SP warps
+ * a unit, units sharing a CTA of up to DEC_LEAN_CTA_WARPS warps. */
+template <int D, int SP>
+static void decode_lean_go(cuda_backend *c, attn_args *a, const dec_tuning &tu)
 {
     static cudaFuncAttributes fa;
-    static const cudaError_t setup = cudaFuncGetAttributes(&fa, (const void *)decode_lean_kernel<D>);
+    static const cudaError_t setup = cudaFuncGetAttributes(&fa, (const void *)decode_lean_kernel<D, SP>);
     if (luma_cuda_fail(c, setup, "attention (decode kernel)")) return;
     const cuda_step *st = &c->step;
     const int32_t z = a->n_kv_head * a->n_hchunks;
-    const int sp = lean_split_for(c, a, tu), upc = z < DEC_LEAN_WARPS / sp ? z : DEC_LEAN_WARPS / sp;
-    const int warps = upc * sp, stages = tu.stages ? tu.stages : 3;
+    const int most = SP < DEC_LEAN_CTA_WARPS ? DEC_LEAN_CTA_WARPS / SP : 1;
+    const int upc = z < most ? z : most, warps = upc * SP;
+    /* 2 stages at a split of 8: its warps have 2 tiles at most of DEC_LEAN_KEYS keys */
+    const int stages = tu.stages ? tu.stages : SP == 8 ? 2 : 3;
     const size_t smem = (size_t)warps * (size_t)stages * 2 * 16 * (D + 8) * sizeof(__half);
     const int occ = decode_occupancy(fa, warps * 32, smem);
     if (occ < 1 || smem > dec_smem_max) {
@@ -2032,9 +2057,19 @@ static void decode_lean_launch(cuda_backend *c, attn_args *a, const dec_tuning &
         return;
     }
     a->dec_stages = stages;
-    a->lean_split = sp;
     luma_launch(c, c->stream, dim3((unsigned)st->n_dec, (unsigned)((z + upc - 1) / upc)), warps * 32, smem,
-                decode_lean_kernel<D>, *a);
+                decode_lean_kernel<D, SP>, *a);
+}
+
+template <int D>
+static void decode_lean_launch(cuda_backend *c, attn_args *a, const dec_tuning &tu)
+{
+    switch (lean_split_for(c, a, tu)) {
+    case 8: decode_lean_go<D, 8>(c, a, tu); break;
+    case 4: decode_lean_go<D, 4>(c, a, tu); break;
+    case 2: decode_lean_go<D, 2>(c, a, tu); break;
+    default: decode_lean_go<D, 1>(c, a, tu);
+    }
 }
 
 /* Whether decode_lean_kernel takes the step's decode rows: F16 caches with
@@ -2048,8 +2083,10 @@ static bool lean_covers(const cuda_backend *c, const attn_args *a, const dec_tun
 {
     int64_t units = lean_units(c, a), keys = c->step.dec_keys_bound;
     if (a->window > 0 && a->window < keys) keys = a->window;
+    const bool aligned = (((uintptr_t)a->q | (uintptr_t)a->k | (uintptr_t)a->v) & 15) == 0 &&
+                         ((a->q_cols | a->k_cols | a->v_cols) & 3) == 0;   /* its q, k and v loads */
     return tu.mma && !c->invariant && a->dk == a->dv && (a->dk == 64 || a->dk == 128) && a->heads_per_cta <= 8 &&
-           units >= tu.lean_min && keys <= tu.lean_keys;
+           aligned && units >= tu.lean_min && keys <= tu.lean_keys;
 }
 
 template <typename T, int MMA>
@@ -2166,7 +2203,6 @@ void luma_cuda_attention(cuda_backend *c, const luma_buf *q, const luma_buf *k, 
     a.counters = NULL;
     a.merge_here = 0;
     a.early = c->attn_early;
-    a.lean_split = 1;
     bool tc = tc_covers(l, &a);
     if (tc && (int64_t)st->n_tiles * a.n_head * (LUMA_CUDA_ATTN_TILE / (TC_WARPS * 16)) > INT32_MAX) {
         luma_cuda_failf(c, "attention: %d tiles of %d heads are too many CTAs", st->n_tiles, a.n_head);

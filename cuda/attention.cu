@@ -948,9 +948,10 @@ __global__ static void __launch_bounds__(DEC_MAX_WARPS * 32, MMA == 128 ? 2 : 1)
  * (decode rows, units / units a CTA), SP warps per unit, a unit being one
  * row, one kv head and the query heads of it that decode_kernel's CTA
  * would take (H <= 8: the rows of the scores' m16 tiles), over all of the
- * row's keys. F16 caches with dk = dv = D (64 or 128). With one warp a
- * unit (many rows) nothing is shared between warps: no q staging, no
- * barrier, no merge. With 2, 4 or 8 (few rows: batch 1's 8 units would
+ * row's keys. F16 caches with dk = dv = D (64, 128 or 256: heads of 256
+ * take 4 warps a unit at most, and load q at their first tile). With one
+ * warp a unit (many rows) nothing is shared between warps: no q staging,
+ * no barrier, no merge. With 2, 4 or 8 (few rows: batch 1's 8 units would
  * leave a warp going through all the row's tiles alone), the unit's warps
  * take its tiles in turn (warp part p: tiles p, p + SP, ...), each with
  * its own q, ring and online softmax; after a barrier of the unit's warps
@@ -1052,32 +1053,40 @@ __global__ static void __launch_bounds__(SP > DEC_LEAN_CTA_WARPS ? SP * 32 : DEC
     /* q of the unit's heads (rows g < nh of the A fragments) and the row's
      * own k and v (head chunk 0 stores them): loaded now, used once the
      * first tile has come, so that their latency hides behind its */
+    /* lean_covers: q, k and v and their rows 16-byte aligned */
+    const float *q = a.q + (size_t)r * (size_t)a.q_cols + (size_t)(h0 + g) * D + 2 * t;
     float2 qf[KC][2];
-    /* the row's own k and v, columns (D / 32) lane + [0, D / 32): x, y, z, w for D = 128, x, y for 64 */
-    float4 k_own = make_float4(0.0f, 0.0f, 0.0f, 0.0f), v_own = k_own;
-    {
-        /* lean_covers: q, k and v and their rows 16-byte aligned */
-        const float *q = a.q + (size_t)r * (size_t)a.q_cols + (size_t)(h0 + g) * D + 2 * t;
+    auto load_q = [&]() {
 #pragma unroll
         for (int kc = 0; kc < KC; kc++)
 #pragma unroll
             for (int hf = 0; hf < 2; hf++)
                 qf[kc][hf] = g < nh ? *(const float2 *)(q + kc * 16 + 8 * hf) : make_float2(0.0f, 0.0f);
-        const float *kr = a.k + (size_t)r * (size_t)a.k_cols + (size_t)kvh * D + lane * (D / 32);
-        const float *vr = a.v + (size_t)r * (size_t)a.v_cols + (size_t)kvh * D + lane * (D / 32);
-        if (D == 128 && hc0 == 0 && part == 0) {
-            k_own = *(const float4 *)kr;
-            v_own = *(const float4 *)vr;
-        } else if (hc0 == 0 && part == 0) {
-            const float2 k2 = *(const float2 *)kr, v2 = *(const float2 *)vr;
-            k_own.x = k2.x;
-            k_own.y = k2.y;
-            v_own.x = v2.x;
-            v_own.y = v2.y;
+    };
+    /* heads of 256: q's 64 registers a lane are loaded at the first tile
+     * (held through the copies they spill) */
+    if (D <= 128) load_q();
+    /* the row's own k and v, columns OWN lane + [0, OWN) */
+    constexpr int OWN = D / 32;
+    float k_own[OWN], v_own[OWN];
+    {
+        const float *kr = a.k + (size_t)r * (size_t)a.k_cols + (size_t)kvh * D + lane * OWN;
+        const float *vr = a.v + (size_t)r * (size_t)a.v_cols + (size_t)kvh * D + lane * OWN;
+        const bool own = hc0 == 0 && part == 0;
+#pragma unroll
+        for (int i = 0; i < OWN; i += 4) {
+            if (OWN == 2) {
+                *(float2 *)k_own = own ? *(const float2 *)kr : make_float2(0.0f, 0.0f);
+                *(float2 *)v_own = own ? *(const float2 *)vr : make_float2(0.0f, 0.0f);
+            } else {
+                *(float4 *)(k_own + i) = own ? *(const float4 *)(kr + i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                *(float4 *)(v_own + i) = own ? *(const float4 *)(vr + i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            }
         }
     }
     uint32_t qh[KC][2], ql[KC][2];   /* q as f16 hi + lo A fragments */
     auto first_tile = [&]() {
+        if (D > 128) load_q();
 #pragma unroll
         for (int kc = 0; kc < KC; kc++)
 #pragma unroll
@@ -1092,14 +1101,21 @@ __global__ static void __launch_bounds__(SP > DEC_LEAN_CTA_WARPS ? SP * 32 : DEC
         if (hc0 == 0 && part == 0 && own_b >= 0) {
             __half *slot = (__half *)(a.pool + (size_t)own_b * a.block_bytes + head_off +
                                       (size_t)(p & (a.block_tokens - 1)) * (D * 2)) + lane * (D / 32);
-            const __half2 kh[2] = { __floats2half2_rn(k_own.x, k_own.y), __floats2half2_rn(k_own.z, k_own.w) };
-            const __half2 vh[2] = { __floats2half2_rn(v_own.x, v_own.y), __floats2half2_rn(v_own.z, v_own.w) };
-            if (D == 128) {
-                *(uint2 *)slot = *(const uint2 *)kh;
-                *(uint2 *)((uint8_t *)slot + a.v_off) = *(const uint2 *)vh;
-            } else {
+            __half2 kh[OWN / 2], vh[OWN / 2];
+#pragma unroll
+            for (int i = 0; i < OWN / 2; i++) {
+                kh[i] = __floats2half2_rn(k_own[2 * i], k_own[2 * i + 1]);
+                vh[i] = __floats2half2_rn(v_own[2 * i], v_own[2 * i + 1]);
+            }
+            if (OWN == 2) {
                 *(__half2 *)slot = kh[0];
                 *(__half2 *)((uint8_t *)slot + a.v_off) = vh[0];
+            } else {
+#pragma unroll
+                for (int i = 0; i < OWN / 2; i += 2) {
+                    *(uint2 *)(slot + 2 * i) = *(const uint2 *)(kh + i);
+                    *(uint2 *)((uint8_t *)(slot + 2 * i) + a.v_off) = *(const uint2 *)(vh + i);
+                }
             }
         }
     };
@@ -1753,6 +1769,8 @@ int luma_cuda_attention_setup(const luma_kv_layout *l, luma_err *err)
         (const void *)decode_lean_kernel<64, 4>,     (const void *)decode_lean_kernel<64, 8>,
         (const void *)decode_lean_kernel<128, 1>,    (const void *)decode_lean_kernel<128, 2>,
         (const void *)decode_lean_kernel<128, 4>,    (const void *)decode_lean_kernel<128, 8>,
+        (const void *)decode_lean_kernel<256, 1>,    (const void *)decode_lean_kernel<256, 2>,
+        (const void *)decode_lean_kernel<256, 4>,
     };
     dec_smem_max = (size_t)optin;
     for (size_t i = 0; i < sizeof decoders / sizeof decoders[0]; i++) {
@@ -1942,7 +1960,7 @@ static void plan_splits(const cuda_backend *c, attn_args *a, const dec_tuning &t
     }
     int64_t ctas = (int64_t)c->step.n_dec * a->n_kv_head * a->n_hchunks;
     int64_t want = ((int64_t)c->n_sm * occ * tu.waves + ctas - 1) / ctas;
-    /* short contexts (a decode step of the first 256 positions) in one
+    /* short contexts (a decode step of at most one_split keys) in one
      * split where dec_defaults says so: merging splits (their partials
      * written, an arrival counter, the last split reading them back) costs
      * more there than the parallelism gains */
@@ -2029,9 +2047,15 @@ static int64_t lean_units(const cuda_backend *c, const attn_args *a)
 #define LEAN_WARPS_SM 6
 static int lean_split_for(const cuda_backend *c, const attn_args *a, const dec_tuning &tu)
 {
-    if (tu.lean_split > 0) return tu.lean_split >= 8 ? 8 : tu.lean_split >= 4 ? 4 : tu.lean_split >= 2 ? 2 : 1;
+    /* heads of 256: 4 at most (8 warps' rings of 2 stages of 16 keys are
+     * 270 KB) */
+    const int most = a->dk > 128 ? 4 : DEC_LEAN_WARPS;
+    if (tu.lean_split > 0) {
+        const int sp = tu.lean_split >= 8 ? 8 : tu.lean_split >= 4 ? 4 : tu.lean_split >= 2 ? 2 : 1;
+        return sp < most ? sp : most;
+    }
     const int64_t units = lean_units(c, a);
-    int sp = DEC_LEAN_WARPS;
+    int sp = most;
     while (sp > 1 && units * sp > LEAN_WARPS_SM * (int64_t)c->n_sm) sp /= 2;
     return sp;
 }
@@ -2065,7 +2089,9 @@ template <int D>
 static void decode_lean_launch(cuda_backend *c, attn_args *a, const dec_tuning &tu)
 {
     switch (lean_split_for(c, a, tu)) {
-    case 8: decode_lean_go<D, 8>(c, a, tu); break;
+    case 8:
+        if constexpr (D <= 128) decode_lean_go<D, 8>(c, a, tu);
+        break;
     case 4: decode_lean_go<D, 4>(c, a, tu); break;
     case 2: decode_lean_go<D, 2>(c, a, tu); break;
     default: decode_lean_go<D, 1>(c, a, tu);
@@ -2073,7 +2099,7 @@ static void decode_lean_launch(cuda_backend *c, attn_args *a, const dec_tuning &
 }
 
 /* Whether decode_lean_kernel takes the step's decode rows: F16 caches with
- * dk = dv of 64 or 128 on the tensor cores, at least lean_min units (rows x
+ * dk = dv of 64, 128 or 256 on the tensor cores, at least lean_min units (rows x
  * kv heads x head chunks; 1 by default: with its warps a unit it beats
  * decode_kernel from batch 1 on, cuda/NOTES.md), at most lean_keys keys a
  * row (the step's bound; a unit's warps go through them without splits),
@@ -2085,8 +2111,13 @@ static bool lean_covers(const cuda_backend *c, const attn_args *a, const dec_tun
     if (a->window > 0 && a->window < keys) keys = a->window;
     const bool aligned = (((uintptr_t)a->q | (uintptr_t)a->k | (uintptr_t)a->v) & 15) == 0 &&
                          ((a->q_cols | a->k_cols | a->v_cols) & 3) == 0;   /* its q, k and v loads */
-    return tu.mma && !c->invariant && a->dk == a->dv && (a->dk == 64 || a->dk == 128) && a->heads_per_cta <= 8 &&
-           aligned && units >= tu.lean_min && keys <= tu.lean_keys;
+    /* heads of 256 up to half of lean_keys (128: a step bound of 128, the
+     * first bucket): 4 warps a unit at most, their tiles twice as long;
+     * measured faster than decode_kernel on the CUDA cores up to about
+     * 150 keys and slower from 128 to 256 (cuda/NOTES.md) */
+    const int64_t most = a->dk > 128 ? tu.lean_keys / 2 : tu.lean_keys;
+    return !c->invariant && a->dk == a->dv && (a->dk == 64 || a->dk == 128 || a->dk == 256) &&
+           a->heads_per_cta <= 8 && aligned && units >= tu.lean_min && keys <= most;
 }
 
 template <typename T, int MMA>
@@ -2109,17 +2140,23 @@ static void launch(cuda_backend *c, attn_args *a, bool tc)
         /* with batch invariance the warps (whose partial results a CTA
          * merges in their order) may not follow the step's rows */
         int64_t ctas = c->invariant ? INT64_MAX : (int64_t)st->n_dec * a->n_kv_head * a->n_hchunks;
-        dec_tuning tu = dec_defaults(dec_tuning_get(), a->dv, ctas, c->n_sm);
-        bool mma = false;
-        if constexpr (sizeof(T) == 2) mma = tu.mma && a->dk % 16 == 0 && a->dv % 16 == 0;
+        const dec_tuning raw = dec_tuning_get();
+        dec_tuning tu = dec_defaults(raw, a->dv, ctas, c->n_sm);
+        bool mma = false, lean = false;
         if constexpr (sizeof(T) == 2) {
-            if (mma && lean_covers(c, a, tu)) {
+            mma = tu.mma && a->dk % 16 == 0 && a->dv % 16 == 0;
+            /* the lean kernel is on the tensor cores for heads of 256 too
+             * (where decode_kernel takes the CUDA cores by default), unless
+             * the tuning turns them off */
+            lean = raw.mma != 0 && lean_covers(c, a, tu);
+            if (lean) {
                 if (a->dk == 64) decode_lean_launch<64>(c, a, tu);
-                else decode_lean_launch<128>(c, a, tu);
+                else if (a->dk == 128) decode_lean_launch<128>(c, a, tu);
+                else decode_lean_launch<256>(c, a, tu);
             } else if (mma && a->dv <= 128) decode_heads<T, 128>(c, a, tu);
             else if (mma) decode_heads<T, 256>(c, a, tu);
         }
-        if (!mma) decode_heads<T, 0>(c, a, tu);
+        if (!mma && !lean) decode_heads<T, 0>(c, a, tu);
         if (!LUMA_CUDA_OK(c)) return;
     }
     if (st->n_tiles > 0 && tc) {

@@ -575,7 +575,7 @@ static int cuda_step_begin(luma_backend *be, const luma_step *s, luma_err *err)
     cs->dec_rows = d + p.dec_rows;
     cs->tiles = d + p.tiles;
     cs->dec_max_pos = dec_max_pos;
-    cs->dec_keys_bound = 256;
+    cs->dec_keys_bound = 128;
     while (cs->dec_keys_bound < dec_max_pos) cs->dec_keys_bound *= 2;
     return 0;
 }

@@ -37,7 +37,7 @@ typedef struct cuda_step {
     int32_t *dec_rows;         /* [n_dec] */
     int32_t *tiles;            /* [n_tiles][2] */
     int32_t dec_max_pos;       /* the largest position of a decoded row, plus one */
-    /* A power of two >= 256 and >= dec_max_pos: decode launch shapes use it,
+    /* A power of two >= 128 and >= dec_max_pos: decode launch shapes use it,
      * so that a step's kernels depend on its context lengths only through
      * this bucket (a recorded graph replays for every step of the bucket). */
     int32_t dec_keys_bound;

@@ -1035,9 +1035,10 @@ static void test_attention_shape(const attn_shape *sh, enum luma_type type)
             attend(&e, &as.t.s, &e.win, label, UNTIMED);
             /* the decode rows again on decode_lean_kernel (which the
              * defaults give rows of short contexts only), with 1, 2, 4
-             * and 8 warps a unit (2 and more merge their parts) */
-            if (type == LUMA_F16 && sh->dk == sh->dv && (sh->dk == 64 || sh->dk == 128)) {
-                for (int split = 1; split <= 8; split *= 2) {
+             * and 8 warps a unit (2 and more merge their parts; heads of
+             * 256 take 4 at most) */
+            if (type == LUMA_F16 && sh->dk == sh->dv && (sh->dk == 64 || sh->dk == 128 || sh->dk == 256)) {
+                for (int split = 1; split <= (sh->dk > 128 ? 4 : 8); split *= 2) {
                     char tuning[64];
                     snprintf(tuning, sizeof tuning, "0,8192,0,1,64,64,-1,-1,0,1000000,%d", split);
                     setenv("LUMA_CUDA_ATTN_DECODE", tuning, 1);

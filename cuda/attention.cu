@@ -949,9 +949,9 @@ __global__ static void __launch_bounds__(DEC_MAX_WARPS * 32, MMA == 128 ? 2 : 1)
  * row, one kv head and the query heads of it that decode_kernel's CTA
  * would take (H <= 8: the rows of the scores' m16 tiles), over all of the
  * row's keys. F16 caches with dk = dv = D (64, 128 or 256: heads of 256
- * take 4 warps a unit at most, and load q at their first tile). With one
- * warp a unit (many rows) nothing is shared between warps: no q staging,
- * no barrier, no merge. With 2, 4 or 8 (few rows: batch 1's 8 units would
+ * take 4 warps a unit at most, load q at their first tile and spill).
+ * With one warp a unit (many rows) nothing is shared between warps: no q
+ * staging, no barrier, no merge. With 2, 4 or 8 (few rows: batch 1's 8 units would
  * leave a warp going through all the row's tiles alone), the unit's warps
  * take its tiles in turn (warp part p: tiles p, p + SP, ...), each with
  * its own q, ring and online softmax; after a barrier of the unit's warps
@@ -1063,8 +1063,9 @@ __global__ static void __launch_bounds__(SP > DEC_LEAN_CTA_WARPS ? SP * 32 : DEC
             for (int hf = 0; hf < 2; hf++)
                 qf[kc][hf] = g < nh ? *(const float2 *)(q + kc * 16 + 8 * hf) : make_float2(0.0f, 0.0f);
     };
-    /* heads of 256: q's 64 registers a lane are loaded at the first tile
-     * (held through the copies they spill) */
+    /* heads of 256: q's 64 registers a lane are loaded at the first tile,
+     * as measured (at 255 registers the kernel spills about as much when
+     * they are loaded here, cuda/NOTES.md) */
     if (D <= 128) load_q();
     /* the row's own k and v, columns OWN lane + [0, OWN) */
     constexpr int OWN = D / 32;

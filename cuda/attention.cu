@@ -24,7 +24,8 @@
  *            context lengths, so that a decode step recorded as a CUDA graph
  *            replays unchanged for every step of its bucket: splits past a
  *            row's keys return at once. Short contexts (a step's keys
- *            bound of at most DEC_LEAN_KEYS) take decode_lean_kernel
+ *            bound of at most DEC_LEAN_KEYS, half that for heads of
+ *            256) take decode_lean_kernel
  *            instead: one to eight warps per row and kv head over all
  *            its keys (eight at a few rows, their sums merged in shared
  *            memory; one from a few dozen rows, nothing shared between
@@ -946,25 +947,25 @@ __global__ static void __launch_bounds__(DEC_MAX_WARPS * 32, MMA == 128 ? 2 : 1)
 
 /* The decode kernel for rows of short contexts (decode_lean_launch): grid
  * (decode rows, units / units a CTA), SP warps per unit, a unit being one
- * row, one kv head and the query heads of it that decode_kernel's CTA
- * would take (H <= 8: the rows of the scores' m16 tiles), over all of the
- * row's keys. F16 caches with dk = dv = D (64, 128 or 256: heads of 256
- * take 4 warps a unit at most, load q at their first tile and spill).
- * With one warp a unit (many rows) nothing is shared between warps: no q
- * staging, no barrier, no merge. With 2, 4 or 8 (few rows: batch 1's 8 units would
+ * row, one kv head and the query heads of it that decode_kernel's CTA would
+ * take (H <= 8: the rows of the scores' m16 tiles), over all of the row's
+ * keys. F16 caches with dk = dv = D (64, 128 or 256: heads of 256 take 4
+ * warps a unit at most, load q at their first tile and spill). With one
+ * warp a unit (many rows) nothing is shared between warps: no q staging, no
+ * barrier, no merge. With 2, 4 or 8 (few rows: batch 1's 8 units would
  * leave a warp going through all the row's tiles alone), the unit's warps
- * take its tiles in turn (warp part p: tiles p, p + SP, ...), each with
- * its own q, ring and online softmax; after a barrier of the unit's warps
- * only, each part merges its share of the columns over all the parts
- * through shared memory (their rings, spent) and writes them. The unit's q
- * stays in registers as the A fragments of the scores (f16 hi + lo, as
+ * take its tiles in turn (warp part p: tiles p, p + SP, ...), each with its
+ * own q, ring and online softmax; after a barrier of the unit's warps only,
+ * each part merges its share of the columns over all the parts through
+ * shared memory (their rings, spent) and writes them. The unit's q stays in
+ * registers as the A fragments of the scores (f16 hi + lo, as
  * decode_kernel's), its keys stream in tiles of 16 through the warp's own
- * ring of dec_stages stages (cp.async; a tile inside one cache block is
- * one running address: its K and V are 4 KB each for D = 128), and the
- * per-tile work is decode_kernel's tensor-core path. The row's own k and
- * v: as decode_kernel (taken from the step, stored by the unit of head
- * chunk 0). SP is a template argument: at batch 1 the kernel is a latency
- * chain run once an SM a layer, and each split's code is only its own
+ * ring of dec_stages stages (cp.async; a tile inside one cache block is one
+ * running address: its K and V are 4 KB each for D = 128), and the per-tile
+ * work is decode_kernel's tensor-core path. The row's own k and v: as
+ * decode_kernel (taken from the step, stored by the unit of head chunk 0).
+ * SP is a template argument: at batch 1 the kernel is a latency chain run
+ * once an SM a layer, and each split's code is only its own
  * (cuda/NOTES.md). */
 template <int D, int SP>
 __global__ static void __launch_bounds__(SP > DEC_LEAN_CTA_WARPS ? SP * 32 : DEC_LEAN_CTA_WARPS * 32, 1)

@@ -2092,8 +2092,12 @@ static void decode_lean_launch(cuda_backend *c, attn_args *a, const dec_tuning &
 {
     switch (lean_split_for(c, a, tu)) {
     case 8:
-        if constexpr (D <= 128) decode_lean_go<D, 8>(c, a, tu);
-        break;
+        /* not for heads of 256, which lean_split_for caps at 4 */
+        if constexpr (D <= 128) {
+            decode_lean_go<D, 8>(c, a, tu);
+            break;
+        }
+        [[fallthrough]];
     case 4: decode_lean_go<D, 4>(c, a, tu); break;
     case 2: decode_lean_go<D, 2>(c, a, tu); break;
     default: decode_lean_go<D, 1>(c, a, tu);

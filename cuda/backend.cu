@@ -21,6 +21,15 @@
 
 static cuda_backend *cu(luma_backend *be) { return (cuda_backend *)be; }
 
+/* What waits to be launched, launched: the open program (program.cu), the
+ * pending norm (ops.cu). The products take the norm themselves (matmul.cu,
+ * quantize_into) and flush only the program. */
+static void flush_all(cuda_backend *c)
+{
+    luma_cuda_prog_flush(c);
+    luma_cuda_norm_flush(c);
+}
+
 bool luma_cuda_fail(cuda_backend *c, cudaError_t e, const char *what)
 {
     if (e == cudaSuccess) return false;
@@ -344,7 +353,7 @@ static void cuda_buf_free(luma_backend *be, luma_buf *b)
 static int cuda_buf_read(luma_backend *be, const luma_buf *b, float *dst, luma_err *err)
 {
     cuda_backend *c = cu(be);
-    luma_cuda_prog_flush(c);
+    flush_all(c);
     size_t bytes = (size_t)b->rows * (size_t)b->cols * sizeof(float);
     if (LUMA_CUDA_OK(c) && bytes)
         luma_cuda_fail(c, cudaMemcpyAsync(dst, b->data, bytes, cudaMemcpyDeviceToHost, c->stream),
@@ -398,7 +407,7 @@ static int cuda_kv_alloc(luma_backend *be, const luma_kv_layout *l, luma_err *er
 static void cuda_kv_copy_block(luma_backend *be, int pool, int32_t src, int32_t dst)
 {
     cuda_backend *c = cu(be);
-    luma_cuda_prog_flush(c);
+    flush_all(c);
     if (!LUMA_CUDA_OK(c)) return;
     size_t bb = c->kv_block_bytes[pool];
     luma_cuda_fail(c, cudaMemcpyAsync(c->kv_mem[pool] + (size_t)dst * bb, c->kv_mem[pool] + (size_t)src * bb,
@@ -621,7 +630,7 @@ static uint64_t graph_where(const cuda_backend *c)
     uint64_t h = 1469598103934665603ull;
     uint64_t v[] = { (uint64_t)(uintptr_t)c->step_mem, (uint64_t)(uintptr_t)c->scratch, (uint64_t)(uintptr_t)c->side_scratch,
                      (uint64_t)(uintptr_t)c->attn_scratch.mem, (uint64_t)(uintptr_t)c->sk_scratch.mem, c->buf_gen, (uint64_t)c->f16_mode,
-                     (uint64_t)c->n_f16, (uint64_t)c->mmv_on, (uint64_t)c->prog_on };
+                     (uint64_t)c->n_f16, (uint64_t)c->mmv_on, (uint64_t)c->prog_on, (uint64_t)c->normq_on };
     for (size_t i = 0; i < sizeof v / sizeof v[0]; i++) h = (h ^ v[i]) * 1099511628211ull;
     return h;
 }
@@ -653,7 +662,7 @@ static int run_forward(cuda_backend *c, int (*forward)(void *, luma_err *), void
 {
     c->in_step = true;
     int rc = forward(ctx, err);
-    luma_cuda_prog_flush(c);
+    flush_all(c);
     c->in_step = false;
     return rc;
 }
@@ -739,14 +748,14 @@ static void cuda_matmul(luma_backend *be, const luma_weight *w, const luma_buf *
 static void cuda_attention(luma_backend *be, const luma_buf *q, const luma_buf *k, const luma_buf *v,
                            const luma_step *step, const luma_attn *a, luma_buf *out)
 {
-    luma_cuda_prog_flush(cu(be));
+    flush_all(cu(be));
     luma_cuda_attention(cu(be), q, k, v, step, a, out);
 }
 
 static int cuda_sync(luma_backend *be, luma_err *err)
 {
     cuda_backend *c = cu(be);
-    luma_cuda_prog_flush(c);
+    flush_all(c);
     if (c->capturing) return LUMA_CUDA_OK(c) ? 0 : -1;   /* step_run reports it */
     luma_cuda_fail(c, cudaStreamSynchronize(c->stream), "the step's kernels");
     return LUMA_CUDA_OK(c) ? 0 : report(c, err);
@@ -811,7 +820,7 @@ static void cuda_gated_matmul(luma_backend *be, const luma_weight *w, luma_buf *
 {
     cuda_backend *c = cu(be);
     if (luma_cuda_prog_gated(c, w, gate, up, act, y)) return;
-    luma_cuda_prog_flush(c);
+    flush_all(c);
     if (up->rows != gate->rows || up->cols != gate->cols || gate->cols != w->cols)
         luma_cuda_failf(c, "gated_matmul: gate %lld x %lld, up %lld x %lld, weight of %lld columns",
                         (long long)gate->rows, (long long)gate->cols, (long long)up->rows, (long long)up->cols,
@@ -859,19 +868,19 @@ static bool cuda_qkv_rope(luma_backend *be, const luma_weight *const *ws, const 
 static void cuda_embed(luma_backend *be, const luma_weight *w, const int32_t *ids, int32_t n, float scale,
                        luma_buf *out)
 {
-    luma_cuda_prog_flush(cu(be));
+    flush_all(cu(be));
     luma_cuda_embed(be, w, ids, n, scale, out);
 }
 
 static void cuda_gather(luma_backend *be, const luma_buf *x, const int32_t *rows, int32_t n, luma_buf *out)
 {
-    luma_cuda_prog_flush(cu(be));
+    flush_all(cu(be));
     luma_cuda_gather(be, x, rows, n, out);
 }
 
 static void cuda_add_bias(luma_backend *be, luma_buf *x, const luma_weight *b)
 {
-    luma_cuda_prog_flush(cu(be));
+    flush_all(cu(be));
     luma_cuda_add_bias(be, x, b);
 }
 
@@ -879,7 +888,7 @@ static void cuda_rmsnorm(luma_backend *be, const luma_buf *x, const luma_weight 
                          luma_buf *out)
 {
     if (luma_cuda_prog_rmsnorm(cu(be), x, g, group, eps, out)) return;
-    luma_cuda_prog_flush(cu(be));
+    flush_all(cu(be));
     luma_cuda_rmsnorm(be, x, g, group, eps, out);
 }
 
@@ -887,39 +896,40 @@ static void cuda_add_rmsnorm(luma_backend *be, luma_buf *x, const luma_buf *y, c
                              const luma_weight *g, float eps, luma_buf *out)
 {
     if (luma_cuda_prog_add_rmsnorm(cu(be), x, y, yg, g, eps, out)) return;
-    luma_cuda_prog_flush(cu(be));
+    flush_all(cu(be));
+    if (luma_cuda_norm_pend(cu(be), x, y, yg, g, eps, out)) return;
     luma_cuda_add_rmsnorm(be, x, y, yg, g, eps, out);
 }
 
 static void cuda_rope(luma_backend *be, luma_buf *x, int32_t head_dim, const int32_t *pos, const luma_rope *r)
 {
-    luma_cuda_prog_flush(cu(be));
+    flush_all(cu(be));
     luma_cuda_rope(be, x, head_dim, pos, r);
 }
 
 static void cuda_qk_rope(luma_backend *be, luma_buf *q, luma_buf *k, const luma_weight *gq, const luma_weight *gk,
                          int32_t head_dim, float eps, const int32_t *pos, const luma_rope *r)
 {
-    luma_cuda_prog_flush(cu(be));
+    flush_all(cu(be));
     luma_cuda_qk_rope(be, q, k, gq, gk, head_dim, eps, pos, r);
 }
 
 static void cuda_gelu_mul(luma_backend *be, luma_buf *gate, const luma_buf *up)
 {
-    luma_cuda_prog_flush(cu(be));
+    flush_all(cu(be));
     luma_cuda_gelu_mul(be, gate, up);
 }
 
 static void cuda_silu_mul(luma_backend *be, luma_buf *gate, const luma_buf *up)
 {
-    luma_cuda_prog_flush(cu(be));
+    flush_all(cu(be));
     luma_cuda_silu_mul(be, gate, up);
 }
 
 static void cuda_add(luma_backend *be, luma_buf *x, const luma_buf *y)
 {
     if (luma_cuda_prog_add(cu(be), x, y)) return;
-    luma_cuda_prog_flush(cu(be));
+    flush_all(cu(be));
     luma_cuda_add(be, x, y);
 }
 
@@ -1033,6 +1043,7 @@ luma_backend *luma_backend_cuda_new(int device, luma_err *err)
      * "Decode-step programs"): LUMA_CUDA_PROGRAM=1 turns them on */
     const char *prog = getenv("LUMA_CUDA_PROGRAM");
     c->prog_on = prog && strcmp(prog, "1") == 0;
+    c->normq_on = !env_off("LUMA_CUDA_NORM_QUANT");
     c->repack_q6k = !env_off("LUMA_CUDA_Q6K_MMV");
     c->repack_x4 = !env_off("LUMA_CUDA_X4_MMV");
     c->repack_tc = !env_off("LUMA_CUDA_TC_MMV");

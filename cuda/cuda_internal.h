@@ -213,6 +213,23 @@ typedef struct cuda_backend {
      * by default, being measured slower than the kernels so far).
      * programs counts the launches (recorded ones once). */
     bool in_step, prog_on;
+    /* A residual norm waiting for the product that reads it (ops.cu,
+     * luma_cuda_norm_pend): while in_step, with no program open, an
+     * add_rmsnorm whose row fits norm_regs_f (norm.cuh) is not launched but
+     * kept here; the activation quantizer of the next product, when that
+     * product reads its out (matmul.cu, quantize_into), runs the norm and
+     * the quantization as one kernel (norm_quantize), and every other
+     * operation first launches the norm alone (luma_cuda_norm_flush). Same
+     * bits either way. normq_on from LUMA_CUDA_NORM_QUANT (0: off);
+     * norm_quants counts the joined launches (recorded ones once). */
+    struct {
+        bool on;
+        luma_buf x, y, out;
+        const luma_weight *yg, *g;
+        float eps;
+    } pend_norm;
+    bool normq_on;
+    long long norm_quants;
     struct prog_builder *prog;
     unsigned *prog_bar;        /* the program's grid barrier (2 counters) */
     long long programs;
@@ -440,6 +457,13 @@ void luma_cuda_qk_rope(luma_backend *be, luma_buf *q, luma_buf *k, const luma_we
 void luma_cuda_gelu_mul(luma_backend *be, luma_buf *gate, const luma_buf *up);
 void luma_cuda_silu_mul(luma_backend *be, luma_buf *gate, const luma_buf *up);
 void luma_cuda_add(luma_backend *be, luma_buf *x, const luma_buf *y);
+/* add_rmsnorm kept pending (cuda_backend.pend_norm) instead of launched:
+ * false, keeping nothing, where it cannot be (then the caller launches
+ * it). Any pending norm must have been flushed before. */
+bool luma_cuda_norm_pend(cuda_backend *c, luma_buf *x, const luma_buf *y, const luma_weight *yg,
+                         const luma_weight *g, float eps, luma_buf *out);
+/* Launches the pending norm alone, if there is one. */
+void luma_cuda_norm_flush(cuda_backend *c);
 
 /* ---- attention.cu -------------------------------------------------------- */
 

@@ -52,6 +52,7 @@
 #include "rope.cuh"
 #include "act.cuh"
 #include "program.cuh"
+#include "norm.cuh"
 
 #include <limits.h>
 #include <type_traits>
@@ -1254,6 +1255,41 @@ static __device__ __forceinline__ void put_qi(uint32_t *qi, int64_t cols, int m,
     }
 }
 
+/* The int8 values iq of a unit of 8 activations v and their block's scale
+ * d: Q8_0's blocks of 32 (4 lanes), Q8_K's of 256 (the warp). */
+template <int SCHEME>
+static __device__ __forceinline__ float q8_scale(const float v[8], int lane, int iq[8])
+{
+    if (SCHEME == ACT_Q8_0) {
+        float amax = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 8; j++) amax = fmaxf(amax, fabsf(v[j]));
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+        float dq = amax / 127.0f, id = dq != 0.0f ? 1.0f / dq : 0.0f;
+#pragma unroll
+        for (int j = 0; j < 8; j++) iq[j] = max(-127, min(127, (int)roundf(__fmul_rn(v[j], id))));
+        return __half2float(__float2half_rn(dq));
+    }
+    return q8k_warp(v, lane, iq);
+}
+
+/* Unit i's int8 values (two words) into q, its block's (d, d * sum) into
+ * ds (the block's first lane) and, where qi is not NULL, the values into
+ * the interleaved copy (put_qi: m rows of cols). Every lane takes part in
+ * the sums' shuffles; only live ones store. */
+static __device__ __forceinline__ void q8_store(const int iq[8], float d, int64_t i, bool live, int lane,
+                                                int8_t *__restrict__ q, float2 *__restrict__ ds,
+                                                uint32_t *__restrict__ qi, int64_t cols, int m)
+{
+    int sum = quad_sum(iq);
+    if (!live) return;
+    const uint2 packed = pack_q8(iq);
+    ((uint2 *)q)[i] = packed;
+    if (lane % 4 == 0) ds[i / 4] = make_float2(d, d * (float)sum);
+    if (qi) put_qi(qi, cols, m, i, packed);
+}
+
 template <int SCHEME, bool F16, int ACT = -1, bool PERM = false>
 static __global__ void quantize_act(const float *__restrict__ x, int64_t n8, int8_t *__restrict__ q,
                                     float2 *__restrict__ ds, __half *__restrict__ xh, const float *__restrict__ up,
@@ -1280,20 +1316,7 @@ static __global__ void quantize_act(const float *__restrict__ x, int64_t n8, int
         }
     }
     int lane = threadIdx.x % 32, iq[8];
-    float d;
-    if (SCHEME == ACT_Q8_0) {
-        float amax = 0.0f;
-#pragma unroll
-        for (int j = 0; j < 8; j++) amax = fmaxf(amax, fabsf(v[j]));
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-        float dq = amax / 127.0f, id = dq != 0.0f ? 1.0f / dq : 0.0f;
-#pragma unroll
-        for (int j = 0; j < 8; j++) iq[j] = max(-127, min(127, (int)roundf(__fmul_rn(v[j], id))));
-        d = __half2float(__float2half_rn(dq));
-    } else {
-        d = q8k_warp(v, lane, iq);
-    }
+    float d = q8_scale<SCHEME>(v, lane, iq);
     if (F16 && PERM) {
         /* each half superblock in rs_kernel's k order (blocks.cuh) */
         if (live) {
@@ -1312,12 +1335,41 @@ static __global__ void quantize_act(const float *__restrict__ x, int64_t n8, int
                                           pack_h2(d * (float)iq[6], d * (float)iq[7]));
         return;
     }
-    int sum = quad_sum(iq);
-    if (!live) return;
-    const uint2 packed = pack_q8(iq);
-    ((uint2 *)q)[i] = packed;
-    if (lane % 4 == 0) ds[i / 4] = make_float2(d, d * (float)sum);
-    if (qi) put_qi(qi, cols, m, i, packed);
+    q8_store(iq, d, i, live, lane, q, ds, qi, cols, m);
+}
+
+/* A residual add and RMSNorm (norm.cuh, add_rmsnorm_row) of row blockIdx.x
+ * into out, then out's quantization for a product, as quantize_act<SCHEME,
+ * false> makes it (the int8 values into q, ds and, where not NULL, qi):
+ * the same bits as add_rmsnorm_regs<F> followed by quantize_act. The CTA's
+ * threads take the row's units of 8 in turn; a row is whole blocks (32 or
+ * 256), so the lanes of a block (4, or the warp) are all in the row or all
+ * past it. */
+template <int F, int SCHEME>
+static __global__ void __launch_bounds__(NORM_THREADS)
+norm_quantize(float *x, const float *y, const float *yg, const float *g, int64_t cols, float eps, float *out,
+              bool early, int8_t *__restrict__ q, float2 *__restrict__ ds, uint32_t *__restrict__ qi, int m)
+{
+    follow_previous_kernel(early);
+    __shared__ float partial[NORM_THREADS / 32];
+    add_rmsnorm_row<F>(x, y, yg, g, cols, eps, out, partial);
+    __syncthreads();   /* the row's out, written by every thread, is read by others below */
+    const int64_t n8 = cols / 8;
+    const float *row = out + (size_t)blockIdx.x * (size_t)cols;
+    int lane = threadIdx.x % 32;
+    for (int64_t u0 = 0; u0 < n8; u0 += NORM_THREADS) {
+        const int64_t u = u0 + threadIdx.x;
+        const bool live = u < n8;
+        float v[8] = { 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f };
+        if (live) {
+            float4 a = ((const float4 *)row)[2 * u], b = ((const float4 *)row)[2 * u + 1];
+            v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
+            v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+        }
+        int iq[8];
+        float d = q8_scale<SCHEME>(v, lane, iq);
+        q8_store(iq, d, (int64_t)blockIdx.x * n8 + u, live, lane, q, ds, qi, cols, m);
+    }
 }
 
 /* Queues quantize_act for t's activation format: the f16 of d * q into xh
@@ -3002,9 +3054,50 @@ static act_rows act_rows_at(const luma_weight *w, const float *x, int64_t m, uin
     return a;
 }
 
+/* The pending norm (cuda_backend.pend_norm) and the quantization of its
+ * out for w into a, as one launch (norm_quantize), where x is that out;
+ * false, launching nothing, otherwise. */
+static bool norm_quant_into(cuda_backend *c, const luma_weight *w, const float *x, int64_t m, const act_rows &a)
+{
+    const bool k = luma_type_get(w->type)->act_type == LUMA_Q8_K;
+    const int f = norm_regs_f(w->cols);
+    if (!c->pend_norm.on || c->pend_norm.out.data != x || c->pend_norm.x.rows != m || c->pend_norm.x.cols != w->cols ||
+        w->cols % (k ? 256 : 32) != 0 || f == 0 || m > INT_MAX)
+        return false;
+    c->pend_norm.on = false;
+    float *nx = c->pend_norm.x.data, *out = c->pend_norm.out.data;
+    const float *ny = c->pend_norm.y.data, *yg = c->pend_norm.yg ? (const float *)c->pend_norm.yg->dev : NULL,
+                *g = (const float *)c->pend_norm.g->dev;
+    const float eps = c->pend_norm.eps;
+    int8_t *q = (int8_t *)a.q;
+    float2 *ds = (float2 *)a.ds;
+    uint32_t *qi = (uint32_t *)a.qi;
+    const bool early = c->early >= 1;   /* as the quantizer */
+    const unsigned grid = (unsigned)m;
+#define NQ_LAUNCH(F, S)                                                                                            \
+    luma_launch(c, c->stream, grid, NORM_THREADS, 0, norm_quantize<F, S>, nx, ny, yg, g, w->cols, eps, out, early, q, \
+                ds, qi, (int)m)
+    switch (f * 2 + k) {
+    case 2: NQ_LAUNCH(1, ACT_Q8_0); break;
+    case 3: NQ_LAUNCH(1, ACT_Q8_K); break;
+    case 4: NQ_LAUNCH(2, ACT_Q8_0); break;
+    case 5: NQ_LAUNCH(2, ACT_Q8_K); break;
+    case 8: NQ_LAUNCH(4, ACT_Q8_0); break;
+    case 9: NQ_LAUNCH(4, ACT_Q8_K); break;
+    case 16: NQ_LAUNCH(8, ACT_Q8_0); break;
+    default: NQ_LAUNCH(8, ACT_Q8_K); break;
+    }
+#undef NQ_LAUNCH
+    c->norm_quants++;
+    luma_cuda_fail(c, cudaGetLastError(), "add_rmsnorm with the activations' quantization");
+    return true;
+}
+
 static void quantize_into(cuda_backend *c, const luma_weight *w, const float *x, int64_t m, uint8_t *s)
 {
     act_rows a = act_rows_at(w, x, m, s);
+    if (norm_quant_into(c, w, x, m, a)) return;
+    luma_cuda_norm_flush(c);
     quantize_launch<-1>(c, w->type, NULL, x, NULL, m * w->cols, (int8_t *)a.q, (float2 *)a.ds, NULL, (uint32_t *)a.qi,
                         w->cols, (int)m);
 }
@@ -3632,7 +3725,11 @@ static bool takes_vec(const cuda_backend *c, const luma_weight *w, const float *
 void luma_cuda_matmul(cuda_backend *c, const luma_weight *w, const float *x, int64_t m, float *y)
 {
     if (!LUMA_CUDA_OK(c) || m <= 0 || w->rows <= 0 || !matmul_ok(c, w)) return;
-    if (takes_vec(c, w, x, m)) {
+    const bool vec = takes_vec(c, w, x, m);
+    /* a pending norm joins the quantizer of mm_vec (quantize_into); the
+     * other paths read x first */
+    if (!vec || is_float_type(w->type) || c->float_act) luma_cuda_norm_flush(c);
+    if (vec) {
         if (c->float_act && !is_float_type(w->type)) mm_float(c, w, x, m, y);
         else mm_vec(c, w, x, m, y);
     } else if (!luma_cuda_mmq(c, w, x, m, y)) mm_tensor(c, w, x, m, y);   /* mmq.cu: where it measured faster */
@@ -3823,6 +3920,13 @@ void luma_cuda_matmul_many(cuda_backend *c, int n, const luma_weight *const *ws,
             need += f == FMT_KF ? align256((size_t)m * (size_t)w->cols * sizeof(float)) : act_q_bytes(m, w->cols);
         }
     }
+    /* a pending norm joins the first quantizer below (quantize_into) where
+     * every product reads x quantized; otherwise it runs first */
+    for (int i = 0; i < n && i < LUMA_MATMUL_MANY; i++)
+        if (fmt_of[i] == NONE || fmt_of[i] == FMT_KF) {
+            luma_cuda_norm_flush(c);
+            break;
+        }
     /* the others first: their paths may grow the scratch, and move it.
      * Weights for cuBLAS on a resident f16 copy share one conversion of x
      * per activation format, like the matrix-vector ones, and weights for
@@ -3929,6 +4033,20 @@ void luma_cuda_matmul_many(cuda_backend *c, int n, const luma_weight *const *ws,
         if (k > 1 && LUMA_CUDA_OK(c) && mm_vec_run_many(c, same, ys_same, k, a, m)) continue;
         for (int j = 0; j < k && LUMA_CUDA_OK(c); j++) mm_vec_run(c, same[j], a, m, ys_same[j]);
     }
+}
+
+/* How many norms have been joined to a quantizer (for the tests). */
+extern "C" long long luma_cuda_norm_quants(luma_backend *be)
+{
+    return ((cuda_backend *)be)->norm_quants;
+}
+
+/* Norms joined to the quantizer that follows them, or not (for the tests). */
+extern "C" void luma_cuda_set_norm_quant(luma_backend *be, bool on)
+{
+    cuda_backend *c = (cuda_backend *)be;
+    luma_cuda_norm_flush(c);
+    c->normq_on = on;
 }
 
 /* How many sets matmul_many has split over its two streams (for the tests). */

@@ -21,8 +21,9 @@
 #include "launch.cuh"
 #include "act.cuh"
 #include "rope.cuh"
+#include "norm.cuh"
 
-#define THREADS 256
+#define THREADS NORM_THREADS
 
 static cuda_backend *cu(luma_backend *be) { return (cuda_backend *)be; }
 
@@ -195,15 +196,6 @@ void luma_cuda_gather(luma_backend *be, const luma_buf *x, const int32_t *rows, 
 
 /* ---- RMSNorm ------------------------------------------------------------- */
 
-/* The squares of a float4's elements summed, with every rounding written
- * out (left to contraction, x * x + y * y became fma(x, x, y * y) in one
- * kernel and fma(y, y, x * x) in another): the bits of a norm must not
- * depend on the kernel that computes it. */
-__device__ static inline float sq4(float4 v)
-{
-    return fmaf(v.w, v.w, fmaf(v.z, v.z, fmaf(v.y, v.y, v.x * v.x)));
-}
-
 template <bool VEC>
 __device__ static float sum_squares(const float *x, int64_t n, int lane, int width)
 {
@@ -284,89 +276,25 @@ void luma_cuda_rmsnorm(luma_backend *be, const luma_buf *x, const luma_weight *g
 
 /* ---- residual add + RMSNorm ---------------------------------------------- */
 
-/* 1 / RMS of the row src (cols floats) over the whole block, reduced as
- * rmsnorm_kernel<THREADS> reduces it, so that both give the same bits. */
-__device__ static float block_inv_rms(float ss, int64_t cols, float eps, float *partial)
-{
-    for (int o = 16; o > 0; o /= 2) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-    __syncthreads();   /* partial may still be read by an earlier reduction */
-    if (threadIdx.x % 32 == 0) partial[threadIdx.x / 32] = ss;
-    __syncthreads();
-    ss = 0.0f;
-    for (int w = 0; w < THREADS / 32; w++) ss += partial[w];
-    return 1.0f / sqrtf(ss / (float)cols + eps);
-}
-
 template <bool VEC>
 __device__ static float row_inv_rms(const float *src, int64_t cols, float eps, float *partial)
 {
     return block_inv_rms(sum_squares<VEC>(src, cols, threadIdx.x, THREADS), cols, eps, partial);
 }
 
-/* a + b * s * w for a post-norm residual, as one fused multiply-add of
- * (b * s) and w onto a: the same rounding in every kernel that adds one */
-__device__ static inline float4 add_scaled(float4 a, float4 b, float s, float4 w)
-{
-    return make_float4(fmaf(b.x * s, w.x, a.x), fmaf(b.y * s, w.y, a.y), fmaf(b.z * s, w.z, a.z),
-                       fmaf(b.w * s, w.w, a.w));
-}
-
 /* add_rmsnorm_kernel<true> for rows of at most THREADS * 4 * F floats with
- * the row in registers: every load of the row (x, y and both gains) is
- * issued at once, where the loops below wait for one load after another (a
- * store to x may alias the next load): a decode step's row of 4096 took 6
- * us that way. Same operations in the same order, so the same bits. */
+ * the row in registers (norm.cuh): every load of the row (x, y and both
+ * gains) is issued at once, where the loops below wait for one load after
+ * another (a store to x may alias the next load): a decode step's row of
+ * 4096 took 6 us that way. Same operations in the same order, so the same
+ * bits. */
 template <int F>
 __global__ static void add_rmsnorm_regs(float *x, const float *y, const float *yg, const float *g, int64_t cols,
                                         float eps, float *out, bool early)
 {
     follow_previous_kernel(early);
     __shared__ float partial[THREADS / 32];
-    size_t off = (size_t)blockIdx.x * (size_t)cols;
-    float4 *xr = (float4 *)(x + off), *dst = (float4 *)(out + off);
-    const float4 *yr = (const float4 *)(y + off), *ygr = (const float4 *)yg, *gr = (const float4 *)g;
-    int64_t n4 = cols / 4;
-    float4 a[F], b[F], w[F], gw[F];
-#pragma unroll
-    for (int f = 0; f < F; f++) {
-        int64_t k = threadIdx.x + (int64_t)f * THREADS;
-        a[f] = b[f] = w[f] = gw[f] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        if (k < n4) {
-            a[f] = xr[k];
-            b[f] = yr[k];
-            gw[f] = gr[k];
-            if (yg) w[f] = ygr[k];
-        }
-    }
-    float ss = 0.0f;
-    if (yg) {
-#pragma unroll
-        for (int f = 0; f < F; f++)
-            if (threadIdx.x + (int64_t)f * THREADS < n4) ss += sq4(b[f]);
-        float sy = block_inv_rms(ss, cols, eps, partial);
-#pragma unroll
-        for (int f = 0; f < F; f++) a[f] = add_scaled(a[f], b[f], sy, w[f]);
-    } else {
-#pragma unroll
-        for (int f = 0; f < F; f++) a[f] = make_float4(a[f].x + b[f].x, a[f].y + b[f].y, a[f].z + b[f].z, a[f].w + b[f].w);
-    }
-    ss = 0.0f;
-#pragma unroll
-    for (int f = 0; f < F; f++) {
-        int64_t k = threadIdx.x + (int64_t)f * THREADS;
-        if (k < n4) {
-            xr[k] = a[f];
-            ss += sq4(a[f]);
-        }
-    }
-    float sx = block_inv_rms(ss, cols, eps, partial);
-#pragma unroll
-    for (int f = 0; f < F; f++) {
-        int64_t k = threadIdx.x + (int64_t)f * THREADS;
-        if (k < n4)
-            dst[k] = make_float4(a[f].x * sx * gw[f].x, a[f].y * sx * gw[f].y, a[f].z * sx * gw[f].z,
-                                 a[f].w * sx * gw[f].w);
-    }
+    add_rmsnorm_row<F>(x, y, yg, g, cols, eps, out, partial);
 }
 
 /* A block per row: x += (yg ? y * rms(y) * yg : y), out = x * rms(x) * g.
@@ -420,19 +348,19 @@ void luma_cuda_add_rmsnorm(luma_backend *be, luma_buf *x, const luma_buf *y, con
     /* float4 a thread of the row in registers; LUMA_CUDA_NORM_REGS=0 (read
      * at every call, for test_cuda's bit comparison) takes the loops */
     const char *regs = getenv("LUMA_CUDA_NORM_REGS");
-    int64_t per = regs && strcmp(regs, "0") == 0 ? INT64_MAX : (x->cols / 4 + THREADS - 1) / THREADS;
+    int f = regs && strcmp(regs, "0") == 0 ? 0 : norm_regs_f(x->cols);
     unsigned grid = (unsigned)x->rows;
     const bool early = c->early >= 2;
-    if (vec && per <= 1)
+    if (vec && f == 1)
         luma_launch(c, c->stream, grid, THREADS, 0, add_rmsnorm_regs<1>, x->data, y->data, ygd, gd, x->cols, eps,
                     out->data, early);
-    else if (vec && per <= 2)
+    else if (vec && f == 2)
         luma_launch(c, c->stream, grid, THREADS, 0, add_rmsnorm_regs<2>, x->data, y->data, ygd, gd, x->cols, eps,
                     out->data, early);
-    else if (vec && per <= 4)
+    else if (vec && f == 4)
         luma_launch(c, c->stream, grid, THREADS, 0, add_rmsnorm_regs<4>, x->data, y->data, ygd, gd, x->cols, eps,
                     out->data, early);
-    else if (vec && per <= 8)
+    else if (vec && f == 8)
         luma_launch(c, c->stream, grid, THREADS, 0, add_rmsnorm_regs<8>, x->data, y->data, ygd, gd, x->cols, eps,
                     out->data, early);
     else if (vec)
@@ -442,6 +370,37 @@ void luma_cuda_add_rmsnorm(luma_backend *be, luma_buf *x, const luma_buf *y, con
         luma_launch(c, c->stream, (unsigned)x->rows, THREADS, 0, add_rmsnorm_kernel<false>, x->data, y->data, ygd, gd,
                     x->cols, eps, out->data, early);
     luma_cuda_fail(c, cudaGetLastError(), "add_rmsnorm");
+}
+
+bool luma_cuda_norm_pend(cuda_backend *c, luma_buf *x, const luma_buf *y, const luma_weight *yg,
+                         const luma_weight *g, float eps, luma_buf *out)
+{
+    if (!c->normq_on || !c->in_step || c->float_act || luma_cuda_prog_active(c) || !LUMA_CUDA_OK(c) ||
+        c->pend_norm.on || x->rows < 1 || x->cols < 1 || y->rows != x->rows || y->cols != x->cols ||
+        g->cols != x->cols || (yg && yg->cols != x->cols) || x->cols % 4 != 0 || norm_regs_f(x->cols) == 0 ||
+        !aligned16(x->data) || !aligned16(y->data) || !aligned16(out->data) || !aligned16(g->dev) ||
+        (yg && !aligned16(yg->dev)) || out->data == x->data || out->data == y->data)
+        return false;
+    const char *regs = getenv("LUMA_CUDA_NORM_REGS");   /* the loops asked for: launched as asked */
+    if (regs && strcmp(regs, "0") == 0) return false;
+    out->rows = x->rows;
+    out->cols = x->cols;
+    c->pend_norm.on = true;
+    c->pend_norm.x = *x;
+    c->pend_norm.y = *y;
+    c->pend_norm.out = *out;
+    c->pend_norm.yg = yg;
+    c->pend_norm.g = g;
+    c->pend_norm.eps = eps;
+    return true;
+}
+
+void luma_cuda_norm_flush(cuda_backend *c)
+{
+    if (!c->pend_norm.on) return;
+    c->pend_norm.on = false;
+    luma_cuda_add_rmsnorm(&c->base, &c->pend_norm.x, &c->pend_norm.y, c->pend_norm.yg, c->pend_norm.g,
+                          c->pend_norm.eps, &c->pend_norm.out);
 }
 
 /* ---- RoPE ---------------------------------------------------------------- */

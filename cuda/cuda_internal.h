@@ -215,9 +215,10 @@ typedef struct cuda_backend {
     bool in_step, prog_on;
     /* A residual norm waiting for the product that reads it (ops.cu,
      * luma_cuda_norm_pend): while in_step, with no program open, an
-     * add_rmsnorm whose row fits norm_regs_f (norm.cuh) is not launched but
-     * kept here; the activation quantizer of the next product, when that
-     * product reads its out (matmul.cu, quantize_into), runs the norm and
+     * add_rmsnorm of at most 8 rows (ops.cu, normq_max_rows) whose rows fit
+     * norm_regs_f (norm.cuh) is not launched but kept here; the activation
+     * quantizer of the next product, when that product reads its out
+     * (matmul.cu, quantize_into), runs the norm and
      * the quantization as one kernel (norm_quantize), and every other
      * operation first launches the norm alone (luma_cuda_norm_flush). Same
      * bits either way. normq_on from LUMA_CUDA_NORM_QUANT (0: off);

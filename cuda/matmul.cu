@@ -3072,7 +3072,10 @@ static bool norm_quant_into(cuda_backend *c, const luma_weight *w, const float *
     int8_t *q = (int8_t *)a.q;
     float2 *ds = (float2 *)a.ds;
     uint32_t *qi = (uint32_t *)a.qi;
-    const bool early = c->early >= 1;   /* as the quantizer */
+    /* as the norm, not as the quantizer: the kernel before it is a product
+     * or the attention, whose later CTAs the next product's, placed early
+     * and waiting, would keep off the SMs */
+    const bool early = c->early >= 2;
     const unsigned grid = (unsigned)m;
 #define NQ_LAUNCH(F, S)                                                                                            \
     luma_launch(c, c->stream, grid, NORM_THREADS, 0, norm_quantize<F, S>, nx, ny, yg, g, w->cols, eps, out, early, q, \

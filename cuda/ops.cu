@@ -372,13 +372,27 @@ void luma_cuda_add_rmsnorm(luma_backend *be, luma_buf *x, const luma_buf *y, con
     luma_cuda_fail(c, cudaGetLastError(), "add_rmsnorm");
 }
 
+/* The most rows whose norm waits for the quantizer (LUMA_CUDA_NORMQ_ROWS
+ * in the environment, read once; 8 by default): joined, Gemma 3's batch 1
+ * measured about 3% faster and the 7B's 1 to 8 rows about 1%, but the 7B's
+ * 16 and 32 rows 2 to 4% slower (cuda/NOTES.md, "A residual norm joined to
+ * the quantizer after it"). */
+static int64_t normq_max_rows(void)
+{
+    static const int64_t n = [] {
+        const char *e = getenv("LUMA_CUDA_NORMQ_ROWS");
+        return e && *e ? (int64_t)strtoll(e, NULL, 10) : (int64_t)8;
+    }();
+    return n;
+}
+
 bool luma_cuda_norm_pend(cuda_backend *c, luma_buf *x, const luma_buf *y, const luma_weight *yg,
                          const luma_weight *g, float eps, luma_buf *out)
 {
     if (!c->normq_on || !c->in_step || c->float_act || luma_cuda_prog_active(c) || !LUMA_CUDA_OK(c) ||
-        c->pend_norm.on || x->rows < 1 || x->cols < 1 || y->rows != x->rows || y->cols != x->cols ||
-        g->cols != x->cols || (yg && yg->cols != x->cols) || x->cols % 4 != 0 || norm_regs_f(x->cols) == 0 ||
-        !aligned16(x->data) || !aligned16(y->data) || !aligned16(out->data) || !aligned16(g->dev) ||
+        c->pend_norm.on || x->rows < 1 || x->rows > normq_max_rows() || x->cols < 1 || y->rows != x->rows ||
+        y->cols != x->cols || g->cols != x->cols || (yg && yg->cols != x->cols) || x->cols % 4 != 0 ||
+        norm_regs_f(x->cols) == 0 || !aligned16(x->data) || !aligned16(y->data) || !aligned16(out->data) || !aligned16(g->dev) ||
         (yg && !aligned16(yg->dev)) || out->data == x->data || out->data == y->data)
         return false;
     const char *regs = getenv("LUMA_CUDA_NORM_REGS");   /* the loops asked for: launched as asked */

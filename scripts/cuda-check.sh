@@ -4,7 +4,10 @@
 #   2. ctest -R cuda (test_cuda: every op against the CPU backend and the
 #      default model on both backends; test_cuda_matmul: the matrix products);
 #   3. compute-sanitizer memcheck over the whole of test_cuda;
-#   4. compute-sanitizer racecheck over a reduced run (LUMA_CUDA_QUICK=1);
+#   4. compute-sanitizer racecheck over a reduced run (LUMA_CUDA_QUICK=1),
+#      and memcheck over test_cuda_normq (the joined norm and quantizer on
+#      three synthetic models; racecheck there reports only cuBLAS's own
+#      kernels, which synchronize in ways it does not follow);
 #   5. both tools over test_cuda_mmq's small shapes (LUMA_CUDA_QUICK=1):
 #      the tensor-core kernels with their copy rings and cluster splits,
 #      whose results the test checks (racecheck's slower warps can show a
@@ -78,6 +81,7 @@ sanitizer() {
 
 memcheck() { sanitizer --tool memcheck "./$BUILD/test_cuda"; }
 racecheck() { LUMA_CUDA_QUICK=1 sanitizer --tool racecheck "./$BUILD/test_cuda"; }
+memcheck_normq() { sanitizer --tool memcheck "./$BUILD/test_cuda_normq"; }
 memcheck_mmq() { LUMA_CUDA_QUICK=1 sanitizer --tool memcheck "./$BUILD/test_cuda_mmq"; }
 racecheck_mmq() { LUMA_CUDA_QUICK=1 sanitizer --tool racecheck "./$BUILD/test_cuda_mmq"; }
 
@@ -92,6 +96,7 @@ if step "configure" configure && step "build" build; then
     step "ctest -R cuda" ctest --test-dir "$BUILD" -R cuda --output-on-failure
     step "memcheck test_cuda" memcheck
     step "racecheck test_cuda (quick)" racecheck
+    step "memcheck test_cuda_normq" memcheck_normq
     step "memcheck test_cuda_mmq (quick)" memcheck_mmq
     step "racecheck test_cuda_mmq (quick)" racecheck_mmq
 fi

@@ -20,7 +20,7 @@
 # ~/.cache/luma/models/gemma-3-270m-q4_k_m.gguf (test_cuda fails without it).
 # BUILD (build-cuda), JOBS (all cores) and LUMA_CMAKE_ARGS (extra arguments
 # for cmake, e.g. where Lua is) may be set in the environment; test_cuda_graphs
-# reads its vocabulary from LUMA_VOCAB or ../shared.
+# reads its vocabulary from LUMA_VOCAB, ../shared or the default model.
 set -u
 cd "$(dirname "$0")/.."
 BUILD=${BUILD:-build-cuda}

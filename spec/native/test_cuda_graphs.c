@@ -6,7 +6,8 @@
  * arguments, recorded or not). Synthetic gemma3 and llama models (sliding
  * windows, GQA, the Q4_K_M mix) are written first, so the test needs no
  * download; their vocabulary comes from $LUMA_VOCAB, else the shared
- * llama-spm vocabulary beside the repository. Then times a decode step of
+ * llama-spm vocabulary beside the repository, else the default model
+ * (testutil.h, luma_test_vocab_path). Then times a decode step of
  * each batch size both ways. */
 #define _POSIX_C_SOURCE 200809L
 #include <stdio.h>

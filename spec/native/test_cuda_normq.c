@@ -4,7 +4,7 @@
  *
  * Three synthetic models in the Q4_K_M mix, each written first (the
  * vocabulary from $LUMA_VOCAB, else the shared llama-spm one beside the
- * repository):
+ * repository, else the default model's):
  *   gemma3 640   Gemma 3 270M's width: Q5_0 and Q8_0 products over 640
  *                columns (8-bit activations in blocks of 32, a float4 a
  *                thread of the row);

@@ -5,8 +5,9 @@
  * 8 KV heads, FFN 14336) in the Q4_K_M mix, 4 layers (so that attn_v and
  * ffn_down are Q4_K in two layers and Q6_K in the others), written first;
  * its vocabulary comes from $LUMA_VOCAB, else the shared llama-spm
- * vocabulary beside the repository. The same prompt and the same forced
- * tokens then run, one decode step at a time, on:
+ * vocabulary beside the repository, else the default model's. The same
+ * prompt and the same forced tokens then run, one decode step at a time,
+ * on:
  *   cpu     the CPU backend;
  *   off     the GPU with programs off (the ordinary kernels);
  *   on      the GPU with programs on (they are off by default), recorded

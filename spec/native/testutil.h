@@ -267,9 +267,12 @@ static inline bool luma_test_model_path(char *buf, size_t size)
 }
 
 #ifdef LUMA_SOURCE_DIR
-/* A vocabulary for synthetic models: $LUMA_VOCAB when set, else the shared
- * llama-spm vocabulary beside the repository, into buf; true when that file
- * opens. */
+/* A vocabulary for synthetic models, into buf: $LUMA_VOCAB when set; else
+ * the shared llama-spm vocabulary beside the repository (32,000 tokens)
+ * where there is one; else the default model's (luma_test_model_path: its
+ * 262,144 tokens make the synthetic embeddings and outputs larger and the
+ * tests slower, but a clone without the shared folder has it once fetched).
+ * True when the file opens. */
 static inline bool luma_test_vocab_path(char *buf, size_t size)
 {
     const char *env = getenv("LUMA_VOCAB");
@@ -278,8 +281,14 @@ static inline bool luma_test_vocab_path(char *buf, size_t size)
                                    LUMA_SOURCE_DIR);
     if (n < 0 || (size_t)n >= size) return false;
     FILE *f = fopen(buf, "rb");
-    if (!f) return false;
-    fclose(f);
+    if (f) {
+        fclose(f);
+        return true;
+    }
+    if (env && *env) return false;
+    char model[1024];
+    if (!luma_test_model_path(model, sizeof model) || strlen(model) >= size) return false;
+    snprintf(buf, size, "%s", model);
     return true;
 }
 #endif

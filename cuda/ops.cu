@@ -330,6 +330,23 @@ __global__ static void add_rmsnorm_kernel(float *x, const float *y, const float 
     }
 }
 
+/* Whether add_rmsnorm's rows may be read as float4s (the VEC kernels). */
+static bool add_rmsnorm_vec(const luma_buf *x, const luma_buf *y, const float *ygd, const float *gd,
+                            const luma_buf *out)
+{
+    return x->cols % 4 == 0 && aligned16(x->data) && aligned16(y->data) && aligned16(out->data) && aligned16(gd) &&
+           (!ygd || aligned16(ygd));
+}
+
+/* add_rmsnorm_regs' F for a row of cols, 0 for the loops: past 8 float4s a
+ * thread, or with LUMA_CUDA_NORM_REGS=0 in the environment (read at every
+ * call, for test_cuda's bit comparison). */
+static int add_rmsnorm_f(int64_t cols)
+{
+    const char *regs = getenv("LUMA_CUDA_NORM_REGS");
+    return regs && strcmp(regs, "0") == 0 ? 0 : norm_regs_f(cols);
+}
+
 void luma_cuda_add_rmsnorm(luma_backend *be, luma_buf *x, const luma_buf *y, const luma_weight *yg,
                            const luma_weight *g, float eps, luma_buf *out)
 {
@@ -343,12 +360,8 @@ void luma_cuda_add_rmsnorm(luma_backend *be, luma_buf *x, const luma_buf *y, con
         return;
     }
     const float *ygd = yg ? (const float *)yg->dev : NULL, *gd = (const float *)g->dev;
-    bool vec = x->cols % 4 == 0 && aligned16(x->data) && aligned16(y->data) && aligned16(out->data) &&
-               aligned16(gd) && (!ygd || aligned16(ygd));
-    /* float4 a thread of the row in registers; LUMA_CUDA_NORM_REGS=0 (read
-     * at every call, for test_cuda's bit comparison) takes the loops */
-    const char *regs = getenv("LUMA_CUDA_NORM_REGS");
-    int f = regs && strcmp(regs, "0") == 0 ? 0 : norm_regs_f(x->cols);
+    const bool vec = add_rmsnorm_vec(x, y, ygd, gd, out);
+    const int f = add_rmsnorm_f(x->cols);   /* float4s a thread of the row in registers */
     unsigned grid = (unsigned)x->rows;
     const bool early = c->early >= 2;
     if (vec && f == 1)
@@ -389,14 +402,15 @@ static int64_t normq_max_rows(void)
 bool luma_cuda_norm_pend(cuda_backend *c, luma_buf *x, const luma_buf *y, const luma_weight *yg,
                          const luma_weight *g, float eps, luma_buf *out)
 {
+    /* a norm the register kernel takes (the loops, asked for or not, are
+     * launched as they are), of valid shapes (luma_cuda_add_rmsnorm reports
+     * the others), not in place */
     if (!c->normq_on || !c->in_step || c->float_act || luma_cuda_prog_active(c) || !LUMA_CUDA_OK(c) ||
         c->pend_norm.on || x->rows < 1 || x->rows > normq_max_rows() || x->cols < 1 || y->rows != x->rows ||
-        y->cols != x->cols || g->cols != x->cols || (yg && yg->cols != x->cols) || x->cols % 4 != 0 ||
-        norm_regs_f(x->cols) == 0 || !aligned16(x->data) || !aligned16(y->data) || !aligned16(out->data) || !aligned16(g->dev) ||
-        (yg && !aligned16(yg->dev)) || out->data == x->data || out->data == y->data)
+        y->cols != x->cols || g->cols != x->cols || (yg && yg->cols != x->cols) ||
+        !add_rmsnorm_vec(x, y, yg ? (const float *)yg->dev : NULL, (const float *)g->dev, out) ||
+        add_rmsnorm_f(x->cols) == 0 || out->data == x->data || out->data == y->data)
         return false;
-    const char *regs = getenv("LUMA_CUDA_NORM_REGS");   /* the loops asked for: launched as asked */
-    if (regs && strcmp(regs, "0") == 0) return false;
     out->rows = x->rows;
     out->cols = x->cols;
     c->pend_norm.on = true;

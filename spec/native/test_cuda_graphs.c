@@ -27,21 +27,6 @@ static double now_s(void)
     return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
 }
 
-static luma_model *load(const char *path, bool graphs, luma_err *err)
-{
-    luma_model_params p;
-    luma_model_params_default(&p);
-    p.backend = "cuda";
-    p.n_ctx = 1024;
-    p.max_rows = 64;
-    p.kv_bytes = (int64_t)512 << 20;
-    if (!graphs) setenv("LUMA_CUDA_GRAPHS", "0", 1);
-    luma_model *m = NULL;
-    int rc = luma_model_load(path, &p, &m, err);
-    unsetenv("LUMA_CUDA_GRAPHS");
-    return rc == 0 ? m : NULL;
-}
-
 #define MAX_B 24
 #define STEPS 40
 
@@ -112,8 +97,8 @@ static void test_model(const char *preset, const char *vocab)
         CHECKF(0, "writing %s: %s", preset, err.msg);
         return;
     }
-    luma_model *m[2] = { load(path, true, &err), NULL };
-    if (m[0]) m[1] = load(path, false, &err);
+    luma_model *m[2] = { luma_test_load(path, "cuda", true, 1024, 64, (int64_t)512 << 20, &err), NULL };
+    if (m[0]) m[1] = luma_test_load(path, "cuda", false, 1024, 64, (int64_t)512 << 20, &err);
     if (!m[0] || !m[1]) {
         CHECKF(0, "loading %s on the GPU: %s", preset, err.msg);
     } else {

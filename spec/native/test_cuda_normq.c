@@ -40,21 +40,6 @@ void luma_cuda_set_norm_quant(luma_backend *be, bool on);
 #define STEPS 16
 #define MAX_SEQS 4
 
-static luma_model *load(const char *path, const char *backend, bool graphs, luma_err *err)
-{
-    luma_model_params p;
-    luma_model_params_default(&p);
-    p.backend = backend;
-    p.n_threads = 0;
-    p.n_ctx = 256;
-    p.max_rows = 64;
-    if (!graphs) setenv("LUMA_CUDA_GRAPHS", "0", 1);
-    luma_model *m = NULL;
-    int rc = luma_model_load(path, &p, &m, err);
-    unsetenv("LUMA_CUDA_GRAPHS");
-    return rc == 0 ? m : NULL;
-}
-
 /* n_seqs new sequences of m, each given the prompt (all in one step), then
  * STEPS steps of one forced token a sequence: every step's logits into out
  * ([STEPS][n_seqs][n_vocab]). */
@@ -83,13 +68,6 @@ static bool run(luma_model *m, int n_seqs, float *out, const char *name)
     return ok;
 }
 
-static size_t count_diff(const float *a, const float *b, size_t n)
-{
-    size_t d = 0;
-    for (size_t i = 0; i < n; i++) d += memcmp(&a[i], &b[i], sizeof(float)) != 0;
-    return d;
-}
-
 static void check_model(const luma_synth_params *sp, const char *label)
 {
     luma_err err = { { 0 } };
@@ -99,9 +77,9 @@ static void check_model(const luma_synth_params *sp, const char *label)
         CHECKF(0, "%s: writing the model: %s", label, err.msg);
         return;
     }
-    luma_model *cpu = load(path, "cpu", true, &err), *gpu = NULL, *eager = NULL;
-    if (cpu) gpu = load(path, "cuda", true, &err);
-    if (gpu) eager = load(path, "cuda", false, &err);
+    luma_model *cpu = luma_test_load(path, "cpu", true, 256, 64, 0, &err), *gpu = NULL, *eager = NULL;
+    if (cpu) gpu = luma_test_load(path, "cuda", true, 256, 64, 0, &err);
+    if (gpu) eager = luma_test_load(path, "cuda", false, 256, 64, 0, &err);
     if (!cpu || !gpu || !eager) {
         CHECKF(0, "%s: loading the model: %s", label, err.msg);
         goto done;
@@ -124,7 +102,7 @@ static void check_model(const luma_synth_params *sp, const char *label)
             int agree = 0;
             for (int r = 0; r < STEPS * n_seqs; r++)
                 agree += argmax(lc + (size_t)r * (size_t)nv, nv) == argmax(loff + (size_t)r * (size_t)nv, nv);
-            size_t d_on = count_diff(loff, lon, n), d_eager = count_diff(loff, leg, n);
+            size_t d_on = luma_test_bits_differ(loff, lon, n), d_eager = luma_test_bits_differ(loff, leg, n);
             printf("%s, %d sequences: joined %lld (off) / %lld (on, recorded) / %lld (eager, %d steps); on and eager "
                    "against off: %zu and %zu logits differ; top-1 with the CPU at %d of %d rows\n",
                    label, n_seqs, j1 - j0, j2 - j1, e1 - e0, STEPS, d_on, d_eager, agree, STEPS * n_seqs);

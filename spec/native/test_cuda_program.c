@@ -43,21 +43,6 @@ void luma_cuda_set_programs(luma_backend *be, bool on);
 
 static const char *run_names[RUNS] = { "cpu", "off", "on", "again", "eager" };
 
-static luma_model *load(const char *path, const char *backend, bool graphs, luma_err *err)
-{
-    luma_model_params p;
-    luma_model_params_default(&p);
-    p.backend = backend;
-    p.n_threads = 0;
-    p.n_ctx = 256;
-    p.max_rows = 64;
-    if (!graphs) setenv("LUMA_CUDA_GRAPHS", "0", 1);
-    luma_model *m = NULL;
-    int rc = luma_model_load(path, &p, &m, err);
-    unsetenv("LUMA_CUDA_GRAPHS");
-    return rc == 0 ? m : NULL;
-}
-
 /* The prompt, then STEPS single-token steps of the forced tokens, on a new
  * sequence of m: the logits of every decode step into out. */
 static bool run(luma_model *m, const int32_t *ids, float *out, const char *name)
@@ -103,9 +88,9 @@ int main(void)
         printf("test_cuda_program: FAIL: writing the model: %s\n", err.msg);
         return 1;
     }
-    luma_model *cpu = load(path, "cpu", true, &err), *gpu = NULL, *eager = NULL;
-    if (cpu) gpu = load(path, "cuda", true, &err);
-    if (gpu) eager = load(path, "cuda", false, &err);
+    luma_model *cpu = luma_test_load(path, "cpu", true, 256, 64, 0, &err), *gpu = NULL, *eager = NULL;
+    if (cpu) gpu = luma_test_load(path, "cuda", true, 256, 64, 0, &err);
+    if (gpu) eager = luma_test_load(path, "cuda", false, 256, 64, 0, &err);
     float *lg[RUNS] = { NULL };
     if (!cpu || !gpu || !eager) {
         CHECKF(0, "loading the model: %s", err.msg);
@@ -136,8 +121,7 @@ int main(void)
            STEPS);
 
     for (int r = 3; r < RUNS; r++) {
-        size_t diff = 0;
-        for (size_t i = 0; i < (size_t)STEPS * (size_t)nv; i++) diff += memcmp(&lg[2][i], &lg[r][i], sizeof(float)) != 0;
+        size_t diff = luma_test_bits_differ(lg[2], lg[r], (size_t)STEPS * (size_t)nv);
         printf("%s against on: %zu logits differ\n", run_names[r], diff);
         CHECKF(diff == 0, "%s: %zu logits differ from the recorded run", run_names[r], diff);
     }

@@ -266,6 +266,37 @@ static inline bool luma_test_model_path(char *buf, size_t size)
     return true;
 }
 
+#ifdef LUMA_MODEL_H
+/* The model at path on backend ("cpu", "cuda") with a context of n_ctx,
+ * steps of at most max_rows rows and a KV budget of kv_bytes (0: the
+ * default), CUDA graphs off while graphs is false (LUMA_CUDA_GRAPHS=0 while
+ * it loads; tests that include model.h define _POSIX_C_SOURCE for setenv).
+ * NULL, with err set, on failure. */
+static inline luma_model *luma_test_load(const char *path, const char *backend, bool graphs, int32_t n_ctx,
+                                         int32_t max_rows, int64_t kv_bytes, luma_err *err)
+{
+    luma_model_params p;
+    luma_model_params_default(&p);
+    p.backend = backend;
+    p.n_ctx = n_ctx;
+    p.max_rows = max_rows;
+    p.kv_bytes = kv_bytes;
+    if (!graphs) setenv("LUMA_CUDA_GRAPHS", "0", 1);
+    luma_model *m = NULL;
+    int rc = luma_model_load(path, &p, &m, err);
+    unsetenv("LUMA_CUDA_GRAPHS");
+    return rc == 0 ? m : NULL;
+}
+#endif
+
+/* Elements of a and b (n floats each) whose bits differ. */
+static inline size_t luma_test_bits_differ(const float *a, const float *b, size_t n)
+{
+    size_t d = 0;
+    for (size_t i = 0; i < n; i++) d += memcmp(&a[i], &b[i], sizeof(float)) != 0;
+    return d;
+}
+
 #ifdef LUMA_SOURCE_DIR
 /* A vocabulary for synthetic models, into buf: $LUMA_VOCAB when set; else
  * the shared llama-spm vocabulary beside the repository (32,000 tokens)

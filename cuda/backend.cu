@@ -785,6 +785,7 @@ static void cuda_free(luma_backend *be)
     cudaFree(c->sk_scratch.mem);
     if (c->staged) cudaEventSynchronize(c->staged);
     cudaFreeHost(c->host_stage);
+    cudaFreeHost(c->host_results);
     if (c->staged) cudaEventDestroy(c->staged);
     if (c->cublas) cublasDestroy(c->cublas);
     if (c->fork_ev) cudaEventDestroy(c->fork_ev);

@@ -112,6 +112,7 @@ typedef struct cuda_backend {
     void *host_stage;          /* pinned host staging for the step upload */
     size_t stage_cap;
     cudaEvent_t staged;        /* the last upload out of host_stage has completed */
+    void *host_results;        /* pinned host memory for the logits operations' results (logits.cu) */
     cuda_weight_copy *weights; /* made by weight_load, freed with the backend */
     int32_t n_weights, weights_cap;
     /* The f16 copies: the policy, the memory free at the first weight_load,

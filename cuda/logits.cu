@@ -19,7 +19,10 @@
  *
  * Each set's allocation carries a work area after its b->cap floats (the
  * argmax keys, the top-k results), so the operations need no other device
- * memory and never move a buffer a recorded step uses. */
+ * memory and never move a buffer a recorded step uses. Results come back
+ * through a small pinned buffer of the backend. The edits and temperature
+ * return nothing and are only queued: the next operation that returns a
+ * result waits for them. */
 #include <float.h>
 #include <math.h>
 #include <stdio.h>
@@ -35,7 +38,9 @@
 static cuda_backend *cu(luma_backend *be) { return (cuda_backend *)be; }
 
 /* The work area: after the floats, room for 8 bytes a row and at least
- * WORK_MIN (top-k's 2 x LUMA_TOPK_MAX results and count). */
+ * WORK_MIN (top-k's 2 x LUMA_TOPK_MAX results and count, then its blocks'
+ * keys), then WORK_ALIGN bytes whose first word counts top-k's blocks
+ * (topk_arrivals). */
 static size_t work_offset(const luma_buf *b)
 {
     return ((size_t)b->cap * sizeof(float) + WORK_ALIGN - 1) / WORK_ALIGN * WORK_ALIGN;
@@ -50,6 +55,28 @@ static size_t work_size(const luma_buf *b)
 static void *work(const luma_buf *b)
 {
     return (char *)b->data + work_offset(b);
+}
+
+/* topk_small_kernel's count of blocks done: 0 between launches (set at
+ * the allocation, and back by the launch's last block). */
+static unsigned int *topk_arrivals(const luma_buf *b)
+{
+    return (unsigned int *)((char *)work(b) + work_size(b));
+}
+
+/* Pinned host memory for a small result of bytes, the backend's (made at
+ * its first use), so that the copy back needs no staging; NULL where bytes
+ * is more or none could be had (the caller then mallocs). */
+#define HOST_RESULTS_BYTES ((size_t)32 << 10)
+
+static void *host_results(cuda_backend *c, size_t bytes)
+{
+    if (bytes > HOST_RESULTS_BYTES) return NULL;
+    if (!c->host_results && cudaMallocHost(&c->host_results, HOST_RESULTS_BYTES) != cudaSuccess) {
+        cudaGetLastError();
+        c->host_results = NULL;
+    }
+    return c->host_results;
 }
 
 /* ---- keys and block reductions ------------------------------------------ */
@@ -102,6 +129,14 @@ __device__ unsigned long long block_max_u64(unsigned long long v, unsigned long 
     return v;
 }
 
+/* The least power of two at or above n (1 for n <= 1). */
+__device__ __forceinline__ int pow2_at_least(int n)
+{
+    int p = 1;
+    while (p < n) p <<= 1;
+    return p;
+}
+
 /* Sorts a[0..n) (n a power of two) largest first: a bitonic network. */
 __device__ void block_sort_desc(unsigned long long *a, int n)
 {
@@ -119,6 +154,38 @@ __device__ void block_sort_desc(unsigned long long *a, int n)
             __syncthreads();
         }
     }
+}
+
+/* The same for n <= blockDim.x, in registers: thread t holds a[t]; a
+ * stage's strides below 32 are shuffles, the others go through a (two
+ * barriers), so a sort of 256 keys has 6 barrier stages instead of 36.
+ * Every thread of the block calls it; it starts and ends with the block
+ * synchronized, a written back. */
+__device__ void block_sort_small_desc(unsigned long long *a, int n)
+{
+    const int t = threadIdx.x;
+    __syncthreads();
+    unsigned long long v = t < n ? a[t] : 0;
+    for (int size = 2; size <= n; size <<= 1) {
+        for (int stride = size >> 1; stride > 0; stride >>= 1) {
+            unsigned long long o;
+            if (stride >= 32) {
+                __syncthreads();
+                if (t < n) a[t] = v;
+                __syncthreads();
+                o = t < n ? a[t ^ stride] : 0;
+            } else {
+                o = __shfl_xor_sync(0xffffffffu, v, stride);
+            }
+            /* of the pair, the lower index keeps the larger where the
+             * run of size sorts down */
+            const bool keep_max = ((t & size) == 0) == ((t & stride) == 0);
+            v = keep_max == (v > o) ? v : o;
+        }
+    }
+    __syncthreads();
+    if (t < n) a[t] = v;
+    __syncthreads();
 }
 
 /* ---- argmax of many rows ------------------------------------------------- */
@@ -160,7 +227,7 @@ argmax_kernel(const float *__restrict__ x, int64_t cols, int64_t chunk, unsigned
 #define TOPK_CAP 4096          /* candidates sorted in shared memory */
 #define TOPK_BITS 12           /* radix digit */
 #define TOPK_BINS (1 << TOPK_BITS)
-/* where the blocks' keys of the two-stage top-k go in the work area: after
+/* where the blocks' keys of the small-k top-k go in the work area: after
  * the results, 2 x LUMA_TOPK_MAX + 1 words (TOPK_CAP keys fit before WORK_MIN) */
 #define TOPK_CAND_OFFSET (32 << 10)
 
@@ -289,8 +356,7 @@ topk_kernel(const float *__restrict__ x, int64_t n, int32_t k, int32_t *out_ids,
         count = s_count < TOPK_CAP ? s_count : TOPK_CAP;
     }
 
-    int p = 1;
-    while (p < (int)count) p <<= 1;
+    const int p = pow2_at_least((int)count);
     for (int j = (int)count + tid; j < p; j += TOPK_THREADS) sm.cand[j] = 0;
     __syncthreads();
     block_sort_desc(sm.cand, p);
@@ -303,88 +369,105 @@ topk_kernel(const float *__restrict__ x, int64_t n, int32_t k, int32_t *out_ids,
     if (tid == 0) *out_count = got;
 }
 
-/* Small k, two stages: each block of TOPK_PART_THREADS finds the k best of
- * its TOPK_PART_CHUNK entries (all of them held as keys in shared memory),
- * then one block sorts the blocks' k best together. The best k overall are
- * among the blocks' best k, so the result is exact; many SMs share the
- * reading. */
+/* Small k, one launch: each block of TOPK_PART_THREADS finds the k best of
+ * its TOPK_PART_CHUNK entries (all of them held as keys in shared memory)
+ * and writes them to the work area; the last block to finish takes the
+ * blocks' k best together and selects the k best of those. The best k
+ * overall are among the blocks' best k, so the result is exact; many SMs
+ * share the reading, and neither stage sorts more than the few keys that
+ * can be in. */
 #define TOPK_PART_THREADS 256
 #define TOPK_PART_CHUNK 4096
-#define TOPK_PART_FEW 512      /* keys at or above a block's floor sorted alone */
+#define TOPK_FEW 512           /* keys at or above the floor sorted alone */
 
-/* The k best keys of entries [blockIdx.x * TOPK_PART_CHUNK, +chunk) of x
- * (0 for missing ones) into out[blockIdx.x * k ...]; k <= TOPK_PART_THREADS.
- * As in topk_kernel, the k-th best of the threads' own best keys is a floor
- * below which no key can be in; the keys above it are usually few and
- * sorted alone, else (many ties) the whole chunk is sorted. */
+/* The k best of the n keys a[0..n) in shared memory (0 for none; n <=
+ * TOPK_PART_CHUNK, k <= blockDim.x, a power of two), best first: the
+ * returned array's first k (0 past the live ones), in few or in a. Thread
+ * t's keys are a[t], a[t + blockDim.x], ...; the k-th best of the
+ * threads' maxima is a floor (k keys at least reach it, so none below it
+ * can be in), and the keys at or above it, usually a little more than k,
+ * are gathered into few and sorted alone. Where more than TOPK_FEW reach
+ * it (the best keys crowded into a few threads) a is sorted whole. Ends
+ * with the block synchronized. */
+__device__ const unsigned long long *block_select(unsigned long long *a, int n, int k, unsigned long long *few,
+                                                  unsigned long long *maxima, unsigned int *s_count)
+{
+    const int tid = threadIdx.x, nt = blockDim.x;
+    unsigned long long best = 0;
+    for (int j = tid; j < n; j += nt) best = a[j] > best ? a[j] : best;
+    maxima[tid] = best;
+    if (tid == 0) *s_count = 0;
+    block_sort_small_desc(maxima, nt);
+    const unsigned long long floor_key = maxima[k - 1] > 1 ? maxima[k - 1] : 1;
+    for (int j = tid; j < n; j += nt) {
+        unsigned long long key = a[j];
+        if (key < floor_key) continue;
+        unsigned int at = atomicAdd(s_count, 1u);
+        if (at < TOPK_FEW) few[at] = key;
+    }
+    __syncthreads();
+    int count = (int)*s_count;
+    unsigned long long *sorted = few;
+    int p = pow2_at_least(count > k ? count : k);
+    if (count > TOPK_FEW) {
+        sorted = a;
+        p = pow2_at_least(n);
+        count = n;
+    }
+    for (int j = count + tid; j < p; j += nt) sorted[j] = 0;
+    if (p <= nt) {
+        block_sort_small_desc(sorted, p);
+    } else {
+        __syncthreads();
+        block_sort_desc(sorted, p);
+    }
+    return sorted;
+}
+
+/* The k best live entries of x[0..n) (k <= TOPK_PART_THREADS, gridDim.x x
+ * k <= TOPK_PART_CHUNK), as topk_kernel writes them. Block b's k best go
+ * to cand[b k ...]; arrived counts the blocks done (0 before the launch,
+ * and the last block sets it back to 0). */
 __global__ void __launch_bounds__(TOPK_PART_THREADS)
-topk_part_kernel(const float *__restrict__ x, int64_t n, int32_t k, unsigned long long *out)
+topk_small_kernel(const float *__restrict__ x, int64_t n, int32_t k, unsigned long long *cand,
+                  unsigned int *arrived, int32_t *out_ids, float *out_vals, int32_t *out_count)
 {
     follow_previous_kernel();
     __shared__ unsigned long long keys[TOPK_PART_CHUNK];
-    __shared__ unsigned long long few[TOPK_PART_FEW];
+    __shared__ unsigned long long few[TOPK_FEW];
     __shared__ unsigned long long maxima[TOPK_PART_THREADS];
     __shared__ unsigned int s_count;
+    __shared__ bool s_last;
     const int tid = threadIdx.x;
     const int64_t lo = (int64_t)blockIdx.x * TOPK_PART_CHUNK;
-    unsigned long long best = 0;
+    /* each thread first reads back only the keys it wrote (block_select) */
     for (int j = tid; j < TOPK_PART_CHUNK; j += TOPK_PART_THREADS) {
         int64_t i = lo + j;
         float v = i < n ? x[i] : -INFINITY;
-        unsigned long long key = is_live(v) ? rank_key(v, i) : 0;
-        keys[j] = key;
-        best = key > best ? key : best;
+        keys[j] = is_live(v) ? rank_key(v, i) : 0;
     }
-    maxima[tid] = best;
-    if (tid == 0) s_count = 0;
+    const unsigned long long *best = block_select(keys, TOPK_PART_CHUNK, k, few, maxima, &s_count);
+    for (int j = tid; j < k; j += TOPK_PART_THREADS) cand[(int64_t)blockIdx.x * k + j] = best[j];
+    /* the last block to arrive sees every block's keys */
+    __threadfence();
     __syncthreads();
-    block_sort_desc(maxima, TOPK_PART_THREADS);
-    unsigned long long floor_key = maxima[k - 1] > 1 ? maxima[k - 1] : 1;
-    for (int j = tid; j < TOPK_PART_CHUNK; j += TOPK_PART_THREADS) {
-        unsigned long long key = keys[j];
-        if (key < floor_key) continue;
-        unsigned int at = atomicAdd(&s_count, 1u);
-        if (at < TOPK_PART_FEW) few[at] = key;
+    if (tid == 0) s_last = atomicAdd(arrived, 1u) == gridDim.x - 1;
+    __syncthreads();
+    if (!s_last) return;
+    __threadfence();
+    const int m = (int)gridDim.x * k;
+    for (int j = tid; j < m; j += TOPK_PART_THREADS) keys[j] = __ldcg(cand + j);
+    best = block_select(keys, m, k, few, maxima, &s_count);
+    const int got = __syncthreads_count(tid < k && best[tid] != 0);
+    if (tid < got) {
+        int32_t id = key_id(best[tid]);
+        out_ids[tid] = id;
+        out_vals[tid] = x[id];
     }
-    __syncthreads();
-    unsigned int count = s_count;
-    unsigned long long *sorted = few;
-    if (count <= TOPK_PART_FEW) {
-        for (int j = (int)count + tid; j < TOPK_PART_FEW; j += TOPK_PART_THREADS) few[j] = 0;
-        __syncthreads();
-        block_sort_desc(few, TOPK_PART_FEW);
-    } else {
-        block_sort_desc(keys, TOPK_PART_CHUNK);
-        sorted = keys;
+    if (tid == 0) {
+        *out_count = got;
+        *arrived = 0;
     }
-    for (int j = tid; j < k; j += TOPK_PART_THREADS) out[(int64_t)blockIdx.x * k + j] = sorted[j];
-}
-
-/* The k best of the m blocks' keys (m <= TOPK_CAP), as topk_kernel writes them. */
-__global__ void __launch_bounds__(TOPK_THREADS)
-topk_merge_kernel(const float *__restrict__ x, const unsigned long long *cand, int32_t m, int32_t k, int32_t *out_ids,
-                  float *out_vals, int32_t *out_count)
-{
-    follow_previous_kernel();
-    __shared__ unsigned long long sm[TOPK_CAP];
-    __shared__ unsigned int s_live;
-    const int tid = threadIdx.x;
-    int p = 1;
-    while (p < m) p <<= 1;
-    if (tid == 0) s_live = 0;
-    for (int j = tid; j < p; j += TOPK_THREADS) sm[j] = j < m ? cand[j] : 0;
-    __syncthreads();
-    block_sort_desc(sm, p);
-    for (int j = tid; j < k; j += TOPK_THREADS)
-        if (sm[j]) atomicAdd(&s_live, 1u);
-    __syncthreads();
-    int32_t got = (int32_t)s_live;
-    for (int j = tid; j < got; j += TOPK_THREADS) {
-        int32_t id = key_id(sm[j]);
-        out_ids[j] = id;
-        out_vals[j] = x[id];
-    }
-    if (tid == 0) *out_count = got;
 }
 
 /* ---- edits, temperature -------------------------------------------------- */
@@ -573,6 +656,17 @@ static int op_end(cuda_backend *c, const char *op, cudaError_t e, luma_err *err)
     return 0;
 }
 
+/* Checks that an operation with no result (an edit, temperature) was
+ * queued. It is not waited for: the next operation that returns a result,
+ * or reads the row, comes after it on the stream, waits for both and
+ * reports a failure of either. */
+static int op_queued(const char *op, cudaError_t e, luma_err *err)
+{
+    if (e == cudaSuccess) e = cudaGetLastError();
+    if (e != cudaSuccess) return luma_errf(err, "%s on the GPU: %s", op, cudaGetErrorString(e));
+    return 0;
+}
+
 int luma_cuda_logits_alloc(luma_backend *be, luma_buf *b, int64_t rows, int64_t cols, luma_err *err)
 {
     cuda_backend *c = cu(be);
@@ -581,7 +675,7 @@ int luma_cuda_logits_alloc(luma_backend *be, luma_buf *b, int64_t rows, int64_t 
     if (rows < 1 || cols < 1 || luma_mul_size((size_t)rows, (size_t)cols, &n) || n > SIZE_MAX / 2 / sizeof(float))
         return luma_errf(err, "a logits set of %lld x %lld is too large", (long long)rows, (long long)cols);
     t.cap = (int64_t)n;
-    if (luma_add_size(work_offset(&t), work_size(&t), &total))
+    if (luma_add_size(work_offset(&t), work_size(&t) + WORK_ALIGN, &total))
         return luma_errf(err, "a logits set of %lld x %lld is too large", (long long)rows, (long long)cols);
     void *d = NULL;
     cudaError_t e = cudaSetDevice(c->device);
@@ -595,6 +689,13 @@ int luma_cuda_logits_alloc(luma_backend *be, luma_buf *b, int64_t rows, int64_t 
     b->rows = rows;
     b->cols = cols;
     b->cap = (int64_t)n;
+    e = cudaMemsetAsync(topk_arrivals(b), 0, sizeof(unsigned int), c->stream);
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        cudaFree(d);
+        memset(b, 0, sizeof *b);
+        return luma_errf(err, "clearing a logits set's work area: %s", cudaGetErrorString(e));
+    }
     return 0;
 }
 
@@ -639,14 +740,15 @@ int luma_cuda_logits_argmax(luma_backend *be, const luma_buf *b, int64_t row0, i
         return luma_errf(err, "argmax: rows [%lld, +%lld) of a set of %lld", (long long)row0, (long long)n,
                          (long long)b->rows);
     unsigned long long *keys = (unsigned long long *)work(b);
-    unsigned long long *host = (unsigned long long *)malloc((size_t)n * sizeof *host);
+    unsigned long long *pinned = (unsigned long long *)host_results(c, (size_t)n * sizeof *pinned);
+    unsigned long long *host = pinned ? pinned : (unsigned long long *)malloc((size_t)n * sizeof *host);
     if (!host) return luma_errf(err, "argmax: out of memory for %lld rows", (long long)n);
     cudaError_t e = queue_argmax(c, b, row0, n, keys);
     if (e == cudaSuccess) e = cudaMemcpyAsync(host, keys, (size_t)n * sizeof *host, cudaMemcpyDeviceToHost, c->stream);
     int rc = op_end(c, "argmax", e, err);
     if (rc == 0)
         for (int64_t i = 0; i < n; i++) ids[i] = host[i] ? (int32_t)(0xffffffffu - (unsigned int)host[i]) : -1;
-    free(host);
+    if (!pinned) free(host);
     return rc;
 }
 
@@ -659,17 +761,17 @@ int32_t luma_cuda_logits_topk(luma_backend *be, const luma_buf *b, int64_t row, 
     /* ids [k], values [k], count: one copy back */
     static_assert(sizeof(int32_t) == sizeof(float), "ids and values pack alike");
     size_t words = 2 * (size_t)k + 1;
-    int32_t *host = (int32_t *)malloc(words * sizeof *host);
+    int32_t *pinned = (int32_t *)host_results(c, words * sizeof *pinned);
+    int32_t *host = pinned ? pinned : (int32_t *)malloc(words * sizeof *host);
     if (!host) return luma_errf(err, "top-k: out of memory");
     int32_t *d_ids = (int32_t *)work(b);
     const float *x = b->data + row * b->cols;
     int64_t parts = (b->cols + TOPK_PART_CHUNK - 1) / TOPK_PART_CHUNK;
-    if (k <= TOPK_PART_THREADS && parts * k <= TOPK_CAP) {
+    if (k <= TOPK_PART_THREADS && parts * k <= TOPK_PART_CHUNK) {
         /* the blocks' keys after the results (2 x LUMA_TOPK_MAX + 1 words) */
         unsigned long long *cand = (unsigned long long *)((char *)d_ids + TOPK_CAND_OFFSET);
-        luma_launch(c, c->stream, (unsigned)parts, TOPK_PART_THREADS, 0, topk_part_kernel, x, b->cols, k, cand);
-        luma_launch(c, c->stream, 1, TOPK_THREADS, 0, topk_merge_kernel, x, cand, (int32_t)(parts * k), k, d_ids,
-                    (float *)(d_ids + k), d_ids + 2 * k);
+        luma_launch(c, c->stream, (unsigned)parts, TOPK_PART_THREADS, 0, topk_small_kernel, x, b->cols, k, cand,
+                    topk_arrivals(b), d_ids, (float *)(d_ids + k), d_ids + 2 * k);
     } else {
         luma_launch(c, c->stream, 1, TOPK_THREADS, 0, topk_kernel, x, b->cols, k, d_ids, (float *)(d_ids + k),
                     d_ids + 2 * k);
@@ -682,7 +784,7 @@ int32_t luma_cuda_logits_topk(luma_backend *be, const luma_buf *b, int64_t row, 
         memcpy(ids, host, (size_t)got * sizeof *ids);
         memcpy(vals, host + k, (size_t)got * sizeof *vals);
     }
-    free(host);
+    if (!pinned) free(host);
     return got;
 }
 
@@ -710,7 +812,7 @@ int luma_cuda_logits_edit(luma_backend *be, luma_buf *b, int64_t row, const luma
                     e->presence);
         ce = cudaGetLastError();
     }
-    return op_end(c, op, ce, err);
+    return op_queued(op, ce, err);
 }
 
 int luma_cuda_logits_temperature(luma_backend *be, luma_buf *b, int64_t row, float t, luma_err *err)
@@ -721,7 +823,7 @@ int luma_cuda_logits_temperature(luma_backend *be, luma_buf *b, int64_t row, flo
     int64_t blocks = (b->cols + 255) / 256, most = 4 * (int64_t)c->n_sm;
     luma_launch(c, c->stream, (unsigned)(blocks < most ? blocks : most), 256, 0, temperature_kernel,
                 b->data + row * b->cols, b->cols, t);
-    return op_end(c, "temperature", cudaSuccess, err);
+    return op_queued("temperature", cudaSuccess, err);
 }
 
 int32_t luma_cuda_logits_sample(luma_backend *be, const luma_buf *b, int64_t row, double u, luma_err *err)
@@ -745,8 +847,11 @@ int32_t luma_cuda_logits_sample(luma_backend *be, const luma_buf *b, int64_t row
                     u, d_out);
         e = cudaGetLastError();
     }
-    if (e == cudaSuccess) e = cudaMemcpyAsync(&id, d_out, sizeof id, cudaMemcpyDeviceToHost, c->stream);
+    int32_t *host = (int32_t *)host_results(c, sizeof id);
+    if (!host) host = &id;
+    if (e == cudaSuccess) e = cudaMemcpyAsync(host, d_out, sizeof id, cudaMemcpyDeviceToHost, c->stream);
     if (op_end(c, "sample", e, err)) return -1;
+    id = *host;
     if (id < 0) return luma_errf(err, "sample: every logit is masked");
     return id;
 }

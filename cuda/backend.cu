@@ -783,6 +783,7 @@ static void cuda_free(luma_backend *be)
     cudaFree(c->scratch);
     cudaFree(c->attn_scratch.mem);
     cudaFree(c->sk_scratch.mem);
+    cudaFree(c->topk_mem);
     if (c->staged) cudaEventSynchronize(c->staged);
     cudaFreeHost(c->host_stage);
     cudaFreeHost(c->host_results);
@@ -987,6 +988,7 @@ static const luma_backend_ops cuda_ops = {
     .logits_free = luma_cuda_logits_free,
     .logits_argmax = luma_cuda_logits_argmax,
     .logits_topk = luma_cuda_logits_topk,
+    .logits_topk_rows = luma_cuda_logits_topk_rows,
     .logits_edit = luma_cuda_logits_edit,
     .logits_temperature = luma_cuda_logits_temperature,
     .logits_sample = luma_cuda_logits_sample,

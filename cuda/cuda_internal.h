@@ -113,6 +113,9 @@ typedef struct cuda_backend {
     size_t stage_cap;
     cudaEvent_t staged;        /* the last upload out of host_stage has completed */
     void *host_results;        /* pinned host memory for the logits operations' results (logits.cu) */
+    void *topk_mem;            /* top-k's device work (logits.cu, topk_work): */
+    size_t topk_cap;           /* its bytes, */
+    int64_t topk_rows;         /* the rows its arrival counts cover */
     cuda_weight_copy *weights; /* made by weight_load, freed with the backend */
     int32_t n_weights, weights_cap;
     /* The f16 copies: the policy, the memory free at the first weight_load,
@@ -492,6 +495,8 @@ int luma_cuda_logits_alloc(luma_backend *be, luma_buf *b, int64_t rows, int64_t 
 void luma_cuda_logits_free(luma_backend *be, luma_buf *b);
 int luma_cuda_logits_argmax(luma_backend *be, const luma_buf *b, int64_t row0, int64_t n, int32_t *ids,
                             luma_err *err);
+int luma_cuda_logits_topk_rows(luma_backend *be, const luma_buf *b, int64_t row0, int64_t n, int32_t k,
+                               int32_t *ids, float *vals, int32_t *counts, luma_err *err);
 int32_t luma_cuda_logits_topk(luma_backend *be, const luma_buf *b, int64_t row, int32_t k, int32_t *ids,
                               float *vals, luma_err *err);
 int luma_cuda_logits_edit(luma_backend *be, luma_buf *b, int64_t row, const luma_logits_edit *e, luma_err *err);

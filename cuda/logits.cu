@@ -37,10 +37,8 @@
 
 static cuda_backend *cu(luma_backend *be) { return (cuda_backend *)be; }
 
-/* The work area: after the floats, room for 8 bytes a row and at least
- * WORK_MIN (top-k's 2 x LUMA_TOPK_MAX results and count, then its blocks'
- * keys), then WORK_ALIGN bytes whose first word counts top-k's blocks
- * (topk_arrivals). */
+/* The work area: after the floats, room for 8 bytes a row (argmax's keys)
+ * and at least WORK_MIN (sample's sums). */
 static size_t work_offset(const luma_buf *b)
 {
     return ((size_t)b->cap * sizeof(float) + WORK_ALIGN - 1) / WORK_ALIGN * WORK_ALIGN;
@@ -57,17 +55,10 @@ static void *work(const luma_buf *b)
     return (char *)b->data + work_offset(b);
 }
 
-/* topk_small_kernel's count of blocks done: 0 between launches (set at
- * the allocation, and back by the launch's last block). */
-static unsigned int *topk_arrivals(const luma_buf *b)
-{
-    return (unsigned int *)((char *)work(b) + work_size(b));
-}
-
 /* Pinned host memory for a small result of bytes, the backend's (made at
  * its first use), so that the copy back needs no staging; NULL where bytes
  * is more or none could be had (the caller then mallocs). */
-#define HOST_RESULTS_BYTES ((size_t)32 << 10)
+#define HOST_RESULTS_BYTES ((size_t)256 << 10)
 
 static void *host_results(cuda_backend *c, size_t bytes)
 {
@@ -227,9 +218,6 @@ argmax_kernel(const float *__restrict__ x, int64_t cols, int64_t chunk, unsigned
 #define TOPK_CAP 4096          /* candidates sorted in shared memory */
 #define TOPK_BITS 12           /* radix digit */
 #define TOPK_BINS (1 << TOPK_BITS)
-/* where the blocks' keys of the small-k top-k go in the work area: after
- * the results, 2 x LUMA_TOPK_MAX + 1 words (TOPK_CAP keys fit before WORK_MIN) */
-#define TOPK_CAND_OFFSET (32 << 10)
 
 /* Calls f(key) for every live entry of x[0..n), four loads in flight a thread. */
 template <typename F> __device__ __forceinline__ void for_each_key(const float *__restrict__ x, int64_t n, F f)
@@ -424,15 +412,21 @@ __device__ const unsigned long long *block_select(unsigned long long *a, int n, 
     return sorted;
 }
 
-/* The k best live entries of x[0..n) (k <= TOPK_PART_THREADS, gridDim.x x
- * k <= TOPK_PART_CHUNK), as topk_kernel writes them. Block b's k best go
- * to cand[b k ...]; arrived counts the blocks done (0 before the launch,
- * and the last block sets it back to 0). */
+/* The k best live entries of each row of n, x[r n .. r n + n) for r =
+ * blockIdx.y (k <= TOPK_PART_THREADS, gridDim.x x k <= TOPK_PART_CHUNK),
+ * into out[r (2 k + 1) ...]: ids [k], values [k] and the count, as
+ * topk_kernel writes them. Block b of row r's k best go to cand[(r
+ * gridDim.x + b) k ...]; arrived[r] counts the row's blocks done (0 before
+ * the launch, and the row's last block sets it back to 0). */
 __global__ void __launch_bounds__(TOPK_PART_THREADS)
 topk_small_kernel(const float *__restrict__ x, int64_t n, int32_t k, unsigned long long *cand,
-                  unsigned int *arrived, int32_t *out_ids, float *out_vals, int32_t *out_count)
+                  unsigned int *arrived, int32_t *out)
 {
     follow_previous_kernel();
+    x += (int64_t)blockIdx.y * n;
+    cand += (int64_t)blockIdx.y * gridDim.x * k;
+    arrived += blockIdx.y;
+    out += (int64_t)blockIdx.y * (2 * k + 1);
     __shared__ unsigned long long keys[TOPK_PART_CHUNK];
     __shared__ unsigned long long few[TOPK_FEW];
     __shared__ unsigned long long maxima[TOPK_PART_THREADS];
@@ -461,11 +455,11 @@ topk_small_kernel(const float *__restrict__ x, int64_t n, int32_t k, unsigned lo
     const int got = __syncthreads_count(tid < k && best[tid] != 0);
     if (tid < got) {
         int32_t id = key_id(best[tid]);
-        out_ids[tid] = id;
-        out_vals[tid] = x[id];
+        out[tid] = id;
+        out[k + tid] = __float_as_int(x[id]);
     }
     if (tid == 0) {
-        *out_count = got;
+        out[2 * k] = got;
         *arrived = 0;
     }
 }
@@ -675,7 +669,7 @@ int luma_cuda_logits_alloc(luma_backend *be, luma_buf *b, int64_t rows, int64_t 
     if (rows < 1 || cols < 1 || luma_mul_size((size_t)rows, (size_t)cols, &n) || n > SIZE_MAX / 2 / sizeof(float))
         return luma_errf(err, "a logits set of %lld x %lld is too large", (long long)rows, (long long)cols);
     t.cap = (int64_t)n;
-    if (luma_add_size(work_offset(&t), work_size(&t) + WORK_ALIGN, &total))
+    if (luma_add_size(work_offset(&t), work_size(&t), &total))
         return luma_errf(err, "a logits set of %lld x %lld is too large", (long long)rows, (long long)cols);
     void *d = NULL;
     cudaError_t e = cudaSetDevice(c->device);
@@ -689,13 +683,6 @@ int luma_cuda_logits_alloc(luma_backend *be, luma_buf *b, int64_t rows, int64_t 
     b->rows = rows;
     b->cols = cols;
     b->cap = (int64_t)n;
-    e = cudaMemsetAsync(topk_arrivals(b), 0, sizeof(unsigned int), c->stream);
-    if (e != cudaSuccess) {
-        cudaGetLastError();
-        cudaFree(d);
-        memset(b, 0, sizeof *b);
-        return luma_errf(err, "clearing a logits set's work area: %s", cudaGetErrorString(e));
-    }
     return 0;
 }
 
@@ -752,40 +739,102 @@ int luma_cuda_logits_argmax(luma_backend *be, const luma_buf *b, int64_t row0, i
     return rc;
 }
 
+/* Top-k's device work, the backend's (grown as asked, never shrunk): the
+ * arrival counts of topk_small_kernel's rows (0 between launches: zeroed
+ * when made, and set back by each row's last block), then n rows of
+ * results (ids [k], values [k], count), then the blocks' keys. */
+static int topk_work(cuda_backend *c, int64_t n, int32_t k, int64_t parts, unsigned int **arrived, int32_t **res,
+                     unsigned long long **cand, luma_err *err)
+{
+    const size_t res_bytes = ((size_t)n * (2 * (size_t)k + 1) * sizeof(int32_t) + WORK_ALIGN - 1) / WORK_ALIGN *
+                             WORK_ALIGN;
+    const size_t cand_bytes = (size_t)n * (size_t)parts * (size_t)k * sizeof(unsigned long long);
+    size_t rows = (size_t)c->topk_rows, counts = (rows * sizeof(unsigned int) + WORK_ALIGN - 1) / WORK_ALIGN * WORK_ALIGN;
+    if ((size_t)n > rows || counts + res_bytes + cand_bytes > c->topk_cap) {
+        if (rows < (size_t)n) rows = (size_t)n < 256 ? 256 : (size_t)n;
+        counts = (rows * sizeof(unsigned int) + WORK_ALIGN - 1) / WORK_ALIGN * WORK_ALIGN;
+        size_t cap = counts + res_bytes + cand_bytes;
+        if (cap < 2 * c->topk_cap) cap = 2 * c->topk_cap;
+        cudaStreamSynchronize(c->stream);
+        cudaFree(c->topk_mem);
+        c->topk_mem = NULL;
+        c->topk_cap = 0;
+        c->topk_rows = 0;
+        cudaError_t e = cudaMalloc(&c->topk_mem, cap);
+        if (e == cudaSuccess) e = cudaMemsetAsync(c->topk_mem, 0, counts, c->stream);
+        if (e != cudaSuccess) {
+            cudaGetLastError();
+            cudaFree(c->topk_mem);
+            c->topk_mem = NULL;
+            return luma_errf(err, "top-k: no GPU memory for %lld rows (%zu MiB): %s", (long long)n, cap >> 20,
+                             cudaGetErrorString(e));
+        }
+        c->topk_cap = cap;
+        c->topk_rows = (int64_t)rows;
+    }
+    *arrived = (unsigned int *)c->topk_mem;
+    *res = (int32_t *)((char *)c->topk_mem + counts);
+    *cand = (unsigned long long *)((char *)c->topk_mem + counts + res_bytes);
+    return 0;
+}
+
+/* The k best of rows row0 .. row0 + n - 1, one wait: small k in one launch
+ * of many blocks a row, larger k one block a row. */
+static int topk_rows(cuda_backend *c, const luma_buf *b, int64_t row0, int64_t n, int32_t k, int32_t *ids,
+                     float *vals, int32_t *counts, luma_err *err)
+{
+    if (op_begin(c, "top-k", b, row0, err)) return -1;
+    if (n < 1 || n > b->rows - row0)
+        return luma_errf(err, "top-k: rows [%lld, +%lld) of a set of %lld", (long long)row0, (long long)n,
+                         (long long)b->rows);
+    if (k < 1 || k > LUMA_TOPK_MAX) return luma_errf(err, "top-k: k must be in [1, %d] (got %d)", LUMA_TOPK_MAX, (int)k);
+    const int64_t parts = (b->cols + TOPK_PART_CHUNK - 1) / TOPK_PART_CHUNK, words = 2 * (int64_t)k + 1;
+    const bool small = k <= TOPK_PART_THREADS && parts * k <= TOPK_PART_CHUNK;
+    unsigned int *arrived;
+    int32_t *res;
+    unsigned long long *cand;
+    if (topk_work(c, n, k, small ? parts : 0, &arrived, &res, &cand, err)) return -1;
+    const size_t bytes = (size_t)(n * words) * sizeof(int32_t);
+    int32_t *pinned = (int32_t *)host_results(c, bytes);
+    int32_t *host = pinned ? pinned : (int32_t *)malloc(bytes);
+    if (!host) return luma_errf(err, "top-k: out of memory for %lld rows", (long long)n);
+    const float *x = b->data + row0 * b->cols;
+    cudaError_t e = cudaSuccess;
+    for (int64_t r0 = 0; r0 < n && e == cudaSuccess; r0 += small ? 65535 : 1) {
+        if (small) {
+            const int64_t rows = n - r0 < 65535 ? n - r0 : 65535;
+            luma_launch(c, c->stream, dim3((unsigned)parts, (unsigned)rows), TOPK_PART_THREADS, 0, topk_small_kernel,
+                        x + r0 * b->cols, b->cols, k, cand + r0 * parts * k, arrived + r0, res + r0 * words);
+        } else {
+            int32_t *o = res + r0 * words;
+            luma_launch(c, c->stream, 1, TOPK_THREADS, 0, topk_kernel, x + r0 * b->cols, b->cols, k, o,
+                        (float *)(o + k), o + 2 * k);
+        }
+        e = cudaGetLastError();
+    }
+    if (e == cudaSuccess) e = cudaMemcpyAsync(host, res, bytes, cudaMemcpyDeviceToHost, c->stream);
+    int rc = op_end(c, "top-k", e, err);
+    for (int64_t i = 0; i < n && rc == 0; i++) {
+        const int32_t *h = host + i * words;
+        counts[i] = h[2 * k];
+        memcpy(ids + i * k, h, (size_t)counts[i] * sizeof *ids);
+        memcpy(vals + i * k, h + k, (size_t)counts[i] * sizeof *vals);
+    }
+    if (!pinned) free(host);
+    return rc;
+}
+
 int32_t luma_cuda_logits_topk(luma_backend *be, const luma_buf *b, int64_t row, int32_t k, int32_t *ids,
                               float *vals, luma_err *err)
 {
-    cuda_backend *c = cu(be);
-    if (op_begin(c, "top-k", b, row, err)) return -1;
-    if (k < 1 || k > LUMA_TOPK_MAX) return luma_errf(err, "top-k: k must be in [1, %d] (got %d)", LUMA_TOPK_MAX, (int)k);
-    /* ids [k], values [k], count: one copy back */
-    static_assert(sizeof(int32_t) == sizeof(float), "ids and values pack alike");
-    size_t words = 2 * (size_t)k + 1;
-    int32_t *pinned = (int32_t *)host_results(c, words * sizeof *pinned);
-    int32_t *host = pinned ? pinned : (int32_t *)malloc(words * sizeof *host);
-    if (!host) return luma_errf(err, "top-k: out of memory");
-    int32_t *d_ids = (int32_t *)work(b);
-    const float *x = b->data + row * b->cols;
-    int64_t parts = (b->cols + TOPK_PART_CHUNK - 1) / TOPK_PART_CHUNK;
-    if (k <= TOPK_PART_THREADS && parts * k <= TOPK_PART_CHUNK) {
-        /* the blocks' keys after the results (2 x LUMA_TOPK_MAX + 1 words) */
-        unsigned long long *cand = (unsigned long long *)((char *)d_ids + TOPK_CAND_OFFSET);
-        luma_launch(c, c->stream, (unsigned)parts, TOPK_PART_THREADS, 0, topk_small_kernel, x, b->cols, k, cand,
-                    topk_arrivals(b), d_ids, (float *)(d_ids + k), d_ids + 2 * k);
-    } else {
-        luma_launch(c, c->stream, 1, TOPK_THREADS, 0, topk_kernel, x, b->cols, k, d_ids, (float *)(d_ids + k),
-                    d_ids + 2 * k);
-    }
-    cudaError_t e = cudaGetLastError();
-    if (e == cudaSuccess) e = cudaMemcpyAsync(host, d_ids, words * sizeof *host, cudaMemcpyDeviceToHost, c->stream);
-    int32_t got = -1;
-    if (op_end(c, "top-k", e, err) == 0) {
-        got = host[2 * k];
-        memcpy(ids, host, (size_t)got * sizeof *ids);
-        memcpy(vals, host + k, (size_t)got * sizeof *vals);
-    }
-    if (!pinned) free(host);
-    return got;
+    int32_t count;
+    return topk_rows(cu(be), b, row, 1, k, ids, vals, &count, err) ? -1 : count;
+}
+
+int luma_cuda_logits_topk_rows(luma_backend *be, const luma_buf *b, int64_t row0, int64_t n, int32_t k,
+                               int32_t *ids, float *vals, int32_t *counts, luma_err *err)
+{
+    return topk_rows(cu(be), b, row0, n, k, ids, vals, counts, err);
 }
 
 int luma_cuda_logits_edit(luma_backend *be, luma_buf *b, int64_t row, const luma_logits_edit *e, luma_err *err)

@@ -252,6 +252,35 @@ describe("logits on the GPU against the same operations on a host copy", functio
     end
   end)
 
+  it("top_k read every step: found ahead for every sequence, the same as on a host copy", function()
+    local seqs, last, batch = {}, {}, gpu:batch()
+    for i = 1, 6 do
+      seqs[i] = gpu:sequence()
+      batch:add(seqs[i], { table.unpack(ids, 1, 4 + i) })
+    end
+    local out = batch:run()
+    for step = 1, 4 do
+      for i = 1, 6 do
+        -- an edited row (the sixth, from the second step) takes its own top-k
+        local d = out[seqs[i]]
+        local h = d:copy()
+        if i == 6 and step > 1 then
+          d:mask{ h:argmax() }
+          h:mask{ h:argmax() }
+        end
+        local k = i % 2 == 0 and 40 or 25
+        assert.are.same({ h:topk(k) }, { d:topk(k) })
+        d:top_k(k)
+        h:top_k(k)
+        assert_same_row(d, h, string.format("top_k %d, step %d, sequence %d", k, step, i))
+        last[i] = h:argmax()
+      end
+      for i = 1, 6 do batch:add(seqs[i], last[i]) end
+      out = batch:run()
+    end
+    for i = 1, 6 do seqs[i]:close() end
+  end)
+
   it("penalize, bias, mask and temperature: the same floats", function()
     local d, h = fresh(1)
     local hist = { table.unpack(ids, 1, 20) }

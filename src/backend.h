@@ -110,6 +110,10 @@ typedef struct luma_logits_edit {
 
 /* The largest k of logits_topk. */
 #define LUMA_TOPK_MAX 2048
+/* The largest k a run finds ahead for every row (luma_model.topk_ahead),
+ * and the most rows a run does so for. */
+#define LUMA_TOPK_AHEAD_MAX 64
+#define LUMA_TOPK_AHEAD_ROWS 512
 
 typedef struct luma_backend luma_backend;
 
@@ -230,6 +234,10 @@ typedef struct luma_backend_ops {
     /* luma_logits_topk of one row, k in [1, LUMA_TOPK_MAX]: the count. */
     int32_t (*logits_topk)(luma_backend *be, const luma_buf *b, int64_t row, int32_t k, int32_t *ids,
                            float *vals, luma_err *err);
+    /* The same for n rows from row0 with one wait: row row0 + i's entries
+     * at ids[i k ...] and vals[i k ...], their count at counts[i]. */
+    int (*logits_topk_rows)(luma_backend *be, const luma_buf *b, int64_t row0, int64_t n, int32_t k,
+                            int32_t *ids, float *vals, int32_t *counts, luma_err *err);
     /* Applies e to one row (ids checked by the caller). */
     int (*logits_edit)(luma_backend *be, luma_buf *b, int64_t row, const luma_logits_edit *e,
                        luma_err *err);

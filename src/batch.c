@@ -69,16 +69,25 @@ typedef struct logits_dst {
     int64_t row;               /* the next row of set */
     const luma_run_hook *hook; /* or NULL: called once the last pass is queued */
     int32_t *argmax;           /* or NULL: every row's argmax, found with the last pass */
+    int32_t topk_k;            /* or 0: every row's topk_k best, found with the last pass, */
+    int32_t *topk;             /* into topk (luma_logits_set.topk's layout) */
 } logits_dst;
 
 /* The last pass is queued: the caller's hook, then every row's argmax
- * where asked, both before the host waits for the device (the argmax's
- * own wait is the pass's). A failure of either fails the run: the
- * argmax reports the pass's own failure first. */
+ * and top-k where asked, all before the host waits for the device (the
+ * first of them to wait waits for the pass). A failure of any fails the
+ * run: the first to wait reports the pass's own failure first. */
 static int last_pass_queued(luma_model *m, logits_dst *dst, luma_err *err)
 {
     if (dst->hook && dst->hook->fn(dst->hook->ctx, err)) return -1;
-    if (dst->argmax && m->be->ops->logits_argmax(m->be, dst->set, 0, dst->set->rows, dst->argmax, err)) return -1;
+    const int64_t rows = dst->set ? dst->set->rows : 0;
+    if (dst->argmax && m->be->ops->logits_argmax(m->be, dst->set, 0, rows, dst->argmax, err)) return -1;
+    if (dst->topk) {
+        int32_t k = dst->topk_k;
+        int32_t *ids = dst->topk, *counts = dst->topk + 2 * rows * k;
+        float *vals = (float *)(dst->topk + rows * k);
+        if (m->be->ops->logits_topk_rows(m->be, dst->set, 0, rows, k, ids, vals, counts, err)) return -1;
+    }
     return 0;
 }
 
@@ -230,7 +239,7 @@ int luma_model_run(luma_model *m, const luma_chunk *chunks, int32_t n_chunks, fl
                    luma_err *err)
 {
     if (check_chunks(m, chunks, n_chunks, err)) return -1;
-    logits_dst dst = { logits, NULL, 0, NULL, NULL };
+    logits_dst dst = { logits, NULL, 0, NULL, NULL, 0, NULL };
     return run_chunks(m, chunks, n_chunks, &dst, err);
 }
 
@@ -256,6 +265,7 @@ static void set_free(luma_logits_set *s)
     if (be->ops->logits_free) be->ops->logits_free(be, &s->buf);
     else be->ops->buf_free(be, &s->buf);
     free(s->argmax);
+    free(s->topk);
     free(s);
 }
 
@@ -290,6 +300,10 @@ static luma_logits_set *set_get(luma_model *m, int64_t rows, luma_err *err)
         free(s->argmax);
         s->argmax = NULL;
         s->argmax_read = false;
+        free(s->topk);
+        s->topk = NULL;
+        s->topk_k = 0;
+        s->topk_read = false;
     } else {
         s = calloc(1, sizeof *s);
         if (!s) {
@@ -328,6 +342,7 @@ void luma_logits_set_release(luma_logits_set *s)
     if (!s || --s->refs > 0) return;
     luma_model *m = s->model;
     if (s->argmax && !s->argmax_read) m->argmax_ahead = false;   /* found by the run, never read */
+    if (s->topk && !s->topk_read) m->topk_ahead = 0;
     list_remove(&m->sets, &m->sets_last, s);
     m->n_sets--;
     m->set_bytes -= set_bytes(s);
@@ -354,15 +369,23 @@ int luma_model_run_set(luma_model *m, const luma_chunk *chunks, int32_t n_chunks
     if (check_chunks(m, chunks, n_chunks, err)) return -1;
     luma_logits_set *s = set_get(m, luma_model_out_rows(chunks, n_chunks), err);
     if (!s) return -1;
-    logits_dst dst = { NULL, &s->buf, 0, hook, NULL };
+    logits_dst dst = { NULL, &s->buf, 0, hook, NULL, 0, NULL };
     if (m->argmax_ahead && m->be->ops->logits_argmax)
         dst.argmax = malloc((size_t)s->buf.rows * sizeof(int32_t));   /* none: the set goes without */
+    if (m->topk_ahead > 0 && m->topk_ahead <= LUMA_TOPK_AHEAD_MAX && s->buf.rows <= LUMA_TOPK_AHEAD_ROWS &&
+        m->be->ops->logits_topk_rows) {
+        dst.topk = malloc((size_t)s->buf.rows * (2 * (size_t)m->topk_ahead + 1) * sizeof(int32_t));
+        if (dst.topk) dst.topk_k = m->topk_ahead;
+    }
     if (run_chunks(m, chunks, n_chunks, &dst, err)) {
         free(dst.argmax);
+        free(dst.topk);
         luma_logits_set_release(s);
         return -1;
     }
     s->argmax = dst.argmax;   /* the last pass found it: a run that succeeds had one */
+    s->topk = dst.topk;
+    s->topk_k = dst.topk_k;
     *out = s;
     return 0;
 }
@@ -408,4 +431,31 @@ int32_t luma_logits_set_argmax(luma_logits_set *s, int64_t row, bool cached, lum
     }
     if (id < 0) return luma_errf(err, "argmax: every logit is masked");
     return id;
+}
+
+int32_t luma_logits_set_topk(luma_logits_set *s, int64_t row, int32_t k, bool cached, int32_t *ids, float *vals,
+                             luma_err *err)
+{
+    if (row < 0 || row >= s->buf.rows)
+        return luma_errf(err, "logits set: row %lld of %lld", (long long)row, (long long)s->buf.rows);
+    luma_backend *be = s->model->be;
+    if (!be->ops->logits_topk)
+        return luma_logits_topk(s->buf.data + row * s->buf.cols, (int32_t)s->buf.cols, k, ids, vals, err);
+    /* a policy reads the run's top-k, or more of it: either way, keep
+     * finding it ahead */
+    if (cached) s->topk_read = true;
+    if (cached && s->topk && k >= 1 && k <= s->topk_k) {
+        /* the first k of the row's topk_k best, which come best first */
+        const int64_t K = s->topk_k, rows = s->buf.rows;
+        const int32_t *rid = s->topk + row * K, *rc = s->topk + 2 * rows * K;
+        const float *rv = (const float *)(s->topk + rows * K) + row * K;
+        int32_t got = rc[row] < k ? rc[row] : k;
+        memcpy(ids, rid, (size_t)got * sizeof *ids);
+        memcpy(vals, rv, (size_t)got * sizeof *vals);
+        return got;
+    }
+    int32_t got = be->ops->logits_topk(be, &s->buf, row, k, ids, vals, err);
+    if (got >= 0 && cached && be->ops->logits_topk_rows && k <= LUMA_TOPK_AHEAD_MAX && k > s->model->topk_ahead)
+        s->model->topk_ahead = k;
+    return got;
 }

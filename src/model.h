@@ -119,6 +119,12 @@ struct luma_model {
      * argmax with its last pass, before the host waits for it (a backend
      * with logits_argmax only). A set released unread turns it off. */
     bool argmax_ahead;
+    /* Likewise, the k of the last set's top-k read from a row no edit had
+     * changed (k <= LUMA_TOPK_AHEAD_MAX; a backend with logits_topk_rows
+     * only): a run into a set of up to LUMA_TOPK_AHEAD_ROWS rows finds
+     * every row's k best with its last pass. 0 for none; a set released
+     * with its top-k found and unread sets it back to 0. */
+    int32_t topk_ahead;
 };
 
 void luma_model_params_default(luma_model_params *p);
@@ -220,6 +226,9 @@ struct luma_logits_set {
     int32_t refs;
     int32_t *argmax;           /* every row's argmax, once luma_logits_set_argmax cached it or the run found it */
     bool argmax_read;          /* argmax read since the run (one found by the run and unread is not) */
+    int32_t topk_k;            /* the k best of every row found by the run (topk_ahead), or 0: */
+    int32_t *topk;             /* rows x topk_k ids, rows x topk_k values (floats), rows counts */
+    bool topk_read;            /* topk read since the run */
     void *holders;             /* the holders' own list (the Lua binding's Logits of the set) */
     luma_logits_set *prev, *next;   /* in the model's held sets, or in its pool */
 };
@@ -249,5 +258,11 @@ int luma_logits_set_read(const luma_logits_set *s, int64_t row, float *dst, luma
  * masked). cached: the first such call finds every row's argmax in one pass
  * and keeps them, for rows unchanged since the run. */
 int32_t luma_logits_set_argmax(luma_logits_set *s, int64_t row, bool cached, luma_err *err);
+/* luma_logits_topk of row `row` (k in [1, LUMA_TOPK_MAX]): the count, or -1
+ * with err set. cached: the row is unchanged since the run, so the k best
+ * the run found ahead serve where they are at least k, and a backend with
+ * logits_topk_rows is asked to find this k ahead from the next run on. */
+int32_t luma_logits_set_topk(luma_logits_set *s, int64_t row, int32_t k, bool cached, int32_t *ids, float *vals,
+                             luma_err *err);
 
 #endif

@@ -3,6 +3,8 @@
 --   decode: greedy tokens one at a time with C argmax, and optionally with a
 --           Lua sampling chain (penalties, top-k 40, top-p 0.95, temp 0.8),
 --           timed over the steps after the first (reported on its own);
+--           with --policy and batches, the batches again, each sequence
+--           sampled by top-k 40, top-p 0.95 and temperature 0.8;
 --   bandwidth: weight bytes read per decoded token x tokens/s.
 local luma = require "luma"
 
@@ -81,18 +83,29 @@ function M.prefilled(model, n, ids)
 end
 
 -- Aggregate decode: n sequences, each prefilled with a prompt of plen
--- tokens, then gen greedy steps where every step is one batch:run over all
--- of them. Returns generated tokens per second over the decode steps after
--- the first, and the first step's seconds.
-local function batched_decode(model, n, plen, gen)
+-- tokens, then gen steps where every step is one batch:run over all of
+-- them, each sequence's next token its argmax, or what policy draws for it
+-- (with a state and a generator of its own). Returns generated tokens per
+-- second over the decode steps after the first, and the first step's
+-- seconds.
+local function batched_decode(model, n, plen, gen, policy)
   local batch, seqs, last = M.prefilled(model, n, prompt_ids(model, plen))
+  local states = {}
+  for i = 1, n do states[i] = { model = model, seq = seqs[i], rng = luma.rng(i), step = 0, prompt_len = plen } end
   local out
   local t0 = luma.now()
   local first
   for step = 1, gen do
     for i = 1, n do batch:add(seqs[i], last[i]) end
     out = batch:run()
-    for i = 1, n do last[i] = out[seqs[i]]:argmax() end
+    for i = 1, n do
+      if policy then
+        states[i].step = step
+        last[i] = policy(out[seqs[i]], states[i])
+      else
+        last[i] = out[seqs[i]]:argmax()
+      end
+    end
     if step == 1 then
       first = luma.now() - t0
       t0 = luma.now()
@@ -186,6 +199,14 @@ function M.run(o, load_model)
     row("decode with Lua policy chain", string.format("%.2f", timed / pdec), "tokens/s")
     row("Lua policy cost per token", string.format("%.1f", ptime / timed * 1e6), "us")
     row("Lua policy share of decode", string.format("%.1f", ptime / pdec * 100), "%")
+    -- Batches sampled by the scheduler's default chain (no penalties).
+    if o.batch then
+      local sampler = P.chain{ P.top_k(40), P.top_p(0.95), P.temperature(0.8) }
+      for _, n in ipairs(list(o.batch)) do
+        local tps_n = batched_decode(model, n, o["batch-prompt"], o.gen, sampler)
+        row(string.format("aggregate decode, %d seqs, sampled", n), string.format("%.1f", tps_n), "tokens/s")
+      end
+    end
   end
   local rss = peak_rss_mib()
   if rss then row("peak memory (RSS)", string.format("%.0f", rss), "MiB") end

@@ -131,6 +131,28 @@ static void test_topk(luma_buf *b, const float *rows, int32_t n)
         }
         printf("topk      n %6d: k %4d on %d rows, %d differ\n", n, k, ROWS, bad);
     }
+    /* rows 3 .. ROWS - 1 at once: each row's k best at ids[i k ...] */
+    int32_t *ri = xmalloc((size_t)ROWS * LUMA_TOPK_MAX * sizeof *ri), counts[ROWS];
+    float *rv = xmalloc((size_t)ROWS * LUMA_TOPK_MAX * sizeof *rv);
+    for (size_t ki = 0; ki < sizeof ks / sizeof ks[0]; ki++) {
+        int32_t k = ks[ki];
+        int bad = 0, rc = gpu->ops->logits_topk_rows(gpu, b, 3, ROWS - 3, k, ri, rv, counts, &err);
+        CHECKF(rc == 0, "topk of rows 3 .. %d, k %d: %s", ROWS - 1, k, rc ? err.msg : "");
+        for (int r = 3; r < ROWS && rc == 0; r++) {
+            const int32_t *gi_r = ri + (size_t)(r - 3) * k;
+            const float *gv_r = rv + (size_t)(r - 3) * k;
+            int32_t want = luma_logits_topk(rows + (size_t)r * n, n, k, hi, hv, &err);
+            int row_bad = counts[r - 3] != want;
+            for (int32_t j = 0; j < want && !row_bad; j++) row_bad |= gi_r[j] != hi[j] || !same_float(gv_r[j], hv[j]);
+            bad += row_bad;
+        }
+        CHECKF(bad == 0, "topk of rows at once, k %d (n %d): %d rows differ from the host's", k, n, bad);
+        printf("topk rows n %6d: k %4d on rows 3-%d in one call, %d differ\n", n, k, ROWS - 1, bad);
+    }
+    CHECK(gpu->ops->logits_topk_rows(gpu, b, 3, ROWS - 2, 4, ri, rv, counts, &err) < 0 && strstr(err.msg, "rows"));
+    CHECK(gpu->ops->logits_topk_rows(gpu, b, 0, 1, 0, ri, rv, counts, &err) < 0 && strstr(err.msg, "k must be"));
+    free(ri);
+    free(rv);
     free(gi);
     free(hi);
     free(gv);
@@ -452,6 +474,36 @@ static void test_model(const char *vocab)
         CHECK(luma_model_run_set(m, ca, 3, NULL, &s, &err) == 0);
         luma_logits_set_release(s);
         CHECK(!m->argmax_ahead);
+        /* top-k alike: a read of an unchanged row's top 8 asks the next runs
+         * for every row's top 8 with their last pass; the top 5 and top 8
+         * then come from it, equal to fresh ones; a set released unread
+         * turns it off */
+        CHECK(m->topk_ahead == 0);
+        int32_t ti[8], fi[8], got_n = 0, fresh_n = 0, topk_ahead = 0, topk_bad = 0;
+        float tv[8], fv[8];
+        for (int t = 0; t < 4; t++) {
+            for (int i = 0; i < 3; i++) ca[i] = (luma_chunk){ a[i], &tok[i], 1, false };
+            CHECK(luma_model_run_set(m, ca, 3, NULL, &s, &err) == 0);
+            if (!s) break;
+            topk_ahead += s->topk != NULL && s->topk_k == 8;
+            for (int i = 0; i < 3; i++) {
+                for (int32_t k = 5; k <= 8; k += 3) {
+                    got_n = luma_logits_set_topk(s, i, k, true, ti, tv, &err);
+                    fresh_n = gpu->ops->logits_topk(gpu, &s->buf, i, k, fi, fv, &err);
+                    topk_bad += got_n != fresh_n || got_n != k || memcmp(ti, fi, (size_t)k * sizeof *ti) != 0 ||
+                                memcmp(tv, fv, (size_t)k * sizeof *tv) != 0;
+                }
+                tok[i] = ti[0];
+            }
+            luma_logits_set_release(s);
+        }
+        CHECKF(topk_ahead == 3 && topk_bad == 0 && m->topk_ahead == 8,
+               "top-k ahead in %d of the 3 runs after the first (k %d), %d differ", topk_ahead, m->topk_ahead,
+               topk_bad);
+        for (int i = 0; i < 3; i++) ca[i] = (luma_chunk){ a[i], &tok[i], 1, false };
+        CHECK(luma_model_run_set(m, ca, 3, NULL, &s, &err) == 0);
+        luma_logits_set_release(s);
+        CHECK(m->topk_ahead == 0);
         /* a failing hook fails the run, and the sequences stay as they were */
         int32_t before = a[0]->n_tokens;
         luma_run_hook bad = { failing_hook, NULL };
@@ -466,7 +518,8 @@ static void test_model(const char *vocab)
     CHECKF(worst <= 1e-3, "a run into a set differs from the run copied out by %g", worst);
     CHECKF(argmax_bad == 0, "%d cached argmax differ", argmax_bad);
     printf("model: %lld rows run into a set equal the run copied out (max |diff| %g), cached argmax %d differ; "
-           "decode steps reuse one pooled allocation\n", (long long)rows, worst, argmax_bad);
+           "decode steps reuse one pooled allocation; argmax and top-k found ahead equal fresh ones\n",
+           (long long)rows, worst, argmax_bad);
     luma_model_logits_drain(m);
     CHECK(m->n_pooled == 0 && m->pooled_bytes == 0);
     for (int i = 0; i < 3; i++) {

@@ -218,12 +218,8 @@ static void keep_top_compact(lua_State *L, llogits *lg, int32_t k)
     float *vals = (float *)(ids + k);
     luma_err err;
     int32_t got;
-    if (x) {
-        got = luma_logits_topk(x, lg->n, k, ids, vals, &err);
-    } else {
-        luma_backend *be = backend(lg);
-        got = be->ops->logits_topk(be, &lg->set->buf, lg->row, k, ids, vals, &err);
-    }
+    if (x) got = luma_logits_topk(x, lg->n, k, ids, vals, &err);
+    else got = luma_logits_set_topk(lg->set, lg->row, k, !lg->edited, ids, vals, &err);
     if (got < 0) {
         free(ids);
         luma_bind_error(L, &err);
@@ -349,8 +345,7 @@ static int logits_topk(lua_State *L)
     luma_err err;
     int32_t got;
     if (on_device(lg) && k <= LUMA_TOPK_MAX) {
-        luma_backend *be = backend(lg);
-        got = be->ops->logits_topk(be, &lg->set->buf, lg->row, (int32_t)k, ids, vals, &err);
+        got = luma_logits_set_topk(lg->set, lg->row, (int32_t)k, !lg->edited, ids, vals, &err);
     } else if (use_compact(lg)) {
         got = luma_logits_topk(lg->vals, lg->n_live, (int32_t)k, ids, vals, &err);
         for (int32_t i = 0; i < got; i++) ids[i] = lg->ids[ids[i]];

@@ -224,13 +224,18 @@ describe("logits on the GPU against the same operations on a host copy", functio
     assert(bad == 0, string.format("%s: %d entries differ", what, bad))
   end
 
-  it("argmax: every sequence of a batch in one pass, and an edited row alone", function()
+  -- n sequences with prompts of 5 .. 4 + n tokens, run as one batch.
+  local function batched(n)
     local seqs, batch = {}, gpu:batch()
-    for i = 1, 8 do
+    for i = 1, n do
       seqs[i] = gpu:sequence()
       batch:add(seqs[i], { table.unpack(ids, 1, 4 + i) })
     end
-    local out = batch:run()
+    return seqs, batch, batch:run()
+  end
+
+  it("argmax: every sequence of a batch in one pass, and an edited row alone", function()
+    local seqs, _, out = batched(8)
     for i = 1, 8 do
       local l = out[seqs[i]]
       local h = l:copy()
@@ -253,12 +258,8 @@ describe("logits on the GPU against the same operations on a host copy", functio
   end)
 
   it("top_k read every step: found ahead for every sequence, the same as on a host copy", function()
-    local seqs, last, batch = {}, {}, gpu:batch()
-    for i = 1, 6 do
-      seqs[i] = gpu:sequence()
-      batch:add(seqs[i], { table.unpack(ids, 1, 4 + i) })
-    end
-    local out = batch:run()
+    local seqs, batch, out = batched(6)
+    local last = {}
     for step = 1, 4 do
       for i = 1, 6 do
         -- an edited row (the sixth, from the second step) takes its own top-k

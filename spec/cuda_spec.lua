@@ -257,17 +257,25 @@ describe("logits on the GPU against the same operations on a host copy", functio
     end
   end)
 
-  it("top_k read every step: found ahead for every sequence, the same as on a host copy", function()
+  it("top_k read every step: found ahead for every sequence, the same as on a host copy, penalized or not",
+     function()
     local seqs, batch, out = batched(6)
     local last = {}
     for step = 1, 4 do
       for i = 1, 6 do
-        -- an edited row (the sixth, from the second step) takes its own top-k
+        -- an edited row (the sixth, from the second step) takes its own
+        -- top-k; the fifth's best ten are penalized, which only lowers
+        -- them: its top_k comes from the k best found ahead where they
+        -- hold the answer
         local d = out[seqs[i]]
         local h = d:copy()
         if i == 6 and step > 1 then
           d:mask{ h:argmax() }
           h:mask{ h:argmax() }
+        elseif i == 5 then
+          local best = h:topk(10)
+          d:penalize(best, { repeat_ = 1.3, presence = 0.5 })
+          h:penalize(best, { repeat_ = 1.3, presence = 0.5 })
         end
         local k = i % 2 == 0 and 40 or 25
         assert.are.same({ h:topk(k) }, { d:topk(k) })

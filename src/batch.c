@@ -459,3 +459,52 @@ int32_t luma_logits_set_topk(luma_logits_set *s, int64_t row, int32_t k, bool ca
         s->model->topk_ahead = k;
     return got;
 }
+
+int32_t luma_logits_set_topk_lowered(luma_logits_set *s, int64_t row, int32_t k, const luma_lowering *p,
+                                     int32_t *ids, float *vals)
+{
+    luma_model *m = s->model;
+    if (row < 0 || row >= s->buf.rows || k < 1 || !m->be->ops->logits_topk_rows) return -1;
+    /* more than k ahead, so that penalized entries can fall out */
+    if (!s->topk || s->topk_k <= k) {
+        if (k < LUMA_TOPK_AHEAD_MAX && m->topk_ahead < LUMA_TOPK_AHEAD_MAX) m->topk_ahead = LUMA_TOPK_AHEAD_MAX;
+        return -1;
+    }
+    s->topk_read = true;
+    const int64_t K = s->topk_k, rows = s->buf.rows;
+    const int32_t *rid = s->topk + row * K, n = s->topk[2 * rows * K + row];
+    const float *rv = (const float *)(s->topk + rows * K) + row * K;
+    float v[LUMA_TOPK_AHEAD_MAX];
+    int32_t at[LUMA_TOPK_AHEAD_MAX], pos[LUMA_TOPK_AHEAD_MAX], counts[LUMA_TOPK_AHEAD_MAX], hit = 0;
+    memcpy(v, rv, (size_t)n * sizeof *v);
+    for (int32_t i = 0; i < p->n; i++)
+        for (int32_t j = 0; j < n; j++)
+            if (rid[j] == p->ids[i]) {
+                pos[hit] = j;
+                counts[hit++] = p->counts[i];
+                break;
+            }
+    luma_logits_penalize_counted(v, pos, counts, hit, p->repeat, p->frequency, p->presence);
+    /* rank them as the backend ranks: larger value first, ties by lower id */
+    for (int32_t j = 0; j < n; j++) {
+        int32_t a = j;
+        while (a > 0 && (v[j] > v[at[a - 1]] || (v[j] == v[at[a - 1]] && rid[j] < rid[at[a - 1]]))) {
+            at[a] = at[a - 1];
+            a--;
+        }
+        at[a] = j;
+    }
+    const int32_t got = n < k ? n : k;
+    if (n == K && got > 0) {
+        /* entries past the K found rank below the last of them, before the
+         * penalty and so after it: the k-th must not rank below that */
+        const float vk = v[at[got - 1]], vl = rv[K - 1];
+        const int32_t ik = rid[at[got - 1]], il = rid[K - 1];
+        if (vk < vl || (vk == vl && ik > il)) return -1;
+    }
+    for (int32_t j = 0; j < got; j++) {
+        ids[j] = rid[at[j]];
+        vals[j] = v[at[j]];
+    }
+    return got;
+}

@@ -264,5 +264,20 @@ int32_t luma_logits_set_argmax(luma_logits_set *s, int64_t row, bool cached, lum
  * logits_topk_rows is asked to find this k ahead from the next run on. */
 int32_t luma_logits_set_topk(luma_logits_set *s, int64_t row, int32_t k, bool cached, int32_t *ids, float *vals,
                              luma_err *err);
+/* A penalty that only lowers entries (luma_logits_penalize_counted with
+ * repeat >= 1, frequency >= 0, presence >= 0) over n distinct ids. */
+typedef struct luma_lowering {
+    const int32_t *ids, *counts;
+    int32_t n;
+    float repeat, frequency, presence;
+} luma_lowering;
+/* luma_logits_topk of row `row` after p was applied to it since the run
+ * (and nothing else), from the k best the run found ahead: they hold the
+ * answer where, penalized, their k-th best still ranks at or above the
+ * last of them. The count, or -1 where they do not (or none were found),
+ * and the caller then asks the backend; it also asks the next runs to find
+ * LUMA_TOPK_AHEAD_MAX ahead. */
+int32_t luma_logits_set_topk_lowered(luma_logits_set *s, int64_t row, int32_t k, const luma_lowering *p,
+                                     int32_t *ids, float *vals);
 
 #endif

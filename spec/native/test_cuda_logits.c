@@ -504,6 +504,46 @@ static void test_model(const char *vocab)
         CHECK(luma_model_run_set(m, ca, 3, NULL, &s, &err) == 0);
         luma_logits_set_release(s);
         CHECK(m->topk_ahead == 0);
+        /* a penalty that only lowers: the top 5 after it from the top 64
+         * found ahead, equal to the backend's after the same edit; refused
+         * where the penalized 5th falls below the 64th (all but 3 of the
+         * 64 lowered by far) */
+        m->topk_ahead = LUMA_TOPK_AHEAD_MAX;
+        int low_served = 0, low_bad = 0, low_refused = 0;
+        for (int t = 0; t < 3; t++) {
+            for (int i = 0; i < 3; i++) ca[i] = (luma_chunk){ a[i], &tok[i], 1, false };
+            CHECK(luma_model_run_set(m, ca, 3, NULL, &s, &err) == 0);
+            if (!s) break;
+            for (int i = 0; i < 3; i++) {
+                int32_t top[LUMA_TOPK_AHEAD_MAX], pc[LUMA_TOPK_AHEAD_MAX];
+                float topv[LUMA_TOPK_AHEAD_MAX], pcf[LUMA_TOPK_AHEAD_MAX];
+                CHECK(luma_logits_set_topk(s, i, LUMA_TOPK_AHEAD_MAX, true, top, topv, &err) == LUMA_TOPK_AHEAD_MAX);
+                const bool far = t == 2;
+                int32_t np = far ? LUMA_TOPK_AHEAD_MAX - 3 : 3, pid[LUMA_TOPK_AHEAD_MAX];
+                for (int32_t j = 0; j < np; j++) {
+                    pid[j] = far ? top[j] : top[j * 2 + 1];
+                    pc[j] = 1 + j % 2;
+                    pcf[j] = (float)pc[j];
+                }
+                luma_lowering low = { pid, pc, np, 1.5f, 0.1f, far ? 1000.0f : 0.2f };
+                got_n = luma_logits_set_topk_lowered(s, i, 5, &low, ti, tv);
+                luma_logits_edit e = { LUMA_EDIT_PENALIZE, np, pid, pcf, 1.5f, 0.1f, low.presence };
+                CHECK(gpu->ops->logits_edit(gpu, &s->buf, i, &e, &err) == 0);
+                fresh_n = gpu->ops->logits_topk(gpu, &s->buf, i, 5, fi, fv, &err);
+                if (got_n >= 0) {
+                    low_served++;
+                    low_bad += got_n != fresh_n || memcmp(ti, fi, (size_t)got_n * sizeof *ti) != 0 ||
+                               memcmp(tv, fv, (size_t)got_n * sizeof *tv) != 0;
+                }
+                low_refused += far && got_n < 0;
+                tok[i] = top[0];
+            }
+            luma_logits_set_release(s);
+        }
+        CHECKF(low_served == 6 && low_bad == 0 && low_refused == 3,
+               "top-k after a lowering penalty: %d of 6 served, %d differ, %d of 3 refused", low_served, low_bad,
+               low_refused);
+        m->topk_ahead = 0;
         /* a failing hook fails the run, and the sequences stay as they were */
         int32_t before = a[0]->n_tokens;
         luma_run_hook bad = { failing_hook, NULL };

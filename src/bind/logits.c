@@ -52,9 +52,17 @@ void luma_bind_logits_hold(llogits *lg, luma_logits_set *s, int64_t row)
     lg->x_owned = false;
 }
 
+/* Forgets the penalty the row's one change was (lowered_mem). */
+static void forget_lowered(llogits *lg)
+{
+    free(lg->lowered_mem);
+    lg->lowered_mem = NULL;
+}
+
 /* Lets go of the set (x, if it pointed into it, goes too). */
 static void unhold(llogits *lg)
 {
+    forget_lowered(lg);
     luma_logits_set *s = lg->set;
     if (!s) return;
     if (lg->prev) lg->prev->next = lg->next;
@@ -219,7 +227,8 @@ static void keep_top_compact(lua_State *L, llogits *lg, int32_t k)
     luma_err err;
     int32_t got;
     if (x) got = luma_logits_topk(x, lg->n, k, ids, vals, &err);
-    else got = luma_logits_set_topk(lg->set, lg->row, k, !lg->edited, ids, vals, &err);
+    else if (!lg->lowered_mem || (got = luma_logits_set_topk_lowered(lg->set, lg->row, k, &lg->lowered, ids, vals)) < 0)
+        got = luma_logits_set_topk(lg->set, lg->row, k, !lg->edited, ids, vals, &err);
     if (got < 0) {
         free(ids);
         luma_bind_error(L, &err);
@@ -414,6 +423,7 @@ static int logits_temperature(lua_State *L)
         }
         luma_backend *be = backend(lg);
         lg->edited = true;
+        forget_lowered(lg);
         return chain(L, be->ops->logits_temperature(be, &lg->set->buf, lg->row, t, &err), &err);
     }
     if (use_compact(lg)) return chain(L, luma_logits_temperature(lg->vals, lg->n_live, t, &err), &err);
@@ -478,6 +488,7 @@ static int device_edit(lua_State *L, llogits *lg, const luma_logits_edit *e)
     luma_backend *be = backend(lg);
     luma_err err;
     lg->edited = true;
+    forget_lowered(lg);
     return chain(L, be->ops->logits_edit(be, &lg->set->buf, lg->row, e, &err), &err);
 }
 
@@ -503,7 +514,17 @@ static int logits_penalize(lua_State *L)
         float *values = (float *)(counts + room);
         for (int32_t j = 0; j < k; j++) values[j] = (float)counts[j];
         luma_logits_edit e = { LUMA_EDIT_PENALIZE, k, ids, values, rep, freq, pres };
-        return device_edit(L, lg, &e);
+        const bool first = !lg->edited;
+        int rc = device_edit(L, lg, &e);
+        /* a first change that only lowers entries is kept, for top_k to
+         * take from the k best found ahead (luma_logits_set_topk_lowered) */
+        if (first && rep >= 1.0f && freq >= 0.0f && pres >= 0.0f &&
+            (lg->lowered_mem = malloc(2 * (size_t)k * sizeof(int32_t))) != NULL) {
+            memcpy(lg->lowered_mem, ids, (size_t)k * sizeof(int32_t));
+            memcpy(lg->lowered_mem + k, counts, (size_t)k * sizeof(int32_t));
+            lg->lowered = (luma_lowering){ lg->lowered_mem, lg->lowered_mem + k, k, rep, freq, pres };
+        }
+        return rc;
     }
     if (lg->compact) {
         k = to_compact(lg, ids, counts, NULL, k);

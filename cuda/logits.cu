@@ -39,9 +39,14 @@ static cuda_backend *cu(luma_backend *be) { return (cuda_backend *)be; }
 
 /* The work area: after the floats, room for 8 bytes a row (argmax's keys)
  * and at least WORK_MIN (sample's sums). */
+static size_t work_align(size_t bytes)
+{
+    return (bytes + WORK_ALIGN - 1) / WORK_ALIGN * WORK_ALIGN;
+}
+
 static size_t work_offset(const luma_buf *b)
 {
-    return ((size_t)b->cap * sizeof(float) + WORK_ALIGN - 1) / WORK_ALIGN * WORK_ALIGN;
+    return work_align((size_t)b->cap * sizeof(float));
 }
 
 static size_t work_size(const luma_buf *b)
@@ -746,13 +751,12 @@ int luma_cuda_logits_argmax(luma_backend *be, const luma_buf *b, int64_t row0, i
 static int topk_work(cuda_backend *c, int64_t n, int32_t k, int64_t parts, unsigned int **arrived, int32_t **res,
                      unsigned long long **cand, luma_err *err)
 {
-    const size_t res_bytes = ((size_t)n * (2 * (size_t)k + 1) * sizeof(int32_t) + WORK_ALIGN - 1) / WORK_ALIGN *
-                             WORK_ALIGN;
+    const size_t res_bytes = work_align((size_t)n * (2 * (size_t)k + 1) * sizeof(int32_t));
     const size_t cand_bytes = (size_t)n * (size_t)parts * (size_t)k * sizeof(unsigned long long);
-    size_t rows = (size_t)c->topk_rows, counts = (rows * sizeof(unsigned int) + WORK_ALIGN - 1) / WORK_ALIGN * WORK_ALIGN;
+    size_t rows = (size_t)c->topk_rows, counts = work_align(rows * sizeof(unsigned int));
     if ((size_t)n > rows || counts + res_bytes + cand_bytes > c->topk_cap) {
         if (rows < (size_t)n) rows = (size_t)n < 256 ? 256 : (size_t)n;
-        counts = (rows * sizeof(unsigned int) + WORK_ALIGN - 1) / WORK_ALIGN * WORK_ALIGN;
+        counts = work_align(rows * sizeof(unsigned int));
         size_t cap = counts + res_bytes + cand_bytes;
         if (cap < 2 * c->topk_cap) cap = 2 * c->topk_cap;
         cudaStreamSynchronize(c->stream);
@@ -787,7 +791,8 @@ static int topk_rows(cuda_backend *c, const luma_buf *b, int64_t row0, int64_t n
     if (n < 1 || n > b->rows - row0)
         return luma_errf(err, "top-k: rows [%lld, +%lld) of a set of %lld", (long long)row0, (long long)n,
                          (long long)b->rows);
-    if (k < 1 || k > LUMA_TOPK_MAX) return luma_errf(err, "top-k: k must be in [1, %d] (got %d)", LUMA_TOPK_MAX, (int)k);
+    if (k < 1 || k > LUMA_TOPK_MAX)
+        return luma_errf(err, "top-k: k must be in [1, %d] (got %d)", LUMA_TOPK_MAX, (int)k);
     const int64_t parts = (b->cols + TOPK_PART_CHUNK - 1) / TOPK_PART_CHUNK, words = 2 * (int64_t)k + 1;
     const bool small = k <= TOPK_PART_THREADS && parts * k <= TOPK_PART_CHUNK;
     unsigned int *arrived;

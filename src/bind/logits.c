@@ -226,9 +226,12 @@ static void keep_top_compact(lua_State *L, llogits *lg, int32_t k)
     float *vals = (float *)(ids + k);
     luma_err err;
     int32_t got;
-    if (x) got = luma_logits_topk(x, lg->n, k, ids, vals, &err);
-    else if (!lg->lowered_mem || (got = luma_logits_set_topk_lowered(lg->set, lg->row, k, &lg->lowered, ids, vals)) < 0)
-        got = luma_logits_set_topk(lg->set, lg->row, k, !lg->edited, ids, vals, &err);
+    if (x) {
+        got = luma_logits_topk(x, lg->n, k, ids, vals, &err);
+    } else {
+        got = lg->lowered_mem ? luma_logits_set_topk_lowered(lg->set, lg->row, k, &lg->lowered, ids, vals) : -1;
+        if (got < 0) got = luma_logits_set_topk(lg->set, lg->row, k, !lg->edited, ids, vals, &err);
+    }
     if (got < 0) {
         free(ids);
         luma_bind_error(L, &err);

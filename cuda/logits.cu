@@ -62,7 +62,7 @@ static void *work(const luma_buf *b)
 
 /* Pinned host memory for a small result of bytes, the backend's (made at
  * its first use), so that the copy back needs no staging; NULL where bytes
- * is more or none could be had (the caller then mallocs). */
+ * is more or none could be had. */
 #define HOST_RESULTS_BYTES ((size_t)256 << 10)
 
 static void *host_results(cuda_backend *c, size_t bytes)
@@ -73,6 +73,19 @@ static void *host_results(cuda_backend *c, size_t bytes)
         c->host_results = NULL;
     }
     return c->host_results;
+}
+
+/* Host memory for a result of bytes: host_results, else malloc'd (NULL
+ * when out of memory); results_free gives it back. */
+static void *results_get(cuda_backend *c, size_t bytes)
+{
+    void *p = host_results(c, bytes);
+    return p ? p : malloc(bytes);
+}
+
+static void results_free(const cuda_backend *c, void *p)
+{
+    if (p != c->host_results) free(p);
 }
 
 /* ---- keys and block reductions ------------------------------------------ */
@@ -732,15 +745,14 @@ int luma_cuda_logits_argmax(luma_backend *be, const luma_buf *b, int64_t row0, i
         return luma_errf(err, "argmax: rows [%lld, +%lld) of a set of %lld", (long long)row0, (long long)n,
                          (long long)b->rows);
     unsigned long long *keys = (unsigned long long *)work(b);
-    unsigned long long *pinned = (unsigned long long *)host_results(c, (size_t)n * sizeof *pinned);
-    unsigned long long *host = pinned ? pinned : (unsigned long long *)malloc((size_t)n * sizeof *host);
+    unsigned long long *host = (unsigned long long *)results_get(c, (size_t)n * sizeof *host);
     if (!host) return luma_errf(err, "argmax: out of memory for %lld rows", (long long)n);
     cudaError_t e = queue_argmax(c, b, row0, n, keys);
     if (e == cudaSuccess) e = cudaMemcpyAsync(host, keys, (size_t)n * sizeof *host, cudaMemcpyDeviceToHost, c->stream);
     int rc = op_end(c, "argmax", e, err);
     if (rc == 0)
         for (int64_t i = 0; i < n; i++) ids[i] = host[i] ? (int32_t)(0xffffffffu - (unsigned int)host[i]) : -1;
-    if (!pinned) free(host);
+    results_free(c, host);
     return rc;
 }
 
@@ -799,9 +811,10 @@ static int topk_rows(cuda_backend *c, const luma_buf *b, int64_t row0, int64_t n
     int32_t *res;
     unsigned long long *cand;
     if (topk_work(c, n, k, small ? parts : 0, &arrived, &res, &cand, err)) return -1;
+    /* ids [k], values [k], count: a row's words, one copy back */
+    static_assert(sizeof(int32_t) == sizeof(float), "ids and values pack alike");
     const size_t bytes = (size_t)(n * words) * sizeof(int32_t);
-    int32_t *pinned = (int32_t *)host_results(c, bytes);
-    int32_t *host = pinned ? pinned : (int32_t *)malloc(bytes);
+    int32_t *host = (int32_t *)results_get(c, bytes);
     if (!host) return luma_errf(err, "top-k: out of memory for %lld rows", (long long)n);
     const float *x = b->data + row0 * b->cols;
     cudaError_t e = cudaSuccess;
@@ -825,7 +838,7 @@ static int topk_rows(cuda_backend *c, const luma_buf *b, int64_t row0, int64_t n
         memcpy(ids + i * k, h, (size_t)counts[i] * sizeof *ids);
         memcpy(vals + i * k, h + k, (size_t)counts[i] * sizeof *vals);
     }
-    if (!pinned) free(host);
+    results_free(c, host);
     return rc;
 }
 

@@ -73,6 +73,20 @@ typedef struct logits_dst {
     int32_t *topk;             /* into topk (luma_logits_set.topk's layout) */
 } logits_dst;
 
+/* Row `row` of a top-k found ahead for rows rows of k entries, in
+ * luma_logits_set.topk's layout: rows x k ids, rows x k values, rows
+ * counts. */
+typedef struct topk_row {
+    int32_t *ids;
+    float *vals;
+    int32_t *count;
+} topk_row;
+
+static topk_row topk_at(int32_t *mem, int64_t rows, int64_t k, int64_t row)
+{
+    return (topk_row){ mem + row * k, (float *)(mem + rows * k) + row * k, mem + 2 * rows * k + row };
+}
+
 /* The last pass is queued: the caller's hook, then every row's argmax
  * and top-k where asked, all before the host waits for the device (the
  * first of them to wait waits for the pass). A failure of any fails the
@@ -83,10 +97,9 @@ static int last_pass_queued(luma_model *m, logits_dst *dst, luma_err *err)
     const int64_t rows = dst->set ? dst->set->rows : 0;
     if (dst->argmax && m->be->ops->logits_argmax(m->be, dst->set, 0, rows, dst->argmax, err)) return -1;
     if (dst->topk) {
-        int32_t k = dst->topk_k;
-        int32_t *ids = dst->topk, *counts = dst->topk + 2 * rows * k;
-        float *vals = (float *)(dst->topk + rows * k);
-        if (m->be->ops->logits_topk_rows(m->be, dst->set, 0, rows, k, ids, vals, counts, err)) return -1;
+        topk_row all = topk_at(dst->topk, rows, dst->topk_k, 0);
+        if (m->be->ops->logits_topk_rows(m->be, dst->set, 0, rows, dst->topk_k, all.ids, all.vals, all.count, err))
+            return -1;
     }
     return 0;
 }
@@ -446,12 +459,10 @@ int32_t luma_logits_set_topk(luma_logits_set *s, int64_t row, int32_t k, bool ca
     if (cached) s->topk_read = true;
     if (cached && s->topk && k >= 1 && k <= s->topk_k) {
         /* the first k of the row's topk_k best, which come best first */
-        const int64_t K = s->topk_k, rows = s->buf.rows;
-        const int32_t *rid = s->topk + row * K, *rc = s->topk + 2 * rows * K;
-        const float *rv = (const float *)(s->topk + rows * K) + row * K;
-        int32_t got = rc[row] < k ? rc[row] : k;
-        memcpy(ids, rid, (size_t)got * sizeof *ids);
-        memcpy(vals, rv, (size_t)got * sizeof *vals);
+        const topk_row r = topk_at(s->topk, s->buf.rows, s->topk_k, row);
+        int32_t got = *r.count < k ? *r.count : k;
+        memcpy(ids, r.ids, (size_t)got * sizeof *ids);
+        memcpy(vals, r.vals, (size_t)got * sizeof *vals);
         return got;
     }
     int32_t got = be->ops->logits_topk(be, &s->buf, row, k, ids, vals, err);
@@ -471,9 +482,9 @@ int32_t luma_logits_set_topk_lowered(luma_logits_set *s, int64_t row, int32_t k,
         return -1;
     }
     s->topk_read = true;
-    const int64_t K = s->topk_k, rows = s->buf.rows;
-    const int32_t *rid = s->topk + row * K, n = s->topk[2 * rows * K + row];
-    const float *rv = (const float *)(s->topk + rows * K) + row * K;
+    const topk_row r = topk_at(s->topk, s->buf.rows, s->topk_k, row);
+    const int32_t K = s->topk_k, n = *r.count, *rid = r.ids;
+    const float *rv = r.vals;
     float v[LUMA_TOPK_AHEAD_MAX];
     int32_t at[LUMA_TOPK_AHEAD_MAX], pos[LUMA_TOPK_AHEAD_MAX], counts[LUMA_TOPK_AHEAD_MAX], hit = 0;
     memcpy(v, rv, (size_t)n * sizeof *v);
@@ -488,7 +499,7 @@ int32_t luma_logits_set_topk_lowered(luma_logits_set *s, int64_t row, int32_t k,
     /* rank them as the backend ranks: larger value first, ties by lower id */
     for (int32_t j = 0; j < n; j++) {
         int32_t a = j;
-        while (a > 0 && (v[j] > v[at[a - 1]] || (v[j] == v[at[a - 1]] && rid[j] < rid[at[a - 1]]))) {
+        while (a > 0 && luma_rank_before(v[j], rid[j], v[at[a - 1]], rid[at[a - 1]])) {
             at[a] = at[a - 1];
             a--;
         }
@@ -498,9 +509,7 @@ int32_t luma_logits_set_topk_lowered(luma_logits_set *s, int64_t row, int32_t k,
     if (n == K && got > 0) {
         /* entries past the K found rank below the last of them, before the
          * penalty and so after it: the k-th must not rank below that */
-        const float vk = v[at[got - 1]], vl = rv[K - 1];
-        const int32_t ik = rid[at[got - 1]], il = rid[K - 1];
-        if (vk < vl || (vk == vl && ik > il)) return -1;
+        if (luma_rank_before(rv[K - 1], rid[K - 1], v[at[got - 1]], rid[at[got - 1]])) return -1;
     }
     for (int32_t j = 0; j < got; j++) {
         ids[j] = rid[at[j]];

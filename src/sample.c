@@ -18,13 +18,6 @@ static float finite(float v)
     return v > FLT_MAX ? FLT_MAX : v < -FLT_MAX ? -FLT_MAX : v;
 }
 
-/* The ranking of entries: a comes before b when larger, or equal with a
- * lower id. */
-static bool before(float va, int32_t ia, float vb, int32_t ib)
-{
-    return va > vb || (va == vb && ia < ib);
-}
-
 static int check_n(const char *fn, int32_t n, luma_err *err)
 {
     if (n < 1) return luma_errf(err, "%s: n must be at least 1 (got %d)", fn, (int)n);
@@ -135,7 +128,7 @@ static void sift_up(int32_t *ids, float *vals, int32_t i)
 {
     while (i > 0) {
         int32_t parent = (i - 1) / 2;
-        if (!before(vals[parent], ids[parent], vals[i], ids[i])) return;
+        if (!luma_rank_before(vals[parent], ids[parent], vals[i], ids[i])) return;
         heap_swap(ids, vals, parent, i);
         i = parent;
     }
@@ -145,8 +138,8 @@ static void sift_down(int32_t *ids, float *vals, int32_t size, int32_t i)
 {
     for (;;) {
         int32_t l = 2 * i + 1, r = l + 1, worst = i;
-        if (l < size && before(vals[worst], ids[worst], vals[l], ids[l])) worst = l;
-        if (r < size && before(vals[worst], ids[worst], vals[r], ids[r])) worst = r;
+        if (l < size && luma_rank_before(vals[worst], ids[worst], vals[l], ids[l])) worst = l;
+        if (r < size && luma_rank_before(vals[worst], ids[worst], vals[r], ids[r])) worst = r;
         if (worst == i) return;
         heap_swap(ids, vals, i, worst);
         i = worst;
@@ -193,7 +186,7 @@ static int keep_top(float *x, int32_t n, int32_t k, luma_err *err)
     float wv = vals[0];
     int32_t wi = ids[0];
     for (int32_t i = 0; i < n; i++)
-        if (live(x[i]) && before(wv, wi, x[i], i)) x[i] = -INFINITY;
+        if (live(x[i]) && luma_rank_before(wv, wi, x[i], i)) x[i] = -INFINITY;
     free(ids);
     free(vals);
     return 0;

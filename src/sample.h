@@ -17,10 +17,18 @@
 #ifndef LUMA_SAMPLE_H
 #define LUMA_SAMPLE_H
 
+#include <stdbool.h>
 #include <stdint.h>
 
 #include "err.h"
 #include "rng.h"
+
+/* The ranking of entries (top-k, argmax, the backends' too): a comes before
+ * b when larger, or equal with a lower id. */
+static inline bool luma_rank_before(float va, int32_t ia, float vb, int32_t ib)
+{
+    return va > vb || (va == vb && ia < ib);
+}
 
 /* A vector of more than 4 * LUMA_SPARSE_MAX entries with at most
  * LUMA_SPARSE_MAX live ones (after a top_k, say) is worked on through a

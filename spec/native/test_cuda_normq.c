@@ -45,27 +45,10 @@ void luma_cuda_set_norm_quant(luma_backend *be, bool on);
  * ([STEPS][n_seqs][n_vocab]). */
 static bool run(luma_model *m, int n_seqs, float *out, const char *name)
 {
-    luma_err err = { { 0 } };
     int32_t nv = m->hp.n_vocab, ids[MAX_SEQS][PROMPT + STEPS];
     for (int s = 0; s < n_seqs; s++)
         for (int i = 0; i < PROMPT + STEPS; i++) ids[s][i] = (int32_t)((i * 7919 + 101 + 613 * s) % nv);
-    luma_seq *seqs[MAX_SEQS] = { NULL };
-    bool ok = true;
-    for (int s = 0; s < n_seqs && ok; s++) ok = (seqs[s] = luma_seq_new(m, &err)) != NULL;
-    float *scratch = xmalloc((size_t)n_seqs * (size_t)nv * sizeof(float));
-    luma_chunk c[MAX_SEQS];
-    if (ok) {
-        for (int s = 0; s < n_seqs; s++) c[s] = (luma_chunk){ seqs[s], ids[s], PROMPT, false };
-        ok = luma_model_run(m, c, n_seqs, scratch, &err) == 0;
-    }
-    for (int t = 0; ok && t < STEPS; t++) {
-        for (int s = 0; s < n_seqs; s++) c[s] = (luma_chunk){ seqs[s], &ids[s][PROMPT + t], 1, false };
-        ok = luma_model_run(m, c, n_seqs, out + (size_t)t * (size_t)n_seqs * (size_t)nv, &err) == 0;
-    }
-    CHECKF(ok, "%s, %d sequences: %s", name, n_seqs, err.msg);
-    free(scratch);
-    for (int s = 0; s < n_seqs; s++) luma_seq_free(seqs[s]);
-    return ok;
+    return luma_test_forced_steps(m, n_seqs, &ids[0][0], PROMPT, STEPS, out, name);
 }
 
 static void check_model(const luma_synth_params *sp, const char *label)

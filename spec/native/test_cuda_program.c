@@ -47,23 +47,7 @@ static const char *run_names[RUNS] = { "cpu", "off", "on", "again", "eager" };
  * sequence of m: the logits of every decode step into out. */
 static bool run(luma_model *m, const int32_t *ids, float *out, const char *name)
 {
-    luma_err err = { { 0 } };
-    int32_t nv = m->hp.n_vocab;
-    luma_seq *s = luma_seq_new(m, &err);
-    bool ok = s != NULL;
-    float *scratch = xmalloc((size_t)nv * sizeof(float));
-    if (ok) {
-        luma_chunk c = { s, ids, PROMPT, false };
-        ok = luma_model_run(m, &c, 1, scratch, &err) == 0;
-    }
-    for (int t = 0; ok && t < STEPS; t++) {
-        luma_chunk c = { s, &ids[PROMPT + t], 1, false };
-        ok = luma_model_run(m, &c, 1, out + (size_t)t * (size_t)nv, &err) == 0;
-    }
-    CHECKF(ok, "%s: %s", name, err.msg);
-    free(scratch);
-    luma_seq_free(s);
-    return ok;
+    return luma_test_forced_steps(m, 1, ids, PROMPT, STEPS, out, name);
 }
 
 int main(void)

@@ -287,6 +287,38 @@ static inline luma_model *luma_test_load(const char *path, const char *backend, 
     unsetenv("LUMA_CUDA_GRAPHS");
     return rc == 0 ? m : NULL;
 }
+
+/* n_seqs new sequences of m, sequence s given ids[s (prompt + steps) ...]:
+ * its prompt (all of them in one step), then `steps` steps of one forced
+ * token a sequence, each step's logits into out ([steps][n_seqs][n_vocab]).
+ * A failure is a failed check naming `name`, and false. */
+static inline bool luma_test_forced_steps(luma_model *m, int n_seqs, const int32_t *ids, int prompt, int steps,
+                                          float *out, const char *name)
+{
+    luma_err err = { { 0 } };
+    const int32_t nv = m->hp.n_vocab;
+    const size_t row = (size_t)(prompt + steps);
+    luma_seq **seqs = (luma_seq **)xmalloc((size_t)n_seqs * sizeof *seqs);
+    luma_chunk *c = (luma_chunk *)xmalloc((size_t)n_seqs * sizeof *c);
+    bool ok = true;
+    for (int s = 0; s < n_seqs; s++) seqs[s] = NULL;
+    for (int s = 0; s < n_seqs && ok; s++) ok = (seqs[s] = luma_seq_new(m, &err)) != NULL;
+    float *scratch = (float *)xmalloc((size_t)n_seqs * (size_t)nv * sizeof(float));
+    if (ok) {
+        for (int s = 0; s < n_seqs; s++) c[s] = (luma_chunk){ seqs[s], ids + s * row, prompt, false };
+        ok = luma_model_run(m, c, n_seqs, scratch, &err) == 0;
+    }
+    for (int t = 0; ok && t < steps; t++) {
+        for (int s = 0; s < n_seqs; s++) c[s] = (luma_chunk){ seqs[s], ids + s * row + prompt + t, 1, false };
+        ok = luma_model_run(m, c, n_seqs, out + (size_t)t * (size_t)n_seqs * (size_t)nv, &err) == 0;
+    }
+    CHECKF(ok, "%s, %d sequences: %s", name, n_seqs, err.msg);
+    free(scratch);
+    for (int s = 0; s < n_seqs; s++) luma_seq_free(seqs[s]);
+    free(c);
+    free(seqs);
+    return ok;
+}
 #endif
 
 /* Elements of a and b (n floats each) whose bits differ. */

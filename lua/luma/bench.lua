@@ -199,9 +199,9 @@ function M.run(o, load_model)
     row("decode with Lua policy chain", string.format("%.2f", timed / pdec), "tokens/s")
     row("Lua policy cost per token", string.format("%.1f", ptime / timed * 1e6), "us")
     row("Lua policy share of decode", string.format("%.1f", ptime / pdec * 100), "%")
-    -- Batches sampled by the scheduler's default chain (no penalties).
+    -- Batches sampled by the scheduler's default policy (no penalties).
     if o.batch then
-      local sampler = P.chain{ P.top_k(40), P.top_p(0.95), P.temperature(0.8) }
+      local sampler = P.from_options{ temp = 0.8, top_k = 40, top_p = 0.95 }
       for _, n in ipairs(list(o.batch)) do
         local tps_n = batched_decode(model, n, o["batch-prompt"], o.gen, sampler)
         row(string.format("aggregate decode, %d seqs, sampled", n), string.format("%.1f", tps_n), "tokens/s")

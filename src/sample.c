@@ -323,9 +323,61 @@ static int walk_bin(const float *x, int32_t n, double c, double m, double scale,
     return found;
 }
 
+/* Few entries (a compact form after top_k, say): the bins' 12 KB of counts
+ * cost more than sorting every live entry. Each entry's weight exp(x_i - m)
+ * is taken once; z sums them in id order, the walk in rank order. */
+#define FEW_MAX 256
+#define FEW_INSERT 64
+
+typedef struct few {
+    double key, e;
+    int32_t id;
+} few;
+
+static int few_cmp(const void *pa, const void *pb)
+{
+    const few *a = pa, *b = pb;
+    return cand_cmp(&(cand){ a->key, a->id }, &(cand){ b->key, b->id });
+}
+
+static void keep_mass_few(float *x, int32_t n, double c, double m, mass_goal *g)
+{
+    few fs[FEW_MAX];
+    int32_t nf = 0;
+    g->z = 0.0;
+    for (int32_t i = 0; i < n; i++) {
+        if (!live(x[i])) continue;
+        double e = exp(x[i] - m);
+        g->z += e;
+        fs[nf++] = (few){ fabs(x[i] - c), e, i };
+    }
+    if (nf <= FEW_INSERT) {
+        for (int32_t j = 1; j < nf; j++) {
+            few t = fs[j];
+            int32_t i = j;
+            for (; i > 0 && few_cmp(&fs[i - 1], &t) > 0; i--) fs[i] = fs[i - 1];
+            fs[i] = t;
+        }
+    } else {
+        qsort(fs, (size_t)nf, sizeof *fs, few_cmp);
+    }
+    double mass = 0.0;
+    for (int32_t j = 0; j < nf; j++) {
+        mass += fs[j].e;
+        if (reached(g, mass, j + 1)) {
+            for (int32_t i = j + 1; i < nf; i++) x[fs[i].id] = -INFINITY;
+            return;
+        }
+    }
+}
+
 /* Fills in g->z from the bins, saving top_p a pass of exp. */
 static int keep_mass(float *x, int32_t n, double c, double m, mass_goal *g, luma_err *err)
 {
+    if (n <= FEW_MAX) {
+        keep_mass_few(x, n, c, m, g);
+        return 0;
+    }
     double kmax = 0.0;
     for (int32_t i = 0; i < n; i++) {
         if (!live(x[i]) || x[i] - m < -RANGE) continue;

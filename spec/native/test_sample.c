@@ -784,6 +784,10 @@ int main(void)
         test_moves(sizes[s]);
         test_distributions(sizes[s]);
     }
+    /* a compact form's few entries: sorted whole by sample.c (insertion up
+     * to 64, qsort past it) instead of counted into bins */
+    test_filters(40);
+    test_filters(200);
     test_frequencies();
     test_errors();
     timings();

@@ -214,12 +214,27 @@ static int entry_cmp(const void *pa, const void *pb)
     return (a->id > b->id) - (a->id < b->id);
 }
 
-/* The k best entries become the compact form, found on the device or on
- * the host row, and the row is let go: what luma_logits_top_k leaves of the
- * row, held as its live entries. */
+/* Into id order: a policy's few (top_k 40, say) by insertion, more by qsort. */
+static void sort_by_id(entry *e, int32_t n)
+{
+    if (n > 64) {
+        qsort(e, (size_t)n, sizeof *e, entry_cmp);
+        return;
+    }
+    for (int32_t j = 1; j < n; j++) {
+        entry t = e[j];
+        int32_t i = j;
+        for (; i > 0 && e[i - 1].id > t.id; i--) e[i] = e[i - 1];
+        e[i] = t;
+    }
+}
+
+/* The k (<= LUMA_SPARSE_MAX) best entries become the compact form, found
+ * on the device or on the host row, and the row is let go: what
+ * luma_logits_top_k leaves of the row, held as its live entries. */
 static void keep_top_compact(lua_State *L, llogits *lg, int32_t k)
 {
-    entry *e = lua_newuserdatauv(L, (size_t)k * sizeof *e, 0);
+    entry e[LUMA_SPARSE_MAX];
     const float *x = on_device(lg) ? NULL : host_row(L, lg);
     int32_t *ids = malloc((size_t)k * (sizeof(int32_t) + sizeof(float)));
     if (!ids) luaL_error(L, "top_k: out of memory for %d entries", (int)k);
@@ -237,7 +252,7 @@ static void keep_top_compact(lua_State *L, llogits *lg, int32_t k)
         luma_bind_error(L, &err);
     }
     for (int32_t j = 0; j < got; j++) e[j] = (entry){ ids[j], vals[j] };
-    qsort(e, (size_t)got, sizeof *e, entry_cmp);
+    sort_by_id(e, got);
     for (int32_t j = 0; j < got; j++) {
         ids[j] = e[j].id;
         vals[j] = e[j].v;
@@ -250,7 +265,6 @@ static void keep_top_compact(lua_State *L, llogits *lg, int32_t k)
     lg->ids = ids;
     lg->vals = vals;
     lg->n_live = got;
-    lua_pop(L, 1);
 }
 
 /* ---- indexing ------------------------------------------------------------ */

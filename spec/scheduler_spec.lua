@@ -68,7 +68,11 @@ describe("the scheduler", function()
                                      end })
     local pieces, done = {}, {}
     local handles = run_all(sch, {
-      on_token = function(piece, _, req) pieces[req] = (pieces[req] or "") .. piece end,
+      on_token = function(piece, _, req)
+        pieces[req] = (pieces[req] or "") .. piece
+        -- h.text while it runs: what was streamed so far
+        assert.are.equal(pieces[req], req.text)
+      end,
       on_done = function(req, text, stats) done[#done + 1] = { req = req, text = text, stats = stats } end,
     })
     for i, h in ipairs(handles) do

@@ -62,7 +62,13 @@ local Scheduler = {}
 Scheduler.__index = Scheduler
 
 local Request = {}
-Request.__index = Request
+-- h.text of a request still running is its emitter's shown text, joined when
+-- read (retire sets the final one); every other field a request reads each
+-- step is set (false where unset) so that finding it never comes here.
+function Request.__index(req, k)
+  if k == "text" then return rawget(req, "out"):shown() end
+  return Request[k]
+end
 
 local function by_priority(a, b)
   if a.priority ~= b.priority then return a.priority > b.priority end
@@ -125,6 +131,7 @@ function Scheduler.new(model, opts)
     victim = opts.victim or latest_lowest,
     waiting = {},
     running = {},
+    plan_list = {},
     finished = {},       -- retired in this step, waiting for on_done
     count = 0,
     -- lua_time: all of step() but batch:run (run_time); policy_time is part of it.
@@ -161,12 +168,12 @@ function Scheduler:submit(r)
     sch = self, id = self.count, priority = priority, status = "waiting",
     ids = ids, prompt_len = #ids, n_done = 0, seq = nil,
     policy = policy, out = T.emitter(T.stops(r.stop, "submit"), max_tokens),
-    on_token = r.on_token, on_done = r.on_done, text = "",
-    cached_tokens = 0, preemptions = 0,
-    t_submit = luma.now(),
+    on_token = r.on_token or false, on_done = r.on_done or false,
+    cached_tokens = 0, preemptions = 0, cancelled = false, prefix_done = false,
+    t_submit = luma.now(), t_first = false,
   }, Request)
   req.state = { model = self.model, rng = luma.rng(r.seed or os.time() + self.count), step = 0,
-                prompt_len = #ids, tokens = ids, text = "" }
+                prompt_len = #ids, tokens = ids }
   self.waiting[#self.waiting + 1] = req
   return req
 end
@@ -284,15 +291,17 @@ function Scheduler:admit_waiting()
   end
 end
 
--- The chunks of this step: { req, n } in the order they go into the batch.
+-- The chunks of this step in the order they go into the batch: plan[2i - 1]
+-- a request, plan[2i] its rows. One table, filled again each step.
 function Scheduler:plan()
   local budget = self.budget(self)
   positive_integer("budget", budget)
-  local plan = {}
+  local plan, k = self.plan_list, 0
   -- Decoding requests first: one row each keeps every generation moving.
   for _, req in ipairs(self.running) do
     if budget > 0 and #req.ids - req.n_done == 1 then
-      plan[#plan + 1] = { req = req, n = 1 }
+      plan[k + 1], plan[k + 2] = req, 1
+      k = k + 2
       budget = budget - 1
     end
   end
@@ -300,10 +309,12 @@ function Scheduler:plan()
     local left = #req.ids - req.n_done
     if budget > 0 and left > 1 then
       local n = math.min(left, budget)
-      plan[#plan + 1] = { req = req, n = n }
+      plan[k + 1], plan[k + 2] = req, n
+      k = k + 2
       budget = budget - n
     end
   end
+  for i = #plan, k + 1, -1 do plan[i] = nil end
   return plan
 end
 
@@ -329,8 +340,11 @@ end
 function Scheduler:run_batch()
   local plan = self:plan()
   while true do
-    for _, c in ipairs(plan) do
-      self.batch:add(c.req.seq, table.move(c.req.ids, c.req.n_done + 1, c.req.n_done + c.n, 1, {}))
+    for i = 1, #plan, 2 do
+      local req, n = plan[i], plan[i + 1]
+      -- a decoding row is one id: no table for it
+      self.batch:add(req.seq, n == 1 and req.ids[req.n_done + 1]
+                              or table.move(req.ids, req.n_done + 1, req.n_done + n, 1, {}))
     end
     local t = luma.now()
     local ok, out = pcall(self.batch.run, self.batch)
@@ -361,7 +375,6 @@ function Scheduler:next_token(req, logits)
   local piece, stop = req.out:push(state, #req.ids + 1 > self.ctx and "ctx" or nil)
   req.ids[#req.ids + 1] = id
   self.stats.tokens = self.stats.tokens + 1
-  req.text = req.out:shown()
   if piece and req.on_token then req.on_token(piece, id, req) end
   return stop
 end
@@ -389,10 +402,11 @@ function Scheduler:step()
   self:admit_waiting()
   if #self.running > 0 then
     local out, plan = self:run_batch()
-    for _, c in ipairs(plan or {}) do
-      local req = c.req
-      req.n_done = req.n_done + c.n
-      self.stats.rows = self.stats.rows + c.n
+    local rows = 0
+    for i = 1, plan and #plan or 0, 2 do
+      local req, n = plan[i], plan[i + 1]
+      req.n_done = req.n_done + n
+      rows = rows + n
       if self.prefix and not req.prefix_done and req.n_done >= req.prompt_len then
         req.prefix_done = true
         self.prefix:insert(req.seq, req.prompt_len)
@@ -403,6 +417,7 @@ function Scheduler:step()
         elseif stop then self:retire(req, stop) end
       end
     end
+    self.stats.rows = self.stats.rows + rows
     self:sweep()
     self.stats.steps = self.stats.steps + 1
     self.stats.lua_time = self.stats.lua_time + (luma.now() - t0) - (self.stats.run_time - run0)

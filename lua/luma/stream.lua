@@ -41,7 +41,7 @@ local function stream(model, prompt, opts)
   stats.prompt_tokens, stats.tokens = #ids, 0
   stats.stop, stats.ttft, stats.time, stats.tokens_per_s = nil, nil, nil, nil
   local state = { model = model, rng = luma.rng(opts.seed or os.time()), step = 0,
-                  prompt_len = #ids, text = "" }
+                  prompt_len = #ids }
   local out = T.emitter(stops, max_tokens)
   local done, last_id = false, nil
   local t0 = luma.now()

@@ -10,12 +10,18 @@
 --   -- for each chosen token, state.id set:
 --   local piece, stop = out:push(state)     -- piece nil: nothing to yield
 --
--- The emitter keeps the whole generated text (`text`, also given to the stop
--- conditions as state.text) and how many of its bytes were shown
+-- The emitter keeps the whole generated text (`out:text()`, also what the
+-- stop conditions read as state.text) and how many of its bytes were shown
 -- (`emitted`). It holds back the bytes a condition's hold() asks for and the
 -- bytes of an unfinished UTF-8 character; when a condition stops, the text
 -- up to its cut (or before the token, for "eog") is shown and the rest is
 -- dropped.
+--
+-- The text is kept as its pieces and joined only when something reads it
+-- whole (a stop condition reading state.text, hold(), shown()): a token
+-- costs its piece and the few bytes not yet shown, not a copy of everything
+-- generated before it, so long generations and many of them at once do not
+-- fill the collector with copies.
 local S = require "luma.stop"
 
 local T = {}
@@ -63,9 +69,15 @@ end
 local Emitter = {}
 Emitter.__index = Emitter
 
+-- Pieces joined into one string once there are this many.
+local JOIN = 64
+
 -- stops: a list from T.stops; max_tokens: tokens at most.
 function T.emitter(stops, max_tokens)
-  return setmetatable({ stops = stops, max_tokens = max_tokens, text = "", emitted = 0 }, Emitter)
+  local e = setmetatable({ stops = stops, max_tokens = max_tokens, parts = {}, n = 0, len = 0, emitted = 0 }, Emitter)
+  -- state.text, read when a condition reads it
+  e.state_mt = { __index = function(_, k) if k == "text" then return e:text() end end }
+  return e
 end
 
 -- The reason to stop before the first token (a limit of 0), or nil.
@@ -77,9 +89,34 @@ function Emitter:stop_before()
   return nil
 end
 
+-- The whole text, held-back bytes included.
+function Emitter:text()
+  local parts, n = self.parts, self.n
+  if n == 0 then return "" end
+  if n > 1 then
+    parts[1] = table.concat(parts, "", 1, n)
+    for i = 2, n do parts[i] = nil end
+    self.n = 1
+  end
+  return parts[1]
+end
+
 -- The text shown so far.
 function Emitter:shown()
-  return self.text:sub(1, self.emitted)
+  if self.emitted == self.len then return self:text() end
+  return self:text():sub(1, self.emitted)
+end
+
+-- The last m (<= len) bytes of the text, from the pieces at its end.
+function Emitter:last(m)
+  if m <= 0 then return "" end
+  local parts, i = self.parts, self.n
+  local s = parts[i]
+  while #s < m do
+    i = i - 1
+    s = parts[i] .. s
+  end
+  return #s == m and s or s:sub(-m)
 end
 
 -- Takes the token state.id, chosen after state.step others: appends its text,
@@ -89,11 +126,22 @@ end
 -- of it is held back; nil when the token is not to be yielded: an "eog" with
 -- nothing left to show) and the stop reason, or nil to go on.
 function Emitter:push(state, limit)
-  local before = #self.text
-  self.text = self.text .. state.model:piece(state.id)
-  state.text = self.text
+  if getmetatable(state) ~= self.state_mt then
+    state.text = nil
+    setmetatable(state, self.state_mt)
+  end
+  local before = self.len
+  local piece = state.model:piece(state.id)
+  if #piece > 0 then
+    if self.n >= JOIN then self:text() end
+    self.n = self.n + 1
+    self.parts[self.n] = piece
+    self.len = before + #piece
+  end
   local stop, keep, hold = nil, nil, 0
-  for _, c in ipairs(self.stops) do
+  local stops = self.stops
+  for i = 1, #stops do
+    local c = stops[i]
     local r, cut
     if type(c) == "function" then r, cut = c(state) else r, cut = c.check(state) end
     if r then
@@ -101,25 +149,29 @@ function Emitter:push(state, limit)
       if r == "eog" then keep = math.min(keep or before, before) end
       if cut then keep = math.min(keep or cut, cut) end
     elseif type(c) == "table" and c.hold then
-      hold = math.max(hold, c.hold(self.text))
+      hold = math.max(hold, c.hold(self:text()))
     end
   end
   if not stop and state.step + 1 >= self.max_tokens then stop = "max_tokens" end
   if not stop then stop = limit end
   state.step = state.step + 1
   if stop then
-    local piece = self.text:sub(self.emitted + 1, keep or #self.text)
-    self.emitted = self.emitted + #piece
-    if piece == "" and stop == "eog" then piece = nil end
-    return piece, stop == true and "stop" or stop
+    local upto = keep or self.len
+    local shown = upto > self.emitted and self:text():sub(self.emitted + 1, upto) or ""
+    self.emitted = self.emitted + #shown
+    if shown == "" and stop == "eog" then shown = nil end
+    return shown, stop == true and "stop" or stop
   end
-  local upto = #self.text - math.max(hold, incomplete_tail(self.text))
-  local piece = ""
-  if upto > self.emitted then
-    piece = self.text:sub(self.emitted + 1, upto)
-    self.emitted = upto
-  end
-  return piece, nil
+  -- incomplete_tail reads the last 4 bytes at most: the last piece, or
+  -- the last pieces where it is shorter (byte tokens)
+  local tail = self.parts[self.n] or ""
+  if #tail < 4 then tail = self:last(math.min(4, self.len)) end
+  local upto = self.len - math.max(hold, incomplete_tail(tail))
+  if upto <= self.emitted then return "", nil end
+  local shown = self:last(self.len - self.emitted)
+  if upto < self.len then shown = shown:sub(1, upto - self.emitted) end
+  self.emitted = upto
+  return shown, nil
 end
 
 return T

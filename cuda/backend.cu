@@ -123,6 +123,17 @@ static bool env_off(const char *name)
     return v && strcmp(v, "0") == 0;
 }
 
+/* The integer `name` in the environment, within [lo, hi]; dflt when unset
+ * or not a number. */
+static int env_int(const char *name, int dflt, int lo, int hi)
+{
+    const char *v = getenv(name);
+    char *end;
+    long n = v && *v ? strtol(v, &end, 10) : 0;
+    if (!v || !*v || *end) return dflt;
+    return n < lo ? lo : n > hi ? hi : (int)n;
+}
+
 int luma_cuda_env_digit(const char *name, int dflt)
 {
     const char *v = getenv(name);
@@ -645,7 +656,7 @@ static void graph_drop(cuda_graph *g)
 static cuda_graph *graph_slot(cuda_backend *c, uint64_t key)
 {
     cuda_graph *lru = &c->graphs[0];
-    for (int i = 0; i < CUDA_GRAPHS; i++) {
+    for (int i = 0; i < c->graph_slots; i++) {
         cuda_graph *g = &c->graphs[i];
         if (g->key == key) return g;
         if (g->key == 0 || g->used < lru->used) lru = g;
@@ -713,7 +724,8 @@ static int cuda_step_run(luma_backend *be, const luma_step *step, int (*forward)
     }
     if (!g->exec) {
         /* a recording that fails (a scratch buffer must grow) runs eagerly */
-        if (g->failures >= CUDA_GRAPH_TRIES || !LUMA_CUDA_OK(c)) return run_forward(c, forward, ctx, err);
+        if (g->failures >= CUDA_GRAPH_TRIES || !LUMA_CUDA_OK(c) || g->seen++ < c->graph_after)
+            return run_forward(c, forward, ctx, err);
         if (!graph_record(c, g, forward, ctx)) {
             g->failures++;
             return run_forward(c, forward, ctx, err);
@@ -1039,6 +1051,8 @@ luma_backend *luma_backend_cuda_new(int device, luma_err *err)
     c->base.ops = &cuda_ops;
     c->device = device;
     c->graphs_on = !env_off("LUMA_CUDA_GRAPHS");
+    c->graph_slots = env_int("LUMA_CUDA_GRAPH_SLOTS", CUDA_GRAPHS, 1, CUDA_GRAPHS);
+    c->graph_after = env_int("LUMA_CUDA_GRAPH_AFTER", 0, 0, 1000);
     c->pdl = !env_off("LUMA_CUDA_PDL");
     c->early = luma_cuda_env_digit("LUMA_CUDA_EARLY", 1);
     c->attn_early = luma_cuda_env_digit("LUMA_CUDA_ATTN_EARLY", 1);

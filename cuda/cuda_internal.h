@@ -64,12 +64,21 @@ typedef struct cuda_weight_copy {
 
 /* A recorded decode step (cudaGraph): every operation the architecture's
  * forward queued for one step shape, replayed for later steps of the same
- * shape. A shape is recorded the first time it comes and replayed from
- * then on; a recording that fails (a scratch buffer would have to grow)
- * runs that step eagerly, which grows it, and the shape is recorded again
- * next time. A recording stays valid while the buffers it names stay where
- * they were (`where`). */
-#define CUDA_GRAPHS 32
+ * shape. A shape is recorded the first time it comes (cuda_backend.
+ * graph_after steps of it run eagerly first: 0 unless the environment
+ * says) and replayed from then on; a recording that fails (a scratch
+ * buffer would have to grow) runs that step eagerly, which grows it, and
+ * the shape is recorded again next time. A recording stays valid while the
+ * buffers it names stay where they were (`where`).
+ *
+ * The shapes are many where sequences come and go (a scheduler's batch
+ * changes its rows as requests start and end, each row count in each bucket
+ * of context lengths a shape), so there are slots for CUDA_GRAPHS of them,
+ * the least recently used given up first: with 32, a scheduler's 128
+ * requests ending four a step cycled through more shapes than slots and
+ * recorded every one of those steps again (cuda/NOTES.md, "The scheduler's
+ * steps"). */
+#define CUDA_GRAPHS 256
 #define CUDA_GRAPH_TRIES 3     /* failed recordings of a shape before it runs eagerly for good */
 
 typedef struct cuda_graph {
@@ -78,6 +87,7 @@ typedef struct cuda_graph {
     uint64_t used;             /* the backend's step counter at its last use (LRU) */
     cudaGraphExec_t exec;      /* NULL until recorded */
     int32_t failures;          /* recordings that failed */
+    int32_t seen;              /* steps of this shape run since it got its slot */
 } cuda_graph;
 
 /* cuBLAS's workspace (cuda_backend.cublas_ws), given to it so that a
@@ -158,6 +168,10 @@ typedef struct cuda_backend {
     bool repack_q6k, repack_x4, repack_tc, tc_q6k, mmv_on;
     int32_t n_mmv;
     cuda_graph graphs[CUDA_GRAPHS];
+    /* slots in use (LUMA_CUDA_GRAPH_SLOTS, at most CUDA_GRAPHS), and steps
+     * of a new shape run eagerly before it is recorded (LUMA_CUDA_GRAPH_AFTER):
+     * both in the environment for measuring */
+    int graph_slots, graph_after;
     uint64_t n_steps;          /* steps run through step_run */
     uint64_t buf_gen;          /* bumped when a weight, buffer or KV pool is made or freed */
     void *cublas_ws;           /* cuBLAS workspace: no allocation inside a recording */

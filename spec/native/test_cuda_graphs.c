@@ -8,7 +8,8 @@
  * download; their vocabulary comes from $LUMA_VOCAB, else the shared
  * llama-spm vocabulary beside the repository, else the default model
  * (testutil.h, luma_test_vocab_path). Then times a decode step of
- * each batch size both ways. */
+ * each batch size both ways, and checks when a shape is recorded and that
+ * many shapes keep their recordings. */
 #define _POSIX_C_SOURCE 200809L
 #include <stdio.h>
 #include <stdlib.h>
@@ -81,6 +82,82 @@ done:
     return worst;
 }
 
+/* cuda/backend.cu: how many steps have been recorded, and replayed */
+void luma_cuda_graph_counts(luma_backend *be, long long *recorded, long long *replays);
+
+/* B new sequences of one 20-token prompt, then n decode steps of them: the
+ * recordings and replays those steps made. */
+static void shape_steps(luma_model *m, int B, int n, long long *rec, long long *rep)
+{
+    luma_err err = { { 0 } };
+    int32_t nv = m->hp.n_vocab, prompt[20], tok[48];
+    luma_seq *s[48] = { NULL };
+    luma_chunk c[48];
+    float *lg = xmalloc((size_t)B * (size_t)nv * sizeof(float));
+    long long r0 = 0, p0 = 0, r1 = 0, p1 = 0;
+    *rec = *rep = -1;
+    for (int i = 0; i < 20; i++) prompt[i] = 1 + i;
+    for (int i = 0; i < B; i++) {
+        if (!(s[i] = luma_seq_new(m, &err))) {
+            CHECKF(0, "a sequence: %s", err.msg);
+            goto done;
+        }
+        c[i] = (luma_chunk){ s[i], prompt, 20, false };
+    }
+    if (luma_model_run(m, c, B, lg, &err) != 0) {
+        CHECKF(0, "prompts of %d sequences: %s", B, err.msg);
+        goto done;
+    }
+    luma_cuda_graph_counts(m->be, &r0, &p0);
+    for (int t = 0; t < n; t++) {
+        for (int i = 0; i < B; i++) {
+            tok[i] = 1 + (i + t) % (nv - 1);
+            c[i] = (luma_chunk){ s[i], &tok[i], 1, false };
+        }
+        if (luma_model_run(m, c, B, lg, &err) != 0) {
+            CHECKF(0, "decode step of %d sequences: %s", B, err.msg);
+            goto done;
+        }
+    }
+    luma_cuda_graph_counts(m->be, &r1, &p1);
+    *rec = r1 - r0;
+    *rep = p1 - p0;
+done:
+    for (int i = 0; i < B; i++) luma_seq_free(s[i]);
+    free(lg);
+}
+
+/* The recording rule (cuda_internal.h, CUDA_GRAPHS): a new shape is
+ * recorded at its first step and replayed from then on, and a scheduler's
+ * many shapes (here 37 batch sizes) do not push out the ones before them
+ * (with 32 slots, as before, they did). */
+static void test_rule(luma_model *m, const char *preset)
+{
+    if (getenv("LUMA_CUDA_GRAPH_AFTER") || getenv("LUMA_CUDA_GRAPH_SLOTS")) {
+        printf("%s: the recording rule not checked (LUMA_CUDA_GRAPH_AFTER or _SLOTS set)\n", preset);
+        return;
+    }
+    long long rec, rep;
+    /* the largest first, so that no buffer grows (and no recording goes
+     * stale) later; 5 sequences are a shape lockstep did not make */
+    shape_steps(m, 42, 1, &rec, &rep);
+    shape_steps(m, 5, 3, &rec, &rep);
+    CHECKF(rec == 1 && rep == 3, "%s: 3 steps of a new shape made %lld recordings and %lld replays, not 1 and 3",
+           preset, rec, rep);
+    /* 37 shapes more (lockstep's 8, 17 and 24 among them, already
+     * recorded): every step replayed, each recorded once at most */
+    int others = 0;
+    for (int B = 6; B <= 42; B++) {
+        shape_steps(m, B, 2, &rec, &rep);
+        others += rec <= 1 && rep == 2;
+    }
+    CHECKF(others == 37, "%s: %d of 37 shapes replayed at both their steps", preset, others);
+    shape_steps(m, 5, 1, &rec, &rep);
+    CHECKF(rec == 0 && rep == 1, "%s: the first shape, after 37 others: %lld recordings and %lld replays, not 0 and 1 "
+           "(its recording was given up)", preset, rec, rep);
+    printf("%s: recording rule: a new shape recorded at once and replayed; 38 shapes kept\n", preset);
+}
+
 static void test_model(const char *preset, const char *vocab)
 {
     luma_err err = { { 0 } };
@@ -110,6 +187,7 @@ static void test_model(const char *preset, const char *vocab)
                    preset, sizes[i], STEPS, d, ms[0], ms[1]);
             CHECKF(d == 0.0, "%s, %d sequences: recorded and eager steps differ by %g", preset, sizes[i], d);
         }
+        test_rule(m[0], preset);
     }
     luma_model_free(m[0]);
     luma_model_free(m[1]);

@@ -4,7 +4,8 @@
 --           Lua sampling chain (penalties, top-k 40, top-p 0.95, temp 0.8),
 --           timed over the steps after the first (reported on its own);
 --           with --policy and batches, the batches again, each sequence
---           sampled by top-k 40, top-p 0.95 and temperature 0.8;
+--           sampled by top-k 40, top-p 0.95 and temperature 0.8, and the
+--           same requests run by luma.scheduler (its default policy);
 --   bandwidth: weight bytes read per decoded token x tokens/s.
 local luma = require "luma"
 
@@ -116,6 +117,24 @@ local function batched_decode(model, n, plen, gen, policy)
   return n * (gen - 1) / dt, first
 end
 
+-- The same through luma.scheduler: n requests of a plen-token prompt, each
+-- making exactly gen tokens with the scheduler's default policy. Prompts are
+-- fed token_budget rows a step, so requests start, and end, a few at a time.
+-- Returns generated tokens per second once every prompt is in (the rest of
+-- the run: its steps of all n, then its last ones as requests end).
+local function scheduled_decode(model, n, plen, gen)
+  local Scheduler = require "luma.scheduler"
+  local ids = prompt_ids(model, plen)
+  local sch = Scheduler.new(model, { prefix = false })
+  for i = 1, n do sch:submit{ prompt = ids, max_tokens = gen, seed = i, stop = {} } end
+  while sch.stats.tokens < n and sch:step() do end
+  local tokens, t0 = sch.stats.tokens, luma.now()
+  sch:run()
+  local dt = luma.now() - t0
+  sch:close()
+  return (sch.stats.tokens - tokens) / dt
+end
+
 local function list(s)
   local t = {}
   for v in tostring(s):gmatch("[^,]+") do t[#t + 1] = assert(math.tointeger(tonumber(v)), "expected integers: " .. s) end
@@ -205,6 +224,13 @@ function M.run(o, load_model)
       for _, n in ipairs(list(o.batch)) do
         local tps_n = batched_decode(model, n, o["batch-prompt"], o.gen, sampler)
         row(string.format("aggregate decode, %d seqs, sampled", n), string.format("%.1f", tps_n), "tokens/s")
+      end
+      -- and as a scheduler runs them (twice: the first records its shapes)
+      for _, n in ipairs(list(o.batch)) do
+        scheduled_decode(model, n, o["batch-prompt"], o.gen)
+        local tps_n = scheduled_decode(model, n, o["batch-prompt"], o.gen)
+        row(string.format("scheduler, %d requests (%d+%d)", n, o["batch-prompt"], o.gen), string.format("%.1f", tps_n),
+            "tokens/s")
       end
     end
   end

@@ -1,0 +1,108 @@
+-- Where a scheduler's decode steps go: n requests of a p-token prompt, each
+-- making exactly g tokens with the scheduler's default policy (top-k 40,
+-- top-p 0.95, temperature 0.8), run twice (the first records the step
+-- shapes on a GPU backend). Once every prompt is in, it times each
+-- batch:run and sorts the steps into those of all n requests and those
+-- after the first requests ended (fewer rows, a shape each), noting the
+-- runs in which Lua's collector ran (the heap shrank); then the scheduler's
+-- own Lua time a step, and the same rows run by hand (one batch:run a step,
+-- each row sampled by the same policy) for comparison.
+--
+--   luma scripts/scheduler-steps.lua [-m model] [-b backend] [-s requests] [-p tokens] [-g tokens] [-k MiB]
+--
+-- -m: a GGUF file (default: the default model); -b: cpu, cuda or auto
+-- (default); -s: requests (default 32); -p: prompt tokens (default 128);
+-- -g: tokens each makes (default 128); -k: the KV cache's MiB (default 0:
+-- as luma.load's kv_mb).
+local luma = require "luma"
+local fetch = require "luma.fetch"
+local Scheduler = require "luma.scheduler"
+local P = luma.policy
+
+local opt = { b = "auto", s = "32", p = "128", g = "128", k = "0" }
+for i = 1, #arg, 2 do
+  local k = arg[i]:match("^%-(%a)$")
+  if not k or opt[k] == nil and k ~= "m" or arg[i + 1] == nil then
+    error("usage: scheduler-steps.lua [-m model] [-b backend] [-s requests] [-p tokens] [-g tokens] [-k MiB]", 0)
+  end
+  opt[k] = arg[i + 1]
+end
+local function int(name, lo)
+  local v = math.tointeger(tonumber(opt[name]))
+  if not v or v < lo then error("-" .. name .. " must be an integer of at least " .. lo, 0) end
+  return v
+end
+local n, plen, gen, kv = int("s", 1), int("p", 1), int("g", 2), int("k", 0)
+local model <close> = luma.load(opt.m or fetch.default_model(), { backend = opt.b, kv_mb = kv > 0 and kv or nil })
+
+local text = "The old lighthouse keeper climbed the spiral stairs every evening. "
+local ids = model:tokenize(text:rep(plen // 4 + 8))
+for i = #ids, plen + 1, -1 do ids[i] = nil end
+if #ids < plen then error("the prompt text is too short for -p " .. plen, 0) end
+
+-- batch:run, timed where the scheduler calls it
+local now = luma.now
+local methods = getmetatable(model:batch()).__index
+local run = methods.run
+local log
+methods.run = function(b)
+  local rows, heap, t = #b, collectgarbage("count"), now()
+  local out = run(b)
+  if log then log[#log + 1] = { rows, now() - t, collectgarbage("count") < heap } end
+  return out
+end
+
+local function scheduled(measure)
+  local sch = Scheduler.new(model, { prefix = false })
+  for i = 1, n do sch:submit{ prompt = ids, max_tokens = gen, seed = i, stop = {} } end
+  while sch.stats.tokens < n and sch:step() do end
+  local st = sch.stats
+  local tokens, steps, lua, policy, t0 = st.tokens, st.steps, st.lua_time, st.policy_time, now()
+  if measure then log = {} end
+  sch:run()
+  local dt = now() - t0
+  steps = st.steps - steps
+  sch:close()
+  return (st.tokens - tokens) / dt, (st.lua_time - lua) / steps, (st.policy_time - policy) / steps
+end
+
+scheduled(false)
+local tps, lua, policy = scheduled(true)
+local groups = { all = { 0, 0, 0, 0 }, fewer = { 0, 0, 0, 0 } }
+for _, e in ipairs(log) do
+  local g = groups[e[1] == n and "all" or "fewer"]
+  g[1], g[2], g[3], g[4] = g[1] + 1, g[2] + e[1], g[3] + e[2], g[4] + (e[3] and 1 or 0)
+end
+log = nil
+print(string.format("%s, %s, %d requests of %d + %d tokens", model.info.name or model.info.arch, model.info.backend,
+                    n, plen, gen))
+print(string.format("scheduler: %.1f tokens/s; Lua a step %.1f us, its policy %.1f us (%.2f us a request)", tps,
+                    lua * 1e6, policy * 1e6, policy * 1e6 / n))
+for _, k in ipairs{ "all", "fewer" } do
+  local g = groups[k]
+  if g[1] > 0 then
+    print(string.format("  steps of %s requests: %d, %.1f rows, batch:run %.3f ms, collector in %d", k, g[1],
+                        g[2] / g[1], g[3] / g[1] * 1e3, g[4]))
+  end
+end
+
+-- the same rows by hand
+local sampler = P.from_options{ temp = 0.8, top_k = 40, top_p = 0.95 }
+local seqs, last, states, batch = {}, {}, {}, model:batch()
+for i = 1, n do
+  seqs[i] = model:sequence()
+  batch:add(seqs[i], ids)
+  states[i] = { rng = luma.rng(i) }
+end
+local out = batch:run()
+for i = 1, n do last[i] = out[seqs[i]]:argmax() end
+local t0, tr = now(), 0
+for _ = 1, gen - 1 do
+  for i = 1, n do batch:add(seqs[i], last[i]) end
+  local t = now()
+  out = batch:run()
+  tr = tr + (now() - t)
+  for i = 1, n do last[i] = sampler(out[seqs[i]], states[i]) end
+end
+print(string.format("by hand: %.1f tokens/s, batch:run %.3f ms", n * (gen - 1) / (now() - t0), tr / (gen - 1) * 1e3))
+for i = 1, n do seqs[i]:close() end

@@ -26,7 +26,8 @@ local S = require "luma.stop"
 
 local T = {}
 
--- Bytes at the end of s that do not yet form a complete UTF-8 character.
+-- T.incomplete_tail(s): how many bytes at the end of s do not yet form a
+-- complete UTF-8 character (0 to 3).
 local function incomplete_tail(s)
   local n = #s
   for back = 0, math.min(3, n - 1) do
@@ -39,6 +40,7 @@ local function incomplete_tail(s)
   end
   return 0
 end
+T.incomplete_tail = incomplete_tail
 
 -- The ids of a prompt text. With bos, the model's BOS token goes first,
 -- unless special tokens are parsed and the text already begins with it (a
@@ -64,6 +66,28 @@ function T.stops(stops, who)
     end
   end
   return stops
+end
+
+-- Asks the stop conditions about state, whose token's text was just
+-- appended to a text of `before` bytes: the first reason to stop (or nil),
+-- the bytes of the text to keep when stopping (nil: all of it), and the
+-- bytes to hold back (the hold() of the conditions that go on, given
+-- src:text(), the whole text).
+function T.ask(stops, state, before, src)
+  local stop, keep, hold = nil, nil, 0
+  for i = 1, #stops do
+    local c = stops[i]
+    local r, cut
+    if type(c) == "function" then r, cut = c(state) else r, cut = c.check(state) end
+    if r then
+      stop = stop or r
+      if r == "eog" then keep = math.min(keep or before, before) end
+      if cut then keep = math.min(keep or cut, cut) end
+    elseif type(c) == "table" and c.hold then
+      hold = math.max(hold, c.hold(src:text()))
+    end
+  end
+  return stop, keep, hold
 end
 
 local Emitter = {}
@@ -138,20 +162,7 @@ function Emitter:push(state, limit)
     self.parts[self.n] = piece
     self.len = before + #piece
   end
-  local stop, keep, hold = nil, nil, 0
-  local stops = self.stops
-  for i = 1, #stops do
-    local c = stops[i]
-    local r, cut
-    if type(c) == "function" then r, cut = c(state) else r, cut = c.check(state) end
-    if r then
-      stop = stop or r
-      if r == "eog" then keep = math.min(keep or before, before) end
-      if cut then keep = math.min(keep or cut, cut) end
-    elseif type(c) == "table" and c.hold then
-      hold = math.max(hold, c.hold(self:text()))
-    end
-  end
+  local stop, keep, hold = T.ask(self.stops, state, before, self)
   if not stop and state.step + 1 >= self.max_tokens then stop = "max_tokens" end
   if not stop then stop = limit end
   state.step = state.step + 1

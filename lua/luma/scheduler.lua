@@ -131,7 +131,6 @@ function Scheduler.new(model, opts)
     victim = opts.victim or latest_lowest,
     waiting = {},
     running = {},
-    plan_list = {},
     finished = {},       -- retired in this step, waiting for on_done
     count = 0,
     -- lua_time: all of step() but batch:run (run_time); policy_time is part of it.
@@ -292,11 +291,11 @@ function Scheduler:admit_waiting()
 end
 
 -- The chunks of this step in the order they go into the batch: plan[2i - 1]
--- a request, plan[2i] its rows. One table, filled again each step.
+-- a request, plan[2i] its rows (one table a step, none a request).
 function Scheduler:plan()
   local budget = self.budget(self)
   positive_integer("budget", budget)
-  local plan, k = self.plan_list, 0
+  local plan, k = {}, 0
   -- Decoding requests first: one row each keeps every generation moving.
   for _, req in ipairs(self.running) do
     if budget > 0 and #req.ids - req.n_done == 1 then
@@ -314,7 +313,6 @@ function Scheduler:plan()
       budget = budget - n
     end
   end
-  for i = #plan, k + 1, -1 do plan[i] = nil end
   return plan
 end
 

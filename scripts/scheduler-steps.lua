@@ -6,7 +6,8 @@
 -- after the first requests ended (fewer rows, a shape each), noting the
 -- runs in which Lua's collector ran (the heap shrank); then the scheduler's
 -- own Lua time a step, and the same rows run by hand (one batch:run a step,
--- each row sampled by the same policy) for comparison.
+-- each row sampled by the same policy) for comparison. Both runs are luma
+-- bench's (luma.bench: scheduled_decode, batched_decode).
 --
 --   luma scripts/scheduler-steps.lua [-m model] [-b backend] [-s requests] [-p tokens] [-g tokens] [-k MiB]
 --
@@ -16,7 +17,7 @@
 -- as luma.load's kv_mb).
 local luma = require "luma"
 local fetch = require "luma.fetch"
-local Scheduler = require "luma.scheduler"
+local bench = require "luma.bench"
 local P = luma.policy
 
 local opt = { b = "auto", s = "32", p = "128", g = "128", k = "0" }
@@ -35,12 +36,7 @@ end
 local n, plen, gen, kv = int("s", 1), int("p", 1), int("g", 2), int("k", 0)
 local model <close> = luma.load(opt.m or fetch.default_model(), { backend = opt.b, kv_mb = kv > 0 and kv or nil })
 
-local text = "The old lighthouse keeper climbed the spiral stairs every evening. "
-local ids = model:tokenize(text:rep(plen // 4 + 8))
-for i = #ids, plen + 1, -1 do ids[i] = nil end
-if #ids < plen then error("the prompt text is too short for -p " .. plen, 0) end
-
--- batch:run, timed where the scheduler calls it
+-- batch:run, timed wherever it is called, once log is a list
 local now = luma.now
 local methods = getmetatable(model:batch()).__index
 local run = methods.run
@@ -51,33 +47,19 @@ methods.run = function(b)
   if log then log[#log + 1] = { rows, now() - t, collectgarbage("count") < heap } end
   return out
 end
+local function start_log() log = {} end
 
-local function scheduled(measure)
-  local sch = Scheduler.new(model, { prefix = false })
-  for i = 1, n do sch:submit{ prompt = ids, max_tokens = gen, seed = i, stop = {} } end
-  while sch.stats.tokens < n and sch:step() do end
-  local st = sch.stats
-  local tokens, steps, lua, policy, t0 = st.tokens, st.steps, st.lua_time, st.policy_time, now()
-  if measure then log = {} end
-  sch:run()
-  local dt = now() - t0
-  steps = st.steps - steps
-  sch:close()
-  return (st.tokens - tokens) / dt, (st.lua_time - lua) / steps, (st.policy_time - policy) / steps
-end
-
-scheduled(false)
-local tps, lua, policy = scheduled(true)
+bench.scheduled_decode(model, n, plen, gen)   -- records the step shapes
+local tps, steps, lua, policy = bench.scheduled_decode(model, n, plen, gen, start_log)
 local groups = { all = { 0, 0, 0, 0 }, fewer = { 0, 0, 0, 0 } }
 for _, e in ipairs(log) do
   local g = groups[e[1] == n and "all" or "fewer"]
   g[1], g[2], g[3], g[4] = g[1] + 1, g[2] + e[1], g[3] + e[2], g[4] + (e[3] and 1 or 0)
 end
-log = nil
 print(string.format("%s, %s, %d requests of %d + %d tokens", model.info.name or model.info.arch, model.info.backend,
                     n, plen, gen))
 print(string.format("scheduler: %.1f tokens/s; Lua a step %.1f us, its policy %.1f us (%.2f us a request)", tps,
-                    lua * 1e6, policy * 1e6, policy * 1e6 / n))
+                    lua / steps * 1e6, policy / steps * 1e6, policy / steps * 1e6 / n))
 for _, k in ipairs{ "all", "fewer" } do
   local g = groups[k]
   if g[1] > 0 then
@@ -86,23 +68,10 @@ for _, k in ipairs{ "all", "fewer" } do
   end
 end
 
--- the same rows by hand
+-- the same rows by hand, its steps after the first timed
+log = nil
 local sampler = P.from_options{ temp = 0.8, top_k = 40, top_p = 0.95 }
-local seqs, last, states, batch = {}, {}, {}, model:batch()
-for i = 1, n do
-  seqs[i] = model:sequence()
-  batch:add(seqs[i], ids)
-  states[i] = { rng = luma.rng(i) }
-end
-local out = batch:run()
-for i = 1, n do last[i] = out[seqs[i]]:argmax() end
-local t0, tr = now(), 0
-for _ = 1, gen - 1 do
-  for i = 1, n do batch:add(seqs[i], last[i]) end
-  local t = now()
-  out = batch:run()
-  tr = tr + (now() - t)
-  for i = 1, n do last[i] = sampler(out[seqs[i]], states[i]) end
-end
-print(string.format("by hand: %.1f tokens/s, batch:run %.3f ms", n * (gen - 1) / (now() - t0), tr / (gen - 1) * 1e3))
-for i = 1, n do seqs[i]:close() end
+local hand = bench.batched_decode(model, n, plen, gen, sampler, start_log)
+local tr = 0
+for _, e in ipairs(log) do tr = tr + e[2] end
+print(string.format("by hand: %.1f tokens/s, batch:run %.3f ms", hand, tr / #log * 1e3))

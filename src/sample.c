@@ -371,7 +371,9 @@ static void keep_mass_few(float *x, int32_t n, double c, double m, mass_goal *g)
     }
 }
 
-/* Fills in g->z from the bins, saving top_p a pass of exp. */
+/* Keeps the shortest prefix in g's order whose mass reaches g, filling in
+ * g->z on the way (from the bins, saving top_p a pass of exp): few entries
+ * by keep_mass_few, others through the bins. */
 static int keep_mass(float *x, int32_t n, double c, double m, mass_goal *g, luma_err *err)
 {
     if (n <= FEW_MAX) {

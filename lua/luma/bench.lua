@@ -88,8 +88,8 @@ end
 -- them, each sequence's next token its argmax, or what policy draws for it
 -- (with a state and a generator of its own). Returns generated tokens per
 -- second over the decode steps after the first, and the first step's
--- seconds.
-local function batched_decode(model, n, plen, gen, policy)
+-- seconds. timed, when given, is called as the timed steps begin.
+function M.batched_decode(model, n, plen, gen, policy, timed)
   local batch, seqs, last = M.prefilled(model, n, prompt_ids(model, plen))
   local states = {}
   for i = 1, n do states[i] = { model = model, seq = seqs[i], rng = luma.rng(i), step = 0, prompt_len = plen } end
@@ -109,6 +109,7 @@ local function batched_decode(model, n, plen, gen, policy)
     end
     if step == 1 then
       first = luma.now() - t0
+      if timed then timed() end
       t0 = luma.now()
     end
   end
@@ -121,18 +122,23 @@ end
 -- making exactly gen tokens with the scheduler's default policy. Prompts are
 -- fed token_budget rows a step, so requests start, and end, a few at a time.
 -- Returns generated tokens per second once every prompt is in (the rest of
--- the run: its steps of all n, then its last ones as requests end).
-local function scheduled_decode(model, n, plen, gen)
+-- the run: its steps of all n, then its last ones as requests end), and
+-- over that part the scheduler's steps and its Lua and policy seconds (its
+-- stats). timed, when given, is called as that part begins.
+function M.scheduled_decode(model, n, plen, gen, timed)
   local Scheduler = require "luma.scheduler"
   local ids = prompt_ids(model, plen)
   local sch = Scheduler.new(model, { prefix = false })
   for i = 1, n do sch:submit{ prompt = ids, max_tokens = gen, seed = i, stop = {} } end
   while sch.stats.tokens < n and sch:step() do end
-  local tokens, t0 = sch.stats.tokens, luma.now()
+  local st = sch.stats
+  local tokens, steps, lua, policy = st.tokens, st.steps, st.lua_time, st.policy_time
+  if timed then timed() end
+  local t0 = luma.now()
   sch:run()
   local dt = luma.now() - t0
   sch:close()
-  return (sch.stats.tokens - tokens) / dt
+  return (st.tokens - tokens) / dt, st.steps - steps, st.lua_time - lua, st.policy_time - policy
 end
 
 local function list(s)
@@ -201,7 +207,7 @@ function M.run(o, load_model)
   end
   if o.batch then
     for _, n in ipairs(list(o.batch)) do
-      local tps_n, first = batched_decode(model, n, o["batch-prompt"], o.gen)
+      local tps_n, first = M.batched_decode(model, n, o["batch-prompt"], o.gen)
       row(string.format("aggregate decode, %d seqs (%d+%d)", n, o["batch-prompt"], o.gen),
           string.format("%.1f", tps_n), "tokens/s")
       row(string.format("aggregate decode, %d seqs, first step", n), string.format("%.2f", first * 1000), "ms")
@@ -222,13 +228,13 @@ function M.run(o, load_model)
     if o.batch then
       local sampler = P.from_options{ temp = 0.8, top_k = 40, top_p = 0.95 }
       for _, n in ipairs(list(o.batch)) do
-        local tps_n = batched_decode(model, n, o["batch-prompt"], o.gen, sampler)
+        local tps_n = M.batched_decode(model, n, o["batch-prompt"], o.gen, sampler)
         row(string.format("aggregate decode, %d seqs, sampled", n), string.format("%.1f", tps_n), "tokens/s")
       end
       -- and as a scheduler runs them (twice: the first records its shapes)
       for _, n in ipairs(list(o.batch)) do
-        scheduled_decode(model, n, o["batch-prompt"], o.gen)
-        local tps_n = scheduled_decode(model, n, o["batch-prompt"], o.gen)
+        M.scheduled_decode(model, n, o["batch-prompt"], o.gen)
+        local tps_n = M.scheduled_decode(model, n, o["batch-prompt"], o.gen)
         row(string.format("scheduler, %d requests (%d+%d)", n, o["batch-prompt"], o.gen), string.format("%.1f", tps_n),
             "tokens/s")
       end

@@ -136,6 +136,53 @@ describe("a batch", function()
     b:close()
   end)
 
+  it("runs during while its step is in flight, the model kept from it; raises its error after the step", function()
+    local a, b, c = model:sequence(), model:sequence(), model:sequence()
+    local before = a:eval(prompts[1])
+    local held = before:copy()
+    local plain = model:batch():add(c, prompts[1]):add(b, prompts[2]):run()
+    local next_a = plain[c]:argmax()
+    local batch = model:batch():add(a, next_a):add(b, prompts[3])
+    local calls, errors, collecting = 0, {}, nil
+    local out = batch:run(function()
+      calls = calls + 1
+      collecting = collectgarbage("isrunning")
+      -- what needs no step: the vocabulary, host copies of logits, a next batch
+      assert.are.equal(model:detokenize(prompts[2]), model:detokenize(prompts[2]))
+      assert.are.equal(next_a, held:argmax())
+      batch:add(c, next_a)
+      for name, f in pairs{
+        sequence = function() model:sequence() end, eval = function() c:eval(5) end,
+        fork = function() c:fork() end, rewind = function() c:rewind(1) end, close = function() c:close() end,
+        run = function() model:batch():add(c, 5):run() end, model_close = function() model:close() end,
+        device_logits = function() before:argmax() end,
+      } do
+        local ok, err = pcall(f)
+        errors[name] = not ok and err:match("model is busy") ~= nil
+        if model.info.backend == "cpu" and name == "device_logits" then errors[name] = true end
+      end
+    end)
+    assert.are.equal(1, calls)
+    assert.is_false(collecting)
+    assert.is_true(collectgarbage("isrunning"))
+    for name, busy in pairs(errors) do assert.is_true(busy, name) end
+    -- the step is the plain one's
+    assert.are.equal(#prompts[1] + 1, a:len())
+    local ids = { table.unpack(prompts[1]) }
+    ids[#ids + 1] = next_a
+    assert.are.equal(H.greedy(model, ids, 1)[1], out[a]:argmax())
+    assert.are.equal(1, #batch)
+    -- the next batch added in flight runs; an error in during comes after its step
+    local ok, err = pcall(batch.run, batch, function() error("during failed") end)
+    assert.is_false(ok)
+    assert.matches("during failed", err)
+    assert.are.equal(#prompts[1] + 1, c:len())
+    assert.are.equal(0, #batch)
+    assert.matches("function expected", select(2, pcall(batch.run, batch:add(a, 1), 5)))
+    assert.are.equal(#prompts[1] + 1, a:len())
+    for _, s in ipairs{ a, b, c } do s:close() end
+  end)
+
   it("refuses sequences of another model, and closed sequences at run time", function()
     local other = H.load_invariant{ ctx = 64 }
     local batch = model:batch()

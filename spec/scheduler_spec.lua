@@ -280,6 +280,92 @@ describe("the scheduler", function()
     assert.are.equal(0, cases[5].h.stats.tokens)
   end)
 
+  it("streams each token while the device computes the next step, as it would between steps", function()
+    -- The same requests with overlap (the default) and without: the same
+    -- tokens, text, pieces and stops. Some end on their own conditions (a
+    -- stop string, the end of turn, an error in on_token, a cancel in
+    -- on_token), whose last row the overlap computes for nothing; others on
+    -- their count or the context, which get no such row.
+    local function eot_at_5(logits, state)
+      if state.step == 5 then return big:tokenize("<end_of_turn>", { bos = false, special = true })[1] end
+      return logits:argmax()
+    end
+    local function requests()
+      return {
+        { prompt = PROMPTS[2], stop = { S.eog(), S.strings{ " of" } }, max_tokens = 16 },
+        { prompt = PROMPTS[6], stop = { S.strings{ "return" } }, max_tokens = 16 },
+        { prompt = PROMPTS[3], policy = eot_at_5, max_tokens = 16 },
+        { prompt = PROMPTS[4], stop = {}, max_tokens = N },
+        { prompt = PROMPTS[9], stop = {}, max_tokens = 200 },   -- runs into the context of 128
+        { prompt = PROMPTS[5], stop = {}, max_tokens = N,
+          on_token = function(_, _, req) if #req.ids - req.prompt_len == 4 then error("callback failed") end end },
+        { prompt = PROMPTS[7], stop = {}, max_tokens = N,
+          on_token = function(_, _, req) if #req.ids - req.prompt_len == 2 then req:cancel() end end },
+        { prompt = PROMPTS[1], stop = {}, max_tokens = 1 },
+      }
+    end
+    local function run(overlap)
+      local sch = Scheduler.new(big, { prefix = false, overlap = overlap })
+      local out = {}
+      for i, r in ipairs(requests()) do
+        local pieces, on_token = {}, r.on_token
+        r.policy = r.policy or P.greedy()
+        r.on_token = function(piece, id, req)
+          pieces[#pieces + 1] = piece
+          if on_token then on_token(piece, id, req) end
+        end
+        out[i] = { h = sch:submit(r), pieces = pieces }
+      end
+      sch:run()
+      return out, sch.stats
+    end
+    local plain, plain_stats = run(false)
+    local over, over_stats = run(true)
+    local own = 0
+    for i, p in ipairs(plain) do
+      local o = over[i]
+      assert.are.same(generated(p.h), generated(o.h), "request " .. i)
+      assert.are.equal(p.h.text, o.h.text, "request " .. i)
+      assert.are.same(p.pieces, o.pieces, "request " .. i)
+      assert.are.equal(p.h.stats.stop, o.h.stats.stop, "request " .. i)
+      assert.are.equal(p.h.stats.error, o.h.stats.error, "request " .. i)
+      assert.are.equal(p.h.stats.tokens, o.h.stats.tokens, "request " .. i)
+      if o.h.stats.stop ~= "max_tokens" and o.h.stats.stop ~= "ctx" then own = own + 1 end
+    end
+    assert.are.same({ "stop", "stop", "eog", "max_tokens", "ctx", "error", "cancelled", "max_tokens" },
+                    (function() local t = {} for i, o in ipairs(over) do t[i] = o.h.stats.stop end return t end)())
+    assert.matches("callback failed", over[6].h.stats.error)
+    assert.are.equal(big.info.ctx + 1, #over[5].h.ids)   -- the last one chosen, never evaluated
+    assert.are.equal(plain_stats.tokens, over_stats.tokens)
+    assert.are.equal(plain_stats.rows + own, over_stats.rows)
+    assert.is_true(over_stats.emit_time > 0 and plain_stats.emit_time > 0)
+  end)
+
+  it("keeps the model from on_token while a step is in flight, and lets it in without overlap", function()
+    for _, overlap in ipairs{ true, false } do
+      local sch = Scheduler.new(big, { prefix = false, overlap = overlap })
+      local made = 0
+      local h = sch:submit{ prompt = prompts[2], policy = P.greedy(), stop = {}, max_tokens = 3,
+                            on_token = function()
+                              local seq = big:sequence()
+                              seq:close()
+                              made = made + 1
+                            end }
+      local other = sch:submit{ prompt = prompts[1], policy = P.greedy(), stop = {}, max_tokens = N }
+      sch:run()
+      assert.are.same(alone[1], generated(other))
+      if overlap then
+        -- the first token is streamed between steps (nothing else runs then)
+        -- or in flight; a token in flight ends the request
+        assert.are.equal("error", h.stats.stop)
+        assert.matches("model is busy", h.stats.error)
+      else
+        assert.are.equal("max_tokens", h.stats.stop)
+        assert.are.equal(3, made)
+      end
+    end
+  end)
+
   it("ends a request whose policy fails, and only that one", function()
     local sch = Scheduler.new(big, { prefix = false })
     local bad = sch:submit{ prompt = prompts[2], max_tokens = N, policy = function() error("no luck") end }

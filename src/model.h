@@ -125,6 +125,10 @@ struct luma_model {
      * every row's k best with its last pass. 0 for none; a set released
      * with its top-k found and unread sets it back to 0. */
     int32_t topk_ahead;
+    /* A step is queued and a caller's code runs while the device computes
+     * it (batch:run's during): nothing may reach the backend, the KV cache
+     * or the logits sets until the run is over (the bindings check it). */
+    bool busy;
 };
 
 void luma_model_params_default(luma_model_params *p);

@@ -124,11 +124,12 @@ end
 -- Returns generated tokens per second once every prompt is in (the rest of
 -- the run: its steps of all n, then its last ones as requests end), and
 -- over that part the scheduler's steps and its Lua and policy seconds (its
--- stats). timed, when given, is called as that part begins.
-function M.scheduled_decode(model, n, plen, gen, timed)
+-- stats). timed, when given, is called as that part begins; overlap is the
+-- scheduler's option (nil: its default).
+function M.scheduled_decode(model, n, plen, gen, timed, overlap)
   local Scheduler = require "luma.scheduler"
   local ids = prompt_ids(model, plen)
-  local sch = Scheduler.new(model, { prefix = false })
+  local sch = Scheduler.new(model, { prefix = false, overlap = overlap })
   for i = 1, n do sch:submit{ prompt = ids, max_tokens = gen, seed = i, stop = {} } end
   while sch.stats.tokens < n and sch:step() do end
   local st = sch.stats

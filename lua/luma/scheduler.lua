@@ -25,6 +25,16 @@
 -- sequence. Prefill, decode and recomputation after preemption are therefore
 -- the same thing: feeding ids[n_done + 1 ..] to the sequence.
 --
+-- A chosen token is streamed (its text, the stop conditions, on_token) while
+-- the device computes the next step, in batch:run's during: the host's text
+-- work overlaps the device's. The token's row goes into that step unless its
+-- count or the context already ends the request; a stop condition that ends
+-- it there makes that one row wasted work, never a different output. While
+-- the step is in flight, on_token and the stop conditions may not use the
+-- model's sequences, batches or device logits (an error says so and ends the
+-- request); opts.overlap = false streams each token right after its choice,
+-- between steps, instead.
+--
 -- Admission asks the KV cache for its free blocks (model:kv_free()): they
 -- must cover the newcomer's ids and its first new token, plus, for each
 -- running request, the blocks its ids not yet in its sequence need, and at
@@ -48,7 +58,7 @@
 --   victim(sch, running) the request to preempt (default: lowest priority, latest arrival)
 -- Other opts: token_budget (default model.info.max_rows), max_seqs (default
 -- token_budget), prefix (a luma.prefix cache, or false for none; default a
--- new one).
+-- new one), overlap (default true: above).
 --
 -- An error inside a request's policy, stop condition or on_token ends that
 -- request (stop "error", the message in stats.error); the others go on. An
@@ -108,6 +118,7 @@ function Scheduler.new(model, opts)
   for _, k in ipairs{ "order", "admit", "budget", "victim" } do
     if opts[k] ~= nil and type(opts[k]) ~= "function" then error("scheduler: " .. k .. " must be a function", 2) end
   end
+  if opts.overlap ~= nil and type(opts.overlap) ~= "boolean" then error("scheduler: overlap must be a boolean", 2) end
   local prefix = opts.prefix
   if prefix == nil or prefix == true then prefix = Prefix.new(model) end
   local free, block = model:kv_free()
@@ -116,7 +127,7 @@ function Scheduler.new(model, opts)
   -- never too few.)
   local window = {}
   for p = 1, #free do window[p] = p == 2 and model.info.sliding_window or 0 end
-  return setmetatable({
+  local sch = setmetatable({
     model = model,
     ctx = model.info.ctx,
     block = block,
@@ -132,11 +143,19 @@ function Scheduler.new(model, opts)
     waiting = {},
     running = {},
     finished = {},       -- retired in this step, waiting for on_done
+    overlap = opts.overlap ~= false,
+    pending = {},        -- requests whose chosen token is not streamed yet
+    spare = {},          -- the other pending list (they take turns)
+    stopped = {},        -- requests whose streamed token ended them, to retire
     count = 0,
-    -- lua_time: all of step() but batch:run (run_time); policy_time is part of it.
-    stats = { steps = 0, rows = 0, tokens = 0, lua_time = 0, run_time = 0, policy_time = 0,
+    -- lua_time: all of step() but batch:run (run_time); policy_time is part
+    -- of it. emit_time: the streaming, inside batch:run with overlap (then
+    -- part of run_time), else part of lua_time.
+    stats = { steps = 0, rows = 0, tokens = 0, lua_time = 0, run_time = 0, policy_time = 0, emit_time = 0,
               kv_full = 0, evictions = 0, preemptions = 0 },
   }, Scheduler)
+  sch.emit_all = function() sch:emit() end
+  return sch
 end
 
 -- sch:submit(request) -> handle (the request, with status, text, ids, stats).
@@ -168,6 +187,9 @@ function Scheduler:submit(r)
     ids = ids, prompt_len = #ids, n_done = 0, seq = nil,
     policy = policy, out = T.emitter(T.stops(r.stop, "submit"), max_tokens),
     on_token = r.on_token or false, on_done = r.on_done or false,
+    -- next: the chosen token not yet streamed (then in no list of ids);
+    -- last: it ends the request; ending, ending_err: the stop it met
+    next = false, last = false, ending = false, ending_err = false,
     cached_tokens = 0, preemptions = 0, cancelled = false, prefix_done = false,
     t_submit = luma.now(), t_first = false,
   }, Request)
@@ -226,7 +248,26 @@ local function remove(list, x)
   end
 end
 
+-- Streams req's chosen token: its text, the stop conditions, on_token.
+-- Returns the stop reason, or nil to go on.
+local function emit_one(sch, req)
+  local state, id = req.state, req.next
+  state.id = id
+  req.next = false
+  -- The token is evaluated next step only if the context has room for it.
+  local piece, stop = req.out:push(state, #req.ids + 1 > sch.ctx and "ctx" or nil)
+  req.ids[#req.ids + 1] = id
+  if piece and req.on_token then req.on_token(piece, id, req) end
+  return stop
+end
+
+-- A request that still has a token to stream streams it first; a stop it
+-- meets there is the reason (it came before this one).
 function Scheduler:retire(req, reason, err)
+  if req.next then
+    local ok, stop = pcall(emit_one, self, req)
+    if not ok then reason, err = "error", stop elseif stop then reason, err = stop, nil end
+  end
   if req.status == "running" then remove(self.running, req) else remove(self.waiting, req) end
   if req.seq then req.seq:close() end
   req.seq = nil
@@ -297,8 +338,10 @@ function Scheduler:plan()
   positive_integer("budget", budget)
   local plan, k = {}, 0
   -- Decoding requests first: one row each keeps every generation moving.
+  -- (A token still to be streamed is the row; one that ends its request
+  -- gets none.)
   for _, req in ipairs(self.running) do
-    if budget > 0 and #req.ids - req.n_done == 1 then
+    if budget > 0 and (req.next and not req.last or #req.ids - req.n_done == 1) then
       plan[k + 1], plan[k + 2] = req, 1
       k = k + 2
       budget = budget - 1
@@ -306,7 +349,7 @@ function Scheduler:plan()
   end
   for _, req in ipairs(self.running) do
     local left = #req.ids - req.n_done
-    if budget > 0 and left > 1 then
+    if budget > 0 and left > 1 and not req.next then
       local n = math.min(left, budget)
       plan[k + 1], plan[k + 2] = req, n
       k = k + 2
@@ -333,19 +376,21 @@ function Scheduler:relieve(msg)
   end
 end
 
--- Runs the plan, relieving memory until it fits; the logits by sequence,
+-- Runs the plan, relieving memory until it fits, and streams the chosen
+-- tokens while the device computes it (overlap); the logits by sequence,
 -- and the plan that ran (nil when nothing could).
 function Scheduler:run_batch()
   local plan = self:plan()
   while true do
+    if #plan == 0 then return nil end
     for i = 1, #plan, 2 do
       local req, n = plan[i], plan[i + 1]
       -- a decoding row is one id: no table for it
-      self.batch:add(req.seq, n == 1 and req.ids[req.n_done + 1]
+      self.batch:add(req.seq, n == 1 and (req.next or req.ids[req.n_done + 1])
                               or table.move(req.ids, req.n_done + 1, req.n_done + n, 1, {}))
     end
     local t = luma.now()
-    local ok, out = pcall(self.batch.run, self.batch)
+    local ok, out = pcall(self.batch.run, self.batch, self.overlap and #self.pending > 0 and self.emit_all or nil)
     self.stats.run_time = self.stats.run_time + (luma.now() - t)
     if ok then return out, plan end
     out = tostring(out)
@@ -356,9 +401,8 @@ function Scheduler:run_batch()
   end
 end
 
--- Chooses req's next token from logits and streams its text as luma.stream
--- does. Returns the stop reason, or nil to go on.
-function Scheduler:next_token(req, logits)
+-- Chooses req's next token from logits; it is streamed later (emit).
+function Scheduler:choose(req, logits)
   local state = req.state
   state.seq = req.seq
   local t = luma.now()
@@ -368,13 +412,38 @@ function Scheduler:next_token(req, logits)
     error("policy returned " .. tostring(id) .. ", not a token id", 0)
   end
   req.t_first = req.t_first or luma.now()
-  state.id = id
-  -- The token is evaluated next step only if the context has room for it.
-  local piece, stop = req.out:push(state, #req.ids + 1 > self.ctx and "ctx" or nil)
-  req.ids[#req.ids + 1] = id
+  req.next = id
+  -- what the emitter will stop at whatever the conditions say
+  req.last = state.step + 1 >= req.out.max_tokens or #req.ids + 1 > self.ctx
   self.stats.tokens = self.stats.tokens + 1
-  if piece and req.on_token then req.on_token(piece, id, req) end
-  return stop
+  self.pending[#self.pending + 1] = req
+end
+
+-- Streams the pending tokens (see emit_one); the requests they end are
+-- listed in stopped, retired once the step is over.
+function Scheduler:emit()
+  local list = self.pending
+  self.pending, self.spare = self.spare, list
+  local stopped, t = self.stopped, luma.now()
+  for i = 1, #list do
+    local req = list[i]
+    list[i] = nil
+    if req.next then
+      local ok, stop = pcall(emit_one, self, req)
+      if not ok then req.ending, req.ending_err = "error", stop elseif stop then req.ending = stop end
+      if req.ending then stopped[#stopped + 1] = req end
+    end
+  end
+  self.stats.emit_time = self.stats.emit_time + (luma.now() - t)
+end
+
+function Scheduler:retire_stopped()
+  local stopped = self.stopped
+  for i = 1, #stopped do
+    local req = stopped[i]
+    stopped[i] = nil
+    if req.status ~= "done" then self:retire(req, req.ending, req.ending_err or nil) end
+  end
 end
 
 -- Calls on_done of the requests retired in this step; the first error is
@@ -400,20 +469,29 @@ function Scheduler:step()
   self:admit_waiting()
   if #self.running > 0 then
     local out, plan = self:run_batch()
+    -- the tokens not streamed during the run (none ran, or no overlap)
+    if #self.pending > 0 then self:emit() end
+    -- those that ended their requests: the rows they had here were for nothing
+    self:retire_stopped()
     local rows = 0
     for i = 1, plan and #plan or 0, 2 do
       local req, n = plan[i], plan[i + 1]
-      req.n_done = req.n_done + n
       rows = rows + n
-      if self.prefix and not req.prefix_done and req.n_done >= req.prompt_len then
-        req.prefix_done = true
-        self.prefix:insert(req.seq, req.prompt_len)
+      if req.status == "running" then
+        req.n_done = req.n_done + n
+        if self.prefix and not req.prefix_done and req.n_done >= req.prompt_len then
+          req.prefix_done = true
+          self.prefix:insert(req.seq, req.prompt_len)
+        end
+        if req.n_done == #req.ids and not req.cancelled then
+          local ok, err = pcall(self.choose, self, req, out[req.seq])
+          if not ok then self:retire(req, "error", err) end
+        end
       end
-      if req.n_done == #req.ids then
-        local ok, stop = pcall(self.next_token, self, req, out[req.seq])
-        if not ok then self:retire(req, "error", stop)
-        elseif stop then self:retire(req, stop) end
-      end
+    end
+    if not self.overlap then
+      self:emit()
+      self:retire_stopped()
     end
     self.stats.rows = self.stats.rows + rows
     self:sweep()

@@ -2,7 +2,17 @@
  *   local b = model:batch()
  *   b:add(seq_a, {id}); b:add(seq_b, prompt_ids)
  *   local out = b:run()     -- out[seq_a], out[seq_b]: Logits
- * A batch is emptied by run and can be filled again. The pending chunks are
+ *   local out = b:run(during)   -- during() runs while the device computes
+ * A batch is emptied by run and can be filled again.
+ *
+ * during, when given, is called once the step is queued and before the host
+ * waits for it, so that host work (a scheduler's text, callbacks) overlaps
+ * the device's. Until it returns the model is busy: its sequences, batches
+ * and device logits raise an error (luma_bind_idle), and the collector is
+ * stopped (a finalizer could reach them). An error it raises is raised by
+ * run once the step is over: the step's tokens are in their sequences, its
+ * logits are not handed out. A run that fails before its step is queued
+ * (a full KV cache, say) does not call it. The pending chunks are
  * a C array in the userdata (a decode step adds one token for each of
  * many sequences, so an add makes no Lua objects for a single id); the
  * user value keeps what they point to alive: [2i - 1] the sequence of chunk
@@ -92,7 +102,9 @@ typedef struct results_call {
     int n;
     int64_t rows;
     int pending_refs;       /* stack index of the pending chunks' references */
+    int during;             /* stack index of the during function, or 0 */
     llogits **slots;        /* out: the Logits in row order */
+    bool during_failed;     /* out: during raised; its error is on the stack */
 } results_call;
 
 /* make_results(call, refs) -> slots, {[seq] = Logits (or array of Logits
@@ -118,9 +130,10 @@ static int make_results(lua_State *L)
     return 2;
 }
 
-/* The run's hook: make_results, protected, with the collector stopped (a
- * finalizer must not reach the model while its step is in flight). Leaves
- * slots and the results on the stack. */
+/* The run's hook: make_results, then during, each protected, with the
+ * collector stopped (a finalizer must not reach the model while its step is
+ * in flight) and during with the model busy. Leaves slots and the results
+ * on the stack, and during's error above them when it raised. */
 static int results_hook(void *ctx, luma_err *err)
 {
     results_call *r = ctx;
@@ -131,6 +144,12 @@ static int results_hook(void *ctx, luma_err *err)
     lua_pushlightuserdata(L, r);
     lua_pushvalue(L, r->pending_refs);
     int st = lua_pcall(L, 2, 2, 0);
+    if (st == LUA_OK && r->during) {
+        lua_pushvalue(L, r->during);
+        r->m->busy = true;
+        r->during_failed = lua_pcall(L, 0, 0, 0) != LUA_OK;
+        r->m->busy = false;
+    }
     if (gc_on) lua_gc(L, LUA_GCRESTART);
     if (st == LUA_OK) return 0;
     const char *msg = lua_tostring(L, -1);
@@ -139,12 +158,15 @@ static int results_hook(void *ctx, luma_err *err)
     return -1;
 }
 
-/* batch:run() -> {[seq] = Logits (or array of Logits with all = true)} */
+/* batch:run([during]) -> {[seq] = Logits (or array of Logits with all = true)} */
 static int batch_run(lua_State *L)
 {
     lbatch *b = checkbatch(L, 1);
+    const int during = lua_isnoneornil(L, 2) ? 0 : 2;
+    if (during) luaL_checktype(L, 2, LUA_TFUNCTION);
     lua_getiuservalue(L, 1, 1);
     luma_model *m = luma_bind_model(L, -1);
+    luma_bind_idle(L, m);
     if (b->n == 0) return luaL_error(L, "batch is empty");
     lua_getiuservalue(L, 1, 2);
     int pending_refs = lua_gettop(L);
@@ -174,13 +196,14 @@ static int batch_run(lua_State *L)
     /* The results are made once the step is queued (the hook), so that
      * the device works meanwhile, and before the run ends, so that nothing
      * can fail between the run and handing its rows out. */
-    results_call r = { L, m, chunks, n, rows, pending_refs, NULL };
+    results_call r = { L, m, chunks, n, rows, pending_refs, during, NULL, false };
     luma_run_hook hook = { results_hook, &r };
     luma_logits_set *set;
     luma_err err;
     if (luma_model_run_set(m, chunks, n, &hook, &set, &err)) return luma_bind_error(L, &err);
     for (int64_t i = 0; i < rows; i++) luma_bind_logits_hold(r.slots[i], set, i);
     luma_logits_set_release(set);
+    if (r.during_failed) return lua_error(L);
     return 1;
 }
 

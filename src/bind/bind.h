@@ -64,6 +64,9 @@ int luma_bind_error(lua_State *L, const luma_err *err);
 
 lmodel *luma_bind_checkmodel(lua_State *L, int i);
 luma_model *luma_bind_model(lua_State *L, int i);   /* open, or an error */
+/* Raises an error when m's step is in flight (m->busy): what would reach its
+ * backend, KV cache or logits sets calls this first. */
+void luma_bind_idle(lua_State *L, const luma_model *m);
 lseq *luma_bind_checkseq(lua_State *L, int i);
 luma_seq *luma_bind_seq(lua_State *L, int i);       /* open, or an error */
 llogits *luma_bind_checklogits(lua_State *L, int i);

@@ -74,9 +74,13 @@ static void unhold(llogits *lg)
     luma_logits_set_release(s);
 }
 
-static bool on_device(const llogits *lg)
+/* Whether the row is in device memory; raises when it is and its model's
+ * step is in flight (the device's logits work waits for no step). */
+static bool on_device(lua_State *L, const llogits *lg)
 {
-    return lg->set && !lg->x;
+    if (!lg->set || lg->x) return false;
+    luma_bind_idle(L, lg->set->model);
+    return true;
 }
 
 static luma_backend *backend(const llogits *lg)
@@ -147,6 +151,7 @@ static float *host_row(lua_State *L, llogits *lg)
     if (lg->lost) luaL_error(L, "logits: %s", lg->lost);
     luma_err err;
     if (lg->set) {
+        luma_bind_idle(L, lg->set->model);
         if (detach(lg, &err)) luma_bind_error(L, &err);
     } else if (lg->compact) {
         float *x = malloc((size_t)lg->n * sizeof *x);
@@ -235,7 +240,7 @@ static void sort_by_id(entry *e, int32_t n)
 static void keep_top_compact(lua_State *L, llogits *lg, int32_t k)
 {
     entry e[LUMA_SPARSE_MAX];
-    const float *x = on_device(lg) ? NULL : host_row(L, lg);
+    const float *x = on_device(L, lg) ? NULL : host_row(L, lg);
     int32_t *ids = malloc((size_t)k * (sizeof(int32_t) + sizeof(float)));
     if (!ids) luaL_error(L, "top_k: out of memory for %d entries", (int)k);
     float *vals = (float *)(ids + k);
@@ -346,7 +351,7 @@ static int logits_argmax(lua_State *L)
     llogits *lg = luma_bind_checklogits(L, 1);
     luma_err err;
     int32_t id;
-    if (on_device(lg)) {
+    if (on_device(L, lg)) {
         id = luma_logits_set_argmax(lg->set, lg->row, !lg->edited, &err);
         if (id < 0) return luma_bind_error(L, &err);
     } else if (use_compact(lg)) {
@@ -370,7 +375,7 @@ static int logits_topk(lua_State *L)
     float *vals = lua_newuserdatauv(L, (size_t)k * sizeof(float), 0);
     luma_err err;
     int32_t got;
-    if (on_device(lg) && k <= LUMA_TOPK_MAX) {
+    if (on_device(L, lg) && k <= LUMA_TOPK_MAX) {
         got = luma_logits_set_topk(lg->set, lg->row, (int32_t)k, !lg->edited, ids, vals, &err);
     } else if (use_compact(lg)) {
         got = luma_logits_topk(lg->vals, lg->n_live, (int32_t)k, ids, vals, &err);
@@ -408,7 +413,7 @@ static int logits_sample(lua_State *L)
     luma_rng *rng = luma_bind_checkrng(L, 2);
     luma_err err;
     int32_t id;
-    if (on_device(lg)) {
+    if (on_device(L, lg)) {
         luma_backend *be = backend(lg);
         id = be->ops->logits_sample(be, &lg->set->buf, lg->row, luma_rng_uniform(rng), &err);
     } else if (use_compact(lg)) {
@@ -431,7 +436,7 @@ static int logits_temperature(lua_State *L)
     if (!(t >= 0.0f) || isinf(t))
         return luaL_error(L, "temperature: t must be finite and >= 0 (got %f)", (double)t);
     luma_err err;
-    if (on_device(lg)) {
+    if (on_device(L, lg)) {
         /* Greedy keeps the argmax alone: the top 1. */
         if (t == 0.0f) {
             keep_top_compact(L, lg, 1);
@@ -527,7 +532,7 @@ static int logits_penalize(lua_State *L)
     luma_err err;
     int32_t k = luma_logits_penalty_counts(lg->n, hist, n, (int32_t)last_n, rep, freq, pres, ids, counts, &err);
     if (k <= 0) return chain(L, k, &err);
-    if (on_device(lg)) {
+    if (on_device(L, lg)) {
         float *values = (float *)(counts + room);
         for (int32_t j = 0; j < k; j++) values[j] = (float)counts[j];
         luma_logits_edit e = { LUMA_EDIT_PENALIZE, k, ids, values, rep, freq, pres };
@@ -584,7 +589,7 @@ static int logits_bias(lua_State *L)
         lua_pop(L, 1);
     }
     luma_err err;
-    if (on_device(lg)) {
+    if (on_device(L, lg)) {
         luma_logits_edit e = { LUMA_EDIT_BIAS, k, ids, values, 1.0f, 0.0f, 0.0f };
         return device_edit(L, lg, &e);
     }
@@ -628,7 +633,7 @@ static int logits_mask(lua_State *L)
     int32_t n;
     int32_t *ids = check_idset(L, 2, lg->n, &n);
     luma_err err;
-    if (on_device(lg)) {
+    if (on_device(L, lg)) {
         luma_logits_edit e = { LUMA_EDIT_MASK, n, ids, NULL, 1.0f, 0.0f, 0.0f };
         return device_edit(L, lg, &e);
     }
@@ -669,7 +674,7 @@ static int logits_log_softmax(lua_State *L)
 static int logits_copy(lua_State *L)
 {
     llogits *lg = luma_bind_checklogits(L, 1);
-    const float *src = lg->compact || on_device(lg) ? NULL : host_row(L, lg);
+    const float *src = lg->compact || on_device(L, lg) ? NULL : host_row(L, lg);
     llogits *c = luma_bind_newlogits(L, lg->n);
     int32_t live = lg->n_live > 0 ? lg->n_live : 1;
     size_t bytes = lg->compact ? (size_t)live * (sizeof(int32_t) + sizeof(float)) : (size_t)lg->n * sizeof(float);

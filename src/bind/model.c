@@ -16,6 +16,12 @@ luma_model *luma_bind_model(lua_State *L, int i)
     return lm->m;
 }
 
+void luma_bind_idle(lua_State *L, const luma_model *m)
+{
+    if (m->busy) luaL_error(L, "model is busy: its step is in flight (batch:run's during may not use the model's "
+                               "sequences, batches or logits)");
+}
+
 typedef struct progress_ctx {
     lua_State *L;
     int fn;          /* stack index of the callback */
@@ -99,7 +105,9 @@ static void model_release(lmodel *lm)
 
 static int model_close(lua_State *L)
 {
-    model_release(luma_bind_checkmodel(L, 1));
+    lmodel *lm = luma_bind_checkmodel(L, 1);
+    if (lm->m) luma_bind_idle(L, lm->m);
+    model_release(lm);
     return 0;
 }
 

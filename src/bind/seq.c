@@ -50,6 +50,7 @@ static void push_seq(lua_State *L, int mi, luma_seq *s)
 int luma_bind_newseq(lua_State *L)
 {
     luma_model *m = luma_bind_model(L, 1);
+    luma_bind_idle(L, m);
     luma_err err;
     luma_seq *s = luma_seq_new(m, &err);
     if (!s) return luma_bind_error(L, &err);
@@ -63,6 +64,7 @@ static int seq_eval(lua_State *L)
 {
     luma_seq *s = luma_bind_seq(L, 1);
     luma_model *m = s->model;
+    luma_bind_idle(L, m);
     bool all = luma_bind_optbool(L, 3, "all", false);
     int32_t n, one;
     const int32_t *ids = luma_bind_checkidarg(L, 2, m->hp.n_vocab, &one, &n);
@@ -113,6 +115,7 @@ static int seq_tokens(lua_State *L)
 static int seq_fork(lua_State *L)
 {
     luma_seq *s = luma_bind_seq(L, 1);
+    luma_bind_idle(L, s->model);
     luma_err err;
     luma_seq *c = luma_seq_fork(s, &err);
     if (!c) return luma_bind_error(L, &err);
@@ -125,6 +128,7 @@ static int seq_fork(lua_State *L)
 static int seq_rewind(lua_State *L)
 {
     luma_seq *s = luma_bind_seq(L, 1);
+    luma_bind_idle(L, s->model);
     lua_Integer n = luaL_checkinteger(L, 2);
     if (n < 0 || n > s->n_tokens)
         return luaL_argerror(L, 2, lua_pushfstring(L, "%I is outside [0, %d]", n, (int)s->n_tokens));
@@ -136,7 +140,9 @@ static int seq_rewind(lua_State *L)
 
 static int seq_close(lua_State *L)
 {
-    luma_bind_seq_release(luma_bind_checkseq(L, 1));
+    lseq *q = luma_bind_checkseq(L, 1);
+    if (q->s) luma_bind_idle(L, q->s->model);
+    luma_bind_seq_release(q);
     return 0;
 }
 

@@ -482,6 +482,150 @@ topk_small_kernel(const float *__restrict__ x, int64_t n, int32_t k, unsigned lo
     }
 }
 
+/* The same with a thread's keys in its registers (k <= TOPK_REGS_K): no
+ * block holds its chunk in shared memory (6 KB a block instead of 37), and
+ * no key is written or read back there. */
+#define TOPK_PER (TOPK_PART_CHUNK / TOPK_PART_THREADS)
+#define TOPK_REGS_K 64
+
+/* How many of the block's keys reach t: key(i), i < N, of every thread. */
+template <int N, typename Key>
+__device__ int block_count_at_least(Key key, unsigned long long t, int *s_sum)
+{
+    int c = 0;
+#pragma unroll
+    for (int i = 0; i < N; i++) c += key(i) >= t;
+    for (int o = 16; o > 0; o >>= 1) c += __shfl_xor_sync(0xffffffffu, c, o);
+    __syncthreads();
+    if (threadIdx.x == 0) *s_sum = 0;
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) atomicAdd(s_sum, c);
+    __syncthreads();
+    return *s_sum;
+}
+
+/* The keys key(i) >= floor of every thread into few (s_count zeroed and the
+ * block synchronized before; the block synchronized after). */
+template <int N, typename Key>
+__device__ unsigned int gather_at_least(Key key, unsigned long long floor_key, unsigned long long *few,
+                                        unsigned int *s_count)
+{
+#pragma unroll
+    for (int i = 0; i < N; i++) {
+        unsigned long long q = key(i);
+        if (q < floor_key) continue;
+        unsigned int at = atomicAdd(s_count, 1u);
+        if (at < TOPK_FEW) few[at] = q;
+    }
+    __syncthreads();
+    return *s_count;
+}
+
+/* block_select for keys in registers: thread t's are key(0) .. key(N - 1)
+ * (0 for none; live keys distinct), k <= TOPK_REGS_K. The floor is the
+ * k-th best of the threads' maxima as there; where more than TOPK_FEW keys
+ * reach it, it is raised by bisection to a key that at least k and at most
+ * TOPK_FEW reach (one exists: the k-th best key). Returns few, sorted best
+ * first; ends with the block synchronized. */
+template <int N, typename Key>
+__device__ const unsigned long long *regs_select(Key key, int k, unsigned long long *few,
+                                                 unsigned long long *maxima, unsigned int *s_count, int *s_sum)
+{
+    const int tid = threadIdx.x, nt = blockDim.x;
+    unsigned long long best = 0;
+#pragma unroll
+    for (int i = 0; i < N; i++) {
+        unsigned long long q = key(i);
+        best = q > best ? q : best;
+    }
+    maxima[tid] = best;
+    if (tid == 0) *s_count = 0;
+    block_sort_small_desc(maxima, nt);
+    unsigned long long floor_key = maxima[k - 1] > 1 ? maxima[k - 1] : 1;
+    unsigned int count = gather_at_least<N>(key, floor_key, few, s_count);
+    if (count > TOPK_FEW) {
+        /* at least k keys reach lo, fewer than k reach hi */
+        unsigned long long lo = floor_key, hi = maxima[0] + 1;
+        while (count > TOPK_FEW) {
+            unsigned long long mid = lo + (hi - lo) / 2;
+            int c = block_count_at_least<N>(key, mid, s_sum);
+            if (c >= k) {
+                lo = mid;
+                count = (unsigned int)c;
+            } else {
+                hi = mid;
+            }
+        }
+        if (tid == 0) *s_count = 0;
+        __syncthreads();
+        count = gather_at_least<N>(key, lo, few, s_count);
+    }
+    const int p = pow2_at_least((int)count > k ? (int)count : k);
+    for (int j = (int)count + tid; j < p; j += nt) few[j] = 0;
+    if (p <= nt) {
+        block_sort_small_desc(few, p);
+    } else {
+        __syncthreads();
+        block_sort_desc(few, p);
+    }
+    return few;
+}
+
+/* topk_small_kernel's results from registers (k <= TOPK_REGS_K). */
+__global__ void __launch_bounds__(TOPK_PART_THREADS, 4)
+topk_regs_kernel(const float *__restrict__ x, int64_t n, int32_t k, unsigned long long *cand,
+                 unsigned int *arrived, int32_t *out)
+{
+    follow_previous_kernel();
+    x += (int64_t)blockIdx.y * n;
+    cand += (int64_t)blockIdx.y * gridDim.x * k;
+    arrived += blockIdx.y;
+    out += (int64_t)blockIdx.y * (2 * k + 1);
+    __shared__ unsigned long long few[TOPK_FEW];
+    __shared__ unsigned long long maxima[TOPK_PART_THREADS];
+    __shared__ unsigned int s_count;
+    __shared__ int s_sum;
+    __shared__ bool s_last;
+    const int tid = threadIdx.x;
+    /* thread t's entries: lo + i TOPK_PART_THREADS, as keys */
+    const int64_t lo = (int64_t)blockIdx.x * TOPK_PART_CHUNK + tid;
+    unsigned long long keys[TOPK_PER];
+#pragma unroll
+    for (int i = 0; i < TOPK_PER; i++) {
+        const int64_t j = lo + (int64_t)i * TOPK_PART_THREADS;
+        const float v = j < n ? x[j] : -INFINITY;
+        keys[i] = is_live(v) ? rank_key(v, j) : 0ull;
+    }
+    auto entry_key = [&](int i) -> unsigned long long { return keys[i]; };
+    const unsigned long long *best = regs_select<TOPK_PER>(entry_key, k, few, maxima, &s_count, &s_sum);
+    for (int j = tid; j < k; j += TOPK_PART_THREADS) cand[(int64_t)blockIdx.x * k + j] = best[j];
+    /* the last block to arrive sees every block's keys */
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) s_last = atomicAdd(arrived, 1u) == gridDim.x - 1;
+    __syncthreads();
+    if (!s_last) return;
+    __threadfence();
+    /* the blocks' keys, read from L2 at each pass (one block a row does
+     * this: no registers held for it) */
+    const int m = (int)gridDim.x * k;
+    auto cand_key = [&](int i) -> unsigned long long {
+        int j = tid + i * TOPK_PART_THREADS;
+        return j < m ? __ldcg(cand + j) : 0ull;
+    };
+    best = regs_select<TOPK_PER>(cand_key, k, few, maxima, &s_count, &s_sum);
+    const int got = __syncthreads_count(tid < k && best[tid] != 0);
+    if (tid < got) {
+        int32_t id = key_id(best[tid]);
+        out[tid] = id;
+        out[k + tid] = __float_as_int(x[id]);
+    }
+    if (tid == 0) {
+        out[2 * k] = got;
+        *arrived = 0;
+    }
+}
+
 /* ---- edits, temperature -------------------------------------------------- */
 
 #define EDIT_CHUNK 256         /* listed entries a launch takes as its argument */
@@ -821,8 +965,14 @@ static int topk_rows(cuda_backend *c, const luma_buf *b, int64_t row0, int64_t n
     for (int64_t r0 = 0; r0 < n && e == cudaSuccess; r0 += small ? 65535 : 1) {
         if (small) {
             const int64_t rows = n - r0 < 65535 ? n - r0 : 65535;
-            luma_launch(c, c->stream, dim3((unsigned)parts, (unsigned)rows), TOPK_PART_THREADS, 0, topk_small_kernel,
-                        x + r0 * b->cols, b->cols, k, cand + r0 * parts * k, arrived + r0, res + r0 * words);
+            if (k <= TOPK_REGS_K && c->topk_regs)
+                luma_launch(c, c->stream, dim3((unsigned)parts, (unsigned)rows), TOPK_PART_THREADS, 0,
+                            topk_regs_kernel, x + r0 * b->cols, b->cols, k, cand + r0 * parts * k, arrived + r0,
+                            res + r0 * words);
+            else
+                luma_launch(c, c->stream, dim3((unsigned)parts, (unsigned)rows), TOPK_PART_THREADS, 0,
+                            topk_small_kernel, x + r0 * b->cols, b->cols, k, cand + r0 * parts * k, arrived + r0,
+                            res + r0 * words);
         } else {
             int32_t *o = res + r0 * words;
             luma_launch(c, c->stream, 1, TOPK_THREADS, 0, topk_kernel, x + r0 * b->cols, b->cols, k, o,

@@ -571,7 +571,58 @@ __device__ const unsigned long long *regs_select(Key key, int k, unsigned long l
     return few;
 }
 
-/* topk_small_kernel's results from registers (k <= TOPK_REGS_K). */
+/* A block's k best (best, from few) to the row's candidates; the row's last
+ * block to arrive takes every block's candidates and writes the row's k
+ * best to out, as topk_small_kernel does. */
+__device__ void topk_row_finish(const unsigned long long *best, int32_t k, unsigned long long *cand,
+                                unsigned int *arrived, int32_t *out, const float *x, unsigned long long *few,
+                                unsigned long long *maxima, unsigned int *s_count, int *s_sum, bool *s_last)
+{
+    const int tid = threadIdx.x;
+    for (int j = tid; j < k; j += blockDim.x) cand[(int64_t)blockIdx.x * k + j] = best[j];
+    /* the last block to arrive sees every block's keys */
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) *s_last = atomicAdd(arrived, 1u) == gridDim.x - 1;
+    __syncthreads();
+    if (!*s_last) return;
+    __threadfence();
+    /* the blocks' keys, read from L2 at each pass (one block a row does
+     * this: no registers held for it) */
+    const int m = (int)gridDim.x * k;
+    auto cand_key = [&](int i) -> unsigned long long {
+        int j = tid + i * TOPK_PART_THREADS;
+        return j < m ? __ldcg(cand + j) : 0ull;
+    };
+    best = regs_select<TOPK_PER>(cand_key, k, few, maxima, s_count, s_sum);
+    const int got = __syncthreads_count(tid < k && best[tid] != 0);
+    if (tid < got) {
+        int32_t id = key_id(best[tid]);
+        out[tid] = id;
+        out[k + tid] = __float_as_int(x[id]);
+    }
+    if (tid == 0) {
+        out[2 * k] = got;
+        *arrived = 0;
+    }
+}
+
+/* Thread t's keys of chunk `part` of the row: entries part TOPK_PART_CHUNK +
+ * t + i TOPK_PART_THREADS. */
+__device__ __forceinline__ void chunk_keys(const float *__restrict__ x, int64_t n, int64_t part,
+                                           unsigned long long (&keys)[TOPK_PER])
+{
+    const int64_t lo = part * TOPK_PART_CHUNK + threadIdx.x;
+#pragma unroll
+    for (int i = 0; i < TOPK_PER; i++) {
+        const int64_t j = lo + (int64_t)i * TOPK_PART_THREADS;
+        const float v = j < n ? x[j] : -INFINITY;
+        keys[i] = is_live(v) ? rank_key(v, j) : 0ull;
+    }
+}
+
+/* topk_small_kernel's results from registers (k <= TOPK_REGS_K), a block a
+ * chunk. */
 __global__ void __launch_bounds__(TOPK_PART_THREADS, 4)
 topk_regs_kernel(const float *__restrict__ x, int64_t n, int32_t k, unsigned long long *cand,
                  unsigned int *arrived, int32_t *out)
@@ -586,44 +637,70 @@ topk_regs_kernel(const float *__restrict__ x, int64_t n, int32_t k, unsigned lon
     __shared__ unsigned int s_count;
     __shared__ int s_sum;
     __shared__ bool s_last;
-    const int tid = threadIdx.x;
-    /* thread t's entries: lo + i TOPK_PART_THREADS, as keys */
-    const int64_t lo = (int64_t)blockIdx.x * TOPK_PART_CHUNK + tid;
     unsigned long long keys[TOPK_PER];
-#pragma unroll
-    for (int i = 0; i < TOPK_PER; i++) {
-        const int64_t j = lo + (int64_t)i * TOPK_PART_THREADS;
-        const float v = j < n ? x[j] : -INFINITY;
-        keys[i] = is_live(v) ? rank_key(v, j) : 0ull;
-    }
+    chunk_keys(x, n, blockIdx.x, keys);
     auto entry_key = [&](int i) -> unsigned long long { return keys[i]; };
     const unsigned long long *best = regs_select<TOPK_PER>(entry_key, k, few, maxima, &s_count, &s_sum);
-    for (int j = tid; j < k; j += TOPK_PART_THREADS) cand[(int64_t)blockIdx.x * k + j] = best[j];
-    /* the last block to arrive sees every block's keys */
-    __threadfence();
-    __syncthreads();
-    if (tid == 0) s_last = atomicAdd(arrived, 1u) == gridDim.x - 1;
-    __syncthreads();
-    if (!s_last) return;
-    __threadfence();
-    /* the blocks' keys, read from L2 at each pass (one block a row does
-     * this: no registers held for it) */
-    const int m = (int)gridDim.x * k;
-    auto cand_key = [&](int i) -> unsigned long long {
-        int j = tid + i * TOPK_PART_THREADS;
-        return j < m ? __ldcg(cand + j) : 0ull;
-    };
-    best = regs_select<TOPK_PER>(cand_key, k, few, maxima, &s_count, &s_sum);
-    const int got = __syncthreads_count(tid < k && best[tid] != 0);
-    if (tid < got) {
-        int32_t id = key_id(best[tid]);
-        out[tid] = id;
-        out[k + tid] = __float_as_int(x[id]);
+    topk_row_finish(best, k, cand, arrived, out, x, few, maxima, &s_count, &s_sum, &s_last);
+}
+
+/* The same with a block for several chunks (blockIdx.x, + gridDim.x, ...),
+ * for many rows: a block keeps its best so far at the front of few, and of
+ * a later chunk only the keys above the k-th of them are gathered and
+ * sorted in (usually none or a few once a chunk or two went by), so that
+ * after its first chunk a block mostly streams its entries past one
+ * compare. A chunk whose keys above it are too many to gather is selected
+ * afresh with the best so far (regs_select). */
+__global__ void __launch_bounds__(TOPK_PART_THREADS, 4)
+topk_stream_kernel(const float *__restrict__ x, int64_t n, int32_t k, unsigned long long *cand,
+                   unsigned int *arrived, int32_t *out)
+{
+    follow_previous_kernel();
+    x += (int64_t)blockIdx.y * n;
+    cand += (int64_t)blockIdx.y * gridDim.x * k;
+    arrived += blockIdx.y;
+    out += (int64_t)blockIdx.y * (2 * k + 1);
+    __shared__ unsigned long long few[TOPK_FEW];
+    __shared__ unsigned long long maxima[TOPK_PART_THREADS];
+    __shared__ unsigned int s_count;
+    __shared__ int s_sum;
+    __shared__ bool s_last;
+    const int tid = threadIdx.x;
+    const int64_t parts = (n + TOPK_PART_CHUNK - 1) / TOPK_PART_CHUNK;
+    for (int j = tid; j < k; j += TOPK_PART_THREADS) few[j] = 0;
+    int kept = 0;   /* few[0 .. kept): the block's best so far, best first (the same in every thread) */
+    for (int64_t part = blockIdx.x; part < parts; part += gridDim.x) {
+        unsigned long long keys[TOPK_PER];
+        chunk_keys(x, n, part, keys);
+        if (kept == 0) {
+            auto entry_key = [&](int i) -> unsigned long long { return keys[i]; };
+            regs_select<TOPK_PER>(entry_key, k, few, maxima, &s_count, &s_sum);
+        } else {
+            const unsigned long long floor_key = kept == k ? few[k - 1] + 1 : 1;
+            if (tid == 0) s_count = (unsigned int)kept;
+            __syncthreads();
+            auto entry_key = [&](int i) -> unsigned long long { return keys[i]; };
+            const unsigned int count = gather_at_least<TOPK_PER>(entry_key, floor_key, few, &s_count);
+            if (count == (unsigned int)kept) continue;
+            if (count <= TOPK_FEW) {
+                const int p = pow2_at_least((int)count > k ? (int)count : k);
+                for (int j = (int)count + tid; j < p; j += TOPK_PART_THREADS) few[j] = 0;
+                if (p <= TOPK_PART_THREADS) {
+                    block_sort_small_desc(few, p);
+                } else {
+                    __syncthreads();
+                    block_sort_desc(few, p);
+                }
+            } else {
+                const unsigned long long prev = tid < kept ? few[tid] : 0ull;
+                __syncthreads();
+                auto with_prev = [&](int i) -> unsigned long long { return i < TOPK_PER ? keys[i] : prev; };
+                regs_select<TOPK_PER + 1>(with_prev, k, few, maxima, &s_count, &s_sum);
+            }
+        }
+        kept = __syncthreads_count(tid < k && few[tid] != 0);
     }
-    if (tid == 0) {
-        out[2 * k] = got;
-        *arrived = 0;
-    }
+    topk_row_finish(few, k, cand, arrived, out, x, few, maxima, &s_count, &s_sum, &s_last);
 }
 
 /* ---- edits, temperature -------------------------------------------------- */
@@ -965,7 +1042,13 @@ static int topk_rows(cuda_backend *c, const luma_buf *b, int64_t row0, int64_t n
     for (int64_t r0 = 0; r0 < n && e == cudaSuccess; r0 += small ? 65535 : 1) {
         if (small) {
             const int64_t rows = n - r0 < 65535 ? n - r0 : 65535;
-            if (k <= TOPK_REGS_K && c->topk_regs)
+            /* many rows: a block for several chunks, about four blocks an SM in all */
+            const int64_t per_row = (4 * (int64_t)c->n_sm + rows - 1) / rows;
+            const unsigned blocks = (unsigned)(per_row < parts ? per_row : parts);
+            if (k <= TOPK_REGS_K && c->topk_kernel == 2)
+                luma_launch(c, c->stream, dim3(blocks, (unsigned)rows), TOPK_PART_THREADS, 0, topk_stream_kernel,
+                            x + r0 * b->cols, b->cols, k, cand + r0 * blocks * k, arrived + r0, res + r0 * words);
+            else if (k <= TOPK_REGS_K && c->topk_kernel == 1)
                 luma_launch(c, c->stream, dim3((unsigned)parts, (unsigned)rows), TOPK_PART_THREADS, 0,
                             topk_regs_kernel, x + r0 * b->cols, b->cols, k, cand + r0 * parts * k, arrived + r0,
                             res + r0 * words);

@@ -158,6 +158,37 @@ static void test_topk(luma_buf *b, const float *rows, int32_t n)
     CHECK(gpu->ops->logits_topk_rows(gpu, b, 0, 1, 0, ri, rv, counts, &err) < 0 && strstr(err.msg, "k must be"));
     free(ri);
     free(rv);
+    /* A batch's rows at once (the test rows over and over): few blocks a
+     * row, each taking several chunks, where a run finds top-k ahead. */
+    enum { MANY = 128 };
+    luma_buf many;
+    if (gpu->ops->logits_alloc(gpu, &many, MANY, n, &err) == 0) {
+        for (int r = 0; r < MANY; r++)
+            CHECK(cudaMemcpy(many.data + (size_t)r * n, rows + (size_t)(r % ROWS) * n, (size_t)n * sizeof(float),
+                             cudaMemcpyHostToDevice) == cudaSuccess);
+        int32_t *mi = xmalloc((size_t)MANY * 64 * sizeof *mi), mc[MANY];
+        float *mv = xmalloc((size_t)MANY * 64 * sizeof *mv);
+        static const int32_t mks[] = { 1, 40, 64 };
+        for (size_t ki = 0; ki < sizeof mks / sizeof mks[0]; ki++) {
+            int32_t k = mks[ki];
+            int bad = 0, rc = gpu->ops->logits_topk_rows(gpu, &many, 0, MANY, k, mi, mv, mc, &err);
+            CHECKF(rc == 0, "topk of %d rows, k %d: %s", MANY, k, rc ? err.msg : "");
+            for (int r = 0; r < MANY && rc == 0; r++) {
+                int32_t want = luma_logits_topk(rows + (size_t)(r % ROWS) * n, n, k, hi, hv, &err);
+                int row_bad = mc[r] != want;
+                for (int32_t j = 0; j < want && !row_bad; j++)
+                    row_bad |= mi[(size_t)r * k + j] != hi[j] || !same_float(mv[(size_t)r * k + j], hv[j]);
+                bad += row_bad;
+            }
+            CHECKF(bad == 0, "topk of %d rows at once, k %d (n %d): %d rows differ from the host's", MANY, k, n, bad);
+            printf("topk rows n %6d: k %4d on %d rows in one call, %d differ\n", n, k, MANY, bad);
+        }
+        free(mi);
+        free(mv);
+        gpu->ops->logits_free(gpu, &many);
+    } else {
+        CHECKF(0, "logits_alloc of %d rows: %s", MANY, err.msg);
+    }
     free(gi);
     free(hi);
     free(gv);

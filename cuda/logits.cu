@@ -482,9 +482,9 @@ topk_small_kernel(const float *__restrict__ x, int64_t n, int32_t k, unsigned lo
     }
 }
 
-/* The same with a thread's keys in its registers (k <= TOPK_REGS_K): no
- * block holds its chunk in shared memory (6 KB a block instead of 37), and
- * no key is written or read back there. */
+/* The same for a batch's many rows (topk_stream_kernel below, k <=
+ * TOPK_REGS_K): a thread's keys of a chunk in its registers, none written
+ * to shared memory (6 KB a block instead of 37). */
 #define TOPK_PER (TOPK_PART_CHUNK / TOPK_PART_THREADS)
 #define TOPK_REGS_K 64
 
@@ -621,36 +621,14 @@ __device__ __forceinline__ void chunk_keys(const float *__restrict__ x, int64_t 
     }
 }
 
-/* topk_small_kernel's results from registers (k <= TOPK_REGS_K), a block a
- * chunk. */
-__global__ void __launch_bounds__(TOPK_PART_THREADS, 4)
-topk_regs_kernel(const float *__restrict__ x, int64_t n, int32_t k, unsigned long long *cand,
-                 unsigned int *arrived, int32_t *out)
-{
-    follow_previous_kernel();
-    x += (int64_t)blockIdx.y * n;
-    cand += (int64_t)blockIdx.y * gridDim.x * k;
-    arrived += blockIdx.y;
-    out += (int64_t)blockIdx.y * (2 * k + 1);
-    __shared__ unsigned long long few[TOPK_FEW];
-    __shared__ unsigned long long maxima[TOPK_PART_THREADS];
-    __shared__ unsigned int s_count;
-    __shared__ int s_sum;
-    __shared__ bool s_last;
-    unsigned long long keys[TOPK_PER];
-    chunk_keys(x, n, blockIdx.x, keys);
-    auto entry_key = [&](int i) -> unsigned long long { return keys[i]; };
-    const unsigned long long *best = regs_select<TOPK_PER>(entry_key, k, few, maxima, &s_count, &s_sum);
-    topk_row_finish(best, k, cand, arrived, out, x, few, maxima, &s_count, &s_sum, &s_last);
-}
-
-/* The same with a block for several chunks (blockIdx.x, + gridDim.x, ...),
- * for many rows: a block keeps its best so far at the front of few, and of
- * a later chunk only the keys above the k-th of them are gathered and
- * sorted in (usually none or a few once a chunk or two went by), so that
- * after its first chunk a block mostly streams its entries past one
- * compare. A chunk whose keys above it are too many to gather is selected
- * afresh with the best so far (regs_select). */
+/* topk_small_kernel's results with a block for several chunks (blockIdx.x,
+ * + gridDim.x, ...; k <= TOPK_REGS_K), for many rows: a block keeps its
+ * best so far at the front of few, and of a later chunk only the keys
+ * above the k-th of them are gathered and sorted in (usually none or a few
+ * once a chunk or two went by), so that after its first chunk a block
+ * mostly streams its entries past one compare. A chunk whose keys above it
+ * are too many to gather is selected afresh with the best so far
+ * (regs_select). */
 __global__ void __launch_bounds__(TOPK_PART_THREADS, 4)
 topk_stream_kernel(const float *__restrict__ x, int64_t n, int32_t k, unsigned long long *cand,
                    unsigned int *arrived, int32_t *out)
@@ -662,25 +640,29 @@ topk_stream_kernel(const float *__restrict__ x, int64_t n, int32_t k, unsigned l
     out += (int64_t)blockIdx.y * (2 * k + 1);
     __shared__ unsigned long long few[TOPK_FEW];
     __shared__ unsigned long long maxima[TOPK_PART_THREADS];
-    __shared__ unsigned int s_count;
+    /* a chunk's count, one of two by turns: a chunk that adds nothing
+     * reads its count with no barrier before the next chunk sets the other */
+    __shared__ unsigned int s_counts[2];
     __shared__ int s_sum;
     __shared__ bool s_last;
     const int tid = threadIdx.x;
     const int64_t parts = (n + TOPK_PART_CHUNK - 1) / TOPK_PART_CHUNK;
     for (int j = tid; j < k; j += TOPK_PART_THREADS) few[j] = 0;
     int kept = 0;   /* few[0 .. kept): the block's best so far, best first (the same in every thread) */
-    for (int64_t part = blockIdx.x; part < parts; part += gridDim.x) {
+    int turn = 0;
+    for (int64_t part = blockIdx.x; part < parts; part += gridDim.x, turn ^= 1) {
+        unsigned int *const s_count = &s_counts[turn];
         unsigned long long keys[TOPK_PER];
         chunk_keys(x, n, part, keys);
         if (kept == 0) {
             auto entry_key = [&](int i) -> unsigned long long { return keys[i]; };
-            regs_select<TOPK_PER>(entry_key, k, few, maxima, &s_count, &s_sum);
+            regs_select<TOPK_PER>(entry_key, k, few, maxima, s_count, &s_sum);
         } else {
             const unsigned long long floor_key = kept == k ? few[k - 1] + 1 : 1;
-            if (tid == 0) s_count = (unsigned int)kept;
+            if (tid == 0) *s_count = (unsigned int)kept;
             __syncthreads();
             auto entry_key = [&](int i) -> unsigned long long { return keys[i]; };
-            const unsigned int count = gather_at_least<TOPK_PER>(entry_key, floor_key, few, &s_count);
+            const unsigned int count = gather_at_least<TOPK_PER>(entry_key, floor_key, few, s_count);
             if (count == (unsigned int)kept) continue;
             if (count <= TOPK_FEW) {
                 const int p = pow2_at_least((int)count > k ? (int)count : k);
@@ -695,12 +677,12 @@ topk_stream_kernel(const float *__restrict__ x, int64_t n, int32_t k, unsigned l
                 const unsigned long long prev = tid < kept ? few[tid] : 0ull;
                 __syncthreads();
                 auto with_prev = [&](int i) -> unsigned long long { return i < TOPK_PER ? keys[i] : prev; };
-                regs_select<TOPK_PER + 1>(with_prev, k, few, maxima, &s_count, &s_sum);
+                regs_select<TOPK_PER + 1>(with_prev, k, few, maxima, s_count, &s_sum);
             }
         }
         kept = __syncthreads_count(tid < k && few[tid] != 0);
     }
-    topk_row_finish(few, k, cand, arrived, out, x, few, maxima, &s_count, &s_sum, &s_last);
+    topk_row_finish(few, k, cand, arrived, out, x, few, maxima, &s_counts[0], &s_sum, &s_last);
 }
 
 /* ---- edits, temperature -------------------------------------------------- */
@@ -1045,13 +1027,9 @@ static int topk_rows(cuda_backend *c, const luma_buf *b, int64_t row0, int64_t n
             /* many rows: a block for several chunks, about four blocks an SM in all */
             const int64_t per_row = (4 * (int64_t)c->n_sm + rows - 1) / rows;
             const unsigned blocks = (unsigned)(per_row < parts ? per_row : parts);
-            if (k <= TOPK_REGS_K && c->topk_kernel == 2)
+            if (k <= TOPK_REGS_K && c->topk_stream)
                 luma_launch(c, c->stream, dim3(blocks, (unsigned)rows), TOPK_PART_THREADS, 0, topk_stream_kernel,
                             x + r0 * b->cols, b->cols, k, cand + r0 * blocks * k, arrived + r0, res + r0 * words);
-            else if (k <= TOPK_REGS_K && c->topk_kernel == 1)
-                luma_launch(c, c->stream, dim3((unsigned)parts, (unsigned)rows), TOPK_PART_THREADS, 0,
-                            topk_regs_kernel, x + r0 * b->cols, b->cols, k, cand + r0 * parts * k, arrived + r0,
-                            res + r0 * words);
             else
                 luma_launch(c, c->stream, dim3((unsigned)parts, (unsigned)rows), TOPK_PART_THREADS, 0,
                             topk_small_kernel, x + r0 * b->cols, b->cols, k, cand + r0 * parts * k, arrived + r0,

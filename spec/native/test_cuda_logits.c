@@ -409,6 +409,48 @@ static void test_vocab(int32_t n)
     free(rows);
 }
 
+/* A second backend with the batch top-k kernel that LUMA_CUDA_TOPK=1 selects
+ * (topk_stream_kernel), or NULL. */
+static luma_backend *stream_backend(void)
+{
+    const char *was = getenv("LUMA_CUDA_TOPK");
+    char saved[16] = "";
+    if (was) snprintf(saved, sizeof saved, "%s", was);
+    setenv("LUMA_CUDA_TOPK", "1", 1);
+    luma_err err;
+    luma_backend *be = luma_backend_cuda_new(0, &err);
+    if (was) setenv("LUMA_CUDA_TOPK", saved, 1);
+    else unsetenv("LUMA_CUDA_TOPK");
+    CHECKF(be != NULL, "a backend with LUMA_CUDA_TOPK=1: %s", be ? "" : err.msg);
+    return be;
+}
+
+/* The top-k checks again on topk_stream_kernel's backend. */
+static void test_topk_stream(int32_t n)
+{
+    luma_backend *main_gpu = gpu;
+    gpu = stream_backend();
+    if (!gpu) {
+        gpu = main_gpu;
+        return;
+    }
+    printf("topk_stream_kernel (LUMA_CUDA_TOPK=1):\n");
+    luma_err err;
+    luma_buf b;
+    if (gpu->ops->logits_alloc(gpu, &b, ROWS, n, &err) == 0) {
+        float *rows = xmalloc((size_t)ROWS * (size_t)n * sizeof *rows);
+        for (int r = 0; r < ROWS; r++) make_row(rows + (size_t)r * n, n, r);
+        upload(&b, rows, ROWS);
+        test_topk(&b, rows, n);
+        gpu->ops->logits_free(gpu, &b);
+        free(rows);
+    } else {
+        CHECKF(0, "logits_alloc: %s", err.msg);
+    }
+    gpu->ops->free(gpu);
+    gpu = main_gpu;
+}
+
 /* ---- a model's run into a set ----------------------------------------------- */
 
 /* Run hooks: one that counts its calls, one that fails. */
@@ -624,7 +666,7 @@ static void timings(void)
     upload(&b, x, R);
     int32_t *ids = xmalloc(LUMA_TOPK_MAX * sizeof *ids);
     float *vals = xmalloc(LUMA_TOPK_MAX * sizeof *vals);
-    double t0, us[8];
+    double t0, us[9];
     int reps = 50;
     gpu->ops->logits_argmax(gpu, &b, 0, R, ids, &err);
     t0 = now_s();
@@ -669,6 +711,15 @@ static void timings(void)
         t0 = now_s();
         for (int i = 0; i < reps; i++) gpu->ops->logits_topk_rows(gpu, &b, 0, R, 40, ri, rv, cn, &err);
         us[7] = (now_s() - t0) / reps * 1e6;
+        luma_backend *st = stream_backend();
+        us[8] = 0.0;
+        if (st) {
+            st->ops->logits_topk_rows(st, &b, 0, R, 40, ri, rv, cn, &err);
+            t0 = now_s();
+            for (int i = 0; i < reps; i++) st->ops->logits_topk_rows(st, &b, 0, R, 40, ri, rv, cn, &err);
+            us[8] = (now_s() - t0) / reps * 1e6;
+            st->ops->free(st);
+        }
         free(ri);
         free(rv);
         free(cn);
@@ -684,6 +735,9 @@ static void timings(void)
     printf("  top-k 40 of one row    %8.1f us  (host heap: %.0f us)\n", us[1], host_topk);
     printf("  top-k 2048 of one row  %8.1f us\n", us[2]);
     printf("  top-k 40 of %d rows    %8.1f us  %6.0f GB/s\n", R, us[7], (double)R * n * 4 / (us[7] * 1e-6) / 1e9);
+    if (us[8] > 0.0)
+        printf("    the same, streaming  %8.1f us  %6.0f GB/s (LUMA_CUDA_TOPK=1)\n", us[8],
+               (double)R * n * 4 / (us[8] * 1e-6) / 1e9);
     printf("  sample one row         %8.1f us\n", us[3]);
     printf("  temperature one row    %8.1f us\n", us[4]);
     printf("  penalize 64 ids        %8.1f us\n", us[5]);
@@ -709,6 +763,8 @@ int main(void)
     }
     test_vocab(32000);
     test_vocab(262144);
+    test_topk_stream(32000);
+    test_topk_stream(262144);
     static char vocab[1024];
     if (luma_test_vocab_path(vocab, sizeof vocab)) {
         test_model(vocab);

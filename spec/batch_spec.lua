@@ -140,10 +140,12 @@ describe("a batch", function()
     local a, b, c = model:sequence(), model:sequence(), model:sequence()
     local before = a:eval(prompts[1])
     local held = before:copy()
+    collectgarbage("stop")
+    do model:sequence():eval(prompts[8]) end   -- garbage holding blocks of the cache
     local plain = model:batch():add(c, prompts[1]):add(b, prompts[2]):run()
     local next_a = plain[c]:argmax()
     local batch = model:batch():add(a, next_a):add(b, prompts[3])
-    local calls, errors, collecting = 0, {}, nil
+    local calls, errors, collecting, freed = 0, {}, nil, nil
     local out = batch:run(function()
       calls = calls + 1
       collecting = collectgarbage("isrunning")
@@ -151,6 +153,11 @@ describe("a batch", function()
       assert.are.equal(model:detokenize(prompts[2]), model:detokenize(prompts[2]))
       assert.are.equal(next_a, held:argmax())
       batch:add(c, next_a)
+      -- a sequence nothing refers to may be collected meanwhile (its
+      -- finalizer closes it without asking)
+      local free0 = model:kv_free()[1]
+      collectgarbage("collect")
+      freed = model:kv_free()[1] - free0
       for name, f in pairs{
         sequence = function() model:sequence() end, eval = function() c:eval(5) end,
         fork = function() c:fork() end, rewind = function() c:rewind(1) end, close = function() c:close() end,
@@ -162,8 +169,10 @@ describe("a batch", function()
         if model.info.backend == "cpu" and name == "device_logits" then errors[name] = true end
       end
     end)
+    collectgarbage("restart")
     assert.are.equal(1, calls)
     assert.is_false(collecting)
+    assert.is_true(freed >= 2)   -- the garbage sequence's blocks came back
     assert.is_true(collectgarbage("isrunning"))
     for name, busy in pairs(errors) do assert.is_true(busy, name) end
     -- the step is the plain one's

@@ -111,6 +111,14 @@ static int model_close(lua_State *L)
     return 0;
 }
 
+/* The collector's close: a model whose step is in flight is referenced by
+ * the running batch, so this never meets one. */
+static int model_gc(lua_State *L)
+{
+    model_release(luma_bind_checkmodel(L, 1));
+    return 0;
+}
+
 static int model_tostring(lua_State *L)
 {
     lmodel *lm = luma_bind_checkmodel(L, 1);
@@ -403,7 +411,7 @@ static int model_kv_free(lua_State *L)
 }
 
 static const luaL_Reg meta[] = {
-    { "__gc", model_close },
+    { "__gc", model_gc },
     { "__close", model_close },
     { "__tostring", model_tostring },
     { NULL, NULL },

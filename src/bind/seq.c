@@ -146,6 +146,14 @@ static int seq_close(lua_State *L)
     return 0;
 }
 
+/* The collector's close: never while its step is in flight (a run keeps its
+ * sequences referenced), so never refused, even inside batch:run's during. */
+static int seq_gc(lua_State *L)
+{
+    luma_bind_seq_release(luma_bind_checkseq(L, 1));
+    return 0;
+}
+
 static int seq_tostring(lua_State *L)
 {
     lseq *q = luma_bind_checkseq(L, 1);
@@ -155,7 +163,7 @@ static int seq_tostring(lua_State *L)
 }
 
 static const luaL_Reg meta[] = {
-    { "__gc", seq_close },
+    { "__gc", seq_gc },
     { "__close", seq_close },
     { "__tostring", seq_tostring },
     { "__len", seq_len },

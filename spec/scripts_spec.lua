@@ -105,6 +105,28 @@ describe("example scripts", function()
     assert.matches("-n at least 3", err, 1, true)
   end)
 
+  it("scheduler-parts.lua times a scheduler's step part by part, with and without overlap", function()
+    local out = script("scheduler-parts.lua", "-b", "cpu", "-s", "3", "-p", "8", "-g", "4", "-r", "1")
+    assert.matches("cpu, 3 requests of 8 %+ 4 tokens, policy default", out)
+    for _, mode in ipairs{ "off", "on " } do
+      local line = out:match("overlap " .. mode .. ": ([^\n]+)")
+      assert.is_truthy(line, mode)
+      assert.is_true(tonumber(line:match("^([%d.]+) tokens/s")) > 0)
+      local step, run = tonumber(line:match("step (%d+) us")), tonumber(line:match("batch:run (%d+)"))
+      assert.is_true(run > 0 and run <= step)
+      assert.is_truthy(line:match("choose %d+") and line:match("emit %d+") and line:match("rest %-?%d+"))
+    end
+    local calls = out:match("the default policy's calls on 3 rows %(us a row%): ([^\n]+)")
+    for _, name in ipairs{ "top_k", "top_p", "temperature", "sample", "the four without __index" } do
+      assert.is_true(tonumber(calls:match(name .. " ([%d.]+)")) > 0, name)
+    end
+    local const = script("scheduler-parts.lua", "-b", "cpu", "-s", "2", "-p", "4", "-g", "3", "-r", "1", "-P", "const")
+    assert.matches("policy const", const)
+    local _, err, code = H.run(bin .. " scripts/scheduler-parts.lua -P greedy")
+    assert.are_not.equal(0, code)
+    assert.matches("-P must be default or const", err, 1, true)
+  end)
+
   it("scheduler-steps.lua times a scheduler's steps and the same rows by hand", function()
     local out = script("scheduler-steps.lua", "-b", "cpu", "-s", "3", "-p", "8", "-g", "4")
     assert.matches("cpu, 3 requests of 8 %+ 4 tokens", out)

@@ -341,6 +341,23 @@ describe("the scheduler", function()
     assert.is_true(over_stats.emit_time > 0 and plain_stats.emit_time > 0)
   end)
 
+  it("drops a token still to be streamed when closed, and runs new requests after", function()
+    local sch = Scheduler.new(big, { prefix = false })
+    local after_close = 0
+    local closed = false
+    local h = sch:submit{ prompt = prompts[2], policy = P.greedy(), stop = {}, max_tokens = N,
+                          on_token = function() if closed then after_close = after_close + 1 end end }
+    for _ = 1, 3 do sch:step() end
+    assert.is_true(#sch.pending > 0)   -- a chosen token waits for the next step
+    sch:close()
+    closed = true
+    assert.are.equal("done", h.status)
+    local again = sch:submit{ prompt = prompts[1], policy = P.greedy(), stop = {}, max_tokens = N }
+    sch:run()
+    assert.are.equal(0, after_close)
+    assert.are.same(alone[1], generated(again))
+  end)
+
   it("keeps the model from on_token while a step is in flight, and lets it in without overlap", function()
     for _, overlap in ipairs{ true, false } do
       local sch = Scheduler.new(big, { prefix = false, overlap = overlap })

@@ -516,7 +516,9 @@ function Scheduler:close()
       req.status = "done"
     end
   end
+  for _, req in ipairs(self.pending) do req.next = false end
   self.running, self.waiting, self.finished = {}, {}, {}
+  self.pending, self.spare, self.stopped = {}, {}, {}
   if self.prefix then self.prefix:clear() end
 end
 

@@ -12,6 +12,9 @@
 #      the tensor-core kernels with their copy rings and cluster splits,
 #      whose results the test checks (racecheck's slower warps can show a
 #      ring handed back too early as wrong results, not as hazards);
+#   6. both tools over test_cuda_logits's top-k kernels (LUMA_CUDA_QUICK=1:
+#      the checks without the timings; both batch top-k kernels, the
+#      default and LUMA_CUDA_TOPK=1's topk_stream_kernel);
 # then a summary table, and the table of ops, errors and GPU times that
 # test_cuda printed. Exits non-zero when a step fails.
 #
@@ -84,6 +87,12 @@ racecheck() { LUMA_CUDA_QUICK=1 sanitizer --tool racecheck "./$BUILD/test_cuda";
 memcheck_normq() { sanitizer --tool memcheck "./$BUILD/test_cuda_normq"; }
 memcheck_mmq() { LUMA_CUDA_QUICK=1 sanitizer --tool memcheck "./$BUILD/test_cuda_mmq"; }
 racecheck_mmq() { LUMA_CUDA_QUICK=1 sanitizer --tool racecheck "./$BUILD/test_cuda_mmq"; }
+# (the test allocates 2^40 rows on purpose: API errors are not its failures)
+memcheck_topk() {
+    LUMA_CUDA_QUICK=1 sanitizer --tool memcheck --report-api-errors no --kernel-name kns=topk_ \
+        "./$BUILD/test_cuda_logits"
+}
+racecheck_topk() { LUMA_CUDA_QUICK=1 sanitizer --tool racecheck --kernel-name kns=topk_ "./$BUILD/test_cuda_logits"; }
 
 if [ -n "${LUMA_MODEL:-}" ]; then
     echo "cuda-check: model $LUMA_MODEL"
@@ -99,6 +108,8 @@ if step "configure" configure && step "build" build; then
     step "memcheck test_cuda_normq" memcheck_normq
     step "memcheck test_cuda_mmq (quick)" memcheck_mmq
     step "racecheck test_cuda_mmq (quick)" racecheck_mmq
+    step "memcheck top-k (quick)" memcheck_topk
+    step "racecheck top-k (quick)" racecheck_topk
 fi
 
 log="$BUILD/Testing/Temporary/LastTest.log"

@@ -430,6 +430,50 @@ __device__ const unsigned long long *block_select(unsigned long long *a, int n, 
     return sorted;
 }
 
+/* The row of a launch over rows (blockIdx.y) that this block works on: x,
+ * cand, arrived and out moved to it. */
+__device__ __forceinline__ void topk_row_at(const float *__restrict__ &x, int64_t n, int32_t k, unsigned long long *&cand,
+                                            unsigned int *&arrived, int32_t *&out)
+{
+    x += (int64_t)blockIdx.y * n;
+    cand += (int64_t)blockIdx.y * gridDim.x * k;
+    arrived += blockIdx.y;
+    out += (int64_t)blockIdx.y * (2 * k + 1);
+}
+
+/* A block's k best (best) to the row's candidates; whether this block is the
+ * row's last to arrive, which then sees every block's candidates. */
+__device__ bool topk_block_arrive(const unsigned long long *best, int32_t k, unsigned long long *cand,
+                                  unsigned int *arrived, bool *s_last)
+{
+    for (int j = threadIdx.x; j < k; j += TOPK_PART_THREADS) cand[(int64_t)blockIdx.x * k + j] = best[j];
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) *s_last = atomicAdd(arrived, 1u) == gridDim.x - 1;
+    __syncthreads();
+    if (!*s_last) return false;
+    __threadfence();
+    return true;
+}
+
+/* The row's k best (best, selected from every block's) to out: ids [k],
+ * values [k] and the count; the row's arrival count back to 0. */
+__device__ void topk_row_write(const unsigned long long *best, int32_t k, const float *x, int32_t *out,
+                               unsigned int *arrived)
+{
+    const int tid = threadIdx.x;
+    const int got = __syncthreads_count(tid < k && best[tid] != 0);
+    if (tid < got) {
+        int32_t id = key_id(best[tid]);
+        out[tid] = id;
+        out[k + tid] = __float_as_int(x[id]);
+    }
+    if (tid == 0) {
+        out[2 * k] = got;
+        *arrived = 0;
+    }
+}
+
 /* The k best live entries of each row of n, x[r n .. r n + n) for r =
  * blockIdx.y (k <= TOPK_PART_THREADS, gridDim.x x k <= TOPK_PART_CHUNK),
  * into out[r (2 k + 1) ...]: ids [k], values [k] and the count, as
@@ -441,10 +485,7 @@ topk_small_kernel(const float *__restrict__ x, int64_t n, int32_t k, unsigned lo
                   unsigned int *arrived, int32_t *out)
 {
     follow_previous_kernel();
-    x += (int64_t)blockIdx.y * n;
-    cand += (int64_t)blockIdx.y * gridDim.x * k;
-    arrived += blockIdx.y;
-    out += (int64_t)blockIdx.y * (2 * k + 1);
+    topk_row_at(x, n, k, cand, arrived, out);
     __shared__ unsigned long long keys[TOPK_PART_CHUNK];
     __shared__ unsigned long long few[TOPK_FEW];
     __shared__ unsigned long long maxima[TOPK_PART_THREADS];
@@ -459,27 +500,11 @@ topk_small_kernel(const float *__restrict__ x, int64_t n, int32_t k, unsigned lo
         keys[j] = is_live(v) ? rank_key(v, i) : 0;
     }
     const unsigned long long *best = block_select(keys, TOPK_PART_CHUNK, k, few, maxima, &s_count);
-    for (int j = tid; j < k; j += TOPK_PART_THREADS) cand[(int64_t)blockIdx.x * k + j] = best[j];
-    /* the last block to arrive sees every block's keys */
-    __threadfence();
-    __syncthreads();
-    if (tid == 0) s_last = atomicAdd(arrived, 1u) == gridDim.x - 1;
-    __syncthreads();
-    if (!s_last) return;
-    __threadfence();
+    if (!topk_block_arrive(best, k, cand, arrived, &s_last)) return;
     const int m = (int)gridDim.x * k;
     for (int j = tid; j < m; j += TOPK_PART_THREADS) keys[j] = __ldcg(cand + j);
     best = block_select(keys, m, k, few, maxima, &s_count);
-    const int got = __syncthreads_count(tid < k && best[tid] != 0);
-    if (tid < got) {
-        int32_t id = key_id(best[tid]);
-        out[tid] = id;
-        out[k + tid] = __float_as_int(x[id]);
-    }
-    if (tid == 0) {
-        out[2 * k] = got;
-        *arrived = 0;
-    }
+    topk_row_write(best, k, x, out, arrived);
 }
 
 /* The same for a batch's many rows (topk_stream_kernel below, k <=
@@ -578,33 +603,15 @@ __device__ void topk_row_finish(const unsigned long long *best, int32_t k, unsig
                                 unsigned int *arrived, int32_t *out, const float *x, unsigned long long *few,
                                 unsigned long long *maxima, unsigned int *s_count, int *s_sum, bool *s_last)
 {
-    const int tid = threadIdx.x;
-    for (int j = tid; j < k; j += blockDim.x) cand[(int64_t)blockIdx.x * k + j] = best[j];
-    /* the last block to arrive sees every block's keys */
-    __threadfence();
-    __syncthreads();
-    if (tid == 0) *s_last = atomicAdd(arrived, 1u) == gridDim.x - 1;
-    __syncthreads();
-    if (!*s_last) return;
-    __threadfence();
+    if (!topk_block_arrive(best, k, cand, arrived, s_last)) return;
     /* the blocks' keys, read from L2 at each pass (one block a row does
      * this: no registers held for it) */
-    const int m = (int)gridDim.x * k;
+    const int tid = threadIdx.x, m = (int)gridDim.x * k;
     auto cand_key = [&](int i) -> unsigned long long {
         int j = tid + i * TOPK_PART_THREADS;
         return j < m ? __ldcg(cand + j) : 0ull;
     };
-    best = regs_select<TOPK_PER>(cand_key, k, few, maxima, s_count, s_sum);
-    const int got = __syncthreads_count(tid < k && best[tid] != 0);
-    if (tid < got) {
-        int32_t id = key_id(best[tid]);
-        out[tid] = id;
-        out[k + tid] = __float_as_int(x[id]);
-    }
-    if (tid == 0) {
-        out[2 * k] = got;
-        *arrived = 0;
-    }
+    topk_row_write(regs_select<TOPK_PER>(cand_key, k, few, maxima, s_count, s_sum), k, x, out, arrived);
 }
 
 /* Thread t's keys of chunk `part` of the row: entries part TOPK_PART_CHUNK +
@@ -634,10 +641,7 @@ topk_stream_kernel(const float *__restrict__ x, int64_t n, int32_t k, unsigned l
                    unsigned int *arrived, int32_t *out)
 {
     follow_previous_kernel();
-    x += (int64_t)blockIdx.y * n;
-    cand += (int64_t)blockIdx.y * gridDim.x * k;
-    arrived += blockIdx.y;
-    out += (int64_t)blockIdx.y * (2 * k + 1);
+    topk_row_at(x, n, k, cand, arrived, out);
     __shared__ unsigned long long few[TOPK_FEW];
     __shared__ unsigned long long maxima[TOPK_PART_THREADS];
     /* a chunk's count, one of two by turns: a chunk that adds nothing

@@ -20,32 +20,19 @@
 -- luma.load's kv_mb).
 local luma = require "luma"
 local fetch = require "luma.fetch"
+local bench = require "luma.bench"
 local Scheduler = require "luma.scheduler"
 
-local opt = { b = "auto", s = "32", p = "128", g = "128", r = "2", P = "default", k = "0" }
-for i = 1, #arg, 2 do
-  local k = arg[i]:match("^%-(%a)$")
-  if not k or opt[k] == nil and k ~= "m" or arg[i + 1] == nil then
-    error("usage: scheduler-parts.lua [-m model] [-b backend] [-s requests] [-p tokens] [-g tokens] [-r rounds] "
-          .. "[-P default|const] [-k MiB]", 0)
-  end
-  opt[k] = arg[i + 1]
-end
-local function int(name, lo)
-  local v = math.tointeger(tonumber(opt[name]))
-  if not v or v < lo then error("-" .. name .. " must be an integer of at least " .. lo, 0) end
-  return v
-end
+local opt, int = bench.script_options(arg,
+  { b = "auto", s = "32", p = "128", g = "128", r = "2", P = "default", k = "0" },
+  "usage: scheduler-parts.lua [-m model] [-b backend] [-s requests] [-p tokens] [-g tokens] [-r rounds] "
+    .. "[-P default|const] [-k MiB]")
 local n, plen, gen, rounds, kv = int("s", 1), int("p", 1), int("g", 2), int("r", 1), int("k", 0)
 if opt.P ~= "default" and opt.P ~= "const" then error("-P must be default or const", 0) end
 local model <close> = luma.load(opt.m or fetch.default_model(), { backend = opt.b, kv_mb = kv > 0 and kv or nil })
 local now = luma.now
 
--- the prompt: a text repeated, cut to plen ids
-local ids = model:tokenize(string.rep("The old lighthouse keeper climbed the spiral stairs every evening. ",
-                                      plen // 8 + 2))
-for i = #ids, plen + 1, -1 do ids[i] = nil end
-while #ids < plen do ids[#ids + 1] = ids[#ids % 8 + 1] end
+local ids = bench.prompt_ids(model, plen)
 
 -- every part of a step, timed where it is called, once `on`
 local acc, on = {}, false
@@ -102,22 +89,17 @@ for _ = 1, rounds do
 end
 
 -- the default policy's calls on every row of a batch, for gen steps
-local seqs, rngs, nexts = {}, {}, {}
-local batch = model:batch()
-for i = 1, n do
-  seqs[i], rngs[i] = model:sequence(), luma.rng(i)
-  batch:add(seqs[i], ids)
-end
-local out = batch:run()
-for i = 1, n do nexts[i] = out[seqs[i]]:argmax() end
-local probe = out[seqs[1]]
-local top_k, top_p, temperature, sample = probe.top_k, probe.top_p, probe.temperature, probe.sample
+local batch, seqs, nexts = bench.prefilled(model, n, ids)
+local rngs = {}
+for i = 1, n do rngs[i] = luma.rng(i) end
+local top_k, top_p, temperature, sample   -- the methods, taken from the first Logits
 local calls, direct, rows = { 0, 0, 0, 0 }, 0, 0
 for s = 1, gen do
   for i = 1, n do batch:add(seqs[i], nexts[i]) end
-  out = batch:run()
+  local out = batch:run()
   for i = 1, n do
     local lg = out[seqs[i]]
+    if not top_k then top_k, top_p, temperature, sample = lg.top_k, lg.top_p, lg.temperature, lg.sample end
     if s % 2 == 0 then
       local t0 = now()
       lg:top_k(40)

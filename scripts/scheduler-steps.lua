@@ -20,19 +20,8 @@ local fetch = require "luma.fetch"
 local bench = require "luma.bench"
 local P = luma.policy
 
-local opt = { b = "auto", s = "32", p = "128", g = "128", k = "0" }
-for i = 1, #arg, 2 do
-  local k = arg[i]:match("^%-(%a)$")
-  if not k or opt[k] == nil and k ~= "m" or arg[i + 1] == nil then
-    error("usage: scheduler-steps.lua [-m model] [-b backend] [-s requests] [-p tokens] [-g tokens] [-k MiB]", 0)
-  end
-  opt[k] = arg[i + 1]
-end
-local function int(name, lo)
-  local v = math.tointeger(tonumber(opt[name]))
-  if not v or v < lo then error("-" .. name .. " must be an integer of at least " .. lo, 0) end
-  return v
-end
+local opt, int = bench.script_options(arg, { b = "auto", s = "32", p = "128", g = "128", k = "0" },
+  "usage: scheduler-steps.lua [-m model] [-b backend] [-s requests] [-p tokens] [-g tokens] [-k MiB]")
 local n, plen, gen, kv = int("s", 1), int("p", 1), int("g", 2), int("k", 0)
 local model <close> = luma.load(opt.m or fetch.default_model(), { backend = opt.b, kv_mb = kv > 0 and kv or nil })
 

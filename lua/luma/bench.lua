@@ -37,6 +37,28 @@ local function prompt_ids(model, n)
   return ids
 end
 
+M.prompt_ids = prompt_ids
+
+-- The options of a measuring script (scripts/): "-x value" pairs, x one of
+-- defaults' keys or m (a model file); anything else raises usage. Returns
+-- the options (defaults filled in) and int(name, lo), option name as an
+-- integer of at least lo (raising "-name must be ..." otherwise).
+function M.script_options(args, defaults, usage)
+  local opt = {}
+  for k, v in pairs(defaults) do opt[k] = v end
+  for i = 1, #args, 2 do
+    local k = args[i]:match("^%-(%a)$")
+    if not k or opt[k] == nil and k ~= "m" or args[i + 1] == nil then error(usage, 0) end
+    opt[k] = args[i + 1]
+  end
+  local function int(name, lo)
+    local v = math.tointeger(tonumber(opt[name]))
+    if not v or v < lo then error("-" .. name .. " must be an integer of at least " .. lo, 0) end
+    return v
+  end
+  return opt, int
+end
+
 -- Decode and aggregate decode time their steps after the first: the first
 -- step of a shape is where a GPU backend records it (a CUDA graph), a cost
 -- paid once per shape, reported on its own.

@@ -1648,6 +1648,65 @@ mmv_direct(mmv_segs sg, act_rows a, int m, const mmv_rope<ROPE> rp)
     }
 }
 
+/* Short rows (fewer blocks than two of a warp's rounds: Gemma 3's 640
+ * columns, 5 blocks of the repacked types where a warp covers 4 at once),
+ * as the direct kernel would leave most lanes idle in a row's last round
+ * and pay a warp's set-up and reduction for one round and a bit: each
+ * group of T::lpb lanes owns a row of its own and walks its blocks one at
+ * a time (the next block's bytes fetched before the current one is used),
+ * so a warp owns 32 / T::lpb consecutive rows from r0, every lane busy at
+ * every round, and a row's sum is its group's. The same blocks and order
+ * at any m, so a row's bits do not depend on the batch. */
+template <class T, int MAXM>
+static __device__ __forceinline__ void mmv_narrow_rows(const uint8_t *w, float *y, int64_t rows, int64_t r0,
+                                                       size_t row_bytes, int nb, const act_rows &a, int m)
+{
+    static_assert(32 % T::lpb == 0, "whole groups of lanes in a warp");
+    const int lane = threadIdx.x % 32, p = lane % T::lpb;
+    const int64_t row = r0 + lane / T::lpb;
+    const uint8_t *wr = w + (size_t)min(row, rows - 1) * row_bytes;
+    typename T::raw_t raw;
+    mmv_fetch<T>(wr, p, raw);
+    wait_for_previous_kernel();
+    let_next_kernel_start();
+    float acc[MAXM] = {};
+    for (int ib = 0; ib < nb; ib++) {
+        typename T::w_t wv;
+        T::decode(raw, p, wv);
+        if (ib + 1 < nb) mmv_fetch<T>(wr + (size_t)(ib + 1) * T::bytes, p, raw);
+#pragma unroll
+        for (int j = 0; j < MAXM; j++) {
+            if (j < m) {
+                typename T::x_t xv;
+                T::loadx(a, j, ib, p, xv);
+                acc[j] += T::dot(wv, xv);
+            }
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < MAXM; j++) {
+        float v = acc[j];
+#pragma unroll
+        for (int o = T::lpb / 2; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
+        if (p == 0 && j < m && row < rows) y[(int64_t)j * rows + row] = v;
+    }
+}
+
+/* The narrow kernel over mmv_segs (as mmv_direct, 32 / lpb rows a warp). */
+template <class TA, class TB, int MAXM>
+static __global__ void __launch_bounds__(MMV_DIRECT_WARPS * 32)
+mmv_narrow(mmv_segs sg, act_rows a, int m)
+{
+    static_assert(TA::lpb == TB::lpb, "one group of lanes a row for both types");
+    const mmv_seg s = mmv_seg_of(sg, blockIdx.x);
+    const int64_t r0 = (((int64_t)blockIdx.x - s.cta0) * MMV_DIRECT_WARPS + threadIdx.x / 32) * (32 / TA::lpb);
+    if (r0 >= s.rows) return;
+    if (std::is_same<TA, TB>::value || blockIdx.x < sg.cta_b)
+        mmv_narrow_rows<TA, MAXM>(s.w, s.y, s.rows, r0, s.row_bytes, s.nb, a, m);
+    else
+        mmv_narrow_rows<TB, MAXM>(s.w, s.y, s.rows, r0, s.row_bytes, s.nb, a, m);
+}
+
 /* -- the staged kernel: weights through shared memory by bulk copies -------- */
 
 /* Bulk copies into shared memory (sm_90) complete on an mbarrier, whose
@@ -2049,19 +2108,29 @@ static void mmv_seg_put(mmv_segs &sg, int i, const uint8_t *w, float *y, int64_t
 
 /* Launched as a programmatic dependent of the quantizer (cuda/launch.cuh):
  * the first weight loads go out before the wait. */
+/* The segments of a launch of the n weights ws (ws[i] in type TA below
+ * n_a, else TB), ROWS rows a warp; their CTAs into *ctas. */
+template <class TA, class TB, int ROWS>
+static mmv_segs mmv_segs_of(const luma_weight *const *ws, float *const *ys, int n, int n_a, unsigned *ctas)
+{
+    mmv_segs sg = mmv_segs_none();
+    *ctas = 0;
+    for (int i = 0; i < n && i < MMV_SEGS; i++) {
+        bool b = i >= n_a;
+        if (b && sg.cta_b == UINT_MAX) sg.cta_b = *ctas;
+        const int nb = (int)(ws[i]->cols / (b ? TB::qk : TA::qk));
+        mmv_seg_put(sg, i, b ? mmv_bytes<TB>(ws[i]) : mmv_bytes<TA>(ws[i]), ys[i], ws[i]->rows, nb,
+                    (size_t)nb * (size_t)(b ? TB::bytes : TA::bytes), mmv_direct_weight_ctas<ROWS>(ws[i]->rows), ctas);
+    }
+    return sg;
+}
+
 template <class TA, class TB, int MAXM, int ROWS>
 static void mmv_direct_launch_rows(cuda_backend *c, const luma_weight *const *ws, float *const *ys, int n, int n_a,
                                    const act_rows &a, int m)
 {
-    mmv_segs sg = mmv_segs_none();
-    unsigned ctas = 0;
-    for (int i = 0; i < n && i < MMV_SEGS; i++) {
-        bool b = i >= n_a;
-        if (b && sg.cta_b == UINT_MAX) sg.cta_b = ctas;
-        const int nb = (int)(ws[i]->cols / (b ? TB::qk : TA::qk));
-        mmv_seg_put(sg, i, b ? mmv_bytes<TB>(ws[i]) : mmv_bytes<TA>(ws[i]), ys[i], ws[i]->rows, nb,
-                    (size_t)nb * (size_t)(b ? TB::bytes : TA::bytes), mmv_direct_weight_ctas<ROWS>(ws[i]->rows), &ctas);
-    }
+    unsigned ctas;
+    mmv_segs sg = mmv_segs_of<TA, TB, ROWS>(ws, ys, n, n_a, &ctas);
     int done = 0;
     const uint32_t mask = mmv_rope_mask(c, ws, ys, n, 2 * MMV_DIRECT_WARPS, &done);
     mmv_rope_request *rq = c->qkv_rope;
@@ -2115,10 +2184,72 @@ static int mmv_pairs_mode(void)
  * run alone after the others, as long as a whole wave; a warp then takes
  * two rows, which makes it one wave. A row's sum is the same either way (the same blocks, lanes
  * and order), so the rule cannot change a result. */
+/* LUMA_CUDA_MMV_NARROW in the environment: 0 never takes the narrow
+ * kernel, 2 takes it for every launch of short rows (for testing);
+ * otherwise the rule of mmv_narrow_taken. Read once. */
+static int mmv_narrow_mode(void)
+{
+    static const int mode = luma_cuda_env_digit("LUMA_CUDA_MMV_NARROW", 1);
+    return mode;
+}
+
+/* Whether the n weights ws take the narrow kernel (a group of lanes a
+ * row): each row fewer blocks than two rounds of a warp, and so many rows
+ * that a warp a row would be more than MMV_NARROW_WAVES waves of the GPU
+ * (Gemma 3's output projection, 262,144 rows of 640: 65,536 CTAs). Small
+ * matrices keep a warp a row, whose rounds run side by side. The rule
+ * reads the weights' shapes only (the wave is the one-activation-row
+ * kernel's at any m), so a row takes one kernel whatever the batch. The
+ * narrow kernel rotates nothing: a pending q/k/v rotation it leaves to
+ * the caller (luma_cuda_matmul_qkv_rope's done bits stay clear), which
+ * gives the bits of matmul_many and qk_rope, as the rotating launches do. */
+#define MMV_NARROW_WAVES 4
+template <class TA, class TB>
+static constexpr bool mmv_narrow_ok()
+{
+    return TA::lpb == TB::lpb && TA::lpb >= 4 && 32 % TA::lpb == 0 && !std::is_base_of<kf_float, TA>::value &&
+           !std::is_base_of<kf_float, TB>::value;
+}
+
+template <class TA, class TB>
+static bool mmv_narrow_taken(cuda_backend *c, const luma_weight *const *ws, int n, int n_a)
+{
+    if constexpr (!mmv_narrow_ok<TA, TB>()) {
+        (void)c, (void)ws, (void)n, (void)n_a;
+        return false;
+    } else {
+        const int mode = mmv_narrow_mode();
+        if (!mode) return false;
+        for (int i = 0; i < n && i < MMV_SEGS; i++)
+            if (ws[i]->cols / (i >= n_a ? TB::qk : TA::qk) * TA::lpb >= 64) return false;
+        if (mode == 2) return true;
+        int64_t wave = mmv_direct_wave<TA, TB, 1, false, false>(c);
+        return wave > 0 && (int64_t)mmv_direct_ctas<1>(ws, n) > MMV_NARROW_WAVES * wave;
+    }
+}
+
+template <class TA, class TB, int MAXM>
+static void mmv_narrow_launch(cuda_backend *c, const luma_weight *const *ws, float *const *ys, int n, int n_a,
+                              const act_rows &a, int m)
+{
+    unsigned ctas;
+    mmv_segs sg = mmv_segs_of<TA, TB, 32 / TA::lpb>(ws, ys, n, n_a, &ctas);
+    cudaLaunchAttribute attr;
+    cudaLaunchConfig_t cfg = luma_launch_config(c, c->stream, ctas, MMV_DIRECT_WARPS * 32, 0, &attr);
+    luma_cuda_fail(c, cudaLaunchKernelEx(&cfg, mmv_narrow<TA, TB, MAXM>, sg, a, m),
+                   "matmul (matrix-vector kernel, short rows)");
+}
+
 template <class TA, class TB, int MAXM>
 static void mmv_direct_launch(cuda_backend *c, const luma_weight *const *ws, float *const *ys, int n, int n_a,
                               const act_rows &a, int m)
 {
+    if constexpr (mmv_narrow_ok<TA, TB>()) {
+        if (mmv_narrow_taken<TA, TB>(c, ws, n, n_a)) {
+            mmv_narrow_launch<TA, TB, MAXM>(c, ws, ys, n, n_a, a, m);
+            return;
+        }
+    }
     if constexpr (MAXM == 1 && mmv_pairs_ok<TA>() && mmv_pairs_ok<TB>()) {
         const int mode = mmv_pairs_mode();
         if (mode) {
@@ -2781,6 +2912,8 @@ static void mmv_launch(cuda_backend *c, const luma_weight *w, const act_rows &a,
      * direct one measured faster than the file's on the staged one, at 1024
      * rows too (cuda/NOTES.md) */
     if (std::is_same<T, type_q6_K_mmv>::value || std::is_base_of<kf_float, T>::value) staged = false;
+    /* a row sums as the direct kernel sums it, not the narrow one */
+    if (staged && !forced && mmv_narrow_taken<T, T>(c, &w, 1, 1)) staged = false;
     if (staged) mmv_staged_launch<T, MAXM>(c, w, a, m, y);
     else mmv_direct_launch<T, T, MAXM>(c, &w, &y, 1, 1, a, m);
 }

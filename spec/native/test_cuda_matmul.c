@@ -35,7 +35,10 @@
  *     order) and within f16 rounding on the tensor cores; a row's bits the
  *     same at m = 3 as at m = 1; matmul_many and gated_matmul as with 8-bit activations; and,
  *     outside quick mode, m = 1, 2, 4 and 8 timed in a graph on the big Q4_K,
- *     Q6_K, Q5_0 and Q8_0 shapes next to the 8-bit kernels.
+ *     Q6_K, Q5_0 and Q8_0 shapes next to the 8-bit kernels;
+ *   - outside quick mode, Gemma 3's output projection (262144 x 640, Q8_0,
+ *     Q5_0, Q4_0: the narrow kernel by rule) at m = 1, 3 and 8, each row's
+ *     bits the same at every m, and timed at m = 1 and 8 (check_vocab).
  * Without a CUDA device it says so and passes. LUMA_CUDA_QUICK=1 keeps to the
  * small shapes and skips the timing (for compute-sanitizer runs);
  * LUMA_CUDA_TIME_TYPES=Q4_K,Q6_K times only the types it names.
@@ -882,6 +885,73 @@ done:
     ops->free(cx.be);
 }
 
+/* Gemma 3's output projection, 262,144 rows of 640 (its tied embedding),
+ * in the block types a Q4_K_M file gives such a matrix: a row shorter than
+ * two of a warp's rounds, in so many rows that the matrix-vector path
+ * takes the narrow kernel (a group of lanes a row). Checked at m = 1, 3
+ * and 8 against the reference and the CPU's product, the rows of m = 3 and
+ * 8 bit for bit those of m = 1 (batch invariance), then timed at m = 1
+ * and 8 in a graph. Not in quick mode (178 MB of Q8_0). */
+static void check_vocab(ctx *cx)
+{
+    static const enum luma_type vt[] = { LUMA_Q8_0, LUMA_Q5_0, LUMA_Q4_0 };
+    const int64_t rows = 262144, cols = 640;
+    const luma_backend_ops *ops = cx->be->ops;
+    if (cx->quick) return;
+    for (size_t ti = 0; ti < sizeof vt / sizeof vt[0]; ti++) {
+        enum luma_type t = vt[ti];
+        size_t row_bytes = luma_row_size(t, cols), bytes = row_bytes * (size_t)rows;
+        uint8_t *host = xmalloc(bytes);
+        random_weights(t, rows * cols, host);
+        luma_weight w = { .type = t, .rows = rows, .cols = cols, .host = host };
+        luma_err err = { { 0 } };
+        if (ops->weight_load(cx->be, &w, &err) != 0) {
+            CHECKF(0, "weight_load %s %lldx%lld: %s", luma_type_name(t), (long long)rows, (long long)cols, err.msg);
+            free(host);
+            continue;
+        }
+        int64_t rows_s[SAMPLE_ROWS];
+        int ns;
+        float *wref = sample_weight_rows(t, host, rows, cols, SAMPLE_ROWS, rows_s, &ns);
+        float *x = xmalloc((size_t)8 * (size_t)cols * sizeof(float));
+        float *y1 = xmalloc((size_t)rows * sizeof(float)), *y = xmalloc((size_t)8 * (size_t)rows * sizeof(float));
+        for (int64_t k = 0; k < 8 * cols; k++) x[k] = bell();
+        char line[256];
+        int len = snprintf(line, sizeof line, "%-5s %lldx%lld (an output projection)", luma_type_name(t),
+                           (long long)rows, (long long)cols);
+        if (run_matmul(cx, &w, x, 1, y1) == 0) {
+            static const int64_t vms[] = { 1, 3, 8 };
+            for (size_t mi = 0; mi < sizeof vms / sizeof vms[0]; mi++) {
+                int64_t m = vms[mi];
+                for (int64_t k = 0; k < m * rows; k++) y[k] = NAN;
+                if (run_matmul(cx, &w, x, m, y) != 0) break;
+                double e = product_rel_error(wref, rows_s, ns, x, m, cols, y, rows, SAMPLE_ACTS);
+                double ec = cpu_product_rel_error(t, host, row_bytes, wref, rows_s, ns, x, m, cols, y, rows, SAMPLE_ACTS);
+                CHECKF(e <= TOL_INT8 && ec <= TOL_CPU_INT8,
+                       "%s %lldx%lld m=%lld: max relative error %.3g (> %.1g?), against the CPU's product %.3g (> %.1g?)",
+                       luma_type_name(t), (long long)rows, (long long)cols, (long long)m, e, TOL_INT8, ec, TOL_CPU_INT8);
+                CHECKF(memcmp(y, y1, (size_t)rows * sizeof(float)) == 0,
+                       "%s %lldx%lld: row 0 of m = %lld differs from m = 1", luma_type_name(t), (long long)rows,
+                       (long long)cols, (long long)m);
+                if (len < (int)sizeof line)
+                    len += snprintf(line + len, sizeof line - (size_t)len, "  m=%lld %.1e (cpu %.0e)", (long long)m, e, ec);
+            }
+        }
+        printf("%s\n", line);
+        if (cx->graphs && timed(cx, t)) {
+            double us1 = time_matmul(cx, &w, bytes, 1, 1), us8 = time_matmul(cx, &w, bytes, 8, 1);
+            printf("%-5s %lldx%lld %.1f MB in a graph: m=1 %.1f us %.0f GB/s, m=8 %.1f us %.0f GB/s\n",
+                   luma_type_name(t), (long long)rows, (long long)cols, (double)bytes / 1e6, us1,
+                   us1 > 0 ? (double)bytes / (us1 * 1e3) : 0.0, us8, us8 > 0 ? (double)bytes / (us8 * 1e3) : 0.0);
+        }
+        free(x);
+        free(y);
+        free(y1);
+        free(wref);
+        free(host);
+    }
+}
+
 static int run_checks(void)
 {
     luma_err err = { { 0 } };
@@ -911,6 +981,7 @@ static int run_checks(void)
     check_many(&cx, true);
     check_gated(&cx);
     check_float(&cx);
+    check_vocab(&cx);
 
     if (!cx.quick) {
         printf("\ntiming (per call in a stream of %d, best of %d; weights cold in L2; %% of %.0f GB/s):\n", TIME_CALLS,

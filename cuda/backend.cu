@@ -1053,7 +1053,7 @@ luma_backend *luma_backend_cuda_new(int device, luma_err *err)
     c->graphs_on = !env_off("LUMA_CUDA_GRAPHS");
     c->graph_slots = env_int("LUMA_CUDA_GRAPH_SLOTS", CUDA_GRAPHS, 1, CUDA_GRAPHS);
     c->graph_after = env_int("LUMA_CUDA_GRAPH_AFTER", 0, 0, 1000);
-    c->topk_stream = env_int("LUMA_CUDA_TOPK", 0, 0, 1) != 0;
+    c->topk_stream = env_int("LUMA_CUDA_TOPK", 1, 0, 1) != 0;
     c->pdl = !env_off("LUMA_CUDA_PDL");
     c->early = luma_cuda_env_digit("LUMA_CUDA_EARLY", 1);
     c->attn_early = luma_cuda_env_digit("LUMA_CUDA_ATTN_EARLY", 1);

@@ -126,8 +126,8 @@ typedef struct cuda_backend {
     void *topk_mem;            /* top-k's device work (logits.cu, topk_work): */
     size_t topk_cap;           /* its bytes, */
     int64_t topk_rows;         /* the rows its arrival counts cover */
-    bool topk_stream;          /* small k: topk_stream_kernel, not topk_small_kernel (LUMA_CUDA_TOPK=1;
-                                * off by default until its fixed build is racechecked: cuda/NOTES.md) */
+    bool topk_stream;          /* small k: topk_stream_kernel (the default), not topk_small_kernel
+                                * (LUMA_CUDA_TOPK=0) */
     cuda_weight_copy *weights; /* made by weight_load, freed with the backend */
     int32_t n_weights, weights_cap;
     /* The f16 copies: the policy, the memory free at the first weight_load,

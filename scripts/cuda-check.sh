@@ -14,7 +14,7 @@
 #      ring handed back too early as wrong results, not as hazards);
 #   6. both tools over test_cuda_logits's top-k kernels (LUMA_CUDA_QUICK=1:
 #      the checks without the timings; both batch top-k kernels, the
-#      default and LUMA_CUDA_TOPK=1's topk_stream_kernel);
+#      default topk_stream_kernel and LUMA_CUDA_TOPK=0's topk_small_kernel);
 # then a summary table, and the table of ops, errors and GPU times that
 # test_cuda printed. Exits non-zero when a step fails.
 #

@@ -1648,63 +1648,76 @@ mmv_direct(mmv_segs sg, act_rows a, int m, const mmv_rope<ROPE> rp)
     }
 }
 
-/* Short rows (fewer blocks than two of a warp's rounds: Gemma 3's 640
+/* Short rows (fewer blocks than three of a warp's rounds: Gemma 3's 640
  * columns, 5 blocks of the repacked types where a warp covers 4 at once),
  * as the direct kernel would leave most lanes idle in a row's last round
  * and pay a warp's set-up and reduction for one round and a bit: each
- * group of T::lpb lanes owns a row of its own and walks its blocks one at
- * a time (the next block's bytes fetched before the current one is used),
- * so a warp owns 32 / T::lpb consecutive rows from r0, every lane busy at
- * every round, and a row's sum is its group's. The same blocks and order
- * at any m, so a row's bits do not depend on the batch. */
-template <class T, int MAXM>
+ * group of T::lpb lanes owns ROWS rows of its own and walks their blocks
+ * one at a time (the next block's bytes fetched before the current one is
+ * used), so a warp owns 32 / T::lpb x ROWS consecutive rows from r0, every
+ * lane busy at every round, and a row's sum is its group's. The same
+ * blocks and order for any ROWS and m, so a row's bits do not depend on
+ * the batch. */
+template <class T, int MAXM, int ROWS>
 static __device__ __forceinline__ void mmv_narrow_rows(const uint8_t *w, float *y, int64_t rows, int64_t r0,
                                                        size_t row_bytes, int nb, const act_rows &a, int m)
 {
     static_assert(32 % T::lpb == 0, "whole groups of lanes in a warp");
     const int lane = threadIdx.x % 32, p = lane % T::lpb;
-    const int64_t row = r0 + lane / T::lpb;
-    const uint8_t *wr = w + (size_t)min(row, rows - 1) * row_bytes;
-    typename T::raw_t raw;
-    mmv_fetch<T>(wr, p, raw);
+    const int64_t row = r0 + (int64_t)(lane / T::lpb) * ROWS;   /* the group's first row */
+    const uint8_t *wr[ROWS];
+#pragma unroll
+    for (int r = 0; r < ROWS; r++) wr[r] = w + (size_t)min(row + r, rows - 1) * row_bytes;
+    typename T::raw_t raw[ROWS];
+#pragma unroll
+    for (int r = 0; r < ROWS; r++) mmv_fetch<T>(wr[r], p, raw[r]);
     wait_for_previous_kernel();
     let_next_kernel_start();
-    float acc[MAXM] = {};
+    float acc[ROWS][MAXM] = {};
     for (int ib = 0; ib < nb; ib++) {
-        typename T::w_t wv;
-        T::decode(raw, p, wv);
-        if (ib + 1 < nb) mmv_fetch<T>(wr + (size_t)(ib + 1) * T::bytes, p, raw);
+        typename T::w_t wv[ROWS];
+#pragma unroll
+        for (int r = 0; r < ROWS; r++) T::decode(raw[r], p, wv[r]);
+        if (ib + 1 < nb)
+#pragma unroll
+            for (int r = 0; r < ROWS; r++) mmv_fetch<T>(wr[r] + (size_t)(ib + 1) * T::bytes, p, raw[r]);
 #pragma unroll
         for (int j = 0; j < MAXM; j++) {
             if (j < m) {
                 typename T::x_t xv;
                 T::loadx(a, j, ib, p, xv);
-                acc[j] += T::dot(wv, xv);
+#pragma unroll
+                for (int r = 0; r < ROWS; r++) acc[r][j] += T::dot(wv[r], xv);
             }
         }
     }
 #pragma unroll
-    for (int j = 0; j < MAXM; j++) {
-        float v = acc[j];
+    for (int r = 0; r < ROWS; r++)
 #pragma unroll
-        for (int o = T::lpb / 2; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
-        if (p == 0 && j < m && row < rows) y[(int64_t)j * rows + row] = v;
-    }
+        for (int j = 0; j < MAXM; j++) {
+            float v = acc[r][j];
+#pragma unroll
+            for (int o = T::lpb / 2; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
+            if (p == 0 && j < m && row + r < rows) y[(int64_t)j * rows + row + r] = v;
+        }
 }
 
-/* The narrow kernel over mmv_segs (as mmv_direct, 32 / lpb rows a warp). */
+/* The narrow kernel over mmv_segs (as mmv_direct): a group ROWS rows (two
+ * when there are several activation rows, so that one activation load
+ * serves both, as in the direct kernel), a warp 32 / lpb groups. */
 template <class TA, class TB, int MAXM>
 static __global__ void __launch_bounds__(MMV_DIRECT_WARPS * 32)
 mmv_narrow(mmv_segs sg, act_rows a, int m)
 {
     static_assert(TA::lpb == TB::lpb, "one group of lanes a row for both types");
+    constexpr int ROWS = mmv_rows(MAXM);
     const mmv_seg s = mmv_seg_of(sg, blockIdx.x);
-    const int64_t r0 = (((int64_t)blockIdx.x - s.cta0) * MMV_DIRECT_WARPS + threadIdx.x / 32) * (32 / TA::lpb);
+    const int64_t r0 = (((int64_t)blockIdx.x - s.cta0) * MMV_DIRECT_WARPS + threadIdx.x / 32) * (32 / TA::lpb) * ROWS;
     if (r0 >= s.rows) return;
     if (std::is_same<TA, TB>::value || blockIdx.x < sg.cta_b)
-        mmv_narrow_rows<TA, MAXM>(s.w, s.y, s.rows, r0, s.row_bytes, s.nb, a, m);
+        mmv_narrow_rows<TA, MAXM, ROWS>(s.w, s.y, s.rows, r0, s.row_bytes, s.nb, a, m);
     else
-        mmv_narrow_rows<TB, MAXM>(s.w, s.y, s.rows, r0, s.row_bytes, s.nb, a, m);
+        mmv_narrow_rows<TB, MAXM, ROWS>(s.w, s.y, s.rows, r0, s.row_bytes, s.nb, a, m);
 }
 
 /* -- the staged kernel: weights through shared memory by bulk copies -------- */
@@ -2194,16 +2207,21 @@ static int mmv_narrow_mode(void)
 }
 
 /* Whether the n weights ws take the narrow kernel (a group of lanes a
- * row): each row fewer blocks than two rounds of a warp, and so many rows
- * that a warp a row would be more than MMV_NARROW_WAVES waves of the GPU
- * (Gemma 3's output projection, 262,144 rows of 640: 65,536 CTAs). Small
- * matrices keep a warp a row, whose rounds run side by side. The rule
+ * row): each row fewer blocks than MMV_NARROW_ROUNDS rounds of a warp
+ * (LUMA_CUDA_MMV_NARROW_ROUNDS in the environment, for measuring), and so
+ * many rows that a warp a row would be more than MMV_NARROW_WAVES waves of
+ * the GPU (Gemma 3's output projection, 262,144 rows of 640: 65,536
+ * CTAs). Small matrices keep a warp a row, whose rounds run side by side.
+ * Measured (cuda/NOTES.md, "Many short rows"): rows of 5, 7 and 9 repacked
+ * blocks (Gemma 3 270M, Qwen2 0.5B, Gemma 3 1B widths) gain, rows of 16
+ * (2,048 wide) lose, hence 3 rounds. The rule
  * reads the weights' shapes only (the wave is the one-activation-row
  * kernel's at any m), so a row takes one kernel whatever the batch. The
  * narrow kernel rotates nothing: a pending q/k/v rotation it leaves to
  * the caller (luma_cuda_matmul_qkv_rope's done bits stay clear), which
  * gives the bits of matmul_many and qk_rope, as the rotating launches do. */
 #define MMV_NARROW_WAVES 4
+#define MMV_NARROW_ROUNDS 3
 template <class TA, class TB>
 static constexpr bool mmv_narrow_ok()
 {
@@ -2220,8 +2238,9 @@ static bool mmv_narrow_taken(cuda_backend *c, const luma_weight *const *ws, int 
     } else {
         const int mode = mmv_narrow_mode();
         if (!mode) return false;
+        static const int rounds = luma_cuda_env_digit("LUMA_CUDA_MMV_NARROW_ROUNDS", MMV_NARROW_ROUNDS);
         for (int i = 0; i < n && i < MMV_SEGS; i++)
-            if (ws[i]->cols / (i >= n_a ? TB::qk : TA::qk) * TA::lpb >= 64) return false;
+            if (ws[i]->cols / (i >= n_a ? TB::qk : TA::qk) * TA::lpb >= 32 * rounds) return false;
         if (mode == 2) return true;
         int64_t wave = mmv_direct_wave<TA, TB, 1, false, false>(c);
         return wave > 0 && (int64_t)mmv_direct_ctas<1>(ws, n) > MMV_NARROW_WAVES * wave;
@@ -2233,7 +2252,7 @@ static void mmv_narrow_launch(cuda_backend *c, const luma_weight *const *ws, flo
                               const act_rows &a, int m)
 {
     unsigned ctas;
-    mmv_segs sg = mmv_segs_of<TA, TB, 32 / TA::lpb>(ws, ys, n, n_a, &ctas);
+    mmv_segs sg = mmv_segs_of<TA, TB, 32 / TA::lpb * mmv_rows(MAXM)>(ws, ys, n, n_a, &ctas);
     cudaLaunchAttribute attr;
     cudaLaunchConfig_t cfg = luma_launch_config(c, c->stream, ctas, MMV_DIRECT_WARPS * 32, 0, &attr);
     luma_cuda_fail(c, cudaLaunchKernelEx(&cfg, mmv_narrow<TA, TB, MAXM>, sg, a, m),

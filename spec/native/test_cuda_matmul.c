@@ -887,7 +887,7 @@ done:
 
 /* Gemma 3's output projection, 262,144 rows of 640 (its tied embedding),
  * in the block types a Q4_K_M file gives such a matrix: a row shorter than
- * two of a warp's rounds, in so many rows that the matrix-vector path
+ * three of a warp's rounds, in so many rows that the matrix-vector path
  * takes the narrow kernel (a group of lanes a row). Checked at m = 1, 3
  * and 8 against the reference and the CPU's product, the rows of m = 3 and
  * 8 bit for bit those of m = 1 (batch invariance), then timed at m = 1

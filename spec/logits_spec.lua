@@ -160,6 +160,28 @@ describe("Logits", function()
     assert.matches("k must be at least 1", select(2, pcall(l.top_k, l, 0)))
   end)
 
+  it("top_p on a top_k's few entries, in their order or after edits reorder them", function()
+    -- the compact form remembers the top-k's order and top_p checks it
+    -- before it trusts it: a bias lowering the best entries (which edits the
+    -- few in place) reorders them
+    for _, edit in ipairs{ false, true } do
+      local l = base:copy():top_k(40)
+      local ids = base:topk(40)
+      if edit then
+        local b = {}
+        for j = 1, 10 do b[ids[j]] = -3 * j / 10 end
+        l:bias(b)
+      end
+      local before = values(l)
+      local p = softmax(before)
+      l:top_p(0.9)
+      local keep = kept(l)
+      assert_filtered(before, l, keep)
+      assert_smallest_prefix(p, keep, function(i) return -p[i + 1] end,
+                             function(mass) return mass >= 0.9 end)
+    end
+  end)
+
   it("top_p keeps the smallest set of most likely entries whose mass reaches p", function()
     for _, p in ipairs{ 0.5, 0.9 } do
       local l = base:copy():top_p(p)

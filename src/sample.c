@@ -340,18 +340,30 @@ static int few_cmp(const void *pa, const void *pb)
     return cand_cmp(&(cand){ a->key, a->id }, &(cand){ b->key, b->id });
 }
 
-static void keep_mass_few(float *x, int32_t n, double c, double m, mass_goal *g)
+/* order (or NULL): the entries' indices in g's order as the caller last
+ * knew it (a top-k's, largest first), a hint: the entries are gathered in
+ * that order, and sorted only where it no longer holds. The sums are the
+ * same either way (z in index order, the mass in g's order). */
+static void keep_mass_few(float *x, int32_t n, double c, double m, mass_goal *g, const int32_t *order)
 {
     few fs[FEW_MAX];
+    double es[FEW_MAX];
     int32_t nf = 0;
     g->z = 0.0;
     for (int32_t i = 0; i < n; i++) {
         if (!live(x[i])) continue;
-        double e = exp(x[i] - m);
-        g->z += e;
-        fs[nf++] = (few){ fabs(x[i] - c), e, i };
+        es[i] = exp(x[i] - m);
+        g->z += es[i];
     }
-    if (nf <= FEW_INSERT) {
+    for (int32_t j = 0; j < n; j++) {
+        int32_t i = order ? order[j] : j;
+        if (live(x[i])) fs[nf++] = (few){ fabs(x[i] - c), es[i], i };
+    }
+    bool sorted = order != NULL;
+    for (int32_t j = 1; j < nf && sorted; j++) sorted = few_cmp(&fs[j - 1], &fs[j]) <= 0;
+    if (sorted) {
+        /* the hint held */
+    } else if (nf <= FEW_INSERT) {
         for (int32_t j = 1; j < nf; j++) {
             few t = fs[j];
             int32_t i = j;
@@ -377,7 +389,7 @@ static void keep_mass_few(float *x, int32_t n, double c, double m, mass_goal *g)
 static int keep_mass(float *x, int32_t n, double c, double m, mass_goal *g, luma_err *err)
 {
     if (n <= FEW_MAX) {
-        keep_mass_few(x, n, c, m, g);
+        keep_mass_few(x, n, c, m, g, NULL);
         return 0;
     }
     double kmax = 0.0;
@@ -428,12 +440,23 @@ static int keep_mass(float *x, int32_t n, double c, double m, mass_goal *g, luma
 
 int luma_logits_top_p(float *x, int32_t n, float p, int32_t min_keep, luma_err *err)
 {
+    return luma_logits_top_p_ordered(x, n, NULL, p, min_keep, err);
+}
+
+int luma_logits_top_p_ordered(float *x, int32_t n, const int32_t *order, float p, int32_t min_keep, luma_err *err)
+{
     if (check_n("top_p", n, err) || check_p("top_p", p, min_keep, err)) return -1;
     sparse sp;
-    if (gather(x, n, &sp)) return scatter(x, &sp, luma_logits_top_p(sp.vals, sp.n, p, min_keep, err));
+    if (!order && gather(x, n, &sp)) return scatter(x, &sp, luma_logits_top_p(sp.vals, sp.n, p, min_keep, err));
     float m = live_max(x, n);
     if (p == 1.0f || m == -INFINITY) return 0;
+    /* the top-p order is the entries' own, largest first, ties by index:
+     * keys |x - max| increasing */
     mass_goal g = { p, min_keep, false, 0.0 };
+    if (order && n <= FEW_MAX) {
+        keep_mass_few(x, n, m, m, &g, order);
+        return 0;
+    }
     return keep_mass(x, n, m, m, &g, err);
 }
 

@@ -54,6 +54,12 @@ int luma_logits_top_k(float *x, int32_t n, int32_t k, luma_err *err);
 /* Nucleus: keeps the smallest set of largest entries whose probability sums
  * to at least p, and at least min_keep (>= 0) entries; p in (0, 1]. */
 int luma_logits_top_p(float *x, int32_t n, float p, int32_t min_keep, luma_err *err);
+/* The same, where order[0..n) (a permutation of 0..n-1) lists the entries
+ * largest first, ties by index, as a top-k found them before later edits:
+ * a hint, checked in one pass (the entries are sorted where it no longer
+ * holds), which spares the few entries a top-k leaves their sort. */
+int luma_logits_top_p_ordered(float *x, int32_t n, const int32_t *order, float p, int32_t min_keep,
+                              luma_err *err);
 /* Masks entries whose probability is below p times the largest probability,
  * keeping at least min_keep entries (the largest); p in (0, 1]. */
 int luma_logits_min_p(float *x, int32_t n, float p, int32_t min_keep, luma_err *err);

@@ -397,6 +397,78 @@ static void test_filters(int32_t n)
     group_end(name);
 }
 
+/* top_p with an order hint (luma_logits_top_p_ordered, as a compact
+ * row's top-k leaves it): the same bits as without it when the hint holds,
+ * when edits made it stale, and when it is any permutation; and it is
+ * timed against the sort it spares. */
+static void test_top_p_ordered(int32_t n)
+{
+    luma_err err;
+    int32_t *order = malloc((size_t)n * sizeof *order), *ids = malloc((size_t)n * sizeof *ids);
+    float *vals = malloc((size_t)n * sizeof *vals), *y = malloc((size_t)n * sizeof *y);
+    ref_rng r;
+    ref_seed(&r, 900 + (uint64_t)n);
+    const float ps[] = { 0.1f, 0.5f, 0.9f, 0.95f, 1.0f };
+    const int32_t keeps[] = { 0, 1, 50 };
+    for (int kind = 0; kind < 3; kind++) {
+        make_logits(g_orig, n, 910 + kind, kind == 2 ? 0.3 : 0.0, kind % 2);
+        if (kind == 2)   /* ties */
+            for (int32_t i = 0; i < n; i += 3) g_orig[i] = g_orig[0];
+        for (int hint = 0; hint < 3; hint++) {
+            /* 0: the top-k's order; 1: that order, then the values edited;
+             * 2: a shuffle */
+            int32_t got = luma_logits_topk(g_orig, n, n, ids, vals, &err), k = got;
+            for (int32_t i = 0; i < n; i++)
+                if (!(g_orig[i] > -INFINITY)) ids[k++] = i;   /* the masked ones last */
+            memcpy(order, ids, (size_t)n * sizeof *order);
+            memcpy(y, g_orig, (size_t)n * sizeof *y);
+            if (hint == 1)
+                for (int32_t i = 0; i < n; i += 7) y[i] = y[i] > -INFINITY ? y[i] * 0.5f + 1.0f : y[i];
+            if (hint == 2)
+                for (int32_t i = n - 1; i > 0; i--) {
+                    int32_t j = (int32_t)(ref_next(&r) % (uint64_t)(i + 1)), t = order[i];
+                    order[i] = order[j];
+                    order[j] = t;
+                }
+            for (size_t t = 0; t < sizeof ps / sizeof *ps; t++)
+                for (size_t u = 0; u < sizeof keeps / sizeof *keeps; u++) {
+                    memcpy(g_x, y, (size_t)n * sizeof *g_x);
+                    int rc = luma_logits_top_p(g_x, n, ps[t], keeps[u], &err);
+                    memcpy(vals, y, (size_t)n * sizeof *vals);
+                    int rc2 = luma_logits_top_p_ordered(vals, n, order, ps[t], keeps[u], &err);
+                    check(rc == 0 && rc2 == 0 && memcmp(g_x, vals, (size_t)n * sizeof *vals) == 0,
+                          "top_p ordered n=%d kind=%d hint=%d p=%g min_keep=%d: not the unordered result", n,
+                          kind, hint, ps[t], keeps[u]);
+                }
+        }
+    }
+    /* timing: a top-k's 40 in id order (as the compact form keeps them) */
+    make_logits(g_orig, n, 990, 0.0, 0);
+    int32_t got = luma_logits_topk(g_orig, n, n, ids, vals, &err);
+    memcpy(order, ids, (size_t)got * sizeof *order);
+    const int reps = 20000;
+    double t0 = now();
+    for (int i = 0; i < reps; i++) {
+        memcpy(g_x, g_orig, (size_t)n * sizeof *g_x);
+        luma_logits_top_p(g_x, n, 0.95f, 1, &err);
+    }
+    double t1 = now();
+    for (int i = 0; i < reps; i++) {
+        memcpy(g_x, g_orig, (size_t)n * sizeof *g_x);
+        luma_logits_top_p_ordered(g_x, n, order, 0.95f, 1, &err);
+    }
+    double t2 = now();
+    printf("  top_p 0.95 of %d entries: %.2f us sorted, %.2f us in the top-k's order (informative)\n", n,
+           1e6 * (t1 - t0) / reps, 1e6 * (t2 - t1) / reps);
+    free(order);
+    free(ids);
+    free(vals);
+    free(y);
+    char name[40];
+    snprintf(name, sizeof name, "top_p ordered %d", n);
+    group_end(name);
+}
+
 static void test_moves(int32_t n)
 {
     luma_err err;
@@ -788,6 +860,8 @@ int main(void)
      * to 64, qsort past it) instead of counted into bins */
     test_filters(40);
     test_filters(200);
+    test_top_p_ordered(40);
+    test_top_p_ordered(200);
     test_frequencies();
     test_errors();
     timings();

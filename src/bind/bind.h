@@ -53,8 +53,10 @@ typedef struct llogits {
     luma_logits_set *set;      /* holds a reference, or NULL */
     int64_t row;
     int32_t n_live;
-    int32_t *ids;              /* compact: [n_live] ids, increasing, then vals */
+    int32_t *ids;              /* compact: [n_live] ids, increasing, then vals, */
     float *vals;
+    int32_t *order;            /* then NULL or the entries' positions, largest first as the top-k
+                                * found them (a hint for top_p, which checks it) */
     const char *lost;          /* why the row is gone, when a release could not save it */
     struct llogits *prev, *next;   /* the holders of set */
 } llogits;

@@ -161,6 +161,7 @@ static float *host_row(lua_State *L, llogits *lg)
         free(lg->ids);
         lg->ids = NULL;
         lg->vals = NULL;
+        lg->order = NULL;
         lg->compact = false;
         lg->x = x;
         lg->x_owned = true;
@@ -211,6 +212,7 @@ static int32_t to_compact(const llogits *lg, int32_t *ids, int32_t *counts, floa
 typedef struct entry {
     int32_t id;
     float v;
+    int32_t rank;              /* its place in the top-k's order */
 } entry;
 
 static int entry_cmp(const void *pa, const void *pb)
@@ -241,9 +243,10 @@ static void keep_top_compact(lua_State *L, llogits *lg, int32_t k)
 {
     entry e[LUMA_SPARSE_MAX];
     const float *x = on_device(L, lg) ? NULL : host_row(L, lg);
-    int32_t *ids = malloc((size_t)k * (sizeof(int32_t) + sizeof(float)));
+    int32_t *ids = malloc((size_t)k * (2 * sizeof(int32_t) + sizeof(float)));
     if (!ids) luaL_error(L, "top_k: out of memory for %d entries", (int)k);
     float *vals = (float *)(ids + k);
+    int32_t *order = (int32_t *)(vals + k);
     luma_err err;
     int32_t got;
     if (x) {
@@ -256,11 +259,12 @@ static void keep_top_compact(lua_State *L, llogits *lg, int32_t k)
         free(ids);
         luma_bind_error(L, &err);
     }
-    for (int32_t j = 0; j < got; j++) e[j] = (entry){ ids[j], vals[j] };
+    for (int32_t j = 0; j < got; j++) e[j] = (entry){ ids[j], vals[j], j };
     sort_by_id(e, got);
     for (int32_t j = 0; j < got; j++) {
         ids[j] = e[j].id;
         vals[j] = e[j].v;
+        order[e[j].rank] = j;
     }
     unhold(lg);
     if (lg->x_owned) free(lg->x);
@@ -269,6 +273,7 @@ static void keep_top_compact(lua_State *L, llogits *lg, int32_t k)
     lg->compact = true;
     lg->ids = ids;
     lg->vals = vals;
+    lg->order = order;
     lg->n_live = got;
 }
 
@@ -331,6 +336,7 @@ static int logits_gc(lua_State *L)
     free(lg->ids);
     lg->ids = NULL;
     lg->vals = NULL;
+    lg->order = NULL;
     lg->compact = false;
     lg->n_live = 0;
     return 0;
@@ -491,7 +497,12 @@ static int filter(lua_State *L, mass_filter f)
 
 static int logits_top_p(lua_State *L)
 {
-    return filter(L, luma_logits_top_p);
+    llogits *lg = luma_bind_checklogits(L, 1);
+    if (!use_compact(lg)) return filter(L, luma_logits_top_p);
+    float p = (float)luaL_checknumber(L, 2);
+    int32_t min_keep = check_min_keep(L, 3);
+    luma_err err;
+    return chain(L, luma_logits_top_p_ordered(lg->vals, lg->n_live, lg->order, p, min_keep, &err), &err);
 }
 
 static int logits_min_p(lua_State *L)
@@ -677,7 +688,7 @@ static int logits_copy(lua_State *L)
     const float *src = lg->compact || on_device(L, lg) ? NULL : host_row(L, lg);
     llogits *c = luma_bind_newlogits(L, lg->n);
     int32_t live = lg->n_live > 0 ? lg->n_live : 1;
-    size_t bytes = lg->compact ? (size_t)live * (sizeof(int32_t) + sizeof(float)) : (size_t)lg->n * sizeof(float);
+    size_t bytes = lg->compact ? (size_t)live * (2 * sizeof(int32_t) + sizeof(float)) : (size_t)lg->n * sizeof(float);
     void *mem = malloc(bytes);
     if (!mem) return luaL_error(L, "logits: out of memory for a copy");
     if (lg->compact) {
@@ -687,6 +698,10 @@ static int logits_copy(lua_State *L)
         c->vals = (float *)(c->ids + live);
         memcpy(c->ids, lg->ids, (size_t)lg->n_live * sizeof(int32_t));
         memcpy(c->vals, lg->vals, (size_t)lg->n_live * sizeof(float));
+        if (lg->order) {
+            c->order = (int32_t *)(c->vals + live);
+            memcpy(c->order, lg->order, (size_t)lg->n_live * sizeof(int32_t));
+        }
         return 1;
     }
     luma_err err;

@@ -645,13 +645,25 @@ static int32_t sample_at(const float *x, int32_t n, double u, luma_err *err)
 {
     float m = live_max(x, n);
     if (m == -INFINITY) return luma_errf(err, "sample: every logit is masked");
-    double z, s;
-    live_sums(x, n, m, &z, &s);
+    double z = 0.0, s;
+    /* A few entries (a top-k's) keep their exponentials for the walk: the
+     * same values, summed in the same order, as computing them again. */
+    double es[FEW_MAX];
+    const bool cached = n <= FEW_MAX;
+    if (cached) {
+        for (int32_t i = 0; i < n; i++)
+            if (live(x[i])) {
+                es[i] = exp((double)x[i] - m);
+                z += es[i];
+            }
+    } else {
+        live_sums(x, n, m, &z, &s);
+    }
     double target = u * z, mass = 0.0;
     int32_t last = -1;
     for (int32_t i = 0; i < n; i++) {
         if (!live(x[i])) continue;
-        mass += exp((double)x[i] - m);
+        mass += cached ? es[i] : exp((double)x[i] - m);
         last = i;
         if (target < mass) return i;
     }

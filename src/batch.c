@@ -486,15 +486,22 @@ int32_t luma_logits_set_topk_lowered(luma_logits_set *s, int64_t row, int32_t k,
     const int32_t K = s->topk_k, n = *r.count, *rid = r.ids;
     const float *rv = r.vals;
     float v[LUMA_TOPK_AHEAD_MAX];
-    int32_t at[LUMA_TOPK_AHEAD_MAX], pos[LUMA_TOPK_AHEAD_MAX], counts[LUMA_TOPK_AHEAD_MAX], hit = 0;
+    int32_t at[LUMA_TOPK_AHEAD_MAX], pos[LUMA_TOPK_AHEAD_MAX] = { 0 }, counts[LUMA_TOPK_AHEAD_MAX] = { 0 }, hit = 0;
     memcpy(v, rv, (size_t)n * sizeof *v);
-    for (int32_t i = 0; i < p->n; i++)
-        for (int32_t j = 0; j < n; j++)
-            if (rid[j] == p->ids[i]) {
-                pos[hit] = j;
-                counts[hit++] = p->counts[i];
-                break;
-            }
+    /* each candidate's count, found among p's increasing ids by bisection
+     * (the entries are penalized one by one, so in any order) */
+    for (int32_t j = 0; j < n; j++) {
+        int32_t lo = 0, hi = p->n;
+        while (lo < hi) {
+            int32_t mid = lo + (hi - lo) / 2;
+            if (p->ids[mid] < rid[j]) lo = mid + 1;
+            else hi = mid;
+        }
+        if (lo < p->n && p->ids[lo] == rid[j]) {
+            pos[hit] = j;
+            counts[hit++] = p->counts[lo];
+        }
+    }
     luma_logits_penalize_counted(v, pos, counts, hit, p->repeat, p->frequency, p->presence);
     /* rank them as the backend ranks: larger value first, ties by lower id */
     for (int32_t j = 0; j < n; j++) {

@@ -269,7 +269,8 @@ int32_t luma_logits_set_argmax(luma_logits_set *s, int64_t row, bool cached, lum
 int32_t luma_logits_set_topk(luma_logits_set *s, int64_t row, int32_t k, bool cached, int32_t *ids, float *vals,
                              luma_err *err);
 /* A penalty that only lowers entries (luma_logits_penalize_counted with
- * repeat >= 1, frequency >= 0, presence >= 0) over n distinct ids. */
+ * repeat >= 1, frequency >= 0, presence >= 0) over n distinct ids, in
+ * increasing order (as luma_logits_penalty_counts gives them). */
 typedef struct luma_lowering {
     const int32_t *ids, *counts;
     int32_t n;

@@ -597,8 +597,17 @@ static void test_model(const char *vocab)
                 for (int32_t j = 0; j < np; j++) {
                     pid[j] = far ? top[j] : top[j * 2 + 1];
                     pc[j] = 1 + j % 2;
-                    pcf[j] = (float)pc[j];
                 }
+                /* a lowering's ids increase (luma_lowering) */
+                for (int32_t j = 1; j < np; j++)
+                    for (int32_t q = j; q > 0 && pid[q - 1] > pid[q]; q--) {
+                        int32_t ti_ = pid[q], tc = pc[q];
+                        pid[q] = pid[q - 1];
+                        pc[q] = pc[q - 1];
+                        pid[q - 1] = ti_;
+                        pc[q - 1] = tc;
+                    }
+                for (int32_t j = 0; j < np; j++) pcf[j] = (float)pc[j];
                 luma_lowering low = { pid, pc, np, 1.5f, 0.1f, far ? 1000.0f : 0.2f };
                 got_n = luma_logits_set_topk_lowered(s, i, 5, &low, ti, tv);
                 luma_logits_edit e = { LUMA_EDIT_PENALIZE, np, pid, pcf, 1.5f, 0.1f, low.presence };

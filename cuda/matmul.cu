@@ -2119,8 +2119,6 @@ static void mmv_seg_put(mmv_segs &sg, int i, const uint8_t *w, float *y, int64_t
     *ctas += n_ctas;
 }
 
-/* Launched as a programmatic dependent of the quantizer (cuda/launch.cuh):
- * the first weight loads go out before the wait. */
 /* The segments of a launch of the n weights ws (ws[i] in type TA below
  * n_a, else TB), ROWS rows a warp; their CTAs into *ctas. */
 template <class TA, class TB, int ROWS>
@@ -2138,6 +2136,8 @@ static mmv_segs mmv_segs_of(const luma_weight *const *ws, float *const *ys, int 
     return sg;
 }
 
+/* Launched as a programmatic dependent of the quantizer (cuda/launch.cuh):
+ * the first weight loads go out before the wait. */
 template <class TA, class TB, int MAXM, int ROWS>
 static void mmv_direct_launch_rows(cuda_backend *c, const luma_weight *const *ws, float *const *ys, int n, int n_a,
                                    const act_rows &a, int m)
@@ -2191,12 +2191,6 @@ static int mmv_pairs_mode(void)
     return mode;
 }
 
-/* At one activation row a warp takes a row. Where that makes a launch a
- * little more than the CTAs the GPU holds at once (the 7B's q, k and v
- * where v is Q6_K: 1,536 CTAs where 1,320 fit), the few CTAs left over
- * run alone after the others, as long as a whole wave; a warp then takes
- * two rows, which makes it one wave. A row's sum is the same either way (the same blocks, lanes
- * and order), so the rule cannot change a result. */
 /* LUMA_CUDA_MMV_NARROW in the environment: 0 never takes the narrow
  * kernel, 2 takes it for every launch of short rows (for testing);
  * otherwise the rule of mmv_narrow_taken. Read once. */
@@ -2259,6 +2253,13 @@ static void mmv_narrow_launch(cuda_backend *c, const luma_weight *const *ws, flo
                    "matmul (matrix-vector kernel, short rows)");
 }
 
+/* Matrices of many short rows take the narrow kernel (mmv_narrow_taken).
+ * Otherwise, at one activation row a warp takes a row. Where that makes a launch a
+ * little more than the CTAs the GPU holds at once (the 7B's q, k and v
+ * where v is Q6_K: 1,536 CTAs where 1,320 fit), the few CTAs left over
+ * run alone after the others, as long as a whole wave; a warp then takes
+ * two rows, which makes it one wave. A row's sum is the same either way (the same blocks, lanes
+ * and order), so the rule cannot change a result. */
 template <class TA, class TB, int MAXM>
 static void mmv_direct_launch(cuda_backend *c, const luma_weight *const *ws, float *const *ys, int n, int n_a,
                               const act_rows &a, int m)

@@ -197,6 +197,22 @@ __device__ void block_sort_small_desc(unsigned long long *a, int n)
     __syncthreads();
 }
 
+/* Sorts keys[0, p) best first, p a power of two, after setting keys[count,
+ * p) to 0: by the small sort where the block's nt threads (blockDim.x,
+ * passed as a constant where the kernel has one) cover p, else by the
+ * whole block's. */
+__device__ __forceinline__ void block_sort_padded_desc(unsigned long long *keys, int count, int p, int nt)
+{
+    const int tid = threadIdx.x;
+    for (int j = count + tid; j < p; j += nt) keys[j] = 0;
+    if (p <= nt) {
+        block_sort_small_desc(keys, p);
+    } else {
+        __syncthreads();
+        block_sort_desc(keys, p);
+    }
+}
+
 /* ---- argmax of many rows ------------------------------------------------- */
 
 #define ARGMAX_THREADS 256
@@ -420,13 +436,7 @@ __device__ const unsigned long long *block_select(unsigned long long *a, int n, 
         p = pow2_at_least(n);
         count = n;
     }
-    for (int j = count + tid; j < p; j += nt) sorted[j] = 0;
-    if (p <= nt) {
-        block_sort_small_desc(sorted, p);
-    } else {
-        __syncthreads();
-        block_sort_desc(sorted, p);
-    }
+    block_sort_padded_desc(sorted, count, p, nt);
     return sorted;
 }
 
@@ -585,14 +595,7 @@ __device__ const unsigned long long *regs_select(Key key, int k, unsigned long l
         __syncthreads();
         count = gather_at_least<N>(key, lo, few, s_count);
     }
-    const int p = pow2_at_least((int)count > k ? (int)count : k);
-    for (int j = (int)count + tid; j < p; j += nt) few[j] = 0;
-    if (p <= nt) {
-        block_sort_small_desc(few, p);
-    } else {
-        __syncthreads();
-        block_sort_desc(few, p);
-    }
+    block_sort_padded_desc(few, (int)count, pow2_at_least((int)count > k ? (int)count : k), nt);
     return few;
 }
 
@@ -669,14 +672,8 @@ topk_stream_kernel(const float *__restrict__ x, int64_t n, int32_t k, unsigned l
             const unsigned int count = gather_at_least<TOPK_PER>(entry_key, floor_key, few, s_count);
             if (count == (unsigned int)kept) continue;
             if (count <= TOPK_FEW) {
-                const int p = pow2_at_least((int)count > k ? (int)count : k);
-                for (int j = (int)count + tid; j < p; j += TOPK_PART_THREADS) few[j] = 0;
-                if (p <= TOPK_PART_THREADS) {
-                    block_sort_small_desc(few, p);
-                } else {
-                    __syncthreads();
-                    block_sort_desc(few, p);
-                }
+                block_sort_padded_desc(few, (int)count, pow2_at_least((int)count > k ? (int)count : k),
+                                       TOPK_PART_THREADS);
             } else {
                 const unsigned long long prev = tid < kept ? few[tid] : 0ull;
                 __syncthreads();

@@ -1487,6 +1487,29 @@ static __device__ __forceinline__ void mmv_fetch(const uint8_t *b, int p, typena
     else T::fetch(b, p, r);
 }
 
+/* A lane's round over ROWS weight rows: decodes the raw bytes cur, lets
+ * fetch() load the next round's (into cur itself or another buffer), then
+ * adds each row's product with block ib of the m <= MAXM activation rows
+ * to acc. */
+template <class T, int MAXM, int ROWS, class Fetch>
+static __device__ __forceinline__ void mmv_round(const typename T::raw_t (&cur)[ROWS], int p, const act_rows &a,
+                                                 int m, int ib, Fetch fetch, float (&acc)[ROWS][MAXM])
+{
+    typename T::w_t wv[ROWS];
+#pragma unroll
+    for (int r = 0; r < ROWS; r++) T::decode(cur[r], p, wv[r]);
+    fetch();
+#pragma unroll
+    for (int j = 0; j < MAXM; j++) {
+        if (j < m) {
+            typename T::x_t xv;
+            T::loadx(a, j, ib, p, xv);
+#pragma unroll
+            for (int r = 0; r < ROWS; r++) acc[r][j] += T::dot(wv[r], xv);
+        }
+    }
+}
+
 /* y[j * rows + r] = W[r] . x[j] for the m <= MAXM activation rows; each warp
  * owns ROWS consecutive weight rows (from r0) and keeps ROWS x MAXM sums. A
  * lane takes blocks ib0, ib0 + stride, ...; the raw bytes of its next block
@@ -1514,19 +1537,7 @@ static __device__ __forceinline__ void mmv_direct_rows(const uint8_t *w, float *
     /* a round: decode the blocks at ib_ from cur, let fetch(nxt) fetch the
      * next round's, add the products */
     auto round = [&](typename T::raw_t(&cur)[ROWS], typename T::raw_t(&nxt)[ROWS], int ib_, auto fetch) {
-        typename T::w_t wv[ROWS];
-#pragma unroll
-        for (int r = 0; r < ROWS; r++) T::decode(cur[r], p, wv[r]);
-        fetch(nxt);
-#pragma unroll
-        for (int j = 0; j < MAXM; j++) {
-            if (j < m) {
-                typename T::x_t xv;
-                T::loadx(a, j, ib_, p, xv);
-#pragma unroll
-                for (int r = 0; r < ROWS; r++) acc[r][j] += T::dot(wv[r], xv);
-            }
-        }
+        mmv_round<T, MAXM, ROWS>(cur, p, a, m, ib_, [&]() { fetch(nxt); }, acc);
     };
     if constexpr (TWO) {
         static_assert(MAXM == 1 && ROWS == 1, "two buffers at one row and one activation row");
@@ -1674,23 +1685,12 @@ static __device__ __forceinline__ void mmv_narrow_rows(const uint8_t *w, float *
     wait_for_previous_kernel();
     let_next_kernel_start();
     float acc[ROWS][MAXM] = {};
-    for (int ib = 0; ib < nb; ib++) {
-        typename T::w_t wv[ROWS];
+    for (int ib = 0; ib < nb; ib++)
+        mmv_round<T, MAXM, ROWS>(raw, p, a, m, ib, [&]() {
+            if (ib + 1 < nb)
 #pragma unroll
-        for (int r = 0; r < ROWS; r++) T::decode(raw[r], p, wv[r]);
-        if (ib + 1 < nb)
-#pragma unroll
-            for (int r = 0; r < ROWS; r++) mmv_fetch<T>(wr[r] + (size_t)(ib + 1) * T::bytes, p, raw[r]);
-#pragma unroll
-        for (int j = 0; j < MAXM; j++) {
-            if (j < m) {
-                typename T::x_t xv;
-                T::loadx(a, j, ib, p, xv);
-#pragma unroll
-                for (int r = 0; r < ROWS; r++) acc[r][j] += T::dot(wv[r], xv);
-            }
-        }
-    }
+                for (int r = 0; r < ROWS; r++) mmv_fetch<T>(wr[r] + (size_t)(ib + 1) * T::bytes, p, raw[r]);
+        }, acc);
 #pragma unroll
     for (int r = 0; r < ROWS; r++)
 #pragma unroll

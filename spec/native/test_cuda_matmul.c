@@ -336,15 +336,9 @@ static void check_shape(ctx *cx, enum luma_type t, const struct shape *sh, timin
     const luma_type_traits *tr = luma_type_get(t);
     int64_t rows = sh->rows, cols = sh->cols;
     size_t row_bytes = luma_row_size(t, cols), bytes = row_bytes * (size_t)rows;
-    uint8_t *host = xmalloc(bytes);
-    random_weights(t, rows * cols, host);
-    luma_weight w = { .type = t, .rows = rows, .cols = cols, .host = host };
-    luma_err err = { { 0 } };
-    if (cx->be->ops->weight_load(cx->be, &w, &err) != 0) {
-        CHECKF(0, "weight_load %s %lldx%lld: %s", tr->name, (long long)rows, (long long)cols, err.msg);
-        free(host);
-        return;
-    }
+    luma_weight w;
+    uint8_t *host = load_random_weight(cx->be, t, rows, cols, &w);
+    if (!host) return;
     /* F16 weights are their own f16 form; every other matrix gets a copy */
     bool copy_expected = t != LUMA_F16;
     CHECKF((w.dev_f16 != NULL) == copy_expected, "weight_load %s %lldx%lld %s an f16 copy", tr->name,
@@ -637,14 +631,9 @@ static void check_gated(ctx *cx)
     for (size_t ti = 0; ti < sizeof gtypes / sizeof gtypes[0]; ti++) {
         enum luma_type t = gtypes[ti];
         luma_err err = { { 0 } };
-        uint8_t *host = xmalloc(luma_row_size(t, cols) * (size_t)rows);
-        random_weights(t, rows * cols, host);
-        luma_weight w = { .type = t, .rows = rows, .cols = cols, .host = host };
-        if (ops->weight_load(cx->be, &w, &err) != 0) {
-            CHECKF(0, "weight_load: %s", err.msg);
-            free(host);
-            continue;
-        }
+        luma_weight w;
+        uint8_t *host = load_random_weight(cx->be, t, rows, cols, &w);
+        if (!host) continue;
         for (size_t mi = 0; mi < sizeof gms / sizeof gms[0]; mi++)
             for (int act = LUMA_ACT_GELU; act <= LUMA_ACT_SILU; act++) {
                 int64_t m = gms[mi];
@@ -720,15 +709,9 @@ static void check_float(ctx *base)
             int64_t rows = sh->rows, cols = sh->cols;
             bool big = sh->big != TIME_NONE;
             if (cols % tr->block_size != 0 || (big && (cx.quick || rows != 4096 || cols != 4096))) continue;
-            size_t row_bytes = luma_row_size(t, cols), bytes = row_bytes * (size_t)rows;
-            uint8_t *host = xmalloc(bytes);
-            random_weights(t, rows * cols, host);
-            luma_weight w = { .type = t, .rows = rows, .cols = cols, .host = host };
-            if (ops->weight_load(cx.be, &w, &err) != 0) {
-                CHECKF(0, "weight_load %s %lldx%lld: %s", tr->name, (long long)rows, (long long)cols, err.msg);
-                free(host);
-                continue;
-            }
+            luma_weight w;
+            uint8_t *host = load_random_weight(cx.be, t, rows, cols, &w);
+            if (!host) continue;
             /* Q6_K, Q4_0, Q5_0 and Q8_0: the repacked copy (the kf and kf_x4
              * kernels) and, as file_layout, the file's blocks (the
              * element-wise kernel) */
@@ -896,20 +879,13 @@ static void check_vocab(ctx *cx)
 {
     static const enum luma_type vt[] = { LUMA_Q8_0, LUMA_Q5_0, LUMA_Q4_0 };
     const int64_t rows = 262144, cols = 640;
-    const luma_backend_ops *ops = cx->be->ops;
     if (cx->quick) return;
     for (size_t ti = 0; ti < sizeof vt / sizeof vt[0]; ti++) {
         enum luma_type t = vt[ti];
         size_t row_bytes = luma_row_size(t, cols), bytes = row_bytes * (size_t)rows;
-        uint8_t *host = xmalloc(bytes);
-        random_weights(t, rows * cols, host);
-        luma_weight w = { .type = t, .rows = rows, .cols = cols, .host = host };
-        luma_err err = { { 0 } };
-        if (ops->weight_load(cx->be, &w, &err) != 0) {
-            CHECKF(0, "weight_load %s %lldx%lld: %s", luma_type_name(t), (long long)rows, (long long)cols, err.msg);
-            free(host);
-            continue;
-        }
+        luma_weight w;
+        uint8_t *host = load_random_weight(cx->be, t, rows, cols, &w);
+        if (!host) continue;
         int64_t rows_s[SAMPLE_ROWS];
         int ns;
         float *wref = sample_weight_rows(t, host, rows, cols, SAMPLE_ROWS, rows_s, &ns);

@@ -326,15 +326,10 @@ static void check_shape(ctx *cx, enum luma_type t, const struct shape *sh, timin
     const luma_backend_ops *ops = cx->be->ops;
     int64_t rows = sh->rows, cols = sh->cols;
     size_t row_bytes = luma_row_size(t, cols), bytes = row_bytes * (size_t)rows;
-    uint8_t *host = xmalloc(bytes);
-    random_weights(t, rows * cols, host);
-    luma_weight w = { .type = t, .rows = rows, .cols = cols, .host = host };
+    luma_weight w;
+    uint8_t *host = load_random_weight(cx->be, t, rows, cols, &w);
+    if (!host) return;
     luma_err err = { { 0 } };
-    if (ops->weight_load(cx->be, &w, &err) != 0) {
-        CHECKF(0, "weight_load %s %lldx%lld: %s", luma_type_name(t), (long long)rows, (long long)cols, err.msg);
-        free(host);
-        return;
-    }
     int m_max = cx->quick ? 128 : M_MAX;
     if (ops->buf_alloc(cx->be, &cx->x, m_max, cols, &err) != 0 ||
         ops->buf_alloc(cx->be, &cx->y, m_max, rows, &err) != 0 ||

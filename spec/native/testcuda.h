@@ -20,6 +20,24 @@ static inline bool cuda_ok(cudaError_t e, const char *what)
     return false;
 }
 
+/* A rows x cols weight of type t with random blocks (random_weights), loaded
+ * by be into *w: its host blocks (w->host, which the caller frees), or NULL
+ * after a failed check, with nothing left to free. */
+static inline uint8_t *load_random_weight(luma_backend *be, enum luma_type t, int64_t rows, int64_t cols,
+                                          luma_weight *w)
+{
+    uint8_t *host = xmalloc(luma_row_size(t, cols) * (size_t)rows);
+    random_weights(t, rows * cols, host);
+    *w = (luma_weight){ .type = t, .rows = rows, .cols = cols, .host = host };
+    luma_err err = { { 0 } };
+    if (be->ops->weight_load(be, w, &err) != 0) {
+        CHECKF(0, "weight_load %s %lldx%lld: %s", luma_type_name(t), (long long)rows, (long long)cols, err.msg);
+        free(host);
+        return NULL;
+    }
+    return host;
+}
+
 /* Whether the switch `name` is turned off in the environment (set to 0). */
 static inline bool env_off(const char *name)
 {

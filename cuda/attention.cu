@@ -23,9 +23,10 @@
  *            The number of splits follows the step's dec_keys_bound, not its
  *            context lengths, so that a decode step recorded as a CUDA graph
  *            replays unchanged for every step of its bucket: splits past a
- *            row's keys return at once. Short contexts (a step's keys
- *            bound of at most DEC_LEAN_KEYS, half that for heads of
- *            256) take decode_lean_kernel
+ *            row's keys return at once. Short and middling contexts (a
+ *            step's keys bound of at most DEC_LEAN_KEYS, twice that at
+ *            many rows; less for heads of 256 at few rows: lean_covers)
+ *            take decode_lean_kernel
  *            instead: one to eight warps per row and kv head over all
  *            its keys (eight at a few rows, their sums merged in shared
  *            memory; one from a few dozen rows, nothing shared between
@@ -65,7 +66,9 @@
 #define DEC_LEAN_WARPS 8      /* warps of a decode_lean_kernel CTA at most (a unit split 8 ways) */
 #define DEC_LEAN_CTA_WARPS 4  /* units of fewer warps share a CTA up to this many warps */
 #define DEC_LEAN_MIN 1        /* decode_lean_kernel from this many units (dec_tuning) */
-#define DEC_LEAN_KEYS 256     /* and at most this many keys a row */
+#define DEC_LEAN_KEYS 1024    /* and at most this many keys a row (lean_covers: by heads and units) */
+#define DEC_LEAN_WIDE 4       /* heads of 256: a quarter of DEC_LEAN_KEYS from this many units, an eighth below */
+#define DEC_LEAN_LONG 64      /* twice DEC_LEAN_KEYS from this many units (heads of 256: DEC_LEAN_KEYS) */
 #define DEC_P_SCALE 16384.0f  /* softmax weights (<= 1) times this on the tensor cores: f16 stays normal longer */
 #define PF_QT 16              /* query rows per CUDA-core prefill CTA */
 #define PF_SUB (LUMA_CUDA_ATTN_TILE / PF_QT)   /* its CTAs per tile */
@@ -1846,12 +1849,14 @@ typedef struct dec_tuning {
     int mma;                   /* F16 caches on the tensor cores (dk, dv multiples of 16) */
     int one_split;             /* steps whose keys bound is at most this many: one split a row */
     int lean_min;              /* decode_lean_kernel from this many units (rows x kv heads x head chunks) */
-    int lean_keys;             /* and at most this many keys a row */
+    int lean_keys;             /* and at most this many keys a row (lean_covers: by heads and units) */
     int lean_split;            /* its warps a unit: 1, 2, 4 or 8 (0: by the step's units, lean_split_for) */
+    int lean_wide;             /* heads of 256: a quarter of lean_keys from this many units, an eighth below */
+    int lean_long;             /* twice lean_keys from this many units (heads of 256: lean_keys) */
 } dec_tuning;
 
 /* LUMA_CUDA_ATTN_DECODE="stages,stage_bytes,warps,waves,min_split,merge_kb,mma,one_split,lean_min,lean_keys,
- * lean_split" */
+ * lean_split,lean_wide,lean_long" */
 static dec_tuning dec_tuning_get(void);
 
 /* The defaults that depend on the heads (cuda/NOTES.md, "Decode:
@@ -1879,11 +1884,13 @@ static dec_tuning dec_tuning_get(void)
 {
     /* stages 0, warps 0, mma -1 and one_split -1: the defaults for the layer's heads
      * (dec_defaults, decode_launch) */
-    dec_tuning t = { 0, 8192, 0, 1, 64, 64, -1, -1, DEC_LEAN_MIN, DEC_LEAN_KEYS, 0 };
+    dec_tuning t = { 0, 8192, 0, 1, 64, 64, -1, -1, DEC_LEAN_MIN, DEC_LEAN_KEYS, 0, DEC_LEAN_WIDE,
+                     DEC_LEAN_LONG };
     const char *s = getenv("LUMA_CUDA_ATTN_DECODE");
     if (s && *s)
-        sscanf(s, "%d,%d,%d,%d,%d,%d,%d,%d,%d,%d,%d", &t.stages, &t.stage_bytes, &t.warps, &t.waves, &t.min_split,
-               &t.merge_kb, &t.mma, &t.one_split, &t.lean_min, &t.lean_keys, &t.lean_split);
+        sscanf(s, "%d,%d,%d,%d,%d,%d,%d,%d,%d,%d,%d,%d,%d", &t.stages, &t.stage_bytes, &t.warps, &t.waves,
+               &t.min_split, &t.merge_kb, &t.mma, &t.one_split, &t.lean_min, &t.lean_keys, &t.lean_split,
+               &t.lean_wide, &t.lean_long);
     if (t.stages != 0) t.stages = t.stages < 2 ? 2 : t.stages > DEC_MAX_STAGES ? DEC_MAX_STAGES : t.stages;
     if (t.warps != 0) t.warps = t.warps < 1 ? 1 : t.warps > DEC_MAX_WARPS ? DEC_MAX_WARPS : t.warps;
     if (t.waves < 1) t.waves = 1;
@@ -2050,7 +2057,7 @@ static int64_t lean_units(const cuda_backend *c, const attn_args *a)
 static int lean_split_for(const cuda_backend *c, const attn_args *a, const dec_tuning &tu)
 {
     /* heads of 256: 4 at most (8 warps' rings of 2 stages of 16 keys are
-     * 270 KB) */
+     * 270 KB; 8 warps of one stage each measured no faster, cuda/NOTES.md) */
     const int most = a->dk > 128 ? 4 : DEC_LEAN_WARPS;
     if (tu.lean_split > 0) {
         const int sp = tu.lean_split >= 8 ? 8 : tu.lean_split >= 4 ? 4 : tu.lean_split >= 2 ? 2 : 1;
@@ -2074,7 +2081,8 @@ static void decode_lean_go(cuda_backend *c, attn_args *a, const dec_tuning &tu)
     const int32_t z = a->n_kv_head * a->n_hchunks;
     const int most = SP < DEC_LEAN_CTA_WARPS ? DEC_LEAN_CTA_WARPS / SP : 1;
     const int upc = z < most ? z : most, warps = upc * SP;
-    /* 2 stages at a split of 8: its warps have 2 tiles at most of DEC_LEAN_KEYS keys */
+    /* 2 stages at a split of 8 (a few rows: measured level with the 7B's
+     * one row of up to 1,024 keys, 8 tiles a warp) */
     const int stages = tu.stages ? tu.stages : SP == 8 ? 2 : 3;
     const size_t smem = (size_t)warps * (size_t)stages * 2 * 16 * (D + 8) * sizeof(__half);
     const int occ = decode_occupancy(fa, warps * 32, smem);
@@ -2117,11 +2125,21 @@ static bool lean_covers(const cuda_backend *c, const attn_args *a, const dec_tun
     if (a->window > 0 && a->window < keys) keys = a->window;
     const bool aligned = (((uintptr_t)a->q | (uintptr_t)a->k | (uintptr_t)a->v) & 15) == 0 &&
                          ((a->q_cols | a->k_cols | a->v_cols) & 3) == 0;   /* its q, k and v loads */
-    /* heads of 256 up to half of lean_keys (128: a step bound of 128, the
-     * first bucket): 4 warps a unit at most, their tiles twice as long;
-     * measured faster than decode_kernel on the CUDA cores up to about
-     * 150 keys and slower from 128 to 256 (cuda/NOTES.md) */
-    const int64_t most = a->dk > 128 ? tu.lean_keys / 2 : tu.lean_keys;
+    /* How far the lean kernel reaches, measured against decode_kernel on
+     * the H200 with whole models (cuda/NOTES.md, "Decode attention past
+     * 256 keys"). Heads of up to 128 (the 7B): level or faster at 1 to 4
+     * rows up to 1,024 keys, 2 to 25% faster from 4 rows, and from 16 rows
+     * up to 2,048 keys (20%); decode_kernel's splits keep longer rows.
+     * Heads of 256 (Gemma 3; 4 warps a unit at most, their tiles twice as
+     * long, against decode_kernel on the CUDA cores): at 1 and 2 units
+     * faster up to about 150 keys and slower from 128 to 256, so up to an
+     * eighth of lean_keys (128: a step bound of 128, the first bucket);
+     * from lean_wide units faster up to 256 keys (2 to 20%); from
+     * lean_long units faster at 385 to 960 keys too (8 to 21%), where at 8
+     * rows it lost and at 32 was level. */
+    int64_t most = units >= tu.lean_long ? 2 * (int64_t)tu.lean_keys : tu.lean_keys;
+    if (a->dk > 128)
+        most = units >= tu.lean_long ? tu.lean_keys : units >= tu.lean_wide ? tu.lean_keys / 4 : tu.lean_keys / 8;
     return !c->invariant && a->dk == a->dv && (a->dk == 64 || a->dk == 128 || a->dk == 256) &&
            a->heads_per_cta <= 8 && aligned && units >= tu.lean_min && keys <= most;
 }

@@ -970,18 +970,20 @@ __global__ static void __launch_bounds__(DEC_MAX_WARPS * 32, MMA == 128 ? 2 : 1)
  * SP is a template argument: at batch 1 the kernel is a latency chain run
  * once an SM a layer, and each split's code is only its own
  * (cuda/NOTES.md). */
-template <int D, int SP>
-__global__ static void __launch_bounds__(SP > DEC_LEAN_CTA_WARPS ? SP * 32 : DEC_LEAN_CTA_WARPS * 32, 1)
+template <int D, int SP, int DS>
+__global__ static void __launch_bounds__(SP * DS > DEC_LEAN_CTA_WARPS ? SP * DS * 32 : DEC_LEAN_CTA_WARPS * 32, 1)
     decode_lean_kernel(const attn_args a)
 {
-    static_assert(SP == 1 || SP == 2 || SP == 4 || SP == 8, "a unit's warps");
-    constexpr int LD = D + 8, TILE = 16 * LD, STAGE = 2 * TILE, KC = D / 16;
+    static_assert(SP == 1 || SP == 2 || SP == 4 || SP == 8, "a unit's parts");
+    static_assert(DS == 1 || (DS == 2 && SP <= 4 && D >= 128), "a part's warps");
+    constexpr int LD = D + 8, TILE = 16 * LD, STAGE = 2 * TILE, KC = D / 16, KCD = KC / DS, UW = SP * DS;
     constexpr int PPR = D / 8, RPP = 32 / PPR, PASSES = 16 / RPP;   /* 16-byte pieces of a row; rows a pass */
+    static_assert(16 * PPR % (32 * DS) == 0 && PASSES % DS == 0, "a tile's copies shared by a part's warps");
     extern __shared__ __align__(16) unsigned char dsm[];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, S = a.dec_stages;
-    const int part = warp % SP;
+    const int uw = warp % UW, part = uw / DS, dh = uw % DS;   /* the unit's warp, its part, its half of the values */
     const int32_t z = a.n_kv_head * a.n_hchunks;
-    const int32_t zz = (int32_t)blockIdx.y * (int32_t)(blockDim.x / 32 / SP) + warp / SP;
+    const int32_t zz = (int32_t)blockIdx.y * (int32_t)(blockDim.x / 32 / UW) + warp / UW;
     if (zz >= z) return;   /* the unit's warps together */
     const int32_t y = (int32_t)blockIdx.x;
     const int32_t kvh = zz / a.n_hchunks, hc0 = zz % a.n_hchunks * a.heads_per_cta;
@@ -989,7 +991,7 @@ __global__ static void __launch_bounds__(SP > DEC_LEAN_CTA_WARPS ? SP * 32 : DEC
     const int32_t r = a.dec_rows[y], p = a.pos[r], seq = a.row_seq[r], k0 = first_key(a, p), k1 = p + 1;
     const int32_t *tab = block_table(a, seq);
     const int32_t spos0 = a.seq_pos0[seq], srow0 = a.seq_row0[seq];
-    __half *ring = (__half *)dsm + (size_t)warp * (size_t)S * STAGE;
+    __half *ring = (__half *)dsm + (size_t)(warp / DS) * (size_t)S * STAGE;   /* the part's */
 
     const lane_blocks blocks(a, tab, k0, k1);   /* the row's */
     const size_t head_off = a.layer_off + (size_t)kvh * (size_t)a.block_tokens * (size_t)(D * 2);
@@ -1005,8 +1007,8 @@ __global__ static void __launch_bounds__(SP > DEC_LEAN_CTA_WARPS ? SP * 32 : DEC
             if (b >= 0) {
                 const uint8_t *kb = a.pool + (size_t)b * a.block_bytes + head_off + (size_t)in_block * (D * 2);
 #pragma unroll
-                for (int i = 0; i < 16 * PPR / 32; i++) {
-                    const int q = lane + 32 * i, row = q / PPR, col = q % PPR;
+                for (int i = 0; i < 16 * PPR / (32 * DS); i++) {
+                    const int q = dh * 32 + lane + 32 * DS * i, row = q / PPR, col = q % PPR;
                     cp_async16(st + row * LD + col * 8, kb + (size_t)q * 16, true);
                     cp_async16(st + TILE + row * LD + col * 8, kb + a.v_off + (size_t)q * 16, true);
                 }
@@ -1015,8 +1017,8 @@ __global__ static void __launch_bounds__(SP > DEC_LEAN_CTA_WARPS ? SP * 32 : DEC
         }
         const int row0 = lane / PPR, col = lane % PPR;
 #pragma unroll
-        for (int i = 0; i < PASSES; i++) {
-            const int rr = row0 + i * RPP;
+        for (int ii = 0; ii < PASSES / DS; ii++) {
+            const int rr = row0 + (ii * DS + dh) * RPP;
             const int32_t key = kt + rr;
             __half *kd = st + rr * LD + col * 8, *vd = kd + TILE;
             const int32_t kb = blocks.of(min(key, k1 - 1));   /* every lane takes part in the shuffle */
@@ -1077,7 +1079,7 @@ __global__ static void __launch_bounds__(SP > DEC_LEAN_CTA_WARPS ? SP * 32 : DEC
     {
         const float *kr = a.k + (size_t)r * (size_t)a.k_cols + (size_t)kvh * D + lane * OWN;
         const float *vr = a.v + (size_t)r * (size_t)a.v_cols + (size_t)kvh * D + lane * OWN;
-        const bool own = hc0 == 0 && part == 0;
+        const bool own = hc0 == 0 && part == 0 && dh == 0;
 #pragma unroll
         for (int i = 0; i < OWN; i += 4) {
             if (OWN == 2) {
@@ -1103,7 +1105,7 @@ __global__ static void __launch_bounds__(SP > DEC_LEAN_CTA_WARPS ? SP * 32 : DEC
                 qh[kc][hf] = *(const uint32_t *)&hh;
                 ql[kc][hf] = *(const uint32_t *)&hl;
             }
-        if (hc0 == 0 && part == 0 && own_b >= 0) {
+        if (hc0 == 0 && part == 0 && dh == 0 && own_b >= 0) {
             __half *slot = (__half *)(a.pool + (size_t)own_b * a.block_bytes + head_off +
                                       (size_t)(p & (a.block_tokens - 1)) * (D * 2)) + lane * (D / 32);
             __half2 kh[OWN / 2], vh[OWN / 2];
@@ -1125,16 +1127,29 @@ __global__ static void __launch_bounds__(SP > DEC_LEAN_CTA_WARPS ? SP * 32 : DEC
         }
     };
 
-    float o[KC][4], m_row = -INFINITY, l_row = 0.0f;
+    float o[KCD][4], m_row = -INFINITY, l_row = 0.0f;   /* this warp's values: columns dh D / DS on */
 #pragma unroll
-    for (int i = 0; i < KC; i++) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+    for (int i = 0; i < KCD; i++) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
     const int lrow = lane % 8 + 8 * (lane / 16), lcol = 8 * (lane / 8 % 2);   /* ldmatrix addresses */
-    /* rd: this warp's tile i's stage, wr: its tile i + S - 1's */
+    /* a part of DS warps shares its ring: its barrier (ids 8 on; the
+     * units' merges take 1 to 4) */
+    auto part_barrier = [&]() { team_barrier(8 + warp / DS, DS * 32); };
+    /* rd: this part's tile i's stage, wr: its tile i + S - 1's */
     for (int32_t i = 0, rd = 0, wr = S - 1; i < nt; i++) {
-        if (i + S - 1 < nt) issue(part + (i + S - 1) * SP, wr);
-        cp_async_commit();
-        cp_async_wait_n(S - 1);
-        __syncwarp();
+        if (DS == 1) {
+            if (i + S - 1 < nt) issue(part + (i + S - 1) * SP, wr);
+            cp_async_commit();
+            cp_async_wait_n(S - 1);
+            __syncwarp();
+        } else {
+            /* tile i's copies, this warp's then (the barrier) the other's;
+             * past the barrier both have read tile i - 1, whose stage the
+             * next copies refill */
+            cp_async_wait_n(S - 2);
+            part_barrier();
+            if (i + S - 1 < nt) issue(part + (i + S - 1) * SP, wr);
+            cp_async_commit();
+        }
         if (i == 0) first_tile();
         const int32_t kt = k0 + 16 * (part + i * SP), n = min(16, k1 - kt);
         const __half *ks = ring + rd * STAGE, *vs = ks + TILE;
@@ -1152,8 +1167,8 @@ __global__ static void __launch_bounds__(SP > DEC_LEAN_CTA_WARPS ? SP * 32 : DEC
             mma16816(s[3], lo, kf[2], kf[3]);
         }
         float x[4] = { s[0][0] + s[2][0], s[0][1] + s[2][1], s[1][0] + s[3][0], s[1][1] + s[3][1] };
-        tile_softmax_pv<KC>(a, x, n, vs, LD, KC, m_row, l_row, o);
-        __syncwarp();   /* the stage is read before the next issue rewrites it */
+        tile_softmax_pv<KCD>(a, x, n, vs + dh * (D / DS), LD, KCD, m_row, l_row, o);
+        if (DS == 1) __syncwarp();   /* the stage is read before the next issue rewrites it */
     }
 
     /* heads 2t and 2t + 1 of this lane's columns: their m and sums l sit
@@ -1162,7 +1177,8 @@ __global__ static void __launch_bounds__(SP > DEC_LEAN_CTA_WARPS ? SP * 32 : DEC
     l_row += __shfl_xor_sync(0xffffffffu, l_row, 2);
     const float unscale = 1.0f / DEC_P_SCALE;
     const int hd[2] = { 2 * t, 2 * t + 1 };
-    float *const out = a.out + (size_t)r * (size_t)a.out_cols + (size_t)h0 * D + g;   /* + head * D + column */
+    float *const out = a.out + (size_t)r * (size_t)a.out_cols + (size_t)h0 * D + g +
+                       dh * (D / DS);   /* + head * D + column */
     if (SP == 1) {
         const float lh[2] = { __shfl_sync(0xffffffffu, l_row, 8 * t), __shfl_sync(0xffffffffu, l_row, 8 * t + 4) };
 #pragma unroll
@@ -1170,7 +1186,7 @@ __global__ static void __launch_bounds__(SP > DEC_LEAN_CTA_WARPS ? SP * 32 : DEC
             if (hd[u] >= nh) continue;
             const float w = unscale / lh[u];
 #pragma unroll
-            for (int i = 0; i < KC; i++) {
+            for (int i = 0; i < KCD; i++) {
                 out[hd[u] * D + 16 * i] = o[i][u] * w;
                 out[hd[u] * D + 16 * i + 8] = o[i][2 + u] * w;
             }
@@ -1183,36 +1199,37 @@ __global__ static void __launch_bounds__(SP > DEC_LEAN_CTA_WARPS ? SP * 32 : DEC
      * takes values q KC * 4 / SP and on) over the SP parts, each weighed by
      * exp(m_part - m) for its head, and writes them: the merge's loads are
      * KC * 4 a lane whatever the split, spread over the unit's warps. */
-    constexpr int NF = KC * 4 + 2;
-    static_assert(NF * 32 * 4 <= STAGE * 2, "a warp's merge fits one stage of its ring");
-    __syncwarp();
-    float *mine = (float *)ring;
+    constexpr int NF = KCD * 4 + 2;
+    static_assert(DS * NF * 32 * 4 <= STAGE * 2, "a part's merge fits one stage of its ring");
+    if (DS == 1) __syncwarp();
+    else part_barrier();   /* both have read the part's last tile */
+    float *mine = (float *)ring + dh * NF * 32;
 #pragma unroll
-    for (int i = 0; i < KC; i++)
+    for (int i = 0; i < KCD; i++)
 #pragma unroll
         for (int c = 0; c < 4; c++) mine[(4 * i + c) * 32 + lane] = o[i][c];
-    mine[4 * KC * 32 + lane] = m_row;
-    mine[(4 * KC + 1) * 32 + lane] = l_row;
-    team_barrier(1 + warp / SP, SP * 32);
-    const float *first = (const float *)((__half *)dsm + (size_t)(warp - part) * (size_t)S * STAGE);
+    mine[4 * KCD * 32 + lane] = m_row;
+    mine[(4 * KCD + 1) * 32 + lane] = l_row;
+    team_barrier(1 + warp / UW, UW * 32);
+    const float *first = (const float *)((__half *)dsm + (size_t)((warp - uw) / DS) * (size_t)S * STAGE) + dh * NF * 32;
     const size_t ring_floats = (size_t)S * STAGE / 2;
     float mh[2] = { -INFINITY, -INFINITY }, f[SP][2], w[2];
 #pragma unroll
     for (int u = 0; u < 2; u++)
 #pragma unroll
-        for (int q = 0; q < SP; q++) mh[u] = fmaxf(mh[u], first[q * ring_floats + 4 * KC * 32 + 8 * t + 4 * u]);
+        for (int q = 0; q < SP; q++) mh[u] = fmaxf(mh[u], first[q * ring_floats + 4 * KCD * 32 + 8 * t + 4 * u]);
 #pragma unroll
     for (int u = 0; u < 2; u++) {
         float l = 0.0f;
 #pragma unroll
         for (int q = 0; q < SP; q++) {
             /* a part with no tile has m = -inf: weight 0 (part 0 always has one) */
-            f[q][u] = expf(first[q * ring_floats + 4 * KC * 32 + 8 * t + 4 * u] - mh[u]);
-            l += f[q][u] * first[q * ring_floats + (4 * KC + 1) * 32 + 8 * t + 4 * u];
+            f[q][u] = expf(first[q * ring_floats + 4 * KCD * 32 + 8 * t + 4 * u] - mh[u]);
+            l += f[q][u] * first[q * ring_floats + (4 * KCD + 1) * 32 + 8 * t + 4 * u];
         }
         w[u] = unscale / l;
     }
-    constexpr int PER = 4 * KC / SP;   /* even: a value's head (u = v & 1) is j's */
+    constexpr int PER = 4 * KCD / SP;   /* even: a value's head (u = v & 1) is j's */
     static_assert(PER % 2 == 0, "a part's values pair up by head");
 #pragma unroll
     for (int j = 0; j < PER; j++) {
@@ -1770,12 +1787,15 @@ int luma_cuda_attention_setup(const luma_kv_layout *l, luma_err *err)
         (const void *)decode_kernel<__half, 4, 0>,   (const void *)decode_kernel<__half, 8, 0>,
         (const void *)decode_kernel<float, 1, 0>,    (const void *)decode_kernel<float, 2, 0>,
         (const void *)decode_kernel<float, 4, 0>,    (const void *)decode_kernel<float, 8, 0>,
-        (const void *)decode_lean_kernel<64, 1>,     (const void *)decode_lean_kernel<64, 2>,
-        (const void *)decode_lean_kernel<64, 4>,     (const void *)decode_lean_kernel<64, 8>,
-        (const void *)decode_lean_kernel<128, 1>,    (const void *)decode_lean_kernel<128, 2>,
-        (const void *)decode_lean_kernel<128, 4>,    (const void *)decode_lean_kernel<128, 8>,
-        (const void *)decode_lean_kernel<256, 1>,    (const void *)decode_lean_kernel<256, 2>,
-        (const void *)decode_lean_kernel<256, 4>,
+        (const void *)decode_lean_kernel<64, 1, 1>,  (const void *)decode_lean_kernel<64, 2, 1>,
+        (const void *)decode_lean_kernel<64, 4, 1>,  (const void *)decode_lean_kernel<64, 8, 1>,
+        (const void *)decode_lean_kernel<128, 1, 1>, (const void *)decode_lean_kernel<128, 2, 1>,
+        (const void *)decode_lean_kernel<128, 4, 1>, (const void *)decode_lean_kernel<128, 8, 1>,
+        (const void *)decode_lean_kernel<256, 1, 1>, (const void *)decode_lean_kernel<256, 2, 1>,
+        (const void *)decode_lean_kernel<256, 4, 1>, (const void *)decode_lean_kernel<128, 1, 2>,
+        (const void *)decode_lean_kernel<128, 2, 2>, (const void *)decode_lean_kernel<128, 4, 2>,
+        (const void *)decode_lean_kernel<256, 1, 2>, (const void *)decode_lean_kernel<256, 2, 2>,
+        (const void *)decode_lean_kernel<256, 4, 2>,
     };
     dec_smem_max = (size_t)optin;
     for (size_t i = 0; i < sizeof decoders / sizeof decoders[0]; i++) {
@@ -1853,10 +1873,11 @@ typedef struct dec_tuning {
     int lean_split;            /* its warps a unit: 1, 2, 4 or 8 (0: by the step's units, lean_split_for) */
     int lean_wide;             /* heads of 256: a quarter of lean_keys from this many units, an eighth below */
     int lean_long;             /* twice lean_keys from this many units (heads of 256: lean_keys) */
+    int lean_ds;               /* warps a part of a unit: 2 (each half of the values) or 1 (lean_ds_for) */
 } dec_tuning;
 
 /* LUMA_CUDA_ATTN_DECODE="stages,stage_bytes,warps,waves,min_split,merge_kb,mma,one_split,lean_min,lean_keys,
- * lean_split,lean_wide,lean_long" */
+ * lean_split,lean_wide,lean_long,lean_ds" */
 static dec_tuning dec_tuning_get(void);
 
 /* The defaults that depend on the heads (cuda/NOTES.md, "Decode:
@@ -1885,12 +1906,12 @@ static dec_tuning dec_tuning_get(void)
     /* stages 0, warps 0, mma -1 and one_split -1: the defaults for the layer's heads
      * (dec_defaults, decode_launch) */
     dec_tuning t = { 0, 8192, 0, 1, 64, 64, -1, -1, DEC_LEAN_MIN, DEC_LEAN_KEYS, 0, DEC_LEAN_WIDE,
-                     DEC_LEAN_LONG };
+                     DEC_LEAN_LONG, 0 };
     const char *s = getenv("LUMA_CUDA_ATTN_DECODE");
     if (s && *s)
-        sscanf(s, "%d,%d,%d,%d,%d,%d,%d,%d,%d,%d,%d,%d,%d", &t.stages, &t.stage_bytes, &t.warps, &t.waves,
+        sscanf(s, "%d,%d,%d,%d,%d,%d,%d,%d,%d,%d,%d,%d,%d,%d", &t.stages, &t.stage_bytes, &t.warps, &t.waves,
                &t.min_split, &t.merge_kb, &t.mma, &t.one_split, &t.lean_min, &t.lean_keys, &t.lean_split,
-               &t.lean_wide, &t.lean_long);
+               &t.lean_wide, &t.lean_long, &t.lean_ds);
     if (t.stages != 0) t.stages = t.stages < 2 ? 2 : t.stages > DEC_MAX_STAGES ? DEC_MAX_STAGES : t.stages;
     if (t.warps != 0) t.warps = t.warps < 1 ? 1 : t.warps > DEC_MAX_WARPS ? DEC_MAX_WARPS : t.warps;
     if (t.waves < 1) t.waves = 1;
@@ -2069,22 +2090,23 @@ static int lean_split_for(const cuda_backend *c, const attn_args *a, const dec_t
     return sp;
 }
 
-/* Launches decode_lean_kernel<D, SP> over the step's decode rows: SP warps
- * a unit, units sharing a CTA of up to DEC_LEAN_CTA_WARPS warps. */
-template <int D, int SP>
+/* Launches decode_lean_kernel<D, SP, DS> over the step's decode rows: SP
+ * parts of DS warps a unit (a ring a part), units sharing a CTA of up to
+ * DEC_LEAN_CTA_WARPS warps. */
+template <int D, int SP, int DS>
 static void decode_lean_go(cuda_backend *c, attn_args *a, const dec_tuning &tu)
 {
     static cudaFuncAttributes fa;
-    static const cudaError_t setup = cudaFuncGetAttributes(&fa, (const void *)decode_lean_kernel<D, SP>);
+    static const cudaError_t setup = cudaFuncGetAttributes(&fa, (const void *)decode_lean_kernel<D, SP, DS>);
     if (luma_cuda_fail(c, setup, "attention (decode kernel)")) return;
     const cuda_step *st = &c->step;
     const int32_t z = a->n_kv_head * a->n_hchunks;
-    const int most = SP < DEC_LEAN_CTA_WARPS ? DEC_LEAN_CTA_WARPS / SP : 1;
-    const int upc = z < most ? z : most, warps = upc * SP;
+    const int uw = SP * DS, most = uw < DEC_LEAN_CTA_WARPS ? DEC_LEAN_CTA_WARPS / uw : 1;
+    const int upc = z < most ? z : most, warps = upc * uw;
     /* 2 stages at a split of 8 (a few rows: measured level with the 7B's
      * one row of up to 1,024 keys, 8 tiles a warp) */
     const int stages = tu.stages ? tu.stages : SP == 8 ? 2 : 3;
-    const size_t smem = (size_t)warps * (size_t)stages * 2 * 16 * (D + 8) * sizeof(__half);
+    const size_t smem = (size_t)(warps / DS) * (size_t)stages * 2 * 16 * (D + 8) * sizeof(__half);
     const int occ = decode_occupancy(fa, warps * 32, smem);
     if (occ < 1 || smem > dec_smem_max) {
         luma_cuda_failf(c, "attention: the decode kernel does not fit an SM (%zu bytes of shared memory)", smem);
@@ -2092,24 +2114,51 @@ static void decode_lean_go(cuda_backend *c, attn_args *a, const dec_tuning &tu)
     }
     a->dec_stages = stages;
     luma_launch(c, c->stream, dim3((unsigned)st->n_dec, (unsigned)((z + upc - 1) / upc)), warps * 32, smem,
-                decode_lean_kernel<D, SP>, *a);
+                decode_lean_kernel<D, SP, DS>, *a);
+}
+
+/* The warps of a part: 2 (each taking half of the values, both the
+ * scores; the part's ring shared, a named barrier of the two a tile) when
+ * the tuning's lean_ds asks, for heads of 128 and 256 at up to 4 parts a
+ * unit; else 1. Not a default: measured faster for heads of 256 (Gemma 3
+ * 270M: batch 1 0.61 to 0.55 ms, 128 sequences 16% more tokens/s) and
+ * correct on every test, but racecheck reports hazards between the
+ * merge's stores and loads across the unit's barrier that it does not
+ * report with one warp a part (cuda/NOTES.md, "Two warps a part"); until
+ * that is understood it is for measuring only. */
+static int lean_ds_for(const attn_args *a, const dec_tuning &tu, int sp)
+{
+    return tu.lean_ds >= 2 && a->dk >= 128 && sp <= 4 ? 2 : 1;
+}
+
+template <int D, int DS>
+static void decode_lean_parts(cuda_backend *c, attn_args *a, const dec_tuning &tu, int sp)
+{
+    switch (sp) {
+    case 8:
+        /* not for heads of 256, which lean_split_for caps at 4, nor with 2 warps a part */
+        if constexpr (D <= 128 && DS == 1) {
+            decode_lean_go<D, 8, DS>(c, a, tu);
+            break;
+        }
+        [[fallthrough]];
+    case 4: decode_lean_go<D, 4, DS>(c, a, tu); break;
+    case 2: decode_lean_go<D, 2, DS>(c, a, tu); break;
+    default: decode_lean_go<D, 1, DS>(c, a, tu);
+    }
 }
 
 template <int D>
 static void decode_lean_launch(cuda_backend *c, attn_args *a, const dec_tuning &tu)
 {
-    switch (lean_split_for(c, a, tu)) {
-    case 8:
-        /* not for heads of 256, which lean_split_for caps at 4 */
-        if constexpr (D <= 128) {
-            decode_lean_go<D, 8>(c, a, tu);
-            break;
+    const int sp = lean_split_for(c, a, tu);
+    if constexpr (D >= 128) {
+        if (lean_ds_for(a, tu, sp) == 2) {
+            decode_lean_parts<D, 2>(c, a, tu, sp);
+            return;
         }
-        [[fallthrough]];
-    case 4: decode_lean_go<D, 4>(c, a, tu); break;
-    case 2: decode_lean_go<D, 2>(c, a, tu); break;
-    default: decode_lean_go<D, 1>(c, a, tu);
     }
+    decode_lean_parts<D, 1>(c, a, tu, sp);
 }
 
 /* Whether decode_lean_kernel takes the step's decode rows: F16 caches with

@@ -1034,20 +1034,23 @@ static void test_attention_shape(const attn_shape *sh, enum luma_type type)
             snprintf(label, sizeof label, "attn %s %s %s w%d", sh->name, luma_type_name(type), steps[k].what, WINDOW);
             attend(&e, &as.t.s, &e.win, label, UNTIMED);
             /* the decode rows again on decode_lean_kernel (which the
-             * defaults give rows of short contexts only), with 1, 2, 4
-             * and 8 warps a unit (2 and more merge their parts; heads of
-             * 256 take 4 at most) */
+             * defaults give rows of up to some keys only), with 1, 2, 4
+             * and 8 parts a unit (2 and more merge them; heads of 256
+             * take 4 at most), and for heads of 128 and 256 with two
+             * warps a part (each half of the values) at up to 4 parts */
             if (type == LUMA_F16 && sh->dk == sh->dv && (sh->dk == 64 || sh->dk == 128 || sh->dk == 256)) {
-                for (int split = 1; split <= (sh->dk > 128 ? 4 : 8); split *= 2) {
-                    char tuning[64];
-                    snprintf(tuning, sizeof tuning, "0,8192,0,1,64,64,-1,-1,0,1000000,%d", split);
-                    setenv("LUMA_CUDA_ATTN_DECODE", tuning, 1);
-                    snprintf(label, sizeof label, "attn %s f16 %s lean/%d w0", sh->name, steps[k].what, split);
-                    attend(&e, &as.t.s, &e.full, label, UNTIMED);
-                    snprintf(label, sizeof label, "attn %s f16 %s lean/%d w%d", sh->name, steps[k].what, split,
-                             WINDOW);
-                    attend(&e, &as.t.s, &e.win, label, UNTIMED);
-                }
+                for (int ds = 1; ds <= (sh->dk >= 128 ? 2 : 1); ds++)
+                    for (int split = 1; split <= (sh->dk > 128 || ds > 1 ? 4 : 8); split *= 2) {
+                        char tuning[80];
+                        snprintf(tuning, sizeof tuning, "0,8192,0,1,64,64,-1,-1,0,1000000,%d,4,64,%d", split, ds);
+                        setenv("LUMA_CUDA_ATTN_DECODE", tuning, 1);
+                        snprintf(label, sizeof label, "attn %s f16 %s lean/%dx%d w0", sh->name, steps[k].what, split,
+                                 ds);
+                        attend(&e, &as.t.s, &e.full, label, UNTIMED);
+                        snprintf(label, sizeof label, "attn %s f16 %s lean/%dx%d w%d", sh->name, steps[k].what,
+                                 split, ds, WINDOW);
+                        attend(&e, &as.t.s, &e.win, label, UNTIMED);
+                    }
                 unsetenv("LUMA_CUDA_ATTN_DECODE");
             }
         }

@@ -13,19 +13,10 @@
 -- one full context, as luma.load's kv_mb).
 local luma = require "luma"
 local fetch = require "luma.fetch"
+local bench = require "luma.bench"
 
-local opt = { b = "auto", s = "8", p = "32", n = "16", k = "0" }
-local i = 1
-while i <= #arg do
-  local k = arg[i]:match("^%-(%a)$")
-  if k and opt[k] ~= nil or k == "m" then
-    if not arg[i + 1] then error("step-times.lua: -" .. k .. " needs a value", 0) end
-    opt[k] = arg[i + 1]
-    i = i + 2
-  else
-    error("usage: step-times.lua [-m model] [-b backend] [-s seqs] [-p tokens] [-n steps] [-k MiB]", 0)
-  end
-end
+local opt = bench.script_options(arg, { b = "auto", s = "8", p = "32", n = "16", k = "0" },
+  "usage: step-times.lua [-m model] [-b backend] [-s seqs] [-p tokens] [-n steps] [-k MiB]")
 local function int(v) return math.tointeger(tonumber(v)) end
 local n_seqs, plen, steps, kv_mb = int(opt.s), int(opt.p), int(opt.n), int(opt.k)
 if not (n_seqs and plen and steps and kv_mb and n_seqs >= 1 and plen >= 1 and steps >= 3 and kv_mb >= 0) then
@@ -37,7 +28,7 @@ local model = luma.load(opt.m or fetch.default_model(),
 local ids = model:tokenize(string.rep("The lighthouse keeper counted the steps. ", plen), { bos = true })
 for k = #ids, plen + 1, -1 do ids[k] = nil end
 
-local batch, seqs, last = require("luma.bench").prefilled(model, n_seqs, ids)
+local batch, seqs, last = bench.prefilled(model, n_seqs, ids)
 local out
 
 local times = {}

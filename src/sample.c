@@ -385,11 +385,12 @@ static void keep_mass_few(float *x, int32_t n, double c, double m, mass_goal *g,
 
 /* Keeps the shortest prefix in g's order whose mass reaches g, filling in
  * g->z on the way (from the bins, saving top_p a pass of exp): few entries
- * by keep_mass_few, others through the bins. */
-static int keep_mass(float *x, int32_t n, double c, double m, mass_goal *g, luma_err *err)
+ * by keep_mass_few (with order, or NULL, its hint), others through the
+ * bins. */
+static int keep_mass(float *x, int32_t n, double c, double m, mass_goal *g, const int32_t *order, luma_err *err)
 {
     if (n <= FEW_MAX) {
-        keep_mass_few(x, n, c, m, g, NULL);
+        keep_mass_few(x, n, c, m, g, order);
         return 0;
     }
     double kmax = 0.0;
@@ -453,11 +454,7 @@ int luma_logits_top_p_ordered(float *x, int32_t n, const int32_t *order, float p
     /* the top-p order is the entries' own, largest first, ties by index:
      * keys |x - max| increasing */
     mass_goal g = { p, min_keep, false, 0.0 };
-    if (order && n <= FEW_MAX) {
-        keep_mass_few(x, n, m, m, &g, order);
-        return 0;
-    }
-    return keep_mass(x, n, m, m, &g, err);
+    return keep_mass(x, n, m, m, &g, order, err);
 }
 
 int luma_logits_min_p(float *x, int32_t n, float p, int32_t min_keep, luma_err *err)
@@ -489,7 +486,7 @@ int luma_logits_typical(float *x, int32_t n, float p, int32_t min_keep, luma_err
     /* With log p_i = x_i - max - log z and H = log z - s / z, the score
      * |-log p_i - H| is |x_i - c| for c = max + s / z, the mean logit. */
     mass_goal g = { p, min_keep, true, 0.0 };
-    return keep_mass(x, n, m + s / z, m, &g, err);
+    return keep_mass(x, n, m + s / z, m, &g, NULL, err);
 }
 
 /* ---- moving entries ------------------------------------------------------ */

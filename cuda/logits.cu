@@ -440,6 +440,13 @@ __device__ const unsigned long long *block_select(unsigned long long *a, int n, 
     return sorted;
 }
 
+/* few[0, count) sorted best first over at least k places (zeros past
+ * count), by nt threads (blockDim.x, a constant where the kernel has one). */
+__device__ __forceinline__ void few_sort_desc(unsigned long long *few, int count, int k, int nt)
+{
+    block_sort_padded_desc(few, count, pow2_at_least(count > k ? count : k), nt);
+}
+
 /* The row of a launch over rows (blockIdx.y) that this block works on: x,
  * cand, arrived and out moved to it. */
 __device__ __forceinline__ void topk_row_at(const float *__restrict__ &x, int64_t n, int32_t k, unsigned long long *&cand,
@@ -595,7 +602,7 @@ __device__ const unsigned long long *regs_select(Key key, int k, unsigned long l
         __syncthreads();
         count = gather_at_least<N>(key, lo, few, s_count);
     }
-    block_sort_padded_desc(few, (int)count, pow2_at_least((int)count > k ? (int)count : k), nt);
+    few_sort_desc(few, (int)count, k, nt);
     return few;
 }
 
@@ -661,19 +668,17 @@ topk_stream_kernel(const float *__restrict__ x, int64_t n, int32_t k, unsigned l
         unsigned int *const s_count = &s_counts[turn];
         unsigned long long keys[TOPK_PER];
         chunk_keys(x, n, part, keys);
+        auto entry_key = [&](int i) -> unsigned long long { return keys[i]; };
         if (kept == 0) {
-            auto entry_key = [&](int i) -> unsigned long long { return keys[i]; };
             regs_select<TOPK_PER>(entry_key, k, few, maxima, s_count, &s_sum);
         } else {
             const unsigned long long floor_key = kept == k ? few[k - 1] + 1 : 1;
             if (tid == 0) *s_count = (unsigned int)kept;
             __syncthreads();
-            auto entry_key = [&](int i) -> unsigned long long { return keys[i]; };
             const unsigned int count = gather_at_least<TOPK_PER>(entry_key, floor_key, few, s_count);
             if (count == (unsigned int)kept) continue;
             if (count <= TOPK_FEW) {
-                block_sort_padded_desc(few, (int)count, pow2_at_least((int)count > k ? (int)count : k),
-                                       TOPK_PART_THREADS);
+                few_sort_desc(few, (int)count, k, TOPK_PART_THREADS);
             } else {
                 const unsigned long long prev = tid < kept ? few[tid] : 0ull;
                 __syncthreads();

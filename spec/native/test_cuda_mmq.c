@@ -466,13 +466,11 @@ static void check_policy(ctx *cx)
     int n = (int)(sizeof cases / sizeof cases[0]), checked = 0;
     for (int i = 0; i < n; i++) {
         int64_t rows = 64, cols = cases[i].cols;
-        size_t bytes = luma_row_size(cases[i].t, cols) * (size_t)rows;
-        uint8_t *host = xmalloc(bytes);
-        random_weights(cases[i].t, rows * cols, host);
-        luma_weight w = { .type = cases[i].t, .rows = rows, .cols = cols, .host = host };
+        luma_weight w;
+        uint8_t *host = load_random_weight(cx->be, cases[i].t, rows, cols, &w);
+        if (!host) continue;
         luma_buf xb = { 0 }, yb = { 0 };
-        if (ops->weight_load(cx->be, &w, &err) != 0 || ops->buf_alloc(cx->be, &xb, 16, cols, &err) != 0 ||
-            ops->buf_alloc(cx->be, &yb, 16, rows, &err) != 0) {
+        if (ops->buf_alloc(cx->be, &xb, 16, cols, &err) != 0 || ops->buf_alloc(cx->be, &yb, 16, rows, &err) != 0) {
             CHECKF(0, "policy check setup: %s", err.msg);
         } else {
             cudaMemset(xb.data, 0, (size_t)(16 * cols) * sizeof(float));

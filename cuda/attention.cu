@@ -1881,7 +1881,7 @@ typedef struct dec_tuning {
     int lean_wide;             /* heads of 256: a quarter of lean_keys from this many units, an eighth below;
                                 * heads of up to 128: lean_keys from twice this many, a quarter below */
     int lean_long;             /* twice lean_keys from this many units (heads of 256: lean_keys) */
-    int lean_ds;               /* warps a part of a unit: 2 (each half of the values) or 1 (lean_ds_for) */
+    int lean_ds;               /* warps a part of a unit: 2 (each half of the values), 1, or 0: by the heads (lean_ds_for) */
 } dec_tuning;
 
 /* LUMA_CUDA_ATTN_DECODE="stages,stage_bytes,warps,waves,min_split,merge_kb,mma,one_split,lean_min,lean_keys,
@@ -2126,19 +2126,16 @@ static void decode_lean_go(cuda_backend *c, attn_args *a, const dec_tuning &tu)
 }
 
 /* The warps of a part: 2 (each taking half of the values, both the
- * scores; the part's ring shared, a named barrier of the two a tile) when
- * the tuning's lean_ds asks, for heads of 128 and 256 at up to 4 parts a
- * unit; else 1. Not a default: measured faster for heads of 256 (Gemma 3
- * 270M: batch 1 0.61 to 0.55 ms, 128 sequences 16% more tokens/s) and
- * correct on every test, but racecheck reported hazards between the
- * merge's stores and loads across the unit's barrier that it does not
- * report with one warp a part (cuda/NOTES.md, "Two warps a part"). The
- * parts now pass as many barriers each (decode_lean_kernel's rounds), the
- * likely cause of the reports; until racecheck has run on that build it is
- * for measuring only. */
+ * scores; the part's ring shared, a named barrier of the two a tile) for
+ * heads of 256 at up to 4 parts a unit, or for heads of 128 when the
+ * tuning's lean_ds asks; else 1 (lean_ds 1: always). Measured for heads of
+ * 256 (Gemma 3 270M: batch 1 0.61 to 0.55 ms, 4 to 128 sequences 16 to
+ * 23% more tokens/s); for heads of 128 (the 7B) level or slower, so not
+ * taken there by default (cuda/NOTES.md, "Two warps a part"). */
 static int lean_ds_for(const attn_args *a, const dec_tuning &tu, int sp)
 {
-    return tu.lean_ds >= 2 && a->dk >= 128 && sp <= 4 ? 2 : 1;
+    const int ds = tu.lean_ds > 0 ? tu.lean_ds : a->dk >= 256 ? 2 : 1;
+    return ds >= 2 && a->dk >= 128 && sp <= 4 ? 2 : 1;
 }
 
 template <int D, int DS>

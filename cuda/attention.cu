@@ -57,7 +57,6 @@
 
 #include "cuda_internal.h"
 #include "launch.cuh"
-#include "rope.cuh"
 
 #define HEAD_MAX 256          /* largest head_dim_k / head_dim_v handled */
 #define DEC_MAX_WARPS 8       /* warps of a decode CTA at most */
@@ -110,13 +109,6 @@ typedef struct attn_args {
     int32_t *counters;         /* decode: [n_dec][kv heads x head chunks] splits arrived */
     int32_t merge_here;        /* decode: the last split of a row merges the partials (no combine_kernel) */
     int32_t early;             /* decode_kernel: metadata and the first tiles of earlier steps' keys before the wait */
-    /* decode_lean_kernel: q and the row's own k as the product wrote them,
-     * to normalize (qk 2: by the gains qk_gq, qk_gk) and rotate (qk 1, 2)
-     * as qk_rope would (luma_cuda_attention's cuda_qk); 0: done before */
-    int32_t qk, qk_neox;
-    float qk_eps, qk_pos_scale;
-    const float *qk_gq, *qk_gk;
-    const float *qk_tab;       /* RoPE's pw then ff, D / 2 floats each (luma_cuda_rope_table) */
 } attn_args;
 
 /* ---- element access ------------------------------------------------------ */
@@ -957,98 +949,6 @@ __global__ static void __launch_bounds__(DEC_MAX_WARPS * 32, MMA == 128 ? 2 : 1)
 
 /* ---- decode, a warp a unit ----------------------------------------------- */
 
-/* decode_lean_kernel's q, as qk_rope would leave it (a.qk: 2 normalized by
- * the gains a.qk_gq first, then rotated at position p), in its A-fragment
- * layout: lane (g = lane / 4, t = lane % 4) holds columns kc 16 + 8 hf +
- * 2 t and the next of head g, qf[kc][hf]. The bits are qk_head's: each
- * head's squares are summed from its float4s as qk_head sums them (the
- * warp reads the unit's heads again in that layout), and each lane makes
- * 4 of the rotation's sines and cosines with qk_head's expressions, which
- * the lanes needing them take by shuffles: NEOX pairs (c, c + D/2) sit in
- * qf[kc][hf] and qf[kc + KC/2][hf], frequency c = 16 kc + 8 hf + 2 t + u
- * made by lane 4 kc + t as its value 2 hf + u; NORM pairs (c, c + 1) in one
- * float2, frequency c / 2 = 8 kc + 4 hf + t made by lane 4 (kc % 8) + t as
- * its value 2 (kc / 8) + hf. */
-template <int D>
-__device__ static __forceinline__ void qk_fragment_angles(const rope_tab &ra, int32_t p, int lane, float (&sn)[4],
-                                                          float (&cs)[4])
-{
-    const int t = lane % 4;
-#pragma unroll
-    for (int j = 0; j < 4; j++) {
-        const int i = ra.neox ? 16 * (lane / 4) + 8 * (j / 2) + 2 * t + j % 2 : 8 * (lane / 4 + 8 * (j / 2)) + 4 * (j % 2) + t;
-        const float ang = rope_angle(ra, (float)p, min(i, D / 2 - 1));   /* past D / 2: not taken */
-        sn[j] = sinf(ang);
-        cs[j] = cosf(ang);
-    }
-}
-
-template <int D>
-__device__ static void qk_fragments(float2 (&qf)[D / 16][2], const attn_args &a, bool neox, const float (&sn)[4],
-                                    const float (&cs)[4], int32_t r, int32_t h0, int32_t nh, int lane)
-{
-    constexpr int KC = D / 16, F = D / 128;
-    const int g = lane / 4, t = lane % 4;
-    float sg = 1.0f;
-    if (a.qk == 2) {
-        /* every head's loads at once (past nh the last head again; a unit
-         * has at most DEC_HEADS heads, half as many of 256) */
-        constexpr int HMAX = D > 128 ? DEC_HEADS / 2 : DEC_HEADS;
-        const float *q0 = a.q + (size_t)r * (size_t)a.q_cols + (size_t)h0 * D;
-        float ss[HMAX], mine = 0.0f;
-#pragma unroll
-        for (int hh = 0; hh < HMAX; hh++) {
-            const float4 *qh = (const float4 *)(q0 + (size_t)min(hh, nh - 1) * D);
-            ss[hh] = 0.0f;
-#pragma unroll
-            for (int f = 0; f < F; f++) ss[hh] += sq4(qh[lane + 32 * f]);
-        }
-#pragma unroll
-        for (int hh = 0; hh < HMAX; hh++) {
-            for (int o = 16; o > 0; o /= 2) ss[hh] += __shfl_xor_sync(0xffffffffu, ss[hh], o);
-            if (hh == g) mine = ss[hh];
-        }
-        if (g < nh) sg = qk_inv_rms<D>(mine, a.qk_eps);   /* past nh q is 0 */
-    }
-    const float *gq = a.qk_gq;
-    if (neox) {
-#pragma unroll
-        for (int kc = 0; kc < KC / 2; kc++)
-#pragma unroll
-            for (int hf = 0; hf < 2; hf++) {
-                const int c = kc * 16 + 8 * hf + 2 * t;
-                float2 x0 = qf[kc][hf], x1 = qf[kc + KC / 2][hf];
-                if (a.qk == 2) {
-                    const float2 g0 = *(const float2 *)(gq + c), g1 = *(const float2 *)(gq + c + D / 2);
-                    x0 = make_float2(x0.x * sg * g0.x, x0.y * sg * g0.y);
-                    x1 = make_float2(x1.x * sg * g1.x, x1.y * sg * g1.y);
-                }
-                float s0 = __shfl_sync(0xffffffffu, sn[2 * hf], 4 * kc + t);
-                float c0 = __shfl_sync(0xffffffffu, cs[2 * hf], 4 * kc + t);
-                float s1 = __shfl_sync(0xffffffffu, sn[2 * hf + 1], 4 * kc + t);
-                float c1 = __shfl_sync(0xffffffffu, cs[2 * hf + 1], 4 * kc + t);
-                rope_rotate(x0.x, x1.x, s0, c0, qf[kc][hf].x, qf[kc + KC / 2][hf].x);
-                rope_rotate(x0.y, x1.y, s1, c1, qf[kc][hf].y, qf[kc + KC / 2][hf].y);
-            }
-    } else {
-#pragma unroll
-        for (int kc = 0; kc < KC; kc++)
-#pragma unroll
-            for (int hf = 0; hf < 2; hf++) {
-                const int c = kc * 16 + 8 * hf + 2 * t;
-                float2 x = qf[kc][hf];
-                if (a.qk == 2) {
-                    const float2 gg = *(const float2 *)(gq + c);
-                    x = make_float2(x.x * sg * gg.x, x.y * sg * gg.y);
-                }
-                const int src = 4 * (kc % 8) + t;
-                const float s0 = __shfl_sync(0xffffffffu, sn[2 * (kc / 8) + hf], src);
-                const float c0 = __shfl_sync(0xffffffffu, cs[2 * (kc / 8) + hf], src);
-                rope_rotate(x.x, x.y, s0, c0, qf[kc][hf].x, qf[kc][hf].y);
-            }
-    }
-}
-
 /* The decode kernel for rows of short contexts (decode_lean_launch): grid
  * (decode rows, units / units a CTA), SP warps per unit, a unit being one
  * row, one kv head and the query heads of it that decode_kernel's CTA would
@@ -1095,21 +995,9 @@ __global__ static void __launch_bounds__(SP * DS > DEC_LEAN_CTA_WARPS ? SP * DS 
     __half *ring = (__half *)dsm + (size_t)(warp / DS) * (size_t)S * STAGE;   /* the part's */
 
     const lane_blocks blocks(a, tab, k0, k1);   /* the row's */
-    const rope_tab ra = { a.qk_tab, a.qk_tab + D / 2, a.qk_pos_scale, a.qk_neox != 0 };
     const size_t head_off = a.layer_off + (size_t)kvh * (size_t)a.block_tokens * (size_t)(D * 2);
     const int32_t n_tiles = (k1 - k0 + 15) / 16;
     const int32_t nt = n_tiles > part ? (n_tiles - part + SP - 1) / SP : 0;   /* this warp's: part + i SP */
-    /* a.qk: the step's rows are one a sequence (their own key p the only
-     * one of the step, in the row's last tile), q and k as the product
-     * wrote them. Every warp makes its unit's own k as qk_rope would
-     * (qk_head: the same bits, in its layout: float4s lane + 32 f); the
-     * part whose tiles hold the last one writes that key's row of its
-     * stage from them (the copies skip it) and part 0 stores it. */
-    constexpr int FQ = D >= 128 ? D / 128 : 1;
-    const bool qk = D >= 128 && a.qk != 0;
-    const int32_t own_local = (n_tiles - 1) / SP;   /* the last tile's index among its part's */
-    const bool own_here = qk && (n_tiles - 1) % SP == part;
-    float4 kq[FQ];
     /* tile j's K rows to stage `slot` of the ring, its V rows TILE halves after them */
     auto issue = [&](int32_t j, int slot) {
         const int32_t kt = k0 + 16 * j;
@@ -1141,7 +1029,7 @@ __global__ static void __launch_bounds__(SP * DS > DEC_LEAN_CTA_WARPS ? SP * DS 
                 cp_async16(vd, a.pool, false);
             } else if (key >= spos0) {
                 const int32_t sr = srow0 + key - spos0;
-                if (!qk) piece_from_floats(a.k + (size_t)sr * (size_t)a.k_cols + (size_t)kvh * D + col * 8, kd);
+                piece_from_floats(a.k + (size_t)sr * (size_t)a.k_cols + (size_t)kvh * D + col * 8, kd);
                 piece_from_floats(a.v + (size_t)sr * (size_t)a.v_cols + (size_t)kvh * D + col * 8, vd);
             } else {
                 const uint8_t *from = a.pool + (size_t)(b < 0 ? 0 : b) * a.block_bytes + head_off +
@@ -1162,54 +1050,11 @@ __global__ static void __launch_bounds__(SP * DS > DEC_LEAN_CTA_WARPS ? SP * DS 
         issue(part + pre * SP, pre);
         cp_async_commit();
     }
-    /* the rotation's sines and cosines (q's fragments, the own k) and k's
-     * gains depend on nothing a kernel of the step writes: made before the
-     * wait */
-    const bool storer = hc0 == 0 && part == 0 && dh == 0;
-    const bool need_kq = qk && (own_here || storer);
-    float snq[4], csq[4], snk[4], csk[4];
-    float4 gwk[FQ];
-    if constexpr (D >= 128) {
-        if (qk) {
-            qk_fragment_angles<D>(ra, p, lane, snq, csq);
-            if (need_kq) {
-                qk_head_angles<D>(ra, (float)p, lane, snk, csk);
-                if (a.qk == 2)
-#pragma unroll
-                    for (int f = 0; f < FQ; f++) gwk[f] = ((const float4 *)a.qk_gk)[lane + 32 * f];
-            }
-        }
-    }
     wait_for_previous_kernel();
     let_next_kernel_start();
-    /* the own k's loads before the copies, used after them (the warps that
-     * write or store the own key's row) */
-    if constexpr (D >= 128) {
-        if (need_kq) {
-            const float4 *kr = (const float4 *)(a.k + (size_t)r * (size_t)a.k_cols + (size_t)kvh * D);
-#pragma unroll
-            for (int f = 0; f < FQ; f++) kq[f] = kr[lane + 32 * f];
-        }
-    }
     for (int i = pre; i < S - 1; i++) {
         if (i < nt) issue(part + i * SP, i);
         cp_async_commit();
-    }
-    /* the own key's K row of stage `slot`, from kq (a warp of two its half) */
-    auto own_k_row = [&](int slot) {
-        __half *row = ring + slot * STAGE + (p - (k0 + 16 * (n_tiles - 1))) * LD;
-#pragma unroll
-        for (int f = 0; f < FQ; f++) {
-            if (DS == 2 && (FQ == 2 ? f != dh : lane / 16 != dh)) continue;
-            const __half2 lo = __floats2half2_rn(kq[f].x, kq[f].y), hi = __floats2half2_rn(kq[f].z, kq[f].w);
-            *(uint2 *)(row + 4 * (lane + 32 * f)) = make_uint2(*(const uint32_t *)&lo, *(const uint32_t *)&hi);
-        }
-    };
-    if constexpr (D >= 128) {
-        if (need_kq) {
-            qk_head_rotate<D>(kq, gwk, a.qk == 2, a.qk_eps, ra.neox, snk, csk, lane);
-            if (own_here && own_local < S - 1) own_k_row(own_local);
-        }
     }
 
     /* q of the unit's heads (rows g < nh of the A fragments) and the row's
@@ -1235,14 +1080,14 @@ __global__ static void __launch_bounds__(SP * DS > DEC_LEAN_CTA_WARPS ? SP * DS 
     {
         const float *kr = a.k + (size_t)r * (size_t)a.k_cols + (size_t)kvh * D + lane * OWN;
         const float *vr = a.v + (size_t)r * (size_t)a.v_cols + (size_t)kvh * D + lane * OWN;
-        const bool own = storer;   /* k_own: not under qk (kq) */
+        const bool own = hc0 == 0 && part == 0 && dh == 0;
 #pragma unroll
         for (int i = 0; i < OWN; i += 4) {
             if (OWN == 2) {
-                *(float2 *)k_own = own && !qk ? *(const float2 *)kr : make_float2(0.0f, 0.0f);
+                *(float2 *)k_own = own ? *(const float2 *)kr : make_float2(0.0f, 0.0f);
                 *(float2 *)v_own = own ? *(const float2 *)vr : make_float2(0.0f, 0.0f);
             } else {
-                *(float4 *)(k_own + i) = own && !qk ? *(const float4 *)(kr + i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                *(float4 *)(k_own + i) = own ? *(const float4 *)(kr + i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
                 *(float4 *)(v_own + i) = own ? *(const float4 *)(vr + i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
             }
         }
@@ -1250,9 +1095,6 @@ __global__ static void __launch_bounds__(SP * DS > DEC_LEAN_CTA_WARPS ? SP * DS 
     uint32_t qh[KC][2], ql[KC][2];   /* q as f16 hi + lo A fragments */
     auto first_tile = [&]() {
         if (D > 128) load_q();
-        if constexpr (D >= 128) {
-            if (qk) qk_fragments<D>(qf, a, ra.neox, snq, csq, r, h0, nh, lane);
-        }
 #pragma unroll
         for (int kc = 0; kc < KC; kc++)
 #pragma unroll
@@ -1264,7 +1106,7 @@ __global__ static void __launch_bounds__(SP * DS > DEC_LEAN_CTA_WARPS ? SP * DS 
                 qh[kc][hf] = *(const uint32_t *)&hh;
                 ql[kc][hf] = *(const uint32_t *)&hl;
             }
-        if (storer && own_b >= 0) {
+        if (hc0 == 0 && part == 0 && dh == 0 && own_b >= 0) {
             __half *slot = (__half *)(a.pool + (size_t)own_b * a.block_bytes + head_off +
                                       (size_t)(p & (a.block_tokens - 1)) * (D * 2)) + lane * (D / 32);
             __half2 kh[OWN / 2], vh[OWN / 2];
@@ -1273,22 +1115,7 @@ __global__ static void __launch_bounds__(SP * DS > DEC_LEAN_CTA_WARPS ? SP * DS 
                 kh[i] = __floats2half2_rn(k_own[2 * i], k_own[2 * i + 1]);
                 vh[i] = __floats2half2_rn(v_own[2 * i], v_own[2 * i + 1]);
             }
-            if (qk) {
-                /* k from kq (its layout), v as below */
-                __half *krow = slot - lane * (D / 32);
-#pragma unroll
-                for (int f = 0; f < FQ; f++) {
-                    const __half2 lo = __floats2half2_rn(kq[f].x, kq[f].y), hi = __floats2half2_rn(kq[f].z, kq[f].w);
-                    *(uint2 *)(krow + 4 * (lane + 32 * f)) = make_uint2(*(const uint32_t *)&lo, *(const uint32_t *)&hi);
-                }
-                if (OWN == 2) {
-                    *(__half2 *)((uint8_t *)slot + a.v_off) = vh[0];
-                } else {
-#pragma unroll
-                    for (int i = 0; i < OWN / 2; i += 2)
-                        *(uint2 *)((uint8_t *)(slot + 2 * i) + a.v_off) = *(const uint2 *)(vh + i);
-                }
-            } else if (OWN == 2) {
+            if (OWN == 2) {
                 *(__half2 *)slot = kh[0];
                 *(__half2 *)((uint8_t *)slot + a.v_off) = vh[0];
             } else {
@@ -1316,10 +1143,7 @@ __global__ static void __launch_bounds__(SP * DS > DEC_LEAN_CTA_WARPS ? SP * DS 
     const int32_t rounds = DS == 1 || n_tiles == 0 ? nt : (n_tiles + SP - 1) / SP;
     for (int32_t i = 0, rd = 0, wr = S - 1; i < rounds; i++) {
         if (DS == 1) {
-            if (i + S - 1 < nt) {
-                issue(part + (i + S - 1) * SP, wr);
-                if (own_here && i + S - 1 == own_local) own_k_row(wr);
-            }
+            if (i + S - 1 < nt) issue(part + (i + S - 1) * SP, wr);
             cp_async_commit();
             cp_async_wait_n(S - 1);
             __syncwarp();
@@ -1330,10 +1154,7 @@ __global__ static void __launch_bounds__(SP * DS > DEC_LEAN_CTA_WARPS ? SP * DS 
             cp_async_wait_n(S - 2);
             part_barrier();
             if (i >= nt) continue;
-            if (i + S - 1 < nt) {
-                issue(part + (i + S - 1) * SP, wr);
-                if (own_here && i + S - 1 == own_local) own_k_row(wr);
-            }
+            if (i + S - 1 < nt) issue(part + (i + S - 1) * SP, wr);
             cp_async_commit();
         }
         if (i == 0) first_tile();
@@ -2392,23 +2213,6 @@ static void decode_heads(cuda_backend *c, attn_args *a, const dec_tuning &tu)
     else decode_launch<T, 8, MMA>(c, a, tu);
 }
 
-/* The decode tuning of the step's decode rows, and whether
- * decode_lean_kernel takes them (for F16 caches: `lean` is the caller's to
- * combine with the cache's type). */
-static dec_tuning decode_tuning(const cuda_backend *c, const attn_args *a, bool *lean)
-{
-    /* with batch invariance the warps (whose partial results a CTA merges
-     * in their order) may not follow the step's rows */
-    int64_t ctas = c->invariant ? INT64_MAX : (int64_t)c->step.n_dec * a->n_kv_head * a->n_hchunks;
-    const dec_tuning raw = dec_tuning_get();
-    dec_tuning tu = dec_defaults(raw, a->dv, ctas, c->n_sm);
-    /* the lean kernel is on the tensor cores for heads of 256 too (where
-     * decode_kernel takes the CUDA cores by default), unless the tuning
-     * turns them off */
-    *lean = raw.mma != 0 && lean_covers(c, a, tu);
-    return tu;
-}
-
 template <typename T>
 static void launch(cuda_backend *c, attn_args *a, bool tc)
 {
@@ -2417,10 +2221,18 @@ static void launch(cuda_backend *c, attn_args *a, bool tc)
     if (st->n_tiles > 0) luma_launch(c, s, dim3((unsigned)st->n_rows, (unsigned)a->n_kv_head), 128, 0, store_kernel<T>,
                                      *a);
     if (st->n_dec > 0) {
+        /* with batch invariance the warps (whose partial results a CTA
+         * merges in their order) may not follow the step's rows */
+        int64_t ctas = c->invariant ? INT64_MAX : (int64_t)st->n_dec * a->n_kv_head * a->n_hchunks;
+        const dec_tuning raw = dec_tuning_get();
+        dec_tuning tu = dec_defaults(raw, a->dv, ctas, c->n_sm);
         bool mma = false, lean = false;
-        dec_tuning tu = decode_tuning(c, a, &lean);
         if constexpr (sizeof(T) == 2) {
             mma = tu.mma && a->dk % 16 == 0 && a->dv % 16 == 0;
+            /* the lean kernel is on the tensor cores for heads of 256 too
+             * (where decode_kernel takes the CUDA cores by default), unless
+             * the tuning turns them off */
+            lean = raw.mma != 0 && lean_covers(c, a, tu);
             if (lean) {
                 if (a->dk == 64) decode_lean_launch<64>(c, a, tu);
                 else if (a->dk == 128) decode_lean_launch<128>(c, a, tu);
@@ -2428,7 +2240,6 @@ static void launch(cuda_backend *c, attn_args *a, bool tc)
             } else if (mma && a->dv <= 128) decode_heads<T, 128>(c, a, tu);
             else if (mma) decode_heads<T, 256>(c, a, tu);
         }
-        if constexpr (sizeof(T) != 2) lean = false;
         if (!mma && !lean) decode_heads<T, 0>(c, a, tu);
         if (!LUMA_CUDA_OK(c)) return;
     }
@@ -2446,41 +2257,8 @@ static void launch(cuda_backend *c, attn_args *a, bool tc)
     }
 }
 
-/* Whether decode_lean_kernel makes q and k's norms and rotation for this
- * step (setting a's qk fields): every row of the step decoded, one a
- * sequence (so that the only key of the step a row reads is its own), the
- * lean kernel taking them, heads that fit qk_head_rotate, of up to 128
- * unless c->qk_attn is 2, and c->qk_attn not 0. Else false, a unchanged:
- * qk_rope runs first. Measured (cuda/NOTES.md, "q and k's norms and
- * rotation inside decode attention"): the 7B at 128 sequences 3 to 5%
- * faster, Gemma 3 270M (heads of 256) level at 1 to 128. */
-static bool attention_qk(cuda_backend *c, const luma_buf *q, const luma_buf *k, const cuda_qk *qk,
-                         const luma_kv_layout *l, attn_args *a)
-{
-    const cuda_step *st = &c->step;
-    if (c->qk_attn == 0 || (c->qk_attn == 1 && a->dk > 128) || !st->one_row_seqs || st->n_tiles > 0 ||
-        st->n_dec != st->n_rows || l->type != LUMA_F16 ||
-        q != qk->q || k != qk->k || qk->head_dim != a->dk || a->dk != a->dv ||
-        !luma_cuda_qk_head_fits(qk->q, qk->k, qk->gq, qk->gk, qk->head_dim, qk->r))
-        return false;
-    bool lean;
-    decode_tuning(c, a, &lean);
-    rope_args ra;
-    const float *tab;
-    if (!lean || !luma_cuda_rope_args(c, qk->r, qk->head_dim, q->cols, &ra) || !(tab = luma_cuda_rope_table(c, &ra)))
-        return false;
-    a->qk = qk->gq ? 2 : 1;
-    a->qk_neox = ra.neox;
-    a->qk_pos_scale = ra.pos_scale;
-    a->qk_tab = tab;
-    a->qk_eps = qk->eps;
-    a->qk_gq = qk->gq ? (const float *)qk->gq->dev : NULL;
-    a->qk_gk = qk->gk ? (const float *)qk->gk->dev : NULL;
-    return true;
-}
-
 void luma_cuda_attention(cuda_backend *c, const luma_buf *q, const luma_buf *k, const luma_buf *v,
-                         const luma_step *step, const luma_attn *at, luma_buf *out, const cuda_qk *qk)
+                         const luma_step *step, const luma_attn *at, luma_buf *out)
 {
     out->rows = q->rows;
     out->cols = (int64_t)at->n_head * at->head_dim_v;
@@ -2546,14 +2324,6 @@ void luma_cuda_attention(cuda_backend *c, const luma_buf *q, const luma_buf *k, 
     a.counters = NULL;
     a.merge_here = 0;
     a.early = c->attn_early;
-    a.qk = a.qk_neox = 0;
-    a.qk_eps = a.qk_pos_scale = 0.0f;
-    a.qk_gq = a.qk_gk = a.qk_tab = NULL;
-    if (qk && !attention_qk(c, q, k, qk, l, &a)) {
-        /* qk_rope's launch first, then the kernels as without qk */
-        luma_cuda_qk_rope(&c->base, qk->q, qk->k, qk->gq, qk->gk, qk->head_dim, qk->eps, qk->pos, qk->r);
-        if (!LUMA_CUDA_OK(c)) return;
-    }
     bool tc = tc_covers(l, &a);
     if (tc && (int64_t)st->n_tiles * a.n_head * (LUMA_CUDA_ATTN_TILE / (TC_WARPS * 16)) > INT32_MAX) {
         luma_cuda_failf(c, "attention: %d tiles of %d heads are too many CTAs", st->n_tiles, a.n_head);

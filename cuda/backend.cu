@@ -592,8 +592,6 @@ static int cuda_step_begin(luma_backend *be, const luma_step *s, luma_err *err)
     cs->max_pos = max_pos;
     cs->n_dec = n_dec;
     cs->n_tiles = n_tiles;
-    cs->one_row_seqs = true;
-    for (int32_t i = 0; i < S; i++) cs->one_row_seqs = cs->one_row_seqs && s->seqs[i].n_rows <= 1;
     cs->dec_rows = d + p.dec_rows;
     cs->tiles = d + p.tiles;
     cs->dec_max_pos = dec_max_pos;
@@ -624,8 +622,7 @@ const int32_t *luma_cuda_step_array(cuda_backend *c, const int32_t *host, int32_
 
 /* The shape of a step whose operations can be recorded: decode rows only
  * (no prefill tiles), so that every launch depends on (rows, sequences, out
- * rows, the bucket of context lengths, whether every sequence has one row:
- * attention_qk). 0 for a step that runs eagerly. */
+ * rows, the bucket of context lengths). 0 for a step that runs eagerly. */
 static uint64_t graph_key(const cuda_backend *c)
 {
     const cuda_step *st = &c->step;
@@ -635,7 +632,7 @@ static uint64_t graph_key(const cuda_backend *c)
     int lg = 0;
     while ((1 << lg) < st->dec_keys_bound) lg++;
     return (uint64_t)st->n_rows | (uint64_t)st->n_seqs << 13 | (uint64_t)st->n_out << 26 |
-           (uint64_t)lg << 39 | (uint64_t)st->one_row_seqs << 62 | (uint64_t)1 << 63;
+           (uint64_t)lg << 39 | (uint64_t)1 << 63;
 }
 
 /* Where the buffers a recording names are: any that moved since makes it stale. */
@@ -764,17 +761,7 @@ static void cuda_attention(luma_backend *be, const luma_buf *q, const luma_buf *
                            const luma_step *step, const luma_attn *a, luma_buf *out)
 {
     flush_all(cu(be));
-    luma_cuda_attention(cu(be), q, k, v, step, a, out, NULL);
-}
-
-static void cuda_qk_rope_attention(luma_backend *be, luma_buf *q, luma_buf *k, const luma_buf *v,
-                                   const luma_weight *gq, const luma_weight *gk, int32_t head_dim, float eps,
-                                   const int32_t *pos, const luma_rope *r, const luma_step *step,
-                                   const luma_attn *a, luma_buf *out)
-{
-    flush_all(cu(be));
-    const cuda_qk qk = { q, k, gq, gk, head_dim, eps, pos, r };
-    luma_cuda_attention(cu(be), q, k, v, step, a, out, &qk);
+    luma_cuda_attention(cu(be), q, k, v, step, a, out);
 }
 
 static int cuda_sync(luma_backend *be, luma_err *err)
@@ -809,10 +796,6 @@ static void cuda_free(luma_backend *be)
     cudaFree(c->attn_scratch.mem);
     cudaFree(c->sk_scratch.mem);
     cudaFree(c->topk_mem);
-    for (int i = 0; i < c->n_rope_tabs; i++) {
-        cudaFree(c->rope_tabs[i].dev);
-        free(c->rope_tabs[i].host);
-    }
     if (c->staged) cudaEventSynchronize(c->staged);
     cudaFreeHost(c->host_stage);
     cudaFreeHost(c->host_results);
@@ -1009,7 +992,6 @@ static const luma_backend_ops cuda_ops = {
     .qk_rope = cuda_qk_rope,
     .qkv_rope = cuda_qkv_rope,
     .attention = cuda_attention,
-    .qk_rope_attention = cuda_qk_rope_attention,
     .gelu_mul = cuda_gelu_mul,
     .silu_mul = cuda_silu_mul,
     .gated_matmul = cuda_gated_matmul,
@@ -1075,7 +1057,6 @@ luma_backend *luma_backend_cuda_new(int device, luma_err *err)
     c->pdl = !env_off("LUMA_CUDA_PDL");
     c->early = luma_cuda_env_digit("LUMA_CUDA_EARLY", 1);
     c->attn_early = luma_cuda_env_digit("LUMA_CUDA_ATTN_EARLY", 1);
-    c->qk_attn = luma_cuda_env_digit("LUMA_CUDA_QK_ATTN", 1);
     /* programs are measured slower than the kernels at batch 1 (cuda/NOTES.md,
      * "Decode-step programs"): LUMA_CUDA_PROGRAM=1 turns them on */
     const char *prog = getenv("LUMA_CUDA_PROGRAM");

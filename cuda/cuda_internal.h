@@ -34,7 +34,6 @@ typedef struct cuda_step {
      * the other sequences are cut into tiles of LUMA_CUDA_ATTN_TILE rows,
      * each tile a pair (sequence, first row inside the sequence). */
     int32_t n_dec, n_tiles;
-    bool one_row_seqs;         /* every sequence of the step has at most one row */
     int32_t *dec_rows;         /* [n_dec] */
     int32_t *tiles;            /* [n_tiles][2] */
     int32_t dec_max_pos;       /* the largest position of a decoded row, plus one */
@@ -160,19 +159,6 @@ typedef struct cuda_backend {
      * earlier steps' keys before its wait (LUMA_CUDA_ATTN_EARLY=0 in the
      * environment: after it, as every other kernel). */
     int attn_early;
-    /* decode_lean_kernel makes q and k's norms and rotation where it takes
-     * a step of one row a sequence (cuda_qk): 1 (the default) for heads of
-     * up to 128, 2 for heads of 256 too, 0 never (LUMA_CUDA_QK_ATTN) */
-    int qk_attn;
-    /* RoPE's frequency tables in device memory (rope_tab, rope.cuh), one
-     * for each rotation met (luma_cuda_rope_table): pw then ff, half floats
-     * each, with the host's copy they were made from */
-    struct {
-        float *dev, *host;
-        int32_t half;
-        float pos_scale;
-    } rope_tabs[8];
-    int n_rope_tabs;
     /* Q6_K matrices, and Q4_0, Q5_0 and Q8_0 ones, get a repacked copy for
      * the matrix-vector kernels (luma_weight.dev_mmv; LUMA_CUDA_Q6K_MMV=0,
      * LUMA_CUDA_X4_MMV=0 in the environment: not), Q4_K, Q5_K and Q6_K one
@@ -489,16 +475,6 @@ void luma_cuda_rope(luma_backend *be, luma_buf *x, int32_t head_dim, const int32
                     const luma_rope *r);
 void luma_cuda_qk_rope(luma_backend *be, luma_buf *q, luma_buf *k, const luma_weight *gq, const luma_weight *gk,
                        int32_t head_dim, float eps, const int32_t *pos, const luma_rope *r);
-/* Whether q and k's heads fit qk_head (rope.cuh): heads of 128 or 256, all
- * rotated, q and k (and the gains, both or neither) 16-byte aligned;
- * luma_cuda_qk_rope then takes one launch, decode_lean_kernel may take the
- * work itself (luma_cuda_attention's qk). */
-bool luma_cuda_qk_head_fits(const luma_buf *q, const luma_buf *k, const luma_weight *gq, const luma_weight *gk,
-                            int32_t head_dim, const luma_rope *r);
-/* The device copy of a's frequency tables (pw then ff, a->half floats
- * each), made at its first use; NULL (nothing recorded) when it would be
- * made while a step is being recorded, or when there is no room. */
-const float *luma_cuda_rope_table(cuda_backend *c, const struct rope_args *a);
 void luma_cuda_gelu_mul(luma_backend *be, luma_buf *gate, const luma_buf *up);
 void luma_cuda_silu_mul(luma_backend *be, luma_buf *gate, const luma_buf *up);
 void luma_cuda_add(luma_backend *be, luma_buf *x, const luma_buf *y);
@@ -525,24 +501,8 @@ static inline bool luma_cuda_prefill_rows(const cuda_backend *c, int32_t n_rows)
 /* Whether the attention kernels handle this KV layout (head sizes); called
  * by kv_alloc. Also raises the kernels' shared-memory limits. */
 int luma_cuda_attention_setup(const luma_kv_layout *l, luma_err *err);
-/* q and k's norms and rotation as luma_cuda_qk_rope would make them (its
- * arguments), handed to luma_cuda_attention: decode_lean_kernel makes them
- * where it takes the step (attention.cu's attention_qk), else qk_rope's
- * launch goes first. Afterwards q and k hold what the product wrote, or
- * qk_rope's results. */
-typedef struct cuda_qk {
-    luma_buf *q, *k;
-    const luma_weight *gq, *gk;   /* both or neither */
-    int32_t head_dim;
-    float eps;
-    const int32_t *pos;
-    const luma_rope *r;
-} cuda_qk;
-
-/* Attention (luma_backend_ops.attention); qk: NULL, or q and k's norms and
- * rotation still to make. */
 void luma_cuda_attention(cuda_backend *c, const luma_buf *q, const luma_buf *k, const luma_buf *v,
-                         const luma_step *step, const luma_attn *a, luma_buf *out, const cuda_qk *qk);
+                         const luma_step *step, const luma_attn *a, luma_buf *out);
 
 /* ---- logits.cu ----------------------------------------------------------- */
 

@@ -491,7 +491,12 @@ void luma_cuda_rope(luma_backend *be, luma_buf *x, int32_t head_dim, const int32
 /* ---- q and k: per-head norm and RoPE in one launch ---------------------- */
 
 /* A warp per head of a row of q or of k (heads of D = 128 or 256 columns,
- * all rotated), normalized and rotated by qk_head_rotate (rope.cuh). */
+ * all rotated): lane l holds the float4s l, l + 32, ... of the head, as
+ * rmsnorm_kernel<32> reads them, and normalizes them with the same sums in
+ * the same order (so the same bits); then each pair rotates as rope_kernel
+ * rotates it (the same angle expression): NORM pairs (2i, 2i + 1) sit in one
+ * float4, NEOX pairs (i, i + D/2) in the lane's two float4s (D = 256) or in
+ * lanes l and l ^ 16 (D = 128). */
 template <int D>
 __global__ static void qk_rope_kernel(float *q, float *k, int64_t q_cols, int64_t k_cols, int32_t hq, int32_t hk,
                                       int64_t items, const float *gq, const float *gk, float eps,
@@ -514,50 +519,50 @@ __global__ static void qk_rope_kernel(float *q, float *k, int64_t q_cols, int64_
         v[f] = x[lane + 32 * f];
         if (g) gw[f] = g[lane + 32 * f];
     }
-    float sn[4], cs[4];
-    qk_head_angles<D>(a, (float)pos[row], lane, sn, cs);
-    qk_head_rotate<D>(v, gw, g != NULL, eps, a.neox, sn, cs, lane);
+    float p = (float)pos[row];
+    if (g) {
+        float ss = 0.0f;
+#pragma unroll
+        for (int f = 0; f < F; f++) ss += v[f].x * v[f].x + v[f].y * v[f].y + v[f].z * v[f].z + v[f].w * v[f].w;
+        for (int o = 16; o > 0; o /= 2) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+        float s = 1.0f / sqrtf(ss / (float)D + eps);
+#pragma unroll
+        for (int f = 0; f < F; f++)
+            v[f] = make_float4(v[f].x * s * gw[f].x, v[f].y * s * gw[f].y, v[f].z * s * gw[f].z, v[f].w * s * gw[f].w);
+    }
+    if (!a.neox) {
+#pragma unroll
+        for (int f = 0; f < F; f++) {
+            int i = 2 * (lane + 32 * f);
+            float a0 = rope_angle(a, p, i), a1 = rope_angle(a, p, i + 1);
+            float s0 = sinf(a0), c0 = cosf(a0), s1 = sinf(a1), c1 = cosf(a1);
+            float4 u = v[f];
+            rope_rotate(u.x, u.y, s0, c0, v[f].x, v[f].y);
+            rope_rotate(u.z, u.w, s1, c1, v[f].z, v[f].w);
+        }
+    } else if (F == 2) {
+        float *lo = (float *)&v[0], *hi = (float *)&v[F - 1];
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            int i = 4 * lane + e;
+            float ang = rope_angle(a, p, i), sn = sinf(ang), cs = cosf(ang);
+            rope_rotate(lo[e], hi[e], sn, cs, lo[e], hi[e]);
+        }
+    } else {
+        float *u = (float *)&v[0];
+        bool first = lane < 16;
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            float other = __shfl_xor_sync(0xffffffffu, u[e], 16);
+            int i = 4 * (lane % 16) + e;
+            float ang = rope_angle(a, p, i), sn = sinf(ang), cs = cosf(ang);
+            float x0 = first ? u[e] : other, x1 = first ? other : u[e], y0, y1;
+            rope_rotate(x0, x1, sn, cs, y0, y1);
+            u[e] = first ? y0 : y1;
+        }
+    }
 #pragma unroll
     for (int f = 0; f < F; f++) x[lane + 32 * f] = v[f];
-}
-
-const float *luma_cuda_rope_table(cuda_backend *c, const rope_args *a)
-{
-    const size_t bytes = (size_t)a->half * sizeof(float);
-    for (int i = 0; i < c->n_rope_tabs; i++) {
-        const float *h = c->rope_tabs[i].host;
-        if (c->rope_tabs[i].half == a->half && c->rope_tabs[i].pos_scale == a->pos_scale &&
-            memcmp(h, a->pw, bytes) == 0 && memcmp(h + a->half, a->ff, bytes) == 0)
-            return c->rope_tabs[i].dev;
-    }
-    const int n = c->n_rope_tabs;
-    if (c->capturing || n == (int)(sizeof c->rope_tabs / sizeof c->rope_tabs[0])) return NULL;
-    float *h = (float *)malloc(2 * bytes), *d = NULL;
-    if (!h) return NULL;
-    memcpy(h, a->pw, bytes);
-    memcpy(h + a->half, a->ff, bytes);
-    if (cudaMalloc(&d, 2 * bytes) != cudaSuccess || cudaMemcpy(d, h, 2 * bytes, cudaMemcpyHostToDevice) != cudaSuccess) {
-        cudaGetLastError();   /* not sticky: the caller goes without the table */
-        cudaFree(d);
-        free(h);
-        return NULL;
-    }
-    c->rope_tabs[n].dev = d;
-    c->rope_tabs[n].host = h;
-    c->rope_tabs[n].half = a->half;
-    c->rope_tabs[n].pos_scale = a->pos_scale;
-    c->n_rope_tabs = n + 1;
-    return d;
-}
-
-bool luma_cuda_qk_head_fits(const luma_buf *q, const luma_buf *k, const luma_weight *gq, const luma_weight *gk,
-                            int32_t head_dim, const luma_rope *r)
-{
-    const float *gqd = gq ? (const float *)gq->dev : NULL, *gkd = gk ? (const float *)gk->dev : NULL;
-    return (head_dim == 128 || head_dim == 256) && r->n_dims == head_dim && q->rows == k->rows &&
-           q->cols % head_dim == 0 && k->cols % head_dim == 0 && aligned16(q->data) && aligned16(k->data) &&
-           (gq != NULL) == (gk != NULL) &&
-           (!gq || (gq->cols == head_dim && gk->cols == head_dim && aligned16(gqd) && aligned16(gkd)));
 }
 
 void luma_cuda_qk_rope(luma_backend *be, luma_buf *q, luma_buf *k, const luma_weight *gq, const luma_weight *gk,
@@ -566,7 +571,11 @@ void luma_cuda_qk_rope(luma_backend *be, luma_buf *q, luma_buf *k, const luma_we
     cuda_backend *c = cu(be);
     if (!LUMA_CUDA_OK(c)) return;
     const float *gqd = gq ? (const float *)gq->dev : NULL, *gkd = gk ? (const float *)gk->dev : NULL;
-    if (!luma_cuda_qk_head_fits(q, k, gq, gk, head_dim, r)) {
+    bool fused = (head_dim == 128 || head_dim == 256) && r->n_dims == head_dim && q->rows == k->rows &&
+                 q->cols % head_dim == 0 && k->cols % head_dim == 0 && aligned16(q->data) && aligned16(k->data) &&
+                 (gq != NULL) == (gk != NULL) && (!gq || (gq->cols == head_dim && gk->cols == head_dim &&
+                                                          aligned16(gqd) && aligned16(gkd)));
+    if (!fused) {
         if (gq) luma_cuda_rmsnorm(be, q, gq, head_dim, eps, q);
         if (gk) luma_cuda_rmsnorm(be, k, gk, head_dim, eps, k);
         luma_cuda_rope(be, q, head_dim, pos, r);

@@ -197,14 +197,6 @@ typedef struct luma_backend_ops {
      * attention of each q row over its sequence's cached keys into out. */
     void (*attention)(luma_backend *be, const luma_buf *q, const luma_buf *k, const luma_buf *v,
                       const luma_step *step, const luma_attn *a, luma_buf *out);
-    /* qk_rope of q and k, then attention, with their results (the cached
-     * k rows the same bits): the backend may make the norms and the
-     * rotation inside attention, leaving q and k as they were. Optional:
-     * NULL when a backend does not join them (callers use
-     * luma_model_qk_rope_attention, which falls back). */
-    void (*qk_rope_attention)(luma_backend *be, luma_buf *q, luma_buf *k, const luma_buf *v, const luma_weight *gq,
-                              const luma_weight *gk, int32_t head_dim, float eps, const int32_t *pos,
-                              const luma_rope *r, const luma_step *step, const luma_attn *a, luma_buf *out);
     /* gate = act(gate) * up, act GELU (tanh approximation) or SiLU. */
     void (*gelu_mul)(luma_backend *be, luma_buf *gate, const luma_buf *up);
     void (*silu_mul)(luma_backend *be, luma_buf *gate, const luma_buf *up);

@@ -222,25 +222,13 @@ void luma_model_qk_rope(const luma_model *m, luma_buf *q, luma_buf *k, const lum
     be->rope(b, k, head_dim, pos, r);
 }
 
-void luma_model_qk_rope_attention(const luma_model *m, luma_buf *q, luma_buf *k, const luma_buf *v,
-                                  const luma_weight *gq, const luma_weight *gk, int32_t head_dim,
-                                  const int32_t *pos, const luma_rope *r, const luma_step *step,
-                                  const luma_attn *at, luma_buf *out)
-{
-    luma_backend *b = m->be;
-    if (b->ops->qk_rope_attention) {
-        b->ops->qk_rope_attention(b, q, k, v, gq, gk, head_dim, m->hp.eps, pos, r, step, at, out);
-        return;
-    }
-    luma_model_qk_rope(m, q, k, gq, gk, head_dim, pos, r);
-    b->ops->attention(b, q, k, v, step, at, out);
-}
-
-bool luma_model_qkv_rope(const luma_model *m, const luma_weight *const *ws, const luma_buf *x, luma_buf *const *ys,
+void luma_model_qkv_rope(const luma_model *m, const luma_weight *const *ws, const luma_buf *x, luma_buf *const *ys,
                          int32_t head_dim, const int32_t *pos, const luma_rope *r)
 {
     luma_backend *b = m->be;
-    return b->ops->qkv_rope && b->ops->qkv_rope(b, ws, x, ys, head_dim, pos, r);
+    if (b->ops->qkv_rope && b->ops->qkv_rope(b, ws, x, ys, head_dim, pos, r)) return;
+    luma_model_matmuls(m, 3, ws, x, ys);
+    luma_model_qk_rope(m, ys[0], ys[1], NULL, NULL, head_dim, pos, r);
 }
 
 void luma_model_gated_matmul(const luma_model *m, const luma_weight *w, luma_buf *gate, const luma_buf *up,

@@ -157,19 +157,10 @@ void luma_model_attn(const luma_model *m, int il, luma_attn *a);
  * separate rmsnorm and rope operations. */
 void luma_model_qk_rope(const luma_model *m, luma_buf *q, luma_buf *k, const luma_weight *gq,
                         const luma_weight *gk, int32_t head_dim, const int32_t *pos, const luma_rope *r);
-/* luma_model_qk_rope, then attention (the backend's attention op): through
- * the backend's qk_rope_attention when it has one (which may leave q and k
- * as they were), else the two in turn; the same results either way. */
-void luma_model_qk_rope_attention(const luma_model *m, luma_buf *q, luma_buf *k, const luma_buf *v,
-                                  const luma_weight *gq, const luma_weight *gk, int32_t head_dim,
-                                  const int32_t *pos, const luma_rope *r, const luma_step *step,
-                                  const luma_attn *at, luma_buf *out);
 /* q, k, v = wq x, wk x, wv x (ws, ys in that order), then q and k rotated
- * at pos, through the backend's qkv_rope when it takes them: true. False
- * having done nothing when it does not (the caller makes the products, then
- * rotates: luma_model_qk_rope or luma_model_qk_rope_attention; the same
- * bits either way). */
-bool luma_model_qkv_rope(const luma_model *m, const luma_weight *const *ws, const luma_buf *x, luma_buf *const *ys,
+ * at pos: through the backend's qkv_rope when it takes them, else as
+ * luma_model_matmuls and luma_model_qk_rope; the same bits either way. */
+void luma_model_qkv_rope(const luma_model *m, const luma_weight *const *ws, const luma_buf *x, luma_buf *const *ys,
                          int32_t head_dim, const int32_t *pos, const luma_rope *r);
 /* gate = act(gate) * up, then y = w gate: through the backend's fused
  * gated_matmul when it has one, else gelu_mul or silu_mul and matmul. */

@@ -24,13 +24,6 @@
  *     on these shapes), the f32 kernels to 1e-4 (F16 cache) and 2e-5 (F32);
  *     the F16 shapes of heads of 64 and 128 again with every decode row on
  *     decode_lean_kernel (the kernel the defaults give many short rows);
- *   - qk_rope_attention (q and k's norms and rotation made by decode
- *     attention itself; LUMA_CUDA_QK_ATTN=2 unless set: heads of 256 too)
- *     against the CPU's rmsnorm, rope and attention, and bit for bit against
- *     the GPU's qk_rope then attention, on the shapes of gemma, llama
- *     (frequency factors) and qwen2 and three others, at every split of the
- *     lean kernel; a step that reads the keys it cached, a step with a
- *     sequence of two rows and heads of 64 (qk_rope first);
  *   - decode steps on the 7B llama shape and gemma's (F16 cache): 32 and
  *     128 rows of 128 to 512 keys, 128 rows of 600 to 1100 keys under a
  *     window of 512 (gemma), one row of 4096 and one of 32768 keys; each
@@ -84,12 +77,12 @@ static float *random_floats(size_t n, float scale)
 /* ---- results ------------------------------------------------------------ */
 
 typedef struct result {
-    char op[80];
+    char op[48];
     double err, tol;
     double us, gbps;           /* GPU time per call and bandwidth; 0: not timed */
 } result;
 
-static result results[400];
+static result results[200];
 static int n_results;
 
 static void report(const char *op, double err, double tol)
@@ -1082,136 +1075,6 @@ static void test_attention(void)
     }
 }
 
-/* ---- q and k's norms and rotation inside decode attention --------------- */
-
-/* qk_rope_attention against the CPU's norms, rope and attention, and against
- * the GPU's own qk_rope then attention: where decode_lean_kernel makes the
- * norms and rotation itself (decode steps of one row a sequence), the
- * output must be those bits exactly (q's fragments and the own key's row
- * as qk_rope gives them), at 1 to 8 parts a unit and two warps a part, with
- * the own key's tile issued before the loop (short rows) and inside it (a
- * long one); then a step that reads the keys the first one cached. A step
- * with a sequence of two rows, and heads of 64, take qk_rope first. */
-typedef struct qk_case {
-    attn_shape sh;
-    enum luma_rope_kind kind;
-    int norms, freq_factors;
-} qk_case;
-
-static void qk_attention_case(const qk_case *qc, int split, int ds)
-{
-    const attn_shape *sh = &qc->sh;
-    luma_err err = { { 0 } };
-    int32_t hd = sh->dk, lens[3] = { 20, 130, quick ? 300 : 700 };
-    luma_kv_layout l = { .n_pools = 1, .block_tokens = BLOCK_TOKENS, .n_kv_head = sh->n_kv, .head_dim_k = hd,
-                         .head_dim_v = hd, .type = LUMA_F16 };
-    luma_kv_params kp = { .n_pools = 1, .block_tokens = BLOCK_TOKENS, .copy = copy_both };
-    l.n_blocks[0] = kp.n_blocks[0] = (lens[0] + lens[1] + lens[2]) / BLOCK_TOKENS + 16;
-    l.n_layers[0] = 1;
-    kv_env e = { .sh = sh, .type = LUMA_F16 };
-    if (cpu->ops->kv_alloc(cpu, &l, &err) != 0 || gpu->ops->kv_alloc(gpu, &l, &err) != 0 ||
-        luma_kv_new(&kp, &e.kv, &err) != 0) {
-        CHECKF(0, "KV cache for %s: %s", sh->name, err.msg);
-        return;
-    }
-    for (int i = 0; i < 3; i++) e.seq[i] = luma_kv_seq_new(e.kv);
-    e.full = (luma_attn){ 0, 0, sh->n_head, sh->n_kv, hd, hd, 0, 1.0f / sqrtf((float)hd), sh->softcap };
-    e.win = e.full;
-    for (int i = 0; i < 3; i++) fill(&e, i, lens[i]);
-
-    float *gains = xmalloc((size_t)(2 * hd) * sizeof(float)), ff[256];
-    for (int32_t i = 0; i < 2 * hd; i++) gains[i] = 1.0f + 0.5f * gaussian();
-    for (int i = 0; i < hd / 2; i++) ff[i] = uniform(1.0f, 32.0f);
-    luma_rope r = { qc->kind, hd, 1e4f, 1.0f, qc->freq_factors ? ff : NULL };
-    dual_w gq, gk;
-    bool norms = qc->norms;
-    if (!dual_weight(&gq, LUMA_F32, 1, hd, gains) || !dual_weight(&gk, LUMA_F32, 1, hd, gains + hd)) norms = false;
-    char tuning[80];
-    /* lean for every step (lean_keys past the rows), its parts and warps */
-    snprintf(tuning, sizeof tuning, "0,8192,0,1,64,64,-1,-1,0,1000000,%d,4,64,%d", split, ds);
-    setenv("LUMA_CUDA_ATTN_DECODE", tuning, 1);
-    static const struct { const char *what; int n; int seqs[3]; int32_t rows[3]; } steps[] = {
-        { "decode x3", 3, { 0, 1, 2 }, { 1, 1, 1 } },
-        { "decode x3, the keys cached", 3, { 0, 1, 2 }, { 1, 1, 1 } },
-        { "two rows of a sequence", 2, { 0, 1 }, { 2, 1 } },
-    };
-    for (size_t k = 0; k < sizeof steps / sizeof steps[0]; k++) {
-        attn_step as;
-        if (!build_step(&e, &as, steps[k].seqs, steps[k].rows, steps[k].n)) {
-            step_free(&as.t);
-            break;
-        }
-        const luma_step *st = &as.t.s;
-        attn_io io;
-        attn_io_new(&io, st->n_rows, &e.full);
-        float *q0 = xmalloc((size_t)(io.q.c.rows * io.q.c.cols) * sizeof(float));
-        float *k0 = xmalloc((size_t)(io.k.c.rows * io.k.c.cols) * sizeof(float));
-        memcpy(q0, io.q.c.data, (size_t)(io.q.c.rows * io.q.c.cols) * sizeof(float));
-        memcpy(k0, io.k.c.data, (size_t)(io.k.c.rows * io.k.c.cols) * sizeof(float));
-        const luma_weight *cq = norms ? &gq.c : NULL, *ck = norms ? &gk.c : NULL;
-        const luma_weight *wq = norms ? &gq.g : NULL, *wk = norms ? &gk.g : NULL;
-        if (cq) {
-            cpu->ops->rmsnorm(cpu, &io.q.c, cq, hd, 1e-6f, &io.q.c);
-            cpu->ops->rmsnorm(cpu, &io.k.c, ck, hd, 1e-6f, &io.k.c);
-        }
-        cpu->ops->rope(cpu, &io.q.c, hd, st->pos, &r);
-        cpu->ops->rope(cpu, &io.k.c, hd, st->pos, &r);
-        cpu->ops->attention(cpu, &io.q.c, &io.k.c, &io.v.c, st, &e.full, &io.o.c);
-        gpu->ops->qk_rope_attention(gpu, &io.q.g, &io.k.g, &io.v.g, wq, wk, hd, 1e-6f, st->pos, &r, st, &e.full,
-                                    &io.o.g);
-        char label[64];
-        snprintf(label, sizeof label, "qk+attn %s %dx%d %s", sh->name, split, ds, steps[k].what);
-        report(label, dual_err(&io.o), 1e-4);
-        /* the GPU's own qk_rope, then attention: the same bits */
-        size_t on = (size_t)(io.o.c.rows * io.o.c.cols);
-        float *fused = xmalloc(on * sizeof(float)), *apart = xmalloc(on * sizeof(float));
-        if (gpu_sync("qk_rope_attention") &&
-            cuda_ok(cudaMemcpy(fused, io.o.g.data, on * sizeof(float), cudaMemcpyDeviceToHost), "copy") &&
-            cuda_ok(cudaMemcpy(io.q.g.data, q0, (size_t)(io.q.c.rows * io.q.c.cols) * sizeof(float),
-                               cudaMemcpyHostToDevice), "copy") &&
-            cuda_ok(cudaMemcpy(io.k.g.data, k0, (size_t)(io.k.c.rows * io.k.c.cols) * sizeof(float),
-                               cudaMemcpyHostToDevice), "copy")) {
-            gpu->ops->qk_rope(gpu, &io.q.g, &io.k.g, wq, wk, hd, 1e-6f, st->pos, &r);
-            gpu->ops->attention(gpu, &io.q.g, &io.k.g, &io.v.g, st, &e.full, &io.o.g);
-            if (gpu_sync("qk_rope, attention") &&
-                cuda_ok(cudaMemcpy(apart, io.o.g.data, on * sizeof(float), cudaMemcpyDeviceToHost), "copy"))
-                CHECKF(memcmp(fused, apart, on * sizeof(float)) == 0,
-                       "%s: qk_rope_attention differs from qk_rope then attention", label);
-        }
-        free(fused);
-        free(apart);
-        free(q0);
-        free(k0);
-        attn_io_free(&io);
-        for (int i = 0; i < steps[k].n; i++) luma_kv_commit(e.kv, e.seq[steps[k].seqs[i]], steps[k].rows[i]);
-        step_free(&as.t);
-    }
-    unsetenv("LUMA_CUDA_ATTN_DECODE");
-    free(gains);
-    for (int i = 0; i < 3; i++) luma_kv_seq_free(e.kv, e.seq[i]);
-    luma_kv_free(e.kv);
-}
-
-static void test_qk_attention(void)
-{
-    static const qk_case cases[] = {
-        { { "gemma 4/1x256", 4, 1, 256, 256, 1, 0.0f }, LUMA_ROPE_NEOX, 1, 0 },
-        { { "llama 32/8x128", 32, 8, 128, 128, 1, 0.0f }, LUMA_ROPE_NORM, 0, 1 },
-        { { "qwen2 14/2x128", 14, 2, 128, 128, 1, 0.0f }, LUMA_ROPE_NEOX, 0, 0 },
-        { { "norms 8/4x256", 8, 4, 256, 256, 1, 30.0f }, LUMA_ROPE_NORM, 1, 0 },
-        { { "norms 4/4x128", 4, 4, 128, 128, 1, 0.0f }, LUMA_ROPE_NEOX, 1, 0 },
-        { { "mha 8/8x64", 8, 8, 64, 64, 1, 0.0f }, LUMA_ROPE_NEOX, 1, 0 },
-    };
-    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
-        int dk = cases[i].sh.dk;
-        for (int ds = 1; ds <= (dk >= 128 ? 2 : 1); ds++)
-            for (int split = 1; split <= (dk > 128 || ds > 1 ? 4 : 8); split *= 2) {
-                if (quick && split != 1 && split != 4) continue;
-                qk_attention_case(&cases[i], split, ds);
-            }
-    }
-}
-
 /* ---- decode: batched rows and long contexts ----------------------------- */
 
 /* Decode steps of the shapes that decide decode speed: every row of its own
@@ -1692,9 +1555,6 @@ static int run_checks(void)
     luma_err err = { { 0 } };
     const char *q = getenv("LUMA_CUDA_QUICK");
     quick = q && *q && strcmp(q, "0") != 0;
-    /* decode attention makes q and k's norms and rotation for heads of 256
-     * too (by default only up to 128), so that test_qk_attention checks it */
-    setenv("LUMA_CUDA_QK_ATTN", "2", 0);
     cpu = luma_backend_cpu_new(2, &err);
     if (cpu) gpu = luma_backend_cuda_new(0, &err);
     if (!cpu || !gpu) {
@@ -1717,10 +1577,7 @@ static int run_checks(void)
         test_bias_gather();
         test_failure();   /* before any KV layout: its step has no block tables */
     }
-    if (!timing_only && !decode_only) {
-        test_attention();
-        test_qk_attention();
-    }
+    if (!timing_only && !decode_only) test_attention();
     if (!timing_only) test_decode_timing();
     if (!decode_only) test_prefill_timing();
     cpu->ops->free(cpu);

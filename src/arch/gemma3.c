@@ -70,8 +70,8 @@ static int gemma3_forward(luma_model *m, const luma_step *step, luma_err *err)
         /* a->h holds this layer's normalized input */
         luma_model_matmuls(m, 3, (const luma_weight *const[]){ &l->wq, &l->wk, &l->wv }, &a->h,
                            (luma_buf *const[]){ &a->q, &a->k, &a->v });
-        luma_model_qk_rope_attention(m, &a->q, &a->k, &a->v, &l->q_norm, &l->k_norm, dk, step->pos, &rope, step,
-                                     &at, &a->attn);
+        luma_model_qk_rope(m, &a->q, &a->k, &l->q_norm, &l->k_norm, dk, step->pos, &rope);
+        be->attention(b, &a->q, &a->k, &a->v, step, &at, &a->attn);
         be->matmul(b, &l->wo, &a->attn, &a->o);
         luma_model_residual_norm(m, &a->x, &a->o, &l->post_attn_norm, &l->ffn_norm, &a->h);
 

@@ -65,18 +65,16 @@ static int llama_forward(luma_model *m, const luma_step *step, luma_err *err)
         /* a->h holds this layer's normalized input */
         const luma_weight *const wqkv[] = { &l->wq, &l->wk, &l->wv };
         luma_buf *const qkv[] = { &a->q, &a->k, &a->v };
-        /* qwen2: the biases go in before the rotation */
-        const bool bias = l->bq.host || l->bk.host || l->bv.host;
-        if (!bias && luma_model_qkv_rope(m, wqkv, &a->h, qkv, dk, step->pos, &rope)) {
-            be->attention(b, &a->q, &a->k, &a->v, step, &at, &a->attn);
-        } else {
+        if (l->bq.host || l->bk.host || l->bv.host) {   /* qwen2: the biases go in before the rotation */
             luma_model_matmuls(m, 3, wqkv, &a->h, qkv);
             if (l->bq.host) be->add_bias(b, &a->q, &l->bq);
             if (l->bk.host) be->add_bias(b, &a->k, &l->bk);
             if (l->bv.host) be->add_bias(b, &a->v, &l->bv);
-            luma_model_qk_rope_attention(m, &a->q, &a->k, &a->v, NULL, NULL, dk, step->pos, &rope, step, &at,
-                                         &a->attn);
+            luma_model_qk_rope(m, &a->q, &a->k, NULL, NULL, dk, step->pos, &rope);
+        } else {
+            luma_model_qkv_rope(m, wqkv, &a->h, qkv, dk, step->pos, &rope);
         }
+        be->attention(b, &a->q, &a->k, &a->v, step, &at, &a->attn);
         be->matmul(b, &l->wo, &a->attn, &a->o);
         luma_model_residual_norm(m, &a->x, &a->o, NULL, &l->ffn_norm, &a->h);
 

@@ -77,7 +77,7 @@ static float *random_floats(size_t n, float scale)
 /* ---- results ------------------------------------------------------------ */
 
 typedef struct result {
-    char op[48];
+    char op[80];
     double err, tol;
     double us, gbps;           /* GPU time per call and bandwidth; 0: not timed */
 } result;

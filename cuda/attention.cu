@@ -67,9 +67,10 @@
 #define DEC_LEAN_CTA_WARPS 4  /* units of fewer warps share a CTA up to this many warps */
 #define DEC_LEAN_MIN 1        /* decode_lean_kernel from this many units (dec_tuning) */
 #define DEC_LEAN_KEYS 1024    /* and at most this many keys a row (lean_covers: by heads and units) */
-#define DEC_LEAN_WIDE 4       /* heads of 256: a quarter of DEC_LEAN_KEYS from this many units, an eighth below
-                               * (heads of up to 128: DEC_LEAN_KEYS from twice this many, a quarter below) */
-#define DEC_LEAN_LONG 64      /* twice DEC_LEAN_KEYS from this many units (heads of 256: DEC_LEAN_KEYS) */
+#define DEC_LEAN_WIDE 4       /* heads of up to 128: DEC_LEAN_KEYS from twice this many units, a quarter below
+                               * (heads of 256, one warp a part: a quarter from this many, an eighth below) */
+#define DEC_LEAN_LONG 64      /* twice DEC_LEAN_KEYS from this many units (heads of 256: DEC_LEAN_KEYS; from
+                               * half as many with two warps a part) */
 #define DEC_P_SCALE 16384.0f  /* softmax weights (<= 1) times this on the tensor cores: f16 stays normal longer */
 #define PF_QT 16              /* query rows per CUDA-core prefill CTA */
 #define PF_SUB (LUMA_CUDA_ATTN_TILE / PF_QT)   /* its CTAs per tile */
@@ -1878,9 +1879,10 @@ typedef struct dec_tuning {
     int lean_min;              /* decode_lean_kernel from this many units (rows x kv heads x head chunks) */
     int lean_keys;             /* and at most this many keys a row (lean_covers: by heads and units) */
     int lean_split;            /* its warps a unit: 1, 2, 4 or 8 (0: by the step's units, lean_split_for) */
-    int lean_wide;             /* heads of 256: a quarter of lean_keys from this many units, an eighth below;
-                                * heads of up to 128: lean_keys from twice this many, a quarter below */
-    int lean_long;             /* twice lean_keys from this many units (heads of 256: lean_keys) */
+    int lean_wide;             /* heads of up to 128: lean_keys from twice this many units, a quarter below;
+                                * heads of 256, one warp a part: a quarter from this many, an eighth below */
+    int lean_long;             /* twice lean_keys from this many units (heads of 256: lean_keys; two warps a
+                                * part: from half as many) */
     int lean_ds;               /* warps a part of a unit: 2 (each half of the values), 1, or 0: by the heads (lean_ds_for) */
 } dec_tuning;
 
@@ -2188,17 +2190,23 @@ static bool lean_covers(const cuda_backend *c, const attn_args *a, const dec_tun
      * and from 16 rows up to 2,048 keys (20%); decode_kernel's splits keep
      * longer rows. Fewer than the 7B's one row of units (Qwen2 0.5B's 2 kv
      * heads at 1 to 3 rows: not measured) keep a quarter of lean_keys (256,
-     * as before). Heads of 256 (Gemma 3; 4 warps a unit at most, their tiles twice as
-     * long, against decode_kernel on the CUDA cores): at 1 and 2 units
-     * faster up to about 150 keys and slower from 128 to 256, so up to an
-     * eighth of lean_keys (128: a step bound of 128, the first bucket);
-     * from lean_wide units faster up to 256 keys (2 to 20%); from
-     * lean_long units faster at 385 to 960 keys too (8 to 21%), where at 8
-     * rows it lost and at 32 was level. */
+     * as before). Heads of 256 (Gemma 3; 4 parts a unit at most, their
+     * tiles twice as long, against decode_kernel on the CUDA cores): with
+     * one warp a part, at 1 and 2 units faster up to about 150 keys and
+     * slower from 128 to 256, so up to an eighth of lean_keys (128: a step
+     * bound of 128, the first bucket); from lean_wide units faster up to
+     * 256 keys (2 to 20%); from lean_long units faster at 385 to 960 keys
+     * too (8 to 21%), where at 8 rows it lost and at 32 was level. With two
+     * warps a part (their default, lean_ds_for): a quarter of lean_keys at
+     * any units (1 and 2 rows of 160 to 256 keys 8 to 23% faster), and
+     * lean_keys from half of lean_long units (32 rows of 400 to 928 keys 5
+     * to 11% faster; 8 and 16 rows lost 3 to 13% at 800 to 928). */
     int64_t most = units >= tu.lean_long ? 2 * (int64_t)tu.lean_keys
                    : units >= 2 * tu.lean_wide ? tu.lean_keys
                                                : tu.lean_keys / 4;
-    if (a->dk > 128)
+    if (a->dk > 128 && lean_ds_for(a, tu, 1) == 2)
+        most = units >= tu.lean_long / 2 ? tu.lean_keys : tu.lean_keys / 4;
+    else if (a->dk > 128)
         most = units >= tu.lean_long ? tu.lean_keys : units >= tu.lean_wide ? tu.lean_keys / 4 : tu.lean_keys / 8;
     return !c->invariant && a->dk == a->dv && (a->dk == 64 || a->dk == 128 || a->dk == 256) &&
            a->heads_per_cta <= 8 && aligned && units >= tu.lean_min && keys <= most;

@@ -1883,7 +1883,8 @@ typedef struct dec_tuning {
                                 * heads of 256, one warp a part: a quarter from this many, an eighth below */
     int lean_long;             /* twice lean_keys from this many units (heads of 256: lean_keys; two warps a
                                 * part: from half as many) */
-    int lean_ds;               /* warps a part of a unit: 2 (each half of the values), 1, or 0: by the heads (lean_ds_for) */
+    int lean_ds;               /* warps a part of a unit: 2 (each half of the values), 1, or 0: by the heads
+                                * (lean_ds_for) */
 } dec_tuning;
 
 /* LUMA_CUDA_ATTN_DECODE="stages,stage_bytes,warps,waves,min_split,merge_kb,mma,one_split,lean_min,lean_keys,

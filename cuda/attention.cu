@@ -2202,12 +2202,14 @@ static bool lean_covers(const cuda_backend *c, const attn_args *a, const dec_tun
      * any units (1 and 2 rows of 160 to 256 keys 8 to 23% faster), and
      * lean_keys from half of lean_long units (32 rows of 400 to 928 keys 5
      * to 11% faster; 8 and 16 rows lost 3 to 13% at 800 to 928). */
-    int64_t most = units >= tu.lean_long ? 2 * (int64_t)tu.lean_keys
-                   : units >= 2 * tu.lean_wide ? tu.lean_keys
-                                               : tu.lean_keys / 4;
-    if (a->dk > 128 && lean_ds_for(a, tu, 1) == 2)
+    int64_t most;
+    if (a->dk <= 128)
+        most = units >= tu.lean_long ? 2 * (int64_t)tu.lean_keys
+               : units >= 2 * tu.lean_wide ? tu.lean_keys
+                                           : tu.lean_keys / 4;
+    else if (lean_ds_for(a, tu, 1) == 2)   /* heads of 256 split at most 4 ways: the split does not decide */
         most = units >= tu.lean_long / 2 ? tu.lean_keys : tu.lean_keys / 4;
-    else if (a->dk > 128)
+    else
         most = units >= tu.lean_long ? tu.lean_keys : units >= tu.lean_wide ? tu.lean_keys / 4 : tu.lean_keys / 8;
     return !c->invariant && a->dk == a->dv && (a->dk == 64 || a->dk == 128 || a->dk == 256) &&
            a->heads_per_cta <= 8 && aligned && units >= tu.lean_min && keys <= most;

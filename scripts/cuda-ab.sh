@@ -12,7 +12,7 @@
 # then a table: one line per run, the value, ms a decode token, tokens/s,
 # the fraction of the roofline ($PEAK_GBS, default scripts/peak-gbs.sh's) and any aggregate
 # rates the arguments asked for.
-#   VAR=LUMA_CUDA_MMV_RING VALUES="0 4" scripts/cuda-ab.sh -b 1,8
+#   VAR=LUMA_CUDA_MMV_PAIRS VALUES="0 1" scripts/cuda-ab.sh -b 1,8
 set -u
 cd "$(dirname "$0")/.."
 BUILD=${BUILD:-build-cuda}

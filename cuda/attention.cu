@@ -57,6 +57,7 @@
 
 #include "cuda_internal.h"
 #include "launch.cuh"
+#include "quant8.cuh"
 
 #define HEAD_MAX 256          /* largest head_dim_k / head_dim_v handled */
 #define DEC_MAX_WARPS 8       /* warps of a decode CTA at most */
@@ -110,6 +111,12 @@ typedef struct attn_args {
     int32_t *counters;         /* decode: [n_dec][kv heads x head chunks] splits arrived */
     int32_t merge_here;        /* decode: the last split of a row merges the partials (no combine_kernel) */
     int32_t early;             /* decode_kernel: metadata and the first tiles of earlier steps' keys before the wait */
+    /* decode_lean_kernel of 2 to 8 parts a unit: the output also quantized
+     * for the product after it, as quantize_act makes it (scheme q_scheme,
+     * an act_scheme), into qo and qds; NULL: not */
+    int8_t *qo;
+    float2 *qds;
+    int32_t q_scheme;
 } attn_args;
 
 /* ---- element access ------------------------------------------------------ */
@@ -1239,13 +1246,43 @@ __global__ static void __launch_bounds__(SP * DS > DEC_LEAN_CTA_WARPS ? SP * DS 
     }
     constexpr int PER = 4 * KCD / SP;   /* even: a value's head (u = v & 1) is j's */
     static_assert(PER % 2 == 0, "a part's values pair up by head");
+    /* with a.qo the unit's values also go to shared memory (the first
+     * part's ring past the merge's rings: [nh][D] floats, decode_lean_go
+     * checks the room), to be quantized below */
+    float *const staged = (float *)((__half *)dsm + (size_t)((warp - uw) / DS) * (size_t)S * STAGE) + DS * NF * 32;
 #pragma unroll
     for (int j = 0; j < PER; j++) {
         const int v = part * PER + j, u = j & 1;
         float sum = 0.0f;
 #pragma unroll
         for (int q = 0; q < SP; q++) sum += f[q][u] * first[q * ring_floats + v * 32 + lane];
-        if (2 * t + u < nh) out[(2 * t + u) * D + 16 * (v / 4) + 8 * (v % 4 / 2)] = sum * w[u];
+        const int at = (2 * t + u) * D + 16 * (v / 4) + 8 * (v % 4 / 2);
+        if (2 * t + u < nh) {
+            out[at] = sum * w[u];
+            if (a.qo) staged[at + g + dh * (D / DS)] = sum * w[u];
+        }
+    }
+    if (!a.qo) return;
+    /* The unit's nh x D values quantized as quantize_act does for the
+     * product after it (quant8.cuh): a unit of 8 values a lane, a warp's
+     * lanes 32 consecutive units (a super-block of 256 for ACT_Q8_K, whose
+     * starts decode_lean_go checks fall on the unit's), so every value,
+     * lane and shuffle is the one quantize_act would have. */
+    team_barrier(1 + warp / UW, UW * 32);
+    const int n8 = nh * D / 8;
+    const int64_t base = ((int64_t)r * a.out_cols + (int64_t)h0 * D) / 8;
+    for (int u0 = uw * 32; u0 < n8; u0 += UW * 32) {
+        const int i = u0 + lane;
+        const bool live = i < n8;
+        float x[8] = { 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f };
+        if (live) {
+            const float4 x0 = ((const float4 *)staged)[2 * i], x1 = ((const float4 *)staged)[2 * i + 1];
+            x[0] = x0.x; x[1] = x0.y; x[2] = x0.z; x[3] = x0.w;
+            x[4] = x1.x; x[5] = x1.y; x[6] = x1.z; x[7] = x1.w;
+        }
+        int iq[8];
+        const float d = a.q_scheme == ACT_Q8_K ? q8_scale<ACT_Q8_K>(x, lane, iq) : q8_scale<ACT_Q8_0>(x, lane, iq);
+        q8_put(iq, d, base + i, live, lane, a.qo, a.qds);
     }
 }
 
@@ -2124,6 +2161,12 @@ static void decode_lean_go(cuda_backend *c, attn_args *a, const dec_tuning &tu)
         return;
     }
     a->dec_stages = stages;
+    /* the quantized output: parts that merge, and room in the first part's
+     * ring for the unit's values past the merge's rings (decode_lean_kernel) */
+    constexpr size_t merge_floats = (size_t)DS * ((D / 16 / DS) * 4 + 2) * 32;
+    if (SP == 1 || (merge_floats + (size_t)a->heads_per_cta * D) * sizeof(float) >
+                       (size_t)stages * 2 * 16 * (D + 8) * sizeof(__half))
+        a->qo = NULL;
     luma_launch(c, c->stream, dim3((unsigned)st->n_dec, (unsigned)((z + upc - 1) / upc)), warps * 32, smem,
                 decode_lean_kernel<D, SP, DS>, *a);
 }
@@ -2251,6 +2294,7 @@ static void launch(cuda_backend *c, attn_args *a, bool tc)
             } else if (mma && a->dv <= 128) decode_heads<T, 128>(c, a, tu);
             else if (mma) decode_heads<T, 256>(c, a, tu);
         }
+        if (!lean) a->qo = NULL;   /* only decode_lean_kernel quantizes its output */
         if (!mma && !lean) decode_heads<T, 0>(c, a, tu);
         if (!LUMA_CUDA_OK(c)) return;
     }
@@ -2268,23 +2312,23 @@ static void launch(cuda_backend *c, attn_args *a, bool tc)
     }
 }
 
-void luma_cuda_attention(cuda_backend *c, const luma_buf *q, const luma_buf *k, const luma_buf *v,
-                         const luma_step *step, const luma_attn *at, luma_buf *out)
+bool luma_cuda_attention_quant(cuda_backend *c, const luma_buf *q, const luma_buf *k, const luma_buf *v,
+                               const luma_step *step, const luma_attn *at, luma_buf *out, const cuda_attn_quant *aq)
 {
     out->rows = q->rows;
     out->cols = (int64_t)at->n_head * at->head_dim_v;
-    if (!LUMA_CUDA_OK(c) || step->n_rows == 0) return;
+    if (!LUMA_CUDA_OK(c) || step->n_rows == 0) return false;
     const luma_kv_layout *l = &c->kvl;
     if (c->step.host != step) {
         luma_cuda_failf(c, "attention: step_begin was not called for this step");
-        return;
+        return false;
     }
     if (at->pool < 0 || at->pool >= l->n_pools || at->layer < 0 || at->layer >= l->n_layers[at->pool] ||
         at->n_kv_head != l->n_kv_head || at->head_dim_k != l->head_dim_k || at->head_dim_v != l->head_dim_v ||
         at->n_head < 1 || at->n_head % at->n_kv_head != 0) {
         luma_cuda_failf(c, "attention: layer %d of pool %d with %d heads over %d kv heads does not fit the KV cache",
                         at->layer, at->pool, at->n_head, at->n_kv_head);
-        return;
+        return false;
     }
     const cuda_step *st = &c->step;
     size_t es = l->type == LUMA_F16 ? 2 : 4;
@@ -2338,9 +2382,51 @@ void luma_cuda_attention(cuda_backend *c, const luma_buf *q, const luma_buf *k, 
     bool tc = tc_covers(l, &a);
     if (tc && (int64_t)st->n_tiles * a.n_head * (LUMA_CUDA_ATTN_TILE / (TC_WARPS * 16)) > INT32_MAX) {
         luma_cuda_failf(c, "attention: %d tiles of %d heads are too many CTAs", st->n_tiles, a.n_head);
-        return;
+        return false;
+    }
+    /* o's input quantized here: every row a decode row, every unit of a
+     * CTA's heads whole (nh = heads_per_cta), and for ACT_Q8_K each unit's
+     * and row's columns whole super-blocks of 256 (the rest decode_lean_go
+     * and launch decide) */
+    a.qo = NULL;
+    a.qds = NULL;
+    a.q_scheme = ACT_Q8_0;
+    if (aq && st->n_tiles == 0 && (int64_t)st->n_dec == q->rows && a.group % a.heads_per_cta == 0 &&
+        (aq->scheme == ACT_Q8_0 || ((int64_t)a.heads_per_cta * a.dv % 256 == 0 && (int64_t)a.group * a.dv % 256 == 0))) {
+        a.qo = aq->q;
+        a.qds = aq->ds;
+        a.q_scheme = aq->scheme;
     }
     if (l->type == LUMA_F16) launch<__half>(c, &a, tc);
     else launch<float>(c, &a, tc);
     luma_cuda_fail(c, cudaGetLastError(), "attention");
+    return a.qo != NULL && LUMA_CUDA_OK(c);
+}
+
+void luma_cuda_attention(cuda_backend *c, const luma_buf *q, const luma_buf *k, const luma_buf *v,
+                         const luma_step *step, const luma_attn *at, luma_buf *out)
+{
+    luma_cuda_attention_quant(c, q, k, v, step, at, out, NULL);
+}
+
+bool luma_cuda_attn_pend(cuda_backend *c, const luma_buf *q, const luma_buf *k, const luma_buf *v,
+                         const luma_step *step, const luma_attn *at, luma_buf *out)
+{
+    /* a step of one row (the o product's matrix-vector path), not while
+     * programs capture products (one would read out before its attention
+     * ran), nor under batch invariance or float activations (where the
+     * lean kernel or the quantizer is not taken) */
+    if (!c->attnq_on || !c->in_step || c->prog_on || c->float_act || c->invariant || !LUMA_CUDA_OK(c) ||
+        c->pend_attn.on || c->pend_norm.on || q->rows != 1 || step != c->step.host || step->n_rows != 1)
+        return false;
+    out->rows = q->rows;
+    out->cols = (int64_t)at->n_head * at->head_dim_v;
+    c->pend_attn.on = true;
+    c->pend_attn.q = *q;
+    c->pend_attn.k = *k;
+    c->pend_attn.v = *v;
+    c->pend_attn.step = step;
+    c->pend_attn.at = *at;
+    c->pend_attn.out = *out;
+    return true;
 }

@@ -22,12 +22,12 @@
 static cuda_backend *cu(luma_backend *be) { return (cuda_backend *)be; }
 
 /* What waits to be launched, launched: the open program (program.cu), the
- * pending norm (ops.cu). The products take the norm themselves (matmul.cu,
- * quantize_into) and flush only the program. */
+ * pending attention or norm (luma_cuda_pending_flush). The products take
+ * those themselves (matmul.cu, quantize_into) and flush only the program. */
 static void flush_all(cuda_backend *c)
 {
     luma_cuda_prog_flush(c);
-    luma_cuda_norm_flush(c);
+    luma_cuda_pending_flush(c);
 }
 
 bool luma_cuda_fail(cuda_backend *c, cudaError_t e, const char *what)
@@ -641,7 +641,8 @@ static uint64_t graph_where(const cuda_backend *c)
     uint64_t h = 1469598103934665603ull;
     uint64_t v[] = { (uint64_t)(uintptr_t)c->step_mem, (uint64_t)(uintptr_t)c->scratch, (uint64_t)(uintptr_t)c->side_scratch,
                      (uint64_t)(uintptr_t)c->attn_scratch.mem, (uint64_t)(uintptr_t)c->sk_scratch.mem, c->buf_gen, (uint64_t)c->f16_mode,
-                     (uint64_t)c->n_f16, (uint64_t)c->mmv_on, (uint64_t)c->prog_on, (uint64_t)c->normq_on };
+                     (uint64_t)c->n_f16, (uint64_t)c->mmv_on, (uint64_t)c->prog_on, (uint64_t)c->normq_on,
+                     (uint64_t)c->attnq_on };
     for (size_t i = 0; i < sizeof v / sizeof v[0]; i++) h = (h ^ v[i]) * 1099511628211ull;
     return h;
 }
@@ -761,6 +762,7 @@ static void cuda_attention(luma_backend *be, const luma_buf *q, const luma_buf *
                            const luma_step *step, const luma_attn *a, luma_buf *out)
 {
     flush_all(cu(be));
+    if (luma_cuda_attn_pend(cu(be), q, k, v, step, a, out)) return;
     luma_cuda_attention(cu(be), q, k, v, step, a, out);
 }
 
@@ -1062,6 +1064,7 @@ luma_backend *luma_backend_cuda_new(int device, luma_err *err)
     const char *prog = getenv("LUMA_CUDA_PROGRAM");
     c->prog_on = prog && strcmp(prog, "1") == 0;
     c->normq_on = !env_off("LUMA_CUDA_NORM_QUANT");
+    c->attnq_on = !env_off("LUMA_CUDA_ATTN_QUANT");
     c->repack_q6k = !env_off("LUMA_CUDA_Q6K_MMV");
     c->repack_x4 = !env_off("LUMA_CUDA_X4_MMV");
     c->repack_tc = !env_off("LUMA_CUDA_TC_MMV");

@@ -240,7 +240,7 @@ typedef struct cuda_backend {
      * quantizer of the next product, when that product reads its out
      * (matmul.cu, quantize_into), runs the norm and
      * the quantization as one kernel (norm_quantize), and every other
-     * operation first launches the norm alone (luma_cuda_norm_flush). Same
+     * operation first launches the norm alone (luma_cuda_pending_flush). Same
      * bits either way. normq_on from LUMA_CUDA_NORM_QUANT (0: off);
      * norm_quants counts the joined launches (recorded ones once). */
     struct {
@@ -251,6 +251,23 @@ typedef struct cuda_backend {
     } pend_norm;
     bool normq_on;
     long long norm_quants;
+    /* Decode attention waiting for the product that reads it (attention.cu,
+     * luma_cuda_attn_pend): while in_step, programs off, the attention of
+     * a step of one row is not launched but kept here; the activation
+     * quantizer of the next product, when that product reads its out
+     * (matmul.cu, quantize_into), has the attention quantize its output
+     * for it instead (decode_lean_kernel, attn_args.qo), and every other
+     * operation first launches the attention alone (luma_cuda_pending_flush).
+     * Same bits either way. attnq_on from LUMA_CUDA_ATTN_QUANT (0: off);
+     * attn_quants counts the joined launches (recorded ones once). */
+    struct {
+        bool on;
+        luma_buf q, k, v, out;
+        const luma_step *step;
+        luma_attn at;
+    } pend_attn;
+    bool attnq_on;
+    long long attn_quants;
     struct prog_builder *prog;
     unsigned *prog_bar;        /* the program's grid barrier (2 counters) */
     long long programs;
@@ -483,8 +500,9 @@ void luma_cuda_add(luma_backend *be, luma_buf *x, const luma_buf *y);
  * it). Any pending norm must have been flushed before. */
 bool luma_cuda_norm_pend(cuda_backend *c, luma_buf *x, const luma_buf *y, const luma_weight *yg,
                          const luma_weight *g, float eps, luma_buf *out);
-/* Launches the pending norm alone, if there is one. */
-void luma_cuda_norm_flush(cuda_backend *c);
+/* Launches what waits for the product that reads it, alone: the pending
+ * attention (attention.cu) or the pending norm. */
+void luma_cuda_pending_flush(cuda_backend *c);
 
 /* ---- attention.cu -------------------------------------------------------- */
 
@@ -502,6 +520,24 @@ static inline bool luma_cuda_prefill_rows(const cuda_backend *c, int32_t n_rows)
  * by kv_alloc. Also raises the kernels' shared-memory limits. */
 int luma_cuda_attention_setup(const luma_kv_layout *l, luma_err *err);
 void luma_cuda_attention(cuda_backend *c, const luma_buf *q, const luma_buf *k, const luma_buf *v,
+                         const luma_step *step, const luma_attn *a, luma_buf *out);
+/* Where the product after the attention wants its activations: the int8
+ * values q and their blocks' (d, d * sum) ds, quantized by scheme (an
+ * act_scheme, quant8.cuh), as quantize_act writes them. */
+typedef struct cuda_attn_quant {
+    int8_t *q;
+    float2 *ds;
+    int scheme;
+} cuda_attn_quant;
+/* luma_cuda_attention that also quantizes its output into aq where its
+ * kernel can (true; then out holds the values too), else leaves that to
+ * the caller (false). */
+bool luma_cuda_attention_quant(cuda_backend *c, const luma_buf *q, const luma_buf *k, const luma_buf *v,
+                               const luma_step *step, const luma_attn *a, luma_buf *out, const cuda_attn_quant *aq);
+/* The attention kept pending (cuda_backend.pend_attn) instead of launched:
+ * false, keeping nothing, where it cannot be (then the caller launches
+ * it). Anything pending must have been flushed before. */
+bool luma_cuda_attn_pend(cuda_backend *c, const luma_buf *q, const luma_buf *k, const luma_buf *v,
                          const luma_step *step, const luma_attn *a, luma_buf *out);
 
 /* ---- logits.cu ----------------------------------------------------------- */

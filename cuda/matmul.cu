@@ -51,6 +51,7 @@
 #include "launch.cuh"
 #include "rope.cuh"
 #include "act.cuh"
+#include "quant8.cuh"
 #include "program.cuh"
 #include "norm.cuh"
 
@@ -1143,73 +1144,6 @@ struct type_f32 {
 
 /* ---- matrix-vector path ------------------------------------------------------- */
 
-/* The activations a block-format weight multiplies, quantized exactly as
- * the CPU backend quantizes them for that weight (src/quant.c), so that the
- * two backends multiply the same int8 values:
- *   ACT_Q8_0 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 weights): blocks of 32, d =
- *     max|x| / 127, q = round(x / d) half away from zero, and d itself
- *     rounded to f16 as Q8_0 stores it;
- *   ACT_Q8_K (the K formats): super-blocks of 256 sharing one scale: the
- *     first element of largest magnitude maps to -127 (iscale = -127 / x),
- *     the others round half to even and clamp at 127, d = 1 / iscale.
- * A thread takes 8 consecutive values (unit i: x[8 i .. 8 i + 7]), so 4
- * threads hold a block of 32 and a warp a super-block of 256 (the caller's
- * n is a multiple of the block: whole warps are live or dead together for
- * ACT_Q8_K, whole quads for ACT_Q8_0). Writes either the int8 values (q)
- * with each block of 32's (d, d * sum of its q) (ds; the minimum terms of
- * Q4_1/Q5_1/Q2_K/Q4_K/Q5_K need the sum, as Q8_1 and Q8_K's bsums keep
- * it), or, for the tensor-core paths, the f16 of d * q (xh): every path
- * multiplies the same values. */
-enum act_scheme { ACT_Q8_0, ACT_Q8_K };
-
-/* ACT_Q8_K for the super-block a warp holds, 8 consecutive values a lane:
- * the lane's int8 values into iq, and the super-block's d. The first
- * element of largest magnitude: this lane's, then the warp's (the larger
- * magnitude, on a tie the lower lane). */
-static __device__ __forceinline__ float q8k_warp(const float v[8], int lane, int iq[8])
-{
-    float amax = 0.0f, vmax = 0.0f;
-#pragma unroll
-    for (int j = 0; j < 8; j++)
-        if (fabsf(v[j]) > amax) {
-            amax = fabsf(v[j]);
-            vmax = v[j];
-        }
-    int from = lane;
-    for (int o = 1; o < 32; o *= 2) {
-        float a2 = __shfl_xor_sync(0xffffffffu, amax, o), v2 = __shfl_xor_sync(0xffffffffu, vmax, o);
-        int f2 = __shfl_xor_sync(0xffffffffu, from, o);
-        if (a2 > amax || (a2 == amax && f2 < from)) {
-            amax = a2;
-            vmax = v2;
-            from = f2;
-        }
-    }
-    float iscale = amax == 0.0f ? 0.0f : -127.0f / vmax;
-#pragma unroll
-    for (int j = 0; j < 8; j++) iq[j] = min(127, __float2int_rn(__fmul_rn(iscale, v[j])));
-    return amax == 0.0f ? 0.0f : 1.0f / iscale;
-}
-
-/* The int8 values of a unit of 8 as quantize_act stores them (two words),
- * and the sum its block of 32 keeps: the 4 lanes of the block add theirs. */
-static __device__ __forceinline__ uint2 pack_q8(const int iq[8])
-{
-    uint32_t lo = (uint32_t)(iq[0] & 255) | (uint32_t)(iq[1] & 255) << 8 | (uint32_t)(iq[2] & 255) << 16 |
-                  (uint32_t)(iq[3] & 255) << 24;
-    uint32_t hi = (uint32_t)(iq[4] & 255) | (uint32_t)(iq[5] & 255) << 8 | (uint32_t)(iq[6] & 255) << 16 |
-                  (uint32_t)(iq[7] & 255) << 24;
-    return make_uint2(lo, hi);
-}
-
-static __device__ __forceinline__ int quad_sum(const int iq[8])
-{
-    int sum = iq[0] + iq[1] + iq[2] + iq[3] + iq[4] + iq[5] + iq[6] + iq[7];
-    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-    return sum;
-}
-
 #define MMV_TC_MAX_M 64  /* the most rows mmv_tc takes */
 
 /* The n8 tiles (octets of activation rows) of an mmv_tc CTA at m rows: one
@@ -1255,39 +1189,14 @@ static __device__ __forceinline__ void put_qi(uint32_t *qi, int64_t cols, int m,
     }
 }
 
-/* The int8 values iq of a unit of 8 activations v and their block's scale
- * d: Q8_0's blocks of 32 (4 lanes), Q8_K's of 256 (the warp). */
-template <int SCHEME>
-static __device__ __forceinline__ float q8_scale(const float v[8], int lane, int iq[8])
-{
-    if (SCHEME == ACT_Q8_0) {
-        float amax = 0.0f;
-#pragma unroll
-        for (int j = 0; j < 8; j++) amax = fmaxf(amax, fabsf(v[j]));
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-        float dq = amax / 127.0f, id = dq != 0.0f ? 1.0f / dq : 0.0f;
-#pragma unroll
-        for (int j = 0; j < 8; j++) iq[j] = max(-127, min(127, (int)roundf(__fmul_rn(v[j], id))));
-        return __half2float(__float2half_rn(dq));
-    }
-    return q8k_warp(v, lane, iq);
-}
-
-/* Unit i's int8 values (two words) into q, its block's (d, d * sum) into
- * ds (the block's first lane) and, where qi is not NULL, the values into
- * the interleaved copy (put_qi: m rows of cols). Every lane takes part in
- * the sums' shuffles; only live ones store. */
+/* Unit i's int8 values into q and ds (q8_put) and, where qi is not NULL,
+ * into the interleaved copy (put_qi: m rows of cols). */
 static __device__ __forceinline__ void q8_store(const int iq[8], float d, int64_t i, bool live, int lane,
                                                 int8_t *__restrict__ q, float2 *__restrict__ ds,
                                                 uint32_t *__restrict__ qi, int64_t cols, int m)
 {
-    int sum = quad_sum(iq);
-    if (!live) return;
-    const uint2 packed = pack_q8(iq);
-    ((uint2 *)q)[i] = packed;
-    if (lane % 4 == 0) ds[i / 4] = make_float2(d, d * (float)sum);
-    if (qi) put_qi(qi, cols, m, i, packed);
+    const uint2 packed = q8_put(iq, d, i, live, lane, q, ds);
+    if (live && qi) put_qi(qi, cols, m, i, packed);
 }
 
 template <int SCHEME, bool F16, int ACT = -1, bool PERM = false>
@@ -3249,11 +3158,31 @@ static bool norm_quant_into(cuda_backend *c, const luma_weight *w, const float *
     return true;
 }
 
+/* The pending attention (cuda_backend.pend_attn), launched: where x is its
+ * out, with its output quantized for w into a where its kernel can (true),
+ * else alone (false: the caller quantizes). False, launching nothing,
+ * where x is not its out. */
+static bool attn_quant_into(cuda_backend *c, const luma_weight *w, const float *x, int64_t m, const act_rows &a)
+{
+    if (!c->pend_attn.on || c->pend_attn.out.data != x) return false;
+    c->pend_attn.on = false;
+    const bool k = luma_type_get(w->type)->act_type == LUMA_Q8_K;
+    const cuda_attn_quant aq = { (int8_t *)a.q, (float2 *)a.ds, k ? ACT_Q8_K : ACT_Q8_0 };
+    /* one row of whole blocks, with no interleaved copy to make */
+    const bool fits = m == 1 && !a.qi && c->pend_attn.out.cols == w->cols && w->cols % (k ? 256 : 32) == 0;
+    const bool done = luma_cuda_attention_quant(c, &c->pend_attn.q, &c->pend_attn.k, &c->pend_attn.v,
+                                                c->pend_attn.step, &c->pend_attn.at, &c->pend_attn.out,
+                                                fits ? &aq : NULL);
+    if (done) c->attn_quants++;
+    return done;
+}
+
 static void quantize_into(cuda_backend *c, const luma_weight *w, const float *x, int64_t m, uint8_t *s)
 {
     act_rows a = act_rows_at(w, x, m, s);
+    if (attn_quant_into(c, w, x, m, a)) return;
     if (norm_quant_into(c, w, x, m, a)) return;
-    luma_cuda_norm_flush(c);
+    luma_cuda_pending_flush(c);
     quantize_launch<-1>(c, w->type, NULL, x, NULL, m * w->cols, (int8_t *)a.q, (float2 *)a.ds, NULL, (uint32_t *)a.qi,
                         w->cols, (int)m);
 }
@@ -3884,7 +3813,7 @@ void luma_cuda_matmul(cuda_backend *c, const luma_weight *w, const float *x, int
     const bool vec = takes_vec(c, w, x, m);
     /* a pending norm joins the quantizer of mm_vec (quantize_into); the
      * other paths read x first */
-    if (!vec || is_float_type(w->type) || c->float_act) luma_cuda_norm_flush(c);
+    if (!vec || is_float_type(w->type) || c->float_act) luma_cuda_pending_flush(c);
     if (vec) {
         if (c->float_act && !is_float_type(w->type)) mm_float(c, w, x, m, y);
         else mm_vec(c, w, x, m, y);
@@ -4080,7 +4009,7 @@ void luma_cuda_matmul_many(cuda_backend *c, int n, const luma_weight *const *ws,
      * every product reads x quantized; otherwise it runs first */
     for (int i = 0; i < n && i < LUMA_MATMUL_MANY; i++)
         if (fmt_of[i] == NONE || fmt_of[i] == FMT_KF) {
-            luma_cuda_norm_flush(c);
+            luma_cuda_pending_flush(c);
             break;
         }
     /* the others first: their paths may grow the scratch, and move it.
@@ -4201,8 +4130,23 @@ extern "C" long long luma_cuda_norm_quants(luma_backend *be)
 extern "C" void luma_cuda_set_norm_quant(luma_backend *be, bool on)
 {
     cuda_backend *c = (cuda_backend *)be;
-    luma_cuda_norm_flush(c);
+    luma_cuda_pending_flush(c);
     c->normq_on = on;
+}
+
+/* How many attentions have quantized the next product's input (for the
+ * tests). */
+extern "C" long long luma_cuda_attn_quants(luma_backend *be)
+{
+    return ((cuda_backend *)be)->attn_quants;
+}
+
+/* Attentions quantizing the next product's input, or not (for the tests). */
+extern "C" void luma_cuda_set_attn_quant(luma_backend *be, bool on)
+{
+    cuda_backend *c = (cuda_backend *)be;
+    luma_cuda_pending_flush(c);
+    c->attnq_on = on;
 }
 
 /* How many sets matmul_many has split over its two streams (for the tests). */

@@ -423,8 +423,13 @@ bool luma_cuda_norm_pend(cuda_backend *c, luma_buf *x, const luma_buf *y, const 
     return true;
 }
 
-void luma_cuda_norm_flush(cuda_backend *c)
+void luma_cuda_pending_flush(cuda_backend *c)
 {
+    if (c->pend_attn.on) {
+        c->pend_attn.on = false;
+        luma_cuda_attention(c, &c->pend_attn.q, &c->pend_attn.k, &c->pend_attn.v, c->pend_attn.step,
+                            &c->pend_attn.at, &c->pend_attn.out);
+    }
     if (!c->pend_norm.on) return;
     c->pend_norm.on = false;
     luma_cuda_add_rmsnorm(&c->base, &c->pend_norm.x, &c->pend_norm.y, c->pend_norm.yg, c->pend_norm.g,

@@ -1,6 +1,8 @@
 /* Residual norms joined to the activation quantizer of the product after
- * them (cuda_backend.pend_norm, matmul.cu norm_quantize) against the two
- * kernels they replace, and against the CPU.
+ * them (cuda_backend.pend_norm, matmul.cu norm_quantize), and decode
+ * attention quantizing o's input itself (cuda_backend.pend_attn,
+ * decode_lean_kernel's attn_args.qo), against the kernels they replace,
+ * and against the CPU.
  *
  * Three synthetic models in the Q4_K_M mix, each written first (the
  * vocabulary from $LUMA_VOCAB, else the shared llama-spm one beside the
@@ -14,12 +16,15 @@
  *   llama 256    tiny-llama's width (superblocks, one float4 a thread).
  * Each runs, on one sequence and on four side by side, a prompt and then
  * single-token steps of forced tokens, on:
- *   off    the GPU with the norms launched alone (LUMA_CUDA_NORM_QUANT=0);
+ *   off    the GPU with the norms, the attentions and the quantizers
+ *          launched alone (LUMA_CUDA_NORM_QUANT=0, LUMA_CUDA_ATTN_QUANT=0);
  *   on     the GPU with them joined (the default), recorded steps replayed;
  *   eager  a second GPU copy with them joined and CUDA graphs off.
- * Checks: the joined kernels ran (in the eager run, at least one a layer
- * at every step) and not while off; on and eager equal off bit for bit
- * (the same norm, the same quantization, in the same order); off's top-1
+ * Checks: the joined kernels ran (in the eager run, at least one norm a
+ * layer at every step, and on one sequence an attention a layer at every
+ * single-token step where the model's heads make whole blocks of o's
+ * activations) and not while off; on and eager equal off bit for bit (the
+ * same norm, attention and quantization, in the same order); off's top-1
  * agrees with the CPU's at most steps (the GPU itself is checked against
  * the CPU in test_cuda). */
 #define _POSIX_C_SOURCE 200809L
@@ -35,6 +40,8 @@
 
 long long luma_cuda_norm_quants(luma_backend *be);
 void luma_cuda_set_norm_quant(luma_backend *be, bool on);
+long long luma_cuda_attn_quants(luma_backend *be);
+void luma_cuda_set_attn_quant(luma_backend *be, bool on);
 
 #define PROMPT 12
 #define STEPS 16
@@ -51,7 +58,9 @@ static bool run(luma_model *m, int n_seqs, float *out, const char *name)
     return luma_test_forced_steps(m, n_seqs, &ids[0][0], PROMPT, STEPS, out, name);
 }
 
-static void check_model(const luma_synth_params *sp, const char *label)
+/* attn: whether the attention quantizes o's input on one sequence (the
+ * model's heads of a CTA make whole blocks of the activations) */
+static void check_model(const luma_synth_params *sp, const char *label, bool attn)
 {
     luma_err err = { { 0 } };
     char path[256];
@@ -73,23 +82,37 @@ static void check_model(const luma_synth_params *sp, const char *label)
         float *lc = xmalloc(n * sizeof(float)), *loff = xmalloc(n * sizeof(float)), *lon = xmalloc(n * sizeof(float)),
               *leg = xmalloc(n * sizeof(float));
         luma_cuda_set_norm_quant(gpu->be, false);
-        long long j0 = luma_cuda_norm_quants(gpu->be);
+        luma_cuda_set_attn_quant(gpu->be, false);
+        long long j0 = luma_cuda_norm_quants(gpu->be), a0 = luma_cuda_attn_quants(gpu->be);
         bool ok = run(cpu, n_seqs, lc, "cpu") && run(gpu, n_seqs, loff, "off");
-        long long j1 = luma_cuda_norm_quants(gpu->be);
+        long long j1 = luma_cuda_norm_quants(gpu->be), a1 = luma_cuda_attn_quants(gpu->be);
         luma_cuda_set_norm_quant(gpu->be, true);
+        luma_cuda_set_attn_quant(gpu->be, true);
         ok = ok && run(gpu, n_seqs, lon, "on");
         long long j2 = luma_cuda_norm_quants(gpu->be), e0 = luma_cuda_norm_quants(eager->be);
+        long long a2 = luma_cuda_attn_quants(gpu->be), f0 = luma_cuda_attn_quants(eager->be);
         ok = ok && run(eager, n_seqs, leg, "eager");
-        long long e1 = luma_cuda_norm_quants(eager->be);
+        long long e1 = luma_cuda_norm_quants(eager->be), f1 = luma_cuda_attn_quants(eager->be);
         if (ok) {
             int agree = 0;
             for (int r = 0; r < STEPS * n_seqs; r++)
                 agree += argmax(lc + (size_t)r * (size_t)nv, nv) == argmax(loff + (size_t)r * (size_t)nv, nv);
             size_t d_on = luma_test_bits_differ(loff, lon, n), d_eager = luma_test_bits_differ(loff, leg, n);
-            printf("%s, %d sequences: joined %lld (off) / %lld (on, recorded) / %lld (eager, %d steps); on and eager "
-                   "against off: %zu and %zu logits differ; top-1 with the CPU at %d of %d rows\n",
-                   label, n_seqs, j1 - j0, j2 - j1, e1 - e0, STEPS, d_on, d_eager, agree, STEPS * n_seqs);
+            printf("%s, %d sequences: norms joined %lld (off) / %lld (on, recorded) / %lld (eager, %d steps), "
+                   "attentions %lld / %lld / %lld; on and eager against off: %zu and %zu logits differ; top-1 with "
+                   "the CPU at %d of %d rows\n",
+                   label, n_seqs, j1 - j0, j2 - j1, e1 - e0, STEPS, a1 - a0, a2 - a1, f1 - f0, d_on, d_eager, agree,
+                   STEPS * n_seqs);
             CHECKF(j1 == j0, "%s: %lld norms joined while off", label, j1 - j0);
+            CHECKF(a1 == a0, "%s: %lld attentions joined while off", label, a1 - a0);
+            if (attn && n_seqs == 1) {
+                CHECKF(a2 > a1, "%s: no attention joined while on", label);
+                CHECKF(f1 - f0 == (long long)STEPS * sp->n_layer, "%s: the eager run joined %lld attentions in %d "
+                       "steps of %d layers", label, f1 - f0, STEPS, sp->n_layer);
+            } else {
+                CHECKF(f1 == f0 && a2 == a1, "%s, %d sequences: %lld attentions joined", label, n_seqs,
+                       f1 - f0 + a2 - a1);
+            }
             CHECKF(j2 > j1, "%s: no norm joined while on", label);
             CHECKF(e1 - e0 >= (long long)STEPS * sp->n_layer, "%s: the eager run joined %lld norms in %d steps of %d "
                    "layers", label, e1 - e0, STEPS, sp->n_layer);
@@ -130,7 +153,10 @@ int main(void)
           .n_ctx = 2048, .rope_base = 10000.0f, .seed = 31, .vocab_path = vocab },
     };
     const char *labels[] = { "gemma3 640", "llama 4096", "llama 256" };
-    for (int i = 0; i < 3; i++) check_model(&models[i], labels[i]);
+    /* llama 256: two heads of 64 a kv head, 128 columns, not a super-block
+     * of the K formats' activations */
+    const bool attn[] = { true, true, false };
+    for (int i = 0; i < 3; i++) check_model(&models[i], labels[i], attn[i]);
     if (failures) {
         printf("test_cuda_normq: %d failures\n", failures);
         return 1;

@@ -957,6 +957,14 @@ __global__ static void __launch_bounds__(DEC_MAX_WARPS * 32, MMA == 128 ? 2 : 1)
 
 /* ---- decode, a warp a unit ----------------------------------------------- */
 
+/* Floats of a part's ring that decode_lean_kernel's merge takes: a warp's
+ * o values ((D / 16 / DS) * 4 a lane), m and l, lane-major, for each of
+ * the part's DS warps. Its staged output for the quantizer follows them. */
+static __host__ __device__ constexpr int lean_merge_floats(int D, int DS)
+{
+    return DS * ((D / 16 / DS) * 4 + 2) * 32;
+}
+
 /* The decode kernel for rows of short contexts (decode_lean_launch): grid
  * (decode rows, units / units a CTA), SP warps per unit, a unit being one
  * row, one kv head and the query heads of it that decode_kernel's CTA would
@@ -1215,7 +1223,8 @@ __global__ static void __launch_bounds__(SP * DS > DEC_LEAN_CTA_WARPS ? SP * DS 
      * exp(m_part - m) for its head, and writes them: the merge's loads are
      * KC * 4 a lane whatever the split, spread over the unit's warps. */
     constexpr int NF = KCD * 4 + 2;
-    static_assert(DS * NF * 32 * 4 <= STAGE * 2, "a part's merge fits one stage of its ring");
+    static_assert(lean_merge_floats(D, DS) == DS * NF * 32 && lean_merge_floats(D, DS) * 4 <= STAGE * 2,
+                  "a part's merge fits one stage of its ring");
     if (DS == 1) __syncwarp();
     else part_barrier();   /* both have read the part's last tile */
     float *mine = (float *)ring + dh * NF * 32;
@@ -1249,7 +1258,8 @@ __global__ static void __launch_bounds__(SP * DS > DEC_LEAN_CTA_WARPS ? SP * DS 
     /* with a.qo the unit's values also go to shared memory (the first
      * part's ring past the merge's rings: [nh][D] floats, decode_lean_go
      * checks the room), to be quantized below */
-    float *const staged = (float *)((__half *)dsm + (size_t)((warp - uw) / DS) * (size_t)S * STAGE) + DS * NF * 32;
+    float *const staged =
+        (float *)((__half *)dsm + (size_t)((warp - uw) / DS) * (size_t)S * STAGE) + lean_merge_floats(D, DS);
 #pragma unroll
     for (int j = 0; j < PER; j++) {
         const int v = part * PER + j, u = j & 1;
@@ -1257,9 +1267,10 @@ __global__ static void __launch_bounds__(SP * DS > DEC_LEAN_CTA_WARPS ? SP * DS 
 #pragma unroll
         for (int q = 0; q < SP; q++) sum += f[q][u] * first[q * ring_floats + v * 32 + lane];
         const int at = (2 * t + u) * D + 16 * (v / 4) + 8 * (v % 4 / 2);
+        const float value = sum * w[u];
         if (2 * t + u < nh) {
-            out[at] = sum * w[u];
-            if (a.qo) staged[at + g + dh * (D / DS)] = sum * w[u];
+            out[at] = value;
+            if (a.qo) staged[at + g + dh * (D / DS)] = value;
         }
     }
     if (!a.qo) return;
@@ -2154,7 +2165,7 @@ static void decode_lean_go(cuda_backend *c, attn_args *a, const dec_tuning &tu)
     /* 2 stages at a split of 8 (a few rows: measured level with the 7B's
      * one row of up to 1,024 keys, 8 tiles a warp) */
     const int stages = tu.stages ? tu.stages : SP == 8 ? 2 : 3;
-    const size_t smem = (size_t)(warps / DS) * (size_t)stages * 2 * 16 * (D + 8) * sizeof(__half);
+    const size_t ring = (size_t)stages * 2 * 16 * (D + 8) * sizeof(__half), smem = (size_t)(warps / DS) * ring;
     const int occ = decode_occupancy(fa, warps * 32, smem);
     if (occ < 1 || smem > dec_smem_max) {
         luma_cuda_failf(c, "attention: the decode kernel does not fit an SM (%zu bytes of shared memory)", smem);
@@ -2163,9 +2174,7 @@ static void decode_lean_go(cuda_backend *c, attn_args *a, const dec_tuning &tu)
     a->dec_stages = stages;
     /* the quantized output: parts that merge, and room in the first part's
      * ring for the unit's values past the merge's rings (decode_lean_kernel) */
-    constexpr size_t merge_floats = (size_t)DS * ((D / 16 / DS) * 4 + 2) * 32;
-    if (SP == 1 || (merge_floats + (size_t)a->heads_per_cta * D) * sizeof(float) >
-                       (size_t)stages * 2 * 16 * (D + 8) * sizeof(__half))
+    if (SP == 1 || ((size_t)lean_merge_floats(D, DS) + (size_t)a->heads_per_cta * D) * sizeof(float) > ring)
         a->qo = NULL;
     luma_launch(c, c->stream, dim3((unsigned)st->n_dec, (unsigned)((z + upc - 1) / upc)), warps * 32, smem,
                 decode_lean_kernel<D, SP, DS>, *a);
@@ -2312,11 +2321,17 @@ static void launch(cuda_backend *c, attn_args *a, bool tc)
     }
 }
 
-bool luma_cuda_attention_quant(cuda_backend *c, const luma_buf *q, const luma_buf *k, const luma_buf *v,
-                               const luma_step *step, const luma_attn *at, luma_buf *out, const cuda_attn_quant *aq)
+/* The attention's output: a row of every head's values for each row of q. */
+static void attn_out_shape(const luma_buf *q, const luma_attn *at, luma_buf *out)
 {
     out->rows = q->rows;
     out->cols = (int64_t)at->n_head * at->head_dim_v;
+}
+
+bool luma_cuda_attention_quant(cuda_backend *c, const luma_buf *q, const luma_buf *k, const luma_buf *v,
+                               const luma_step *step, const luma_attn *at, luma_buf *out, const cuda_attn_quant *aq)
+{
+    attn_out_shape(q, at, out);
     if (!LUMA_CUDA_OK(c) || step->n_rows == 0) return false;
     const luma_kv_layout *l = &c->kvl;
     if (c->step.host != step) {
@@ -2419,8 +2434,7 @@ bool luma_cuda_attn_pend(cuda_backend *c, const luma_buf *q, const luma_buf *k, 
     if (!c->attnq_on || !c->in_step || c->prog_on || c->float_act || c->invariant || !LUMA_CUDA_OK(c) ||
         c->pend_attn.on || c->pend_norm.on || q->rows != 1 || step != c->step.host || step->n_rows != 1)
         return false;
-    out->rows = q->rows;
-    out->cols = (int64_t)at->n_head * at->head_dim_v;
+    attn_out_shape(q, at, out);
     c->pend_attn.on = true;
     c->pend_attn.q = *q;
     c->pend_attn.k = *k;

@@ -798,9 +798,12 @@ static void cuda_free(luma_backend *be)
     cudaFree(c->attn_scratch.mem);
     cudaFree(c->sk_scratch.mem);
     cudaFree(c->topk_mem);
+    cudaFree(c->chain_key);
     if (c->staged) cudaEventSynchronize(c->staged);
     cudaFreeHost(c->host_stage);
     cudaFreeHost(c->host_results);
+    cudaFreeHost(c->chain_host);
+    if (c->chain_ev) cudaEventDestroy(c->chain_ev);
     if (c->staged) cudaEventDestroy(c->staged);
     if (c->cublas) cublasDestroy(c->cublas);
     if (c->fork_ev) cudaEventDestroy(c->fork_ev);
@@ -1006,6 +1009,8 @@ static const luma_backend_ops cuda_ops = {
     .logits_edit = luma_cuda_logits_edit,
     .logits_temperature = luma_cuda_logits_temperature,
     .logits_sample = luma_cuda_logits_sample,
+    .chain_argmax = luma_cuda_chain_argmax,
+    .chain_read = luma_cuda_chain_read,
     .sync = cuda_sync,
     .set_batch_invariant = cuda_set_batch_invariant,
     .set_float_act = cuda_set_float_act,
@@ -1106,9 +1111,12 @@ luma_backend *luma_backend_cuda_new(int device, luma_err *err)
     if (cudaMalloc(&c->cublas_ws, CUBLAS_WORKSPACE) != cudaSuccess ||
         cudaMalloc(&c->side_ws, CUBLAS_WORKSPACE) != cudaSuccess ||
         cudaMalloc((void **)&c->prog_bar, 2 * sizeof(unsigned)) != cudaSuccess ||
-        cudaMemset(c->prog_bar, 0, 2 * sizeof(unsigned)) != cudaSuccess) {
+        cudaMemset(c->prog_bar, 0, 2 * sizeof(unsigned)) != cudaSuccess ||
+        cudaMalloc((void **)&c->chain_key, sizeof *c->chain_key) != cudaSuccess ||
+        cudaMemset(c->chain_key, 0, sizeof *c->chain_key) != cudaSuccess) {
         cudaGetLastError();
-        luma_errf(err, "CUDA backend: no GPU memory for the cuBLAS workspace and the programs' barrier");
+        luma_errf(err, "CUDA backend: no GPU memory for the cuBLAS workspace, the programs' barrier and "
+                       "greedy's argmax");
         cuda_free(&c->base);
         return NULL;
     }

@@ -123,6 +123,9 @@ typedef struct cuda_backend {
     size_t stage_cap;
     cudaEvent_t staged;        /* the last upload out of host_stage has completed */
     void *host_results;        /* pinned host memory for the logits operations' results (logits.cu) */
+    unsigned long long *chain_key;      /* greedy's chained argmax: its key on the device (read by embed), */
+    unsigned long long *chain_host;     /* its pinned copy (made at the first use), */
+    cudaEvent_t chain_ev;               /* recorded after the copy */
     void *topk_mem;            /* top-k's device work (logits.cu, topk_work): */
     size_t topk_cap;           /* its bytes, */
     int64_t topk_rows;         /* the rows its arrival counts cover */
@@ -554,5 +557,14 @@ int32_t luma_cuda_logits_topk(luma_backend *be, const luma_buf *b, int64_t row, 
 int luma_cuda_logits_edit(luma_backend *be, luma_buf *b, int64_t row, const luma_logits_edit *e, luma_err *err);
 int luma_cuda_logits_temperature(luma_backend *be, luma_buf *b, int64_t row, float t, luma_err *err);
 int32_t luma_cuda_logits_sample(luma_backend *be, const luma_buf *b, int64_t row, double u, luma_err *err);
+int luma_cuda_chain_argmax(luma_backend *be, const luma_buf *b, int64_t row, luma_err *err);
+int luma_cuda_chain_read(luma_backend *be, int32_t *id, luma_err *err);
+
+/* The id an argmax key names (logits.cu's rank_key: the ordered value
+ * above, 0xffffffff - id below); -1 for the key 0 (every entry masked). */
+__host__ __device__ __forceinline__ int32_t luma_cuda_key_id(unsigned long long k)
+{
+    return (int32_t)(0xffffffffu - (unsigned int)k);
+}
 
 #endif

@@ -102,10 +102,6 @@ __device__ __forceinline__ unsigned long long rank_key(float v, int64_t id)
     return ((unsigned long long)b << 32) | (0xffffffffu - (unsigned int)id);
 }
 
-__device__ __forceinline__ int32_t key_id(unsigned long long k)
-{
-    return (int32_t)(0xffffffffu - (unsigned int)k);
-}
 
 /* Clamps into the finite floats, as src/sample.c's finite(). */
 __device__ __forceinline__ float finite_f(float v)
@@ -384,7 +380,7 @@ topk_kernel(const float *__restrict__ x, int64_t n, int32_t k, int32_t *out_ids,
     block_sort_desc(sm.cand, p);
     int32_t got = (int32_t)count < k ? (int32_t)count : k;
     for (int j = tid; j < got; j += TOPK_THREADS) {
-        int32_t id = key_id(sm.cand[j]);
+        int32_t id = luma_cuda_key_id(sm.cand[j]);
         out_ids[j] = id;
         out_vals[j] = x[id];
     }
@@ -481,7 +477,7 @@ __device__ void topk_row_write(const unsigned long long *best, int32_t k, const 
     const int tid = threadIdx.x;
     const int got = __syncthreads_count(tid < k && best[tid] != 0);
     if (tid < got) {
-        int32_t id = key_id(best[tid]);
+        int32_t id = luma_cuda_key_id(best[tid]);
         out[tid] = id;
         out[k + tid] = __float_as_int(x[id]);
     }
@@ -755,7 +751,7 @@ __global__ void sample_sums_kernel(const float *__restrict__ x, int64_t n, int64
     if (c >= nch) return;
     double s = 0.0;
     if (*best) {
-        double m = (double)x[key_id(*best)];
+        double m = (double)x[luma_cuda_key_id(*best)];
         int64_t lo = (int64_t)c * ch, hi = lo + ch < n ? lo + ch : n;
         for (int64_t i = lo + lane; i < hi; i += 32) {
             float v = x[i];
@@ -779,7 +775,7 @@ sample_walk_kernel(const float *__restrict__ x, int64_t n, int64_t ch, int32_t n
         if (tid == 0) *out = -1;
         return;
     }
-    const double m = (double)x[key_id(*best)];
+    const double m = (double)x[luma_cuda_key_id(*best)];
     /* inclusive prefix sums of the chunks' masses: each thread two chunks */
     int c0 = 2 * tid;
     double a = c0 < nch ? sums[c0] : 0.0, b = c0 + 1 < nch ? sums[c0 + 1] : 0.0;
@@ -960,7 +956,7 @@ int luma_cuda_logits_argmax(luma_backend *be, const luma_buf *b, int64_t row0, i
     if (e == cudaSuccess) e = cudaMemcpyAsync(host, keys, (size_t)n * sizeof *host, cudaMemcpyDeviceToHost, c->stream);
     int rc = op_end(c, "argmax", e, err);
     if (rc == 0)
-        for (int64_t i = 0; i < n; i++) ids[i] = host[i] ? (int32_t)(0xffffffffu - (unsigned int)host[i]) : -1;
+        for (int64_t i = 0; i < n; i++) ids[i] = luma_cuda_key_id(host[i]);
     results_free(c, host);
     return rc;
 }
@@ -1138,4 +1134,40 @@ int32_t luma_cuda_logits_sample(luma_backend *be, const luma_buf *b, int64_t row
     id = *host;
     if (id < 0) return luma_errf(err, "sample: every logit is masked");
     return id;
+}
+
+/* ---- greedy decoding chained on the device -------------------------------- */
+
+/* The argmax goes to chain_key, where the next step's embed reads it for
+ * a row whose token is LUMA_TOKEN_CHAINED, and its copy to chain_host,
+ * after which chain_ev is recorded: the host waits for that event only,
+ * while the step queued after the argmax runs. */
+int luma_cuda_chain_argmax(luma_backend *be, const luma_buf *b, int64_t row, luma_err *err)
+{
+    cuda_backend *c = cu(be);
+    if (op_begin(c, "greedy's argmax", b, row, err)) return -1;
+    cudaError_t e = cudaSuccess;
+    if (!c->chain_host) {
+        e = cudaMallocHost((void **)&c->chain_host, sizeof *c->chain_host);
+        if (e != cudaSuccess) c->chain_host = NULL;
+    }
+    if (e == cudaSuccess && !c->chain_ev) e = cudaEventCreateWithFlags(&c->chain_ev, cudaEventDisableTiming);
+    if (e == cudaSuccess) e = queue_argmax(c, b, row, 1, c->chain_key);
+    if (e == cudaSuccess)
+        e = cudaMemcpyAsync(c->chain_host, c->chain_key, sizeof *c->chain_host, cudaMemcpyDeviceToHost, c->stream);
+    if (e == cudaSuccess) e = cudaEventRecord(c->chain_ev, c->stream);
+    return op_queued("greedy's argmax", e, err);
+}
+
+int luma_cuda_chain_read(luma_backend *be, int32_t *id, luma_err *err)
+{
+    cuda_backend *c = cu(be);
+    if (!c->chain_ev) return luma_errf(err, "greedy: no argmax was queued");
+    cudaError_t e = cudaEventSynchronize(c->chain_ev);
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        return luma_errf(err, "greedy's argmax on the GPU: %s", cudaGetErrorString(e));
+    }
+    *id = luma_cuda_key_id(*(volatile unsigned long long *)c->chain_host);
+    return 0;
 }

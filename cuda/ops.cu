@@ -128,15 +128,19 @@ static bool embed_supports(enum luma_type t)
     }
 }
 
-/* grid (column blocks, n): out[y][j] = w[ids[y]][j] * scale. An id outside
- * the table (the batch rejects those before a step) gives a row of zeros. */
+/* grid (column blocks, n): out[y][j] = w[ids[y]][j] * scale, where an id
+ * LUMA_TOKEN_CHAINED is the one the argmax key *chain names. An id outside
+ * the table (the batch rejects those before a step; a chained argmax of a
+ * row all masked) gives a row of zeros. */
 __global__ static void embed_kernel(const uint8_t *w, int type, int64_t rows, int64_t cols, size_t row_size,
-                                    int block_size, int type_size, const int32_t *ids, float scale, float *out)
+                                    int block_size, int type_size, const int32_t *ids,
+                                    const unsigned long long *chain, float scale, float *out)
 {
     follow_previous_kernel();
     int64_t j = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (j >= cols) return;
     int32_t id = ids[blockIdx.y];
+    if (id == LUMA_TOKEN_CHAINED) id = luma_cuda_key_id(*chain);
     float v = 0.0f;
     if (id >= 0 && id < rows) {
         const uint8_t *b = w + (size_t)id * row_size + (size_t)(j / block_size) * (size_t)type_size;
@@ -161,7 +165,8 @@ void luma_cuda_embed(luma_backend *be, const luma_weight *w, const int32_t *ids,
     const luma_type_traits *tr = luma_type_get(w->type);
     dim3 grid(blocks_for(w->cols, THREADS), (unsigned)n);
     luma_launch(c, c->stream, grid, THREADS, 0, embed_kernel, (const uint8_t *)w->dev, (int)w->type, w->rows, w->cols,
-                luma_row_size(w->type, w->cols), (int)tr->block_size, (int)tr->type_size, d_ids, scale, out->data);
+                luma_row_size(w->type, w->cols), (int)tr->block_size, (int)tr->type_size, d_ids, c->chain_key, scale,
+                out->data);
     luma_cuda_fail(c, cudaGetLastError(), "embed");
 }
 

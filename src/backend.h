@@ -49,9 +49,13 @@ typedef struct luma_step_seq {
     int32_t n_blocks[LUMA_KV_MAX_POOLS];
 } luma_step_seq;
 
+/* A step row's token that is the argmax queued last by chain_argmax
+ * (backend ops below): greedy decoding chained on the device. */
+#define LUMA_TOKEN_CHAINED (-2)
+
 typedef struct luma_step {
     int32_t n_rows;
-    const int32_t *tokens;     /* [n_rows] */
+    const int32_t *tokens;     /* [n_rows]; LUMA_TOKEN_CHAINED where chained */
     const int32_t *pos;        /* [n_rows] position of each row */
     int32_t n_seqs;
     const luma_step_seq *seqs;
@@ -247,6 +251,17 @@ typedef struct luma_backend_ops {
      * the same id, except where the sums, added in another order, round
      * across a boundary. -1 with err set when every entry is masked. */
     int32_t (*logits_sample)(luma_backend *be, const luma_buf *b, int64_t row, double u, luma_err *err);
+    /* Greedy decoding chained on the device (luma_model_greedy): both or
+     * neither. chain_argmax queues the argmax of one row and returns
+     * without waiting: the next step's rows whose token is
+     * LUMA_TOKEN_CHAINED take that id on the device, so the host can queue
+     * the step before it knows the id. chain_read waits for the last queued
+     * argmax only (not for the work queued after it) and gives its id, -1
+     * when every entry is masked. Unlike the operations above these may
+     * come between a step's operations and the next step: the host never
+     * waits for a step before queuing the next. */
+    int (*chain_argmax)(luma_backend *be, const luma_buf *b, int64_t row, luma_err *err);
+    int (*chain_read)(luma_backend *be, int32_t *id, luma_err *err);
 
     /* Waits for the step's work and reports any failure it met. */
     int (*sync)(luma_backend *be, luma_err *err);

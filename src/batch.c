@@ -104,11 +104,17 @@ static int last_pass_queued(luma_model *m, logits_dst *dst, luma_err *err)
     return 0;
 }
 
+/* The logits projection: the output matrix, or the tied embeddings. */
+static const luma_weight *output_weight(const luma_model *m)
+{
+    return m->output.host ? &m->output : &m->tok_embd;
+}
+
 /* Projects the pass's out rows to logits, appended at dst. */
 static int project_logits(luma_model *m, int32_t n_out, logits_dst *dst, luma_err *err)
 {
     luma_backend *be = m->be;
-    const luma_weight *w = m->output.host ? &m->output : &m->tok_embd;
+    const luma_weight *w = output_weight(m);
     if (!dst->host) {
         /* A set holds every row: one product reads the output matrix once
          * for all of them. */
@@ -146,6 +152,24 @@ static int run_forward(luma_model *m, const luma_step *step, luma_err *err)
     if (!be->ops->step_run) return m->arch->forward(m, step, err);
     forward_call f = { m, step };
     return be->ops->step_run(be, step, call_forward, &f, err);
+}
+
+/* A failed run takes s back to start_len tokens; the message of the first
+ * failure (err) is kept. A sequence whose sliding-window blocks an earlier
+ * pass already released cannot go back: it keeps the tokens its cache
+ * holds, and the message says so (naming it `who`), so that its history and
+ * its cache agree. */
+static void seq_rollback(luma_model *m, luma_seq *s, int32_t start_len, const char *who, luma_err *err)
+{
+    luma_err ignored;
+    luma_kv_rewind(m->kv, s->kv, start_len, &ignored);
+    int32_t kept = luma_kv_seq_len(s->kv);
+    if (s->n_tokens > kept) s->n_tokens = kept;
+    if (kept > start_len && err) {
+        size_t used = strlen(err->msg);
+        snprintf(err->msg + used, sizeof err->msg - used,
+                 " (%s keeps %d of its tokens: its sliding-window blocks were released)", who, kept - start_len);
+    }
 }
 
 typedef struct pass {
@@ -221,22 +245,10 @@ static int run_chunks(luma_model *m, const luma_chunk *chunks, int32_t n_chunks,
     rc = 0;
     goto done;
 rollback:
-    /* Every sequence back to where it started; the message of the first
-     * failure is kept. A sequence whose sliding-window blocks an earlier pass
-     * already released cannot go back: it keeps the tokens its cache holds,
-     * and the message says so, so that its history and its cache agree. */
     for (int32_t i = 0; i < n_chunks; i++) {
-        luma_seq *s = chunks[i].seq;
-        luma_err ignored;
-        luma_kv_rewind(m->kv, s->kv, start_len[i], &ignored);
-        int32_t kept = luma_kv_seq_len(s->kv);
-        if (s->n_tokens > kept) s->n_tokens = kept;
-        if (kept > start_len[i] && err) {
-            size_t used = strlen(err->msg);
-            snprintf(err->msg + used, sizeof err->msg - used,
-                     " (chunk %d keeps %d of its tokens: its sliding-window blocks were released)", i + 1,
-                     kept - start_len[i]);
-        }
+        char who[32];
+        snprintf(who, sizeof who, "chunk %d", i + 1);
+        seq_rollback(m, chunks[i].seq, start_len[i], who, err);
     }
 done:
     free(start_len);
@@ -523,4 +535,122 @@ int32_t luma_logits_set_topk_lowered(luma_logits_set *s, int64_t row, int32_t k,
         vals[j] = v[at[j]];
     }
     return got;
+}
+
+/* ---- greedy decoding ------------------------------------------------------ */
+
+/* Queues one decode row of s at position pos with token `token` (an id, or
+ * LUMA_TOKEN_CHAINED), its logits into row `row` of set. The position's KV
+ * room is reserved. */
+static int greedy_step(luma_model *m, luma_seq *s, int32_t pos, int32_t token, luma_logits_set *set, int64_t row,
+                       luma_err *err)
+{
+    luma_step_seq ss = { .row0 = 0, .n_rows = 1, .pos0 = pos };
+    for (int pool = 0; pool < m->kv_layout.n_pools; pool++)
+        ss.blocks[pool] = luma_kv_seq_blocks(s->kv, pool, &ss.n_blocks[pool]);
+    int32_t out_row = 0;
+    luma_step step = { .n_rows = 1, .tokens = &token, .pos = &pos, .n_seqs = 1, .seqs = &ss, .n_out = 1,
+                       .out_rows = &out_row };
+    luma_backend *be = m->be;
+    if ((be->ops->step_begin && be->ops->step_begin(be, &step, err)) || run_forward(m, &step, err)) return -1;
+    luma_buf x = luma_buf_rows(&m->acts.out_rows, 0, 1);
+    luma_buf y = luma_buf_rows(&set->buf, row, 1);
+    be->ops->matmul(be, output_weight(m), &x, &y);
+    return 0;
+}
+
+/* A new id is known: on_token, then the stop list. */
+static int greedy_note(int32_t id, const int32_t *stops, int32_t n_stops, luma_token_fn on_token, void *ctx,
+                       bool *stop, luma_err *err)
+{
+    *stop = false;
+    if (on_token && on_token(ctx, id, stop, err)) return -1;
+    for (int32_t i = 0; i < n_stops && !*stop; i++) *stop = stops[i] == id;
+    return 0;
+}
+
+int luma_model_greedy(luma_model *m, luma_seq *s, int32_t first, int32_t n, const int32_t *stops,
+                      int32_t n_stops, luma_token_fn on_token, void *ctx, int32_t *ids, int32_t *n_ids,
+                      luma_logits_set **last, int64_t *last_row, luma_err *err)
+{
+    *n_ids = 0;
+    *last = NULL;
+    *last_row = 0;
+    if (m->vocab_only) return luma_errf(err, "model was loaded with vocab_only: it cannot run a forward pass");
+    if (!s || s->model != m) return luma_errf(err, "greedy: the sequence belongs to another model");
+    if (n < 0) return luma_errf(err, "greedy: a negative count of tokens (%d)", n);
+    if (first < 0 || first >= m->hp.n_vocab)
+        return luma_errf(err, "greedy: token id %d out of range [0, %d)", first, m->hp.n_vocab);
+    if (n == 0) return 0;
+    if ((int64_t)s->n_tokens + n > m->n_ctx)
+        return luma_errf(err, "context overflow: the sequence holds %d tokens, %d more exceed the context of %d",
+                         s->n_tokens, n, m->n_ctx);
+    luma_backend *be = m->be;
+    const bool chained = be->ops->chain_argmax && be->ops->chain_read;
+    const int32_t len0 = s->n_tokens;
+    luma_logits_set *set = set_get(m, 2, err);   /* step j's logits in row j & 1 */
+    if (!set) return -1;
+
+    /* Step j feeds ids[j] at position len0 + j; ids[j + 1] is the argmax of
+     * its row. At the loop's top k ids are known, step k - 1 is queued and
+     * not yet committed, and every step before it is. Chained, step k is
+     * queued before ids[k] is read, and discarded when ids[k] stops. */
+    int32_t k = 1;
+    bool stop;
+    ids[0] = first;
+    if (greedy_note(first, stops, n_stops, on_token, ctx, &stop, err)) goto fail;
+    if (stop) {
+        *n_ids = 1;
+        luma_logits_set_release(set);
+        return 0;
+    }
+    if (luma_kv_reserve(m->kv, s->kv, 1, err) || greedy_step(m, s, len0, first, set, 0, err)) goto fail;
+    while (k < n) {
+        int32_t id;
+        if (chained) {
+            if (be->ops->chain_argmax(be, &set->buf, (k - 1) & 1, err) ||
+                luma_kv_reserve(m->kv, s->kv, 2, err) ||
+                greedy_step(m, s, len0 + k, LUMA_TOKEN_CHAINED, set, k & 1, err) ||
+                be->ops->chain_read(be, &id, err))
+                goto fail;
+            if (id < 0) {
+                luma_errf(err, "greedy: every logit is masked");
+                goto fail;
+            }
+        } else {
+            if (be->ops->sync(be, err)) goto fail;
+            id = luma_logits_set_argmax(set, (k - 1) & 1, false, err);
+            if (id < 0) goto fail;
+        }
+        luma_kv_commit(m->kv, s->kv, 1);
+        if (append_tokens(s, &ids[k - 1], 1, err)) goto fail;
+        ids[k++] = id;
+        if (greedy_note(id, stops, n_stops, on_token, ctx, &stop, err)) goto fail;
+        if (stop) {
+            /* ends unfed: the logits before it are the last */
+            if (be->ops->sync(be, err)) goto fail;
+            luma_err ignored;
+            luma_kv_rewind(m->kv, s->kv, luma_kv_seq_len(s->kv), &ignored);   /* drops the discarded room */
+            *n_ids = k;
+            *last = set;
+            *last_row = (k - 2) & 1;
+            return 0;
+        }
+        if (!chained && (luma_kv_reserve(m->kv, s->kv, 1, err) || greedy_step(m, s, len0 + k - 1, id, set,
+                                                                              (k - 1) & 1, err)))
+            goto fail;
+    }
+    if (be->ops->sync(be, err)) goto fail;
+    luma_kv_commit(m->kv, s->kv, 1);
+    if (append_tokens(s, &ids[n - 1], 1, err)) goto fail;
+    *n_ids = n;
+    *last = set;
+    *last_row = (n - 1) & 1;
+    return 0;
+fail:;
+    luma_err ignored;
+    be->ops->sync(be, &ignored);
+    seq_rollback(m, s, len0, "the sequence", err);
+    luma_logits_set_release(set);
+    return -1;
 }

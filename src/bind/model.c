@@ -18,8 +18,8 @@ luma_model *luma_bind_model(lua_State *L, int i)
 
 void luma_bind_idle(lua_State *L, const luma_model *m)
 {
-    if (m->busy) luaL_error(L, "model is busy: its step is in flight (batch:run's during may not use the model's "
-                               "sequences, batches or logits)");
+    if (m->busy) luaL_error(L, "model is busy: its step is in flight (batch:run's during and seq:greedy's on_token "
+                               "may not use the model's sequences, batches or logits)");
 }
 
 typedef struct progress_ctx {

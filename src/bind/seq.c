@@ -95,6 +95,105 @@ static int seq_eval(lua_State *L)
     return 1;
 }
 
+/* on_token's context: the callback's stack index, and whether it raised
+ * (its error object then left on the stack top). */
+typedef struct greedy_cb {
+    lua_State *L;
+    int fn;
+    bool failed;
+} greedy_cb;
+
+static int greedy_token(void *ctx, int32_t id, bool *stop, luma_err *err)
+{
+    greedy_cb *g = ctx;
+    lua_State *L = g->L;
+    lua_pushvalue(L, g->fn);
+    lua_pushinteger(L, id);
+    if (lua_pcall(L, 1, 1, 0) != LUA_OK) {
+        g->failed = true;
+        return luma_errf(err, "greedy: on_token raised an error");
+    }
+    *stop = lua_toboolean(L, -1);
+    lua_pop(L, 1);
+    return 0;
+}
+
+/* seq:greedy(logits, n [, {stop = {ids}, on_token = function(id) ... end}])
+ * -> ids, logits. Greedy decoding from logits (the sequence's last): up to
+ * n ids, each the argmax of the logits before it, every one fed to the
+ * sequence but one that stops (in stop, or on_token returned true), which
+ * ends the list. logits: the Logits of the last id fed (the argument itself
+ * when none was). On a GPU each step's token is taken on the device, so
+ * the host queues the next step without waiting for it: on_token runs
+ * while the device computes. An error (the context or the cache full, or
+ * on_token's, raised again as it was) leaves the sequence as it was. */
+static int seq_greedy(lua_State *L)
+{
+    luma_seq *s = luma_bind_seq(L, 1);
+    luma_model *m = s->model;
+    luma_bind_idle(L, m);
+    llogits *start = luma_bind_checklogits(L, 2);
+    if (start->n != m->hp.n_vocab)
+        return luaL_argerror(L, 2, lua_pushfstring(L, "logits of %d entries, not the model's vocabulary of %d",
+                                                   (int)start->n, (int)m->hp.n_vocab));
+    lua_Integer n = luaL_checkinteger(L, 3);
+    if (n < 0 || n > m->n_ctx) return luaL_argerror(L, 3, lua_pushfstring(L, "%I is outside [0, %d]", n, m->n_ctx));
+    if (!lua_isnoneornil(L, 4)) luaL_checktype(L, 4, LUA_TTABLE);
+    lua_settop(L, 4);
+    if (lua_isnil(L, 4)) {
+        lua_newtable(L);
+        lua_replace(L, 4);
+    }
+    int32_t n_stops = 0;
+    const int32_t *stops = NULL;
+    lua_getfield(L, 4, "stop");   /* 5 */
+    if (!lua_isnil(L, 5)) {
+        if (!lua_istable(L, 5)) return luaL_error(L, "greedy: option 'stop' must be a list of token ids");
+        stops = luma_bind_checkids(L, 5, m->hp.n_vocab, &n_stops);   /* 6 */
+    } else {
+        lua_pushnil(L);   /* 6 */
+    }
+    greedy_cb cb = { L, 0, false };
+    lua_getfield(L, 4, "on_token");   /* 7 */
+    if (!lua_isnil(L, 7)) {
+        if (!lua_isfunction(L, 7)) return luaL_error(L, "greedy: option 'on_token' must be a function");
+        cb.fn = 7;
+    }
+    /* the first id, as logits:argmax() takes it (edits included) */
+    lua_getfield(L, 2, "argmax");
+    lua_pushvalue(L, 2);
+    lua_call(L, 1, 1);
+    int32_t first = (int32_t)lua_tointeger(L, -1);
+    lua_pop(L, 1);
+    int32_t *ids = lua_newuserdatauv(L, (size_t)(n > 0 ? n : 1) * sizeof(int32_t), 0);   /* 8 */
+    luma_bind_logits_budget(L, m, 2);
+    llogits *out = luma_bind_newlogits(L, m->hp.n_vocab);   /* 9 */
+    luaL_checkstack(L, 8, "greedy");
+    int32_t n_ids = 0;
+    int64_t row = 0;
+    luma_logits_set *set = NULL;
+    luma_err err;
+    m->busy = true;
+    int rc = luma_model_greedy(m, s, first, (int32_t)n, stops, n_stops, cb.fn ? greedy_token : NULL, &cb, ids, &n_ids,
+                               &set, &row, &err);
+    m->busy = false;
+    if (rc) {
+        if (cb.failed) return lua_error(L);
+        return luma_bind_error(L, &err);
+    }
+    if (set) {
+        luma_bind_logits_hold(out, set, row);
+        luma_logits_set_release(set);
+    }
+    lua_createtable(L, n_ids, 0);
+    for (int32_t i = 0; i < n_ids; i++) {
+        lua_pushinteger(L, ids[i]);
+        lua_rawseti(L, -2, i + 1);
+    }
+    lua_pushvalue(L, set ? 9 : 2);
+    return 2;
+}
+
 static int seq_len(lua_State *L)
 {
     lua_pushinteger(L, luma_bind_seq(L, 1)->n_tokens);
@@ -172,6 +271,7 @@ static const luaL_Reg meta[] = {
 
 static const luaL_Reg methods[] = {
     { "eval", seq_eval },
+    { "greedy", seq_greedy },
     { "len", seq_len },
     { "tokens", seq_tokens },
     { "fork", seq_fork },

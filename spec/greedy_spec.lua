@@ -196,3 +196,52 @@ describe("seq:greedy at the limits", function()
     model:close()
   end)
 end)
+
+describe("luma.generate with P.greedy() (through seq:greedy)", function()
+  local luma = require "luma"
+  local P, S = luma.policy, luma.stop
+  local model
+  setup(function() model = H.load() end)
+  teardown(function() model:close() end)
+
+  -- the same generation through the iterator: a greedy policy that is not P.greedy()'s
+  local function argmax(logits) return logits:argmax() end
+
+  it("gives the iterator's text, stats and sequence", function()
+    for _, o in ipairs{ { max_tokens = 12 }, { max_tokens = 40, stop = { S.strings{ "." } } },
+                        { max_tokens = 40, stop = { S.when(function(st) return #st.tokens >= 12 end) } } } do
+      local fast_seq, slow_seq = model:sequence(), model:sequence()
+      local fo = { policy = P.greedy(), seq = fast_seq }
+      local so = { policy = argmax, seq = slow_seq }
+      for k, v in pairs(o) do fo[k], so[k] = v, v end
+      local fast, fs = luma.generate(model, PROMPT, fo)
+      local slow, ss = luma.generate(model, PROMPT, so)
+      assert.are.equal(slow, fast)
+      assert.are.equal(ss.tokens, fs.tokens)
+      assert.are.equal(ss.stop, fs.stop)
+      assert.are.same(slow_seq:tokens(), fast_seq:tokens())
+      fast_seq:close()
+      slow_seq:close()
+    end
+  end)
+
+  it("stops at the end of the context", function()
+    local small = H.load({ ctx = 16 })
+    local text, stats = luma.generate(small, PROMPT, { policy = P.greedy(), max_tokens = 50 })
+    assert.are.equal("ctx", stats.stop)
+    assert.are.equal(16 - stats.prompt_tokens, stats.tokens)
+    assert.is_true(#text > 0)
+    small:close()
+  end)
+
+  it("runs on_token while the model is busy, and fails whole on its error", function()
+    local seq = model:sequence()
+    local ok, e = pcall(luma.generate, model, PROMPT, { policy = P.greedy(), seq = seq,
+                                                        on_token = function() model:sequence() end })
+    assert.is_false(ok)
+    assert.matches("model is busy", e)
+    -- the prompt went in before the first token; nothing after it did
+    assert.are.equal(#model:tokenize(PROMPT), seq:len())
+    seq:close()
+  end)
+end)

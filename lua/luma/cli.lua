@@ -140,10 +140,11 @@ function M.generate(args)
   local stats = {}
   io.write(prompt)
   io.flush()
-  for piece in luma.stream(model, prompt, { policy = policy, max_tokens = o.n, seed = o.seed, stats = stats }) do
+  -- to the end (greedy through seq:greedy), each piece shown as it comes
+  luma.stream.run(model, prompt, { policy = policy, max_tokens = o.n, seed = o.seed, stats = stats }, function(piece)
     io.write(piece)
     io.flush()
-  end
+  end)
   io.write("\n")
   io.flush()
   if o.stats then

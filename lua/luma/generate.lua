@@ -1,6 +1,7 @@
 -- luma.generate(model, prompt, opts) -> text, stats
--- Runs luma.stream to the end and joins the pieces. stats: prompt_tokens,
--- tokens, stop (the reason), ttft and time in seconds, tokens_per_s (decode).
+-- Runs a generation to the end (luma.stream.run: with P.greedy() through
+-- seq:greedy) and joins the pieces. stats: prompt_tokens, tokens, stop (the
+-- reason), ttft and time in seconds, tokens_per_s (decode).
 local stream = require "luma.stream"
 
 local function generate(model, prompt, opts)
@@ -8,7 +9,7 @@ local function generate(model, prompt, opts)
   local stats = {}
   local o = setmetatable({ stats = stats }, { __index = opts })
   local parts = {}
-  for piece in stream(model, prompt, o) do parts[#parts + 1] = piece end
+  stream.run(model, prompt, o, function(piece) parts[#parts + 1] = piece end)
   return table.concat(parts), stats
 end
 

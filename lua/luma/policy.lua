@@ -12,8 +12,19 @@ local function check_number(name, v, lo, hi)
   end
 end
 
+-- the functions P.greedy made (weak keys)
+local greedy_fns = setmetatable({}, { __mode = "k" })
+
 function P.greedy()
-  return function(logits) return logits:argmax() end
+  local f = function(logits) return logits:argmax() end
+  greedy_fns[f] = true
+  return f
+end
+
+-- Whether f is a policy made by P.greedy(): luma.generate then decodes
+-- through seq:greedy, taking each token where the logits are.
+function P.is_greedy(f)
+  return greedy_fns[f] == true
 end
 
 function P.sample()

@@ -10,22 +10,31 @@
 --       on_token(piece, id, state), stats (a table filled in place).
 -- A prompt text on a fresh sequence gets the BOS token first, unless special
 -- tokens are parsed and it already begins with it (luma.chat.format's text).
+--
+-- luma.stream.run(model, prompt, opts, emit) runs a generation to its end,
+-- calling emit(piece, id) where the iterator would yield. With the policy
+-- P.greedy() it decodes through seq:greedy: each step's token is taken
+-- where the logits are (on a GPU, the next step is queued before the host
+-- reads it), the same tokens and text as the iterator's. Then emit,
+-- on_token and the stop conditions run while the model is busy (they may
+-- not use its sequences, batches or device logits), and a generation that
+-- reaches the end of the context stops there ("ctx") instead of failing.
 local luma = require "luma"
 local P = require "luma.policy"
 local T = require "luma.text"
 
-local function stream(model, prompt, opts)
+-- The generation's state: options checked, the prompt's ids, the emitter.
+local function setup(model, prompt, opts, level)
   opts = opts or {}
-  if type(opts) ~= "table" then error("stream: opts must be a table", 2) end
+  if type(opts) ~= "table" then error("stream: opts must be a table", level) end
   local policy = opts.policy or P.from_options{ temp = 0.8, top_k = 40, top_p = 0.95 }
-  if type(policy) ~= "function" then error("stream: policy must be a function (logits, state) -> id", 2) end
+  if type(policy) ~= "function" then error("stream: policy must be a function (logits, state) -> id", level) end
   local stops = T.stops(opts.stop, "stream")
   local max_tokens = opts.max_tokens or 256
   if math.type(max_tokens) ~= "integer" or max_tokens < 0 then
-    error("stream: max_tokens must be a non-negative integer", 2)
+    error("stream: max_tokens must be a non-negative integer", level)
   end
   local seq = opts.seq
-  local own_seq = seq == nil
   local ids
   if type(prompt) == "string" then
     local fresh = seq == nil or seq:len() == 0
@@ -33,69 +42,116 @@ local function stream(model, prompt, opts)
   elseif type(prompt) == "table" then
     ids = prompt
   else
-    error("stream: prompt must be a string or a list of token ids", 2)
+    error("stream: prompt must be a string or a list of token ids", level)
   end
-  if #ids == 0 then error("stream: the prompt has no tokens", 2) end
+  if #ids == 0 then error("stream: the prompt has no tokens", level) end
 
   local stats = opts.stats or {}
   stats.prompt_tokens, stats.tokens = #ids, 0
   stats.stop, stats.ttft, stats.time, stats.tokens_per_s = nil, nil, nil, nil
-  local state = { model = model, rng = luma.rng(opts.seed or os.time()), step = 0,
-                  prompt_len = #ids }
-  local out = T.emitter(stops, max_tokens)
-  local done, last_id = false, nil
-  local t0 = luma.now()
+  return {
+    model = model, opts = opts, policy = policy, ids = ids, seq = seq, own_seq = seq == nil,
+    stats = stats, out = T.emitter(stops, max_tokens), max_tokens = max_tokens, done = false,
+    state = { model = model, rng = luma.rng(opts.seed or os.time()), step = 0, prompt_len = #ids },
+    t0 = luma.now(),
+  }
+end
 
-  local function finish(reason)
-    done = true
-    stats.stop = stats.stop or reason
-    stats.time = luma.now() - t0
-    local decode = stats.time - (stats.ttft or 0)
-    stats.tokens_per_s = stats.tokens > 1 and decode > 0 and (stats.tokens - 1) / decode or nil
-    if own_seq and seq then seq:close() end
-  end
+local function finish(g, reason)
+  g.done = true
+  local stats = g.stats
+  stats.stop = stats.stop or reason
+  stats.time = luma.now() - g.t0
+  local decode = stats.time - (stats.ttft or 0)
+  stats.tokens_per_s = stats.tokens > 1 and decode > 0 and (stats.tokens - 1) / decode or nil
+  if g.own_seq and g.seq and not g.busy then g.seq:close() end
+end
+
+-- The sequence, made at the first step, and the prompt's logits.
+local function prefill(g)
+  g.seq = g.seq or g.model:sequence()
+  g.state.seq = g.seq
+  local logits = g.seq:eval(g.ids)
+  g.stats.ttft = luma.now() - g.t0
+  return logits
+end
+
+-- Token id was chosen: counts it, asks the emitter, calls on_token. Returns
+-- the piece to yield (nil: none) and whether the generation stops.
+local function took(g, id, limit)
+  local state = g.state
+  state.id = id
+  g.stats.tokens = g.stats.tokens + 1
+  local piece, stop = g.out:push(state, limit)
+  if stop then finish(g, stop) end
+  if piece ~= nil and g.opts.on_token then g.opts.on_token(piece, id, state) end
+  return piece, stop ~= nil
+end
+
+local function stream(model, prompt, opts)
+  local g = setup(model, prompt, opts, 3)
+  local policy, state, last_id = g.policy, g.state, nil
 
   local function step()
-    if done then return nil end
-    local before = last_id == nil and out:stop_before()
+    if g.done then return nil end
+    local before = last_id == nil and g.out:stop_before()
     if before then
-      finish(before)
+      finish(g, before)
       return nil
     end
-    local logits
-    seq = seq or model:sequence()
-    state.seq = seq
-    if last_id == nil then
-      logits = seq:eval(ids)
-      stats.ttft = luma.now() - t0
-    else
-      logits = seq:eval(last_id)
-    end
-    state.tokens = seq:tokens()
+    local logits = last_id == nil and prefill(g) or g.seq:eval(last_id)
+    state.tokens = g.seq:tokens()
     local id = policy(logits, state)
     if math.type(id) ~= "integer" or id < 0 or id >= #logits then
-      finish("error")
+      finish(g, "error")
       error("policy returned " .. tostring(id) .. ", not a token id", 0)
     end
     last_id = id
-    state.id = id
-    stats.tokens = stats.tokens + 1
-    local piece, stop = out:push(state)
-    if stop then finish(stop) end
+    local piece = took(g, id)
     if piece == nil then return nil end
-    if opts.on_token then opts.on_token(piece, id, state) end
     return piece, id
   end
 
-  local closer = setmetatable({}, { __close = function() if not done then finish("cancelled") end end })
+  local closer = setmetatable({}, { __close = function() if not g.done then finish(g, "cancelled") end end })
   return function()
     local ok, a, b = pcall(step)
     if not ok then
-      if not done then finish("error") end
+      if not g.done then finish(g, "error") end
       error(a, 0)
     end
     return a, b
   end, nil, nil, closer
 end
 
-return stream
+-- The whole generation through seq:greedy (the policy is P.greedy()).
+local function run_greedy(g, emit)
+  local before = g.out:stop_before()
+  if before then return finish(g, before) end
+  local logits = prefill(g)
+  local seq, state = g.seq, g.state
+  local room = g.model.info.ctx - seq:len()
+  local n = math.min(g.max_tokens, room)
+  g.busy = true   -- finish leaves the sequence to run to close
+  seq:greedy(logits, n, { on_token = function(id)
+    state.tokens = seq:tokens()
+    local piece, stop = took(g, id, state.step + 1 >= n and "ctx" or nil)
+    if piece ~= nil then emit(piece, id) end
+    return stop
+  end })
+end
+
+local function run(model, prompt, opts, emit)
+  if type(emit) ~= "function" then error("stream.run: emit must be a function (piece, id)", 2) end
+  if not P.is_greedy(type(opts) == "table" and opts.policy) then
+    for piece, id in stream(model, prompt, opts) do emit(piece, id) end
+    return
+  end
+  local g = setup(model, prompt, opts, 3)
+  local ok, e = pcall(run_greedy, g, emit)
+  g.busy = false
+  if not g.done then finish(g, ok and "ctx" or "error") end   -- ok: no room for a token
+  if g.own_seq and g.seq then g.seq:close() end
+  if not ok then error(e, 0) end
+end
+
+return setmetatable({ run = run }, { __call = function(_, ...) return stream(...) end })

@@ -260,6 +260,27 @@ void luma_model_residual_norm(const luma_model *m, luma_buf *x, luma_buf *y, con
     be->rmsnorm(b, x, g, m->hp.n_embd, eps, out);
 }
 
+/* Whether the out rows are every row, in order. */
+static bool every_row_out(const luma_step *step)
+{
+    if (step->n_out != step->n_rows) return false;
+    for (int32_t i = 0; i < step->n_out; i++)
+        if (step->out_rows[i] != i) return false;
+    return true;
+}
+
+luma_buf *luma_model_norm_out(luma_model *m, const luma_step *step, int il)
+{
+    if (il + 1 < m->hp.n_layer || !every_row_out(step)) return &m->acts.h;
+    return &m->acts.out_rows;
+}
+
+void luma_model_gather_out(luma_model *m, const luma_step *step)
+{
+    if (every_row_out(step)) return;
+    m->be->ops->gather(m->be, &m->acts.h, step->out_rows, step->n_out, &m->acts.out_rows);
+}
+
 /* ---- KV cache and activations ------------------------------------------- */
 
 static void kv_copy(void *ctx, int pool, int32_t src, int32_t dst)

@@ -175,6 +175,15 @@ void luma_model_matmuls(const luma_model *m, int n, const luma_weight *const *ws
  * (which, when yg is given, normalize y in place). */
 void luma_model_residual_norm(const luma_model *m, luma_buf *x, luma_buf *y, const luma_weight *yg,
                               const luma_weight *g, luma_buf *out);
+/* Where layer il's closing residual norm writes: the next layer's input
+ * (acts.h), or after the last layer, the output norm of every row: into
+ * acts.out_rows directly when every row is an out row (a decode step: the
+ * add, the norm and no gather), else into acts.h for luma_model_gather_out.
+ * A row's bits are the same either way. */
+luma_buf *luma_model_norm_out(luma_model *m, const luma_step *step, int il);
+/* After the last layer: the step's out rows of acts.h into acts.out_rows,
+ * where luma_model_norm_out did not put them there already. */
+void luma_model_gather_out(luma_model *m, const luma_step *step);
 /* Reads "<arch>.<suffix>" (e.g. "block_count"), with a default when absent. */
 int luma_model_u32(const luma_model *m, const char *suffix, uint32_t def, uint32_t *out, luma_err *err);
 int luma_model_f32(const luma_model *m, const char *suffix, float def, float *out, luma_err *err);

@@ -78,15 +78,10 @@ static int gemma3_forward(luma_model *m, const luma_step *step, luma_err *err)
         luma_model_matmuls(m, 2, (const luma_weight *const[]){ &l->gate, &l->up }, &a->h,
                            (luma_buf *const[]){ &a->gate, &a->up });
         luma_model_gated_matmul(m, &l->down, &a->gate, &a->up, LUMA_ACT_GELU, &a->o);
-        if (il + 1 < hp->n_layer) {
-            luma_model_residual_norm(m, &a->x, &a->o, &l->post_ffn_norm, &m->layers[il + 1].attn_norm, &a->h);
-        } else {
-            be->rmsnorm(b, &a->o, &l->post_ffn_norm, hp->n_embd, hp->eps, &a->o);
-            be->add(b, &a->x, &a->o);
-        }
+        const luma_weight *next = il + 1 < hp->n_layer ? &m->layers[il + 1].attn_norm : &m->output_norm;
+        luma_model_residual_norm(m, &a->x, &a->o, &l->post_ffn_norm, next, luma_model_norm_out(m, step, il));
     }
-    be->gather(b, &a->x, step->out_rows, step->n_out, &a->h);
-    be->rmsnorm(b, &a->h, &m->output_norm, hp->n_embd, hp->eps, &a->out_rows);
+    luma_model_gather_out(m, step);
     return be->sync(b, err);
 }
 

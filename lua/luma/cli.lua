@@ -191,11 +191,11 @@ function M.chat(args)
     end
     local ids = model:tokenize(text, { bos = false, special = true })
     local reply = {}
-    for piece in luma.stream(model, ids, { seq = seq, policy = policy, max_tokens = o.n, seed = o.seed }) do
+    luma.stream.run(model, ids, { seq = seq, policy = policy, max_tokens = o.n, seed = o.seed }, function(piece)
       io.write(piece)
       io.flush()
       reply[#reply + 1] = piece
-    end
+    end)
     io.write("\n")
     -- The answer's closing token was chosen but not evaluated: close the
     -- turn in the sequence before the next one.

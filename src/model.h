@@ -275,7 +275,9 @@ void luma_logits_set_release(luma_logits_set *s);
  * the call. With the backend's chain ops each step's token is the
  * device's argmax of the step before, queued before the host reads it.
  * Any failure (context or KV cache full, an all-masked row, on_token's)
- * leaves the sequence as it was. */
+ * leaves the sequence as it was, except, as luma_model_run, where the
+ * sliding-window blocks of its early positions were released on the way:
+ * it then keeps the tokens its cache holds, and err says so. */
 typedef int (*luma_token_fn)(void *ctx, int32_t id, bool *stop, luma_err *err);
 int luma_model_greedy(luma_model *m, luma_seq *s, int32_t first, int32_t n, const int32_t *stops,
                       int32_t n_stops, luma_token_fn on_token, void *ctx, int32_t *ids, int32_t *n_ids,

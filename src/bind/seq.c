@@ -126,7 +126,9 @@ static int greedy_token(void *ctx, int32_t id, bool *stop, luma_err *err)
  * when none was). On a GPU each step's token is taken on the device, so
  * the host queues the next step without waiting for it: on_token runs
  * while the device computes. An error (the context or the cache full, or
- * on_token's, raised again as it was) leaves the sequence as it was. */
+ * on_token's, raised again as it was) leaves the sequence as it was, but
+ * for a run past a sliding window, whose released blocks cannot come back:
+ * the sequence then keeps the tokens its cache holds (as seq:eval does). */
 static int seq_greedy(lua_State *L)
 {
     luma_seq *s = luma_bind_seq(L, 1);

@@ -102,7 +102,6 @@ __device__ __forceinline__ unsigned long long rank_key(float v, int64_t id)
     return ((unsigned long long)b << 32) | (0xffffffffu - (unsigned int)id);
 }
 
-
 /* Clamps into the finite floats, as src/sample.c's finite(). */
 __device__ __forceinline__ float finite_f(float v)
 {

@@ -24,10 +24,25 @@ int64_t luma_model_out_rows(const luma_chunk *chunks, int32_t n_chunks)
     return n;
 }
 
+/* The model can run a forward pass at all. */
+static int check_runs(const luma_model *m, luma_err *err)
+{
+    if (m->vocab_only) return luma_errf(err, "model was loaded with vocab_only: it cannot run a forward pass");
+    return 0;
+}
+
+/* n more tokens fit s's context. */
+static int check_room(const luma_model *m, const luma_seq *s, int32_t n, luma_err *err)
+{
+    if ((int64_t)s->n_tokens + n > m->n_ctx)
+        return luma_errf(err, "context overflow: the sequence holds %d tokens, %d more exceed the context of %d",
+                         s->n_tokens, n, m->n_ctx);
+    return 0;
+}
+
 static int check_chunks(const luma_model *m, const luma_chunk *c, int32_t n, luma_err *err)
 {
-    if (m->vocab_only)
-        return luma_errf(err, "model was loaded with vocab_only: it cannot run a forward pass");
+    if (check_runs(m, err)) return -1;
     if (n < 1) return luma_errf(err, "a batch needs at least one chunk");
     for (int32_t i = 0; i < n; i++) {
         if (!c[i].seq || c[i].seq->model != m)
@@ -36,9 +51,7 @@ static int check_chunks(const luma_model *m, const luma_chunk *c, int32_t n, lum
         for (int32_t j = 0; j < i; j++)
             if (c[j].seq == c[i].seq)
                 return luma_errf(err, "chunk %d: the same sequence appears twice in one batch", i + 1);
-        if ((int64_t)c[i].seq->n_tokens + c[i].n > m->n_ctx)
-            return luma_errf(err, "context overflow: the sequence holds %d tokens, %d more exceed the context of %d",
-                             c[i].seq->n_tokens, c[i].n, m->n_ctx);
+        if (check_room(m, c[i].seq, c[i].n, err)) return -1;
         for (int32_t j = 0; j < c[i].n; j++)
             if (c[i].ids[j] < 0 || c[i].ids[j] >= m->hp.n_vocab)
                 return luma_errf(err, "chunk %d: token id %d out of range [0, %d)", i + 1, c[i].ids[j],
@@ -576,15 +589,13 @@ int luma_model_greedy(luma_model *m, luma_seq *s, int32_t first, int32_t n, cons
     *n_ids = 0;
     *last = NULL;
     *last_row = 0;
-    if (m->vocab_only) return luma_errf(err, "model was loaded with vocab_only: it cannot run a forward pass");
+    if (check_runs(m, err)) return -1;
     if (!s || s->model != m) return luma_errf(err, "greedy: the sequence belongs to another model");
     if (n < 0) return luma_errf(err, "greedy: a negative count of tokens (%d)", n);
     if (first < 0 || first >= m->hp.n_vocab)
         return luma_errf(err, "greedy: token id %d out of range [0, %d)", first, m->hp.n_vocab);
     if (n == 0) return 0;
-    if ((int64_t)s->n_tokens + n > m->n_ctx)
-        return luma_errf(err, "context overflow: the sequence holds %d tokens, %d more exceed the context of %d",
-                         s->n_tokens, n, m->n_ctx);
+    if (check_room(m, s, n, err)) return -1;
     luma_backend *be = m->be;
     const bool chained = be->ops->chain_argmax && be->ops->chain_read;
     const int32_t len0 = s->n_tokens;

@@ -1010,6 +1010,7 @@ static const luma_backend_ops cuda_ops = {
     .logits_temperature = luma_cuda_logits_temperature,
     .logits_sample = luma_cuda_logits_sample,
     .chain_argmax = luma_cuda_chain_argmax,
+    .chain_sample = luma_cuda_chain_sample,
     .chain_read = luma_cuda_chain_read,
     .sync = cuda_sync,
     .set_batch_invariant = cuda_set_batch_invariant,

@@ -558,6 +558,8 @@ int luma_cuda_logits_edit(luma_backend *be, luma_buf *b, int64_t row, const luma
 int luma_cuda_logits_temperature(luma_backend *be, luma_buf *b, int64_t row, float t, luma_err *err);
 int32_t luma_cuda_logits_sample(luma_backend *be, const luma_buf *b, int64_t row, double u, luma_err *err);
 int luma_cuda_chain_argmax(luma_backend *be, const luma_buf *b, int64_t row, luma_err *err);
+int luma_cuda_chain_sample(luma_backend *be, const luma_buf *b, int64_t row, const luma_sampler *s, double u,
+                           luma_err *err);
 int luma_cuda_chain_read(luma_backend *be, int32_t *id, luma_err *err);
 
 /* The id an argmax key names (logits.cu's rank_key: the ordered value

@@ -843,6 +843,93 @@ sample_walk_kernel(const float *__restrict__ x, int64_t n, int64_t ch, int32_t n
     if (lane == 0) *out = (int32_t)(found >= 0 ? found : last_live);
 }
 
+/* ---- the sampling chain on a top-k's entries ------------------------------ */
+
+/* luma_sampler_draw_top (src/sample.c) on the device, by one warp, for the
+ * k best entries of a row as queue_topk leaves them (ids [k], values [k],
+ * count; k <= LUMA_SAMPLER_K_MAX = 2 x 32): the same steps on the same
+ * compact form (the entries in id order), every sum added in the host's
+ * order by one lane, so the id is the host's but where exp or log, a last
+ * bit off the host's, moves a sum across a boundary. The draw's key goes
+ * to *key (0: every entry masked), where chain_argmax's would. */
+#define SAMPLER_K 64
+static_assert(SAMPLER_K == LUMA_SAMPLER_K_MAX, "one warp, two entries a lane");
+
+__global__ void __launch_bounds__(32)
+chain_sample_kernel(const int32_t *__restrict__ res, int32_t k, float top_p, float min_p, float temp, double u,
+                    unsigned long long *key)
+{
+    follow_previous_kernel();
+    __shared__ int32_t s_id[SAMPLER_K];     /* in id order */
+    __shared__ float s_x[SAMPLER_K];
+    __shared__ int32_t s_at[SAMPLER_K];     /* rank r's place in id order */
+    __shared__ double s_e[SAMPLER_K];
+    __shared__ bool s_live[SAMPLER_K];
+    const int lane = threadIdx.x;
+    const int n = res[2 * k];
+    if (n < 1) {
+        if (lane == 0) *key = 0;
+        return;
+    }
+    /* into id order: rank r goes after the entries of lower id */
+    for (int r = lane; r < n; r += 32) {
+        const int32_t id = res[r];
+        int at = 0;
+        for (int j = 0; j < n; j++) at += res[j] < id;
+        s_at[r] = at;
+        s_id[at] = id;
+        s_x[at] = __int_as_float(res[k + r]);
+        s_live[at] = true;
+    }
+    __syncwarp();
+    /* top_p (luma_logits_top_p_ordered): the entries are ranked already;
+     * z sums their weights in id order, the mass in rank order */
+    float m = s_x[s_at[0]];
+    if (top_p < 1.0f) {
+        for (int i = lane; i < n; i += 32) s_e[i] = exp((double)s_x[i] - (double)m);
+        __syncwarp();
+        if (lane == 0) {
+            double z = 0.0, mass = 0.0;
+            for (int i = 0; i < n; i++) z += s_e[i];
+            int r = 0;
+            for (; r < n; r++) {
+                mass += s_e[s_at[r]];
+                if (mass / z >= (double)top_p) break;
+            }
+            for (r++; r < n; r++) s_live[s_at[r]] = false;
+        }
+        __syncwarp();
+    }
+    /* min_p (luma_logits_min_p): the largest entry always stays */
+    if (min_p > 0.0f) {
+        const double lp = log((double)min_p);
+        for (int i = lane; i < n; i += 32)
+            if (s_live[i] && (double)s_x[i] - (double)m < lp) s_live[i] = false;
+        __syncwarp();
+    }
+    /* temperature, then the draw (sample_at): weights and sums in id order */
+    m = finite_f(__fdiv_rn(m, temp));
+    for (int i = lane; i < n; i += 32) {
+        const float v = finite_f(__fdiv_rn(s_x[i], temp));
+        s_e[i] = s_live[i] ? exp((double)v - (double)m) : 0.0;
+    }
+    __syncwarp();
+    if (lane == 0) {
+        double z = 0.0, mass = 0.0;
+        for (int i = 0; i < n; i++)
+            if (s_live[i]) z += s_e[i];
+        const double target = u * z;
+        int pick = -1;
+        for (int i = 0; i < n; i++) {
+            if (!s_live[i]) continue;
+            mass += s_e[i];
+            pick = i;
+            if (target < mass) break;
+        }
+        *key = (1ull << 32) | (0xffffffffu - (unsigned int)s_id[pick]);
+    }
+}
+
 /* ---- the operations ------------------------------------------------------ */
 
 /* Checks shared by the operations; a failure an earlier step left is
@@ -998,28 +1085,18 @@ static int topk_work(cuda_backend *c, int64_t n, int32_t k, int64_t parts, unsig
     return 0;
 }
 
-/* The k best of rows row0 .. row0 + n - 1, one wait: small k in one launch
- * of many blocks a row, larger k one block a row. */
-static int topk_rows(cuda_backend *c, const luma_buf *b, int64_t row0, int64_t n, int32_t k, int32_t *ids,
-                     float *vals, int32_t *counts, luma_err *err)
+/* Queues the k best of rows row0 .. row0 + n - 1 into *res (the rows'
+ * words, 2 k + 1 each: ids [k], values [k], count): small k in one launch
+ * of many blocks a row, larger k one block a row (rows and k checked by
+ * the caller). */
+static int queue_topk(cuda_backend *c, const luma_buf *b, int64_t row0, int64_t n, int32_t k, int32_t **res,
+                      luma_err *err)
 {
-    if (op_begin(c, "top-k", b, row0, err)) return -1;
-    if (n < 1 || n > b->rows - row0)
-        return luma_errf(err, "top-k: rows [%lld, +%lld) of a set of %lld", (long long)row0, (long long)n,
-                         (long long)b->rows);
-    if (k < 1 || k > LUMA_TOPK_MAX)
-        return luma_errf(err, "top-k: k must be in [1, %d] (got %d)", LUMA_TOPK_MAX, (int)k);
     const int64_t parts = (b->cols + TOPK_PART_CHUNK - 1) / TOPK_PART_CHUNK, words = 2 * (int64_t)k + 1;
     const bool small = k <= TOPK_PART_THREADS && parts * k <= TOPK_PART_CHUNK;
     unsigned int *arrived;
-    int32_t *res;
     unsigned long long *cand;
-    if (topk_work(c, n, k, small ? parts : 0, &arrived, &res, &cand, err)) return -1;
-    /* ids [k], values [k], count: a row's words, one copy back */
-    static_assert(sizeof(int32_t) == sizeof(float), "ids and values pack alike");
-    const size_t bytes = (size_t)(n * words) * sizeof(int32_t);
-    int32_t *host = (int32_t *)results_get(c, bytes);
-    if (!host) return luma_errf(err, "top-k: out of memory for %lld rows", (long long)n);
+    if (topk_work(c, n, k, small ? parts : 0, &arrived, res, &cand, err)) return -1;
     const float *x = b->data + row0 * b->cols;
     cudaError_t e = cudaSuccess;
     for (int64_t r0 = 0; r0 < n && e == cudaSuccess; r0 += small ? 65535 : 1) {
@@ -1030,20 +1107,47 @@ static int topk_rows(cuda_backend *c, const luma_buf *b, int64_t row0, int64_t n
             const unsigned blocks = (unsigned)(per_row < parts ? per_row : parts);
             if (k <= TOPK_REGS_K && c->topk_stream)
                 luma_launch(c, c->stream, dim3(blocks, (unsigned)rows), TOPK_PART_THREADS, 0, topk_stream_kernel,
-                            x + r0 * b->cols, b->cols, k, cand + r0 * blocks * k, arrived + r0, res + r0 * words);
+                            x + r0 * b->cols, b->cols, k, cand + r0 * blocks * k, arrived + r0, *res + r0 * words);
             else
                 luma_launch(c, c->stream, dim3((unsigned)parts, (unsigned)rows), TOPK_PART_THREADS, 0,
                             topk_small_kernel, x + r0 * b->cols, b->cols, k, cand + r0 * parts * k, arrived + r0,
-                            res + r0 * words);
+                            *res + r0 * words);
         } else {
-            int32_t *o = res + r0 * words;
+            int32_t *o = *res + r0 * words;
             luma_launch(c, c->stream, 1, TOPK_THREADS, 0, topk_kernel, x + r0 * b->cols, b->cols, k, o,
                         (float *)(o + k), o + 2 * k);
         }
         e = cudaGetLastError();
     }
-    if (e == cudaSuccess) e = cudaMemcpyAsync(host, res, bytes, cudaMemcpyDeviceToHost, c->stream);
-    int rc = op_end(c, "top-k", e, err);
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        return luma_errf(err, "top-k on the GPU: %s", cudaGetErrorString(e));
+    }
+    return 0;
+}
+
+/* The k best of rows row0 .. row0 + n - 1, one wait. */
+static int topk_rows(cuda_backend *c, const luma_buf *b, int64_t row0, int64_t n, int32_t k, int32_t *ids,
+                     float *vals, int32_t *counts, luma_err *err)
+{
+    if (op_begin(c, "top-k", b, row0, err)) return -1;
+    if (n < 1 || n > b->rows - row0)
+        return luma_errf(err, "top-k: rows [%lld, +%lld) of a set of %lld", (long long)row0, (long long)n,
+                         (long long)b->rows);
+    if (k < 1 || k > LUMA_TOPK_MAX)
+        return luma_errf(err, "top-k: k must be in [1, %d] (got %d)", LUMA_TOPK_MAX, (int)k);
+    /* ids [k], values [k], count: a row's words, one copy back */
+    static_assert(sizeof(int32_t) == sizeof(float), "ids and values pack alike");
+    const int64_t words = 2 * (int64_t)k + 1;
+    const size_t bytes = (size_t)(n * words) * sizeof(int32_t);
+    int32_t *host = (int32_t *)results_get(c, bytes);
+    if (!host) return luma_errf(err, "top-k: out of memory for %lld rows", (long long)n);
+    int32_t *res;
+    if (queue_topk(c, b, row0, n, k, &res, err)) {
+        results_free(c, host);
+        return -1;
+    }
+    int rc = op_end(c, "top-k", cudaMemcpyAsync(host, res, bytes, cudaMemcpyDeviceToHost, c->stream), err);
     for (int64_t i = 0; i < n && rc == 0; i++) {
         const int32_t *h = host + i * words;
         counts[i] = h[2 * k];
@@ -1141,21 +1245,53 @@ int32_t luma_cuda_logits_sample(luma_backend *be, const luma_buf *b, int64_t row
  * a row whose token is LUMA_TOKEN_CHAINED, and its copy to chain_host,
  * after which chain_ev is recorded: the host waits for that event only,
  * while the step queued after the argmax runs. */
-int luma_cuda_chain_argmax(luma_backend *be, const luma_buf *b, int64_t row, luma_err *err)
+/* The pinned copy and its event, made at the first use. */
+static cudaError_t chain_ready(cuda_backend *c)
 {
-    cuda_backend *c = cu(be);
-    if (op_begin(c, "greedy's argmax", b, row, err)) return -1;
     cudaError_t e = cudaSuccess;
     if (!c->chain_host) {
         e = cudaMallocHost((void **)&c->chain_host, sizeof *c->chain_host);
         if (e != cudaSuccess) c->chain_host = NULL;
     }
     if (e == cudaSuccess && !c->chain_ev) e = cudaEventCreateWithFlags(&c->chain_ev, cudaEventDisableTiming);
-    if (e == cudaSuccess) e = queue_argmax(c, b, row, 1, c->chain_key);
+    return e;
+}
+
+/* After the key's kernels (e: how queuing them went): its copy back and
+ * the event chain_read waits for. */
+static int chain_queued(cuda_backend *c, const char *op, cudaError_t e, luma_err *err)
+{
+    if (e == cudaSuccess) e = cudaGetLastError();
     if (e == cudaSuccess)
         e = cudaMemcpyAsync(c->chain_host, c->chain_key, sizeof *c->chain_host, cudaMemcpyDeviceToHost, c->stream);
     if (e == cudaSuccess) e = cudaEventRecord(c->chain_ev, c->stream);
-    return op_queued("greedy's argmax", e, err);
+    return op_queued(op, e, err);
+}
+
+int luma_cuda_chain_argmax(luma_backend *be, const luma_buf *b, int64_t row, luma_err *err)
+{
+    cuda_backend *c = cu(be);
+    if (op_begin(c, "greedy's argmax", b, row, err)) return -1;
+    cudaError_t e = chain_ready(c);
+    if (e == cudaSuccess) e = queue_argmax(c, b, row, 1, c->chain_key);
+    return chain_queued(c, "greedy's argmax", e, err);
+}
+
+/* The sampler's draw goes where the argmax's would: its top-k (queue_topk),
+ * then chain_sample_kernel. */
+int luma_cuda_chain_sample(luma_backend *be, const luma_buf *b, int64_t row, const luma_sampler *s, double u,
+                           luma_err *err)
+{
+    cuda_backend *c = cu(be);
+    if (op_begin(c, "the sampler's draw", b, row, err) || luma_sampler_check(s, err)) return -1;
+    if (!(u >= 0.0 && u < 1.0)) return luma_errf(err, "sample: the uniform %g is not in [0, 1)", u);
+    const int32_t k = s->top_k < b->cols ? s->top_k : (int32_t)b->cols;
+    int32_t *res;
+    cudaError_t e = chain_ready(c);
+    if (e != cudaSuccess) return chain_queued(c, "the sampler's draw", e, err);
+    if (queue_topk(c, b, row, 1, k, &res, err)) return -1;
+    luma_launch(c, c->stream, 1, 32, 0, chain_sample_kernel, res, k, s->top_p, s->min_p, s->temp, u, c->chain_key);
+    return chain_queued(c, "the sampler's draw", cudaSuccess, err);
 }
 
 int luma_cuda_chain_read(luma_backend *be, int32_t *id, luma_err *err)

@@ -16,6 +16,7 @@
 #include "err.h"
 #include "kv.h"
 #include "quant.h"
+#include "sample.h"
 
 typedef struct luma_weight {
     enum luma_type type;
@@ -49,8 +50,8 @@ typedef struct luma_step_seq {
     int32_t n_blocks[LUMA_KV_MAX_POOLS];
 } luma_step_seq;
 
-/* A step row's token that is the argmax queued last by chain_argmax
- * (backend ops below): greedy decoding chained on the device. */
+/* A step row's token that is the id queued last by chain_argmax or
+ * chain_sample (backend ops below): decoding chained on the device. */
 #define LUMA_TOKEN_CHAINED (-2)
 
 typedef struct luma_step {
@@ -251,7 +252,7 @@ typedef struct luma_backend_ops {
      * the same id, except where the sums, added in another order, round
      * across a boundary. -1 with err set when every entry is masked. */
     int32_t (*logits_sample)(luma_backend *be, const luma_buf *b, int64_t row, double u, luma_err *err);
-    /* Greedy decoding chained on the device (luma_model_greedy): both or
+    /* Decoding chained on the device (luma_model_decode): both or
      * neither. chain_argmax queues the argmax of one row and returns
      * without waiting: the next step's rows whose token is
      * LUMA_TOKEN_CHAINED take that id on the device, so the host can queue
@@ -261,6 +262,13 @@ typedef struct luma_backend_ops {
      * come between a step's operations and the next step: the host never
      * waits for a step before queuing the next. */
     int (*chain_argmax)(luma_backend *be, const luma_buf *b, int64_t row, luma_err *err);
+    /* Optional beside them: sampling chained the same way. chain_sample
+     * queues the draw of s from one row for the uniform u, in the place
+     * of chain_argmax's argmax: luma_sampler_draw's id, except where the
+     * device's exp or log, a last bit off the host's, moves a sum across
+     * a boundary. */
+    int (*chain_sample)(luma_backend *be, const luma_buf *b, int64_t row, const luma_sampler *s, double u,
+                        luma_err *err);
     int (*chain_read)(luma_backend *be, int32_t *id, luma_err *err);
 
     /* Waits for the step's work and reports any failure it met. */

@@ -550,12 +550,12 @@ int32_t luma_logits_set_topk_lowered(luma_logits_set *s, int64_t row, int32_t k,
     return got;
 }
 
-/* ---- greedy decoding ------------------------------------------------------ */
+/* ---- greedy and sampled decoding ------------------------------------------ */
 
 /* Queues one decode row of s at position pos with token `token` (an id, or
  * LUMA_TOKEN_CHAINED), its logits into row `row` of set. The position's KV
  * room is reserved. */
-static int greedy_step(luma_model *m, luma_seq *s, int32_t pos, int32_t token, luma_logits_set *set, int64_t row,
+static int decode_step(luma_model *m, luma_seq *s, int32_t pos, int32_t token, luma_logits_set *set, int64_t row,
                        luma_err *err)
 {
     luma_step_seq ss = { .row0 = 0, .n_rows = 1, .pos0 = pos };
@@ -573,7 +573,7 @@ static int greedy_step(luma_model *m, luma_seq *s, int32_t pos, int32_t token, l
 }
 
 /* A new id is known: on_token, then the stop list. */
-static int greedy_note(int32_t id, const int32_t *stops, int32_t n_stops, luma_token_fn on_token, void *ctx,
+static int decode_note(int32_t id, const int32_t *stops, int32_t n_stops, luma_token_fn on_token, void *ctx,
                        bool *stop, luma_err *err)
 {
     *stop = false;
@@ -582,61 +582,84 @@ static int greedy_note(int32_t id, const int32_t *stops, int32_t n_stops, luma_t
     return 0;
 }
 
-int luma_model_greedy(luma_model *m, luma_seq *s, int32_t first, int32_t n, const int32_t *stops,
-                      int32_t n_stops, luma_token_fn on_token, void *ctx, int32_t *ids, int32_t *n_ids,
-                      luma_logits_set **last, int64_t *last_row, luma_err *err)
+/* The next id from row `row` of set, the step before it done (the loop
+ * without chain ops). */
+static int32_t decode_pick(luma_model *m, luma_logits_set *set, int64_t row, const luma_sampler *smp, double u,
+                           float **scratch, luma_err *err)
 {
+    if (!smp) return luma_logits_set_argmax(set, row, false, err);
+    const int32_t nv = m->hp.n_vocab;
+    float *x = luma_logits_set_host(set, row);
+    if (!x) {
+        if (!*scratch && !(*scratch = malloc((size_t)nv * sizeof **scratch)))
+            return luma_errf(err, "sample: out of memory for a row of %d logits", (int)nv);
+        if (luma_logits_set_read(set, row, *scratch, err)) return -1;
+        x = *scratch;
+    }
+    return luma_sampler_draw(smp, x, nv, u, err);
+}
+
+int luma_model_decode(luma_model *m, luma_seq *s, int32_t first, int32_t n, const luma_sampler *smp, luma_rng *rng,
+                      const int32_t *stops, int32_t n_stops, luma_token_fn on_token, void *ctx, int32_t *ids,
+                      int32_t *n_ids, luma_logits_set **last, int64_t *last_row, luma_err *err)
+{
+    const char *what = smp ? "sample" : "greedy";
     *n_ids = 0;
     *last = NULL;
     *last_row = 0;
     if (check_runs(m, err)) return -1;
-    if (!s || s->model != m) return luma_errf(err, "greedy: the sequence belongs to another model");
-    if (n < 0) return luma_errf(err, "greedy: a negative count of tokens (%d)", n);
+    if (!s || s->model != m) return luma_errf(err, "%s: the sequence belongs to another model", what);
+    if (n < 0) return luma_errf(err, "%s: a negative count of tokens (%d)", what, n);
     if (first < 0 || first >= m->hp.n_vocab)
-        return luma_errf(err, "greedy: token id %d out of range [0, %d)", first, m->hp.n_vocab);
+        return luma_errf(err, "%s: token id %d out of range [0, %d)", what, first, m->hp.n_vocab);
+    if (smp && (luma_sampler_check(smp, err) || (!rng && luma_errf(err, "sample: no generator"))))
+        return -1;
     if (n == 0) return 0;
     if (check_room(m, s, n, err)) return -1;
     luma_backend *be = m->be;
-    const bool chained = be->ops->chain_argmax && be->ops->chain_read;
+    const bool chained = (smp ? be->ops->chain_sample != NULL : be->ops->chain_argmax != NULL) && be->ops->chain_read;
     const int32_t len0 = s->n_tokens;
+    float *scratch = NULL;   /* a row read back, where the set is not host memory */
     luma_logits_set *set = set_get(m, 2, err);   /* step j's logits in row j & 1 */
     if (!set) return -1;
 
     /* Step j feeds ids[j] at position len0 + j; ids[j + 1] is the argmax of
-     * its row. At the loop's top k ids are known, step k - 1 is queued and
+     * its row, or smp's draw from it. At the loop's top k ids are known, step k - 1 is queued and
      * not yet committed, and every step before it is. Chained, step k is
      * queued before ids[k] is read, and discarded when ids[k] stops. */
     int32_t k = 1;
     bool stop;
     ids[0] = first;
-    if (greedy_note(first, stops, n_stops, on_token, ctx, &stop, err)) goto fail;
+    if (decode_note(first, stops, n_stops, on_token, ctx, &stop, err)) goto fail;
     if (stop) {
         *n_ids = 1;
         luma_logits_set_release(set);
         return 0;
     }
-    if (luma_kv_reserve(m->kv, s->kv, 1, err) || greedy_step(m, s, len0, first, set, 0, err)) goto fail;
+    if (luma_kv_reserve(m->kv, s->kv, 1, err) || decode_step(m, s, len0, first, set, 0, err)) goto fail;
     while (k < n) {
         int32_t id;
+        const double u = smp ? luma_rng_uniform(rng) : 0.0;   /* one a draw, in the order of the draws */
         if (chained) {
-            if (be->ops->chain_argmax(be, &set->buf, (k - 1) & 1, err) ||
+            if ((smp ? be->ops->chain_sample(be, &set->buf, (k - 1) & 1, smp, u, err)
+                     : be->ops->chain_argmax(be, &set->buf, (k - 1) & 1, err)) ||
                 luma_kv_reserve(m->kv, s->kv, 2, err) ||
-                greedy_step(m, s, len0 + k, LUMA_TOKEN_CHAINED, set, k & 1, err) ||
+                decode_step(m, s, len0 + k, LUMA_TOKEN_CHAINED, set, k & 1, err) ||
                 be->ops->chain_read(be, &id, err))
                 goto fail;
             if (id < 0) {
-                luma_errf(err, "greedy: every logit is masked");
+                luma_errf(err, "%s: every logit is masked", what);
                 goto fail;
             }
         } else {
             if (be->ops->sync(be, err)) goto fail;
-            id = luma_logits_set_argmax(set, (k - 1) & 1, false, err);
+            id = decode_pick(m, set, (k - 1) & 1, smp, u, &scratch, err);
             if (id < 0) goto fail;
         }
         luma_kv_commit(m->kv, s->kv, 1);
         if (append_tokens(s, &ids[k - 1], 1, err)) goto fail;
         ids[k++] = id;
-        if (greedy_note(id, stops, n_stops, on_token, ctx, &stop, err)) goto fail;
+        if (decode_note(id, stops, n_stops, on_token, ctx, &stop, err)) goto fail;
         if (stop) {
             /* ends unfed: the logits before it are the last */
             if (be->ops->sync(be, err)) goto fail;
@@ -645,9 +668,10 @@ int luma_model_greedy(luma_model *m, luma_seq *s, int32_t first, int32_t n, cons
             *n_ids = k;
             *last = set;
             *last_row = (k - 2) & 1;
+            free(scratch);
             return 0;
         }
-        if (!chained && (luma_kv_reserve(m->kv, s->kv, 1, err) || greedy_step(m, s, len0 + k - 1, id, set,
+        if (!chained && (luma_kv_reserve(m->kv, s->kv, 1, err) || decode_step(m, s, len0 + k - 1, id, set,
                                                                               (k - 1) & 1, err)))
             goto fail;
     }
@@ -657,11 +681,13 @@ int luma_model_greedy(luma_model *m, luma_seq *s, int32_t first, int32_t n, cons
     *n_ids = n;
     *last = set;
     *last_row = (n - 1) & 1;
+    free(scratch);
     return 0;
 fail:;
     luma_err ignored;
     be->ops->sync(be, &ignored);
     seq_rollback(m, s, len0, "the sequence", err);
     luma_logits_set_release(set);
+    free(scratch);
     return -1;
 }

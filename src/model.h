@@ -261,27 +261,31 @@ int luma_model_run_set(luma_model *m, const luma_chunk *chunks, int32_t n_chunks
                        luma_logits_set **out, luma_err *err);
 void luma_logits_set_release(luma_logits_set *s);
 
-/* Greedy decoding of one sequence. ids[0] = first (the argmax of the
- * sequence's last logits, taken by the caller); then while fewer than n
- * ids are known: the last id is fed and the argmax of its logits is the
- * next id. An id in stops (n_stops of them), or one for which on_token
- * (or NULL) sets *stop, ends it unfed. So ids[0..*n_ids) are what a loop
- * of argmax and luma_model_run would give, the sequence gains every id
- * but a stopping one, and *last gets a new set (the caller's reference)
- * whose row *last_row holds the logits of the last id fed (NULL when none
- * was: first stopped, or n = 0).
+/* Greedy or sampled decoding of one sequence. ids[0] = first (the
+ * argmax, or smp's draw, of the sequence's last logits, taken by the
+ * caller); then while fewer than n ids are known: the last id is fed and
+ * the next id is the argmax of its logits (smp NULL) or smp's draw from
+ * them (luma_sampler_draw), one luma_rng_uniform of rng a draw, in order.
+ * An id in stops (n_stops of them), or one for which on_token (or NULL)
+ * sets *stop, ends it unfed. So ids[0..*n_ids) are what a loop of the
+ * choice and luma_model_run would give, the sequence gains every id but a
+ * stopping one, and *last gets a new set (the caller's reference) whose
+ * row *last_row holds the logits of the last id fed (NULL when none was:
+ * first stopped, or n = 0).
  * on_token(ctx, id, &stop, err) is called once for each id as it becomes
  * known, while the device computes the step that feeds it; nonzero fails
  * the call. With the backend's chain ops each step's token is the
- * device's argmax of the step before, queued before the host reads it.
- * Any failure (context or KV cache full, an all-masked row, on_token's)
- * leaves the sequence as it was, except, as luma_model_run, where the
- * sliding-window blocks of its early positions were released on the way:
- * it then keeps the tokens its cache holds, and err says so. */
+ * device's choice from the step before, queued before the host reads it
+ * (a draw on the device is the host's but where its exp or log, a last
+ * bit off, moves a sum across a boundary). Any failure (context or KV
+ * cache full, an all-masked row, on_token's) leaves the sequence as it
+ * was, except, as luma_model_run, where the sliding-window blocks of its
+ * early positions were released on the way: it then keeps the tokens its
+ * cache holds, and err says so. */
 typedef int (*luma_token_fn)(void *ctx, int32_t id, bool *stop, luma_err *err);
-int luma_model_greedy(luma_model *m, luma_seq *s, int32_t first, int32_t n, const int32_t *stops,
-                      int32_t n_stops, luma_token_fn on_token, void *ctx, int32_t *ids, int32_t *n_ids,
-                      luma_logits_set **last, int64_t *last_row, luma_err *err);
+int luma_model_decode(luma_model *m, luma_seq *s, int32_t first, int32_t n, const luma_sampler *smp, luma_rng *rng,
+                      const int32_t *stops, int32_t n_stops, luma_token_fn on_token, void *ctx, int32_t *ids,
+                      int32_t *n_ids, luma_logits_set **last, int64_t *last_row, luma_err *err);
 /* Frees the pool of released sets; held sets stay. */
 void luma_model_logits_drain(luma_model *m);
 /* Row `row` in host memory where the backend keeps its buffers there; NULL

@@ -677,11 +677,89 @@ static int32_t sample_at(const float *x, int32_t n, double u, luma_err *err)
     return last;
 }
 
-int32_t luma_logits_sample(const float *x, int32_t n, luma_rng *rng, luma_err *err)
+int32_t luma_logits_sample_at(const float *x, int32_t n, double u, luma_err *err)
 {
-    double u = luma_rng_uniform(rng);
     if (check_n("sample", n, err)) return -1;
     sparse sp;
     if (gather(x, n, &sp)) return sp.ids[sample_at(sp.vals, sp.n, u, err)];
     return sample_at(x, n, u, err);
+}
+
+int32_t luma_logits_sample(const float *x, int32_t n, luma_rng *rng, luma_err *err)
+{
+    double u = luma_rng_uniform(rng);
+    return luma_logits_sample_at(x, n, u, err);
+}
+
+/* ---- the compact form, and the sampling chain on it ---------------------- */
+
+typedef struct entry {
+    int32_t id;
+    float v;
+    int32_t rank;              /* its place in the top-k's order */
+} entry;
+
+static int entry_cmp(const void *pa, const void *pb)
+{
+    const entry *a = pa, *b = pb;
+    return (a->id > b->id) - (a->id < b->id);
+}
+
+void luma_logits_compact(int32_t *ids, float *vals, int32_t *order, int32_t n)
+{
+    entry e[LUMA_SPARSE_MAX];
+    for (int32_t j = 0; j < n; j++) e[j] = (entry){ ids[j], vals[j], j };
+    /* a policy's few (top_k 40, say) by insertion, more by qsort */
+    if (n > 64) {
+        qsort(e, (size_t)n, sizeof *e, entry_cmp);
+    } else {
+        for (int32_t j = 1; j < n; j++) {
+            entry t = e[j];
+            int32_t i = j;
+            for (; i > 0 && e[i - 1].id > t.id; i--) e[i] = e[i - 1];
+            e[i] = t;
+        }
+    }
+    for (int32_t j = 0; j < n; j++) {
+        ids[j] = e[j].id;
+        vals[j] = e[j].v;
+        order[e[j].rank] = j;
+    }
+}
+
+int luma_sampler_check(const luma_sampler *s, luma_err *err)
+{
+    if (s->top_k < 1 || s->top_k > LUMA_SAMPLER_K_MAX)
+        return luma_errf(err, "sampler: top_k must be in [1, %d] (got %d)", LUMA_SAMPLER_K_MAX, (int)s->top_k);
+    if (!(s->top_p > 0.0f && s->top_p <= 1.0f))
+        return luma_errf(err, "sampler: top_p must be in (0, 1] (got %g)", (double)s->top_p);
+    if (!(s->min_p >= 0.0f && s->min_p <= 1.0f))
+        return luma_errf(err, "sampler: min_p must be in [0, 1] (got %g)", (double)s->min_p);
+    if (!(s->temp > 0.0f) || isinf(s->temp))
+        return luma_errf(err, "sampler: temp must be finite and > 0 (got %g)", (double)s->temp);
+    return 0;
+}
+
+int32_t luma_sampler_draw_top(const luma_sampler *s, int32_t *ids, float *vals, int32_t count, double u,
+                              luma_err *err)
+{
+    if (count < 1) return luma_errf(err, "sample: every logit is masked");
+    int32_t order[LUMA_SAMPLER_K_MAX];
+    luma_logits_compact(ids, vals, order, count);
+    if (luma_logits_top_p_ordered(vals, count, order, s->top_p, 1, err) ||
+        (s->min_p > 0.0f && luma_logits_min_p(vals, count, s->min_p, 1, err)) ||
+        luma_logits_temperature(vals, count, s->temp, err))
+        return -1;
+    int32_t i = sample_at(vals, count, u, err);
+    return i < 0 ? -1 : ids[i];
+}
+
+int32_t luma_sampler_draw(const luma_sampler *s, const float *x, int32_t n, double u, luma_err *err)
+{
+    if (luma_sampler_check(s, err) || check_n("sample", n, err)) return -1;
+    int32_t ids[LUMA_SAMPLER_K_MAX];
+    float vals[LUMA_SAMPLER_K_MAX];
+    int32_t count = luma_logits_topk(x, n, s->top_k < n ? s->top_k : n, ids, vals, err);
+    if (count < 0) return -1;
+    return luma_sampler_draw_top(s, ids, vals, count, u, err);
 }

@@ -3,6 +3,8 @@
 --   decode: greedy tokens one at a time with C argmax, and optionally with a
 --           Lua sampling chain (penalties, top-k 40, top-p 0.95, temp 0.8),
 --           timed over the steps after the first (reported on its own);
+--           with --policy also luma generate's default sampling chain
+--           (top-k 40, top-p 0.95, temp 0.8) in Lua and through seq:sample;
 --           with --policy and batches, the batches again, each sequence
 --           sampled by top-k 40, top-p 0.95 and temperature 0.8, and the
 --           same requests run by luma.scheduler (its default policy);
@@ -98,6 +100,18 @@ local function greedy_decode(model, ids, n)
   local _, logits = seq:greedy(seq:eval(ids), 1)
   local t0 = luma.now()
   seq:greedy(logits, n - 1)
+  local dt = luma.now() - t0
+  seq:close()
+  return dt
+end
+
+-- The same with each token drawn by seq:sample (opts: its options, rng
+-- included).
+local function sample_decode(model, ids, n, opts)
+  local seq = model:sequence()
+  local _, logits = seq:sample(seq:eval(ids), 1, opts)
+  local t0 = luma.now()
+  seq:sample(logits, n - 1, opts)
   local dt = luma.now() - t0
   seq:close()
   return dt
@@ -268,6 +282,19 @@ function M.run(o, load_model)
     row("decode with Lua policy chain", string.format("%.2f", timed / pdec), "tokens/s")
     row("Lua policy cost per token", string.format("%.1f", ptime / timed * 1e6), "us")
     row("Lua policy share of decode", string.format("%.1f", ptime / pdec * 100), "%")
+    -- luma generate's default chain, in Lua and through seq:sample
+    local default = P.from_options{ temp = 0.8, top_k = 40, top_p = 0.95 }
+    local sdec, cdec = math.huge, math.huge
+    if timed > 0 then
+      for _ = 1, reps do
+        sdec = math.min(sdec, (decode(model, short, o.gen, default, luma.rng(1))))
+        local so = P.sampler(default)
+        so.rng = luma.rng(1)
+        cdec = math.min(cdec, sample_decode(model, short, o.gen, so))
+      end
+    end
+    row("decode, sampled by a Lua policy", string.format("%.2f", timed / sdec), "tokens/s")
+    row("decode, sampled (seq:sample)", string.format("%.2f", timed / cdec), "tokens/s")
     -- Batches sampled by the scheduler's default policy (no penalties).
     if o.batch then
       local sampler = P.from_options{ temp = 0.8, top_k = 40, top_p = 0.95 }

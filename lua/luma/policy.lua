@@ -112,6 +112,10 @@ function P.mirostat(o)
   end
 end
 
+-- the chains P.from_options made that seq:sample can run (weak keys):
+-- their options
+local samplers = setmetatable({}, { __mode = "k" })
+
 -- The usual sampling chain from plain options (used by luma generate):
 -- { temp = 0.8, top_k = 40, top_p = 0.95, min_p = 0.05, repeat_ = 1.1 }.
 -- temp = 0 is greedy.
@@ -119,12 +123,29 @@ function P.from_options(o)
   o = o or {}
   if o.temp == 0 then return P.greedy() end
   local list = {}
-  if o.repeat_ and o.repeat_ ~= 1 then list[#list + 1] = P.penalties{ repeat_ = o.repeat_, last_n = o.last_n } end
+  local penalties = o.repeat_ and o.repeat_ ~= 1
+  if penalties then list[#list + 1] = P.penalties{ repeat_ = o.repeat_, last_n = o.last_n } end
   if o.top_k and o.top_k > 0 then list[#list + 1] = P.top_k(o.top_k) end
   if o.top_p and o.top_p < 1 then list[#list + 1] = P.top_p(o.top_p) end
   if o.min_p and o.min_p > 0 then list[#list + 1] = P.min_p(o.min_p) end
-  list[#list + 1] = P.temperature(o.temp or 0.8)
-  return P.chain(list)
+  local temp = o.temp or 0.8
+  list[#list + 1] = P.temperature(temp)
+  local f = P.chain(list)
+  if not penalties and math.type(o.top_k) == "integer" and o.top_k >= 1 and o.top_k <= 64 and temp > 0 then
+    samplers[f] = { top_k = o.top_k, top_p = o.top_p and o.top_p < 1 and o.top_p or nil,
+                    min_p = o.min_p and o.min_p > 0 and o.min_p or nil, temp = temp }
+  end
+  return f
+end
+
+-- The options of seq:sample (a new table: top_k, top_p, min_p, temp) that
+-- draw what f draws, where f is a chain P.from_options made without
+-- penalties and with top_k in [1, 64]; nil for any other function.
+-- luma.generate then decodes through seq:sample.
+function P.sampler(f)
+  local o = samplers[f]
+  if not o then return nil end
+  return { top_k = o.top_k, top_p = o.top_p, min_p = o.min_p, temp = o.temp }
 end
 
 return P

@@ -13,12 +13,16 @@
 --
 -- luma.stream.run(model, prompt, opts, emit) runs a generation to its end,
 -- calling emit(piece, id) where the iterator would yield. With the policy
--- P.greedy() it decodes through seq:greedy: each step's token is taken
--- where the logits are (on a GPU, the next step is queued before the host
--- reads it), the same tokens and text as the iterator's. Then emit,
--- on_token and the stop conditions run while the model is busy (they may
--- not use its sequences, batches or device logits), and a generation that
--- reaches the end of the context stops there ("ctx") instead of failing.
+-- P.greedy() it decodes through seq:greedy, and with a sampling chain of
+-- P.from_options that seq:sample can run (P.sampler: the default policy
+-- is one) through seq:sample: each step's token is taken where the logits
+-- are (on a GPU, the next step is queued before the host reads it), the
+-- same tokens and text as the iterator's (a draw on a GPU: but where the
+-- device's exp or log, a last bit off the host's, moves a sum across a
+-- boundary). Then emit, on_token and the stop conditions run while the
+-- model is busy (they may not use its sequences, batches or device
+-- logits), and a generation that reaches the end of the context stops
+-- there ("ctx") instead of failing.
 local luma = require "luma"
 local P = require "luma.policy"
 local T = require "luma.text"
@@ -88,8 +92,8 @@ local function took(g, id, limit)
   return piece, stop ~= nil
 end
 
-local function stream(model, prompt, opts)
-  local g = setup(model, prompt, opts, 3)
+-- The iterator over a generation set up.
+local function iterate(g)
   local policy, state, last_id = g.policy, g.state, nil
 
   local function step()
@@ -123,8 +127,13 @@ local function stream(model, prompt, opts)
   end, nil, nil, closer
 end
 
--- The whole generation through seq:greedy (the policy is P.greedy()).
-local function run_greedy(g, emit)
+local function stream(model, prompt, opts)
+  return iterate(setup(model, prompt, opts, 3))
+end
+
+-- The whole generation through seq:greedy (smp nil) or seq:sample (smp:
+-- its options).
+local function run_chained(g, emit, smp)
   local before = g.out:stop_before()
   if before then return finish(g, before) end
   local logits = prefill(g)
@@ -132,22 +141,30 @@ local function run_greedy(g, emit)
   local room = g.model.info.ctx - seq:len()
   local n = math.min(g.max_tokens, room)
   g.busy = true   -- finish leaves the sequence to run to close
-  seq:greedy(logits, n, { on_token = function(id)
+  local o = smp or {}
+  o.on_token = function(id)
     state.tokens = seq:tokens()
     local piece, stop = took(g, id, state.step + 1 >= n and "ctx" or nil)
     if piece ~= nil then emit(piece, id) end
     return stop
-  end })
+  end
+  if smp then
+    o.rng = state.rng
+    seq:sample(logits, n, o)
+  else
+    seq:greedy(logits, n, o)
+  end
 end
 
 local function run(model, prompt, opts, emit)
   if type(emit) ~= "function" then error("stream.run: emit must be a function (piece, id)", 2) end
-  if not P.is_greedy(type(opts) == "table" and opts.policy) then
-    for piece, id in stream(model, prompt, opts) do emit(piece, id) end
+  local g = setup(model, prompt, opts, 3)
+  local smp = P.sampler(g.policy)
+  if not smp and not P.is_greedy(g.policy) then
+    for piece, id in iterate(g) do emit(piece, id) end
     return
   end
-  local g = setup(model, prompt, opts, 3)
-  local ok, e = pcall(run_greedy, g, emit)
+  local ok, e = pcall(run_chained, g, emit, smp)
   g.busy = false
   if not g.done then finish(g, ok and "ctx" or "error") end   -- ok: no room for a token
   if g.own_seq and g.seq then g.seq:close() end

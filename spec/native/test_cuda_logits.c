@@ -9,6 +9,9 @@
  *   - sample for 200 uniforms a row (60 on the large vocabulary): the
  *     same id, except where the target sits within rounding of a boundary
  *     (each such draw is checked to be);
+ *   - the sampler's draw chained on the device (chain_sample, chain_read)
+ *     for six chains of top-k, top-p, min-p and temperature, 20 uniforms
+ *     each a row: luma_sampler_draw's id;
  * on rows with distinct values, many ties, masked entries (-inf, NaN and
  * +inf, which count as masked), fewer live entries than k, none live, all
  * equal, signed zeros, and values near FLT_MAX; and bad arguments come back
@@ -365,6 +368,40 @@ static void test_sample(luma_buf *b, const float *rows, int32_t n)
            differ, unexplained);
 }
 
+/* The sampler's draw chained on the device (chain_sample, then chain_read)
+ * against luma_sampler_draw on the host, for several chains and uniforms
+ * a row: the same id (-1 for a row with nothing live). */
+static const luma_sampler SAMPLERS[] = {
+    { 40, 0.95f, 0.0f, 0.8f }, { 64, 1.0f, 0.05f, 1.3f }, { 8, 0.9f, 0.1f, 0.5f },
+    { 1, 1.0f, 0.0f, 2.0f },   { 64, 0.5f, 0.0f, 0.01f }, { 3, 1.0f, 1.0f, 1.0f },
+};
+
+static void test_chain_sample(luma_buf *b, const float *rows, int32_t n)
+{
+    luma_err err;
+    int draws = 0, differ = 0;
+    for (int r = 0; r < ROWS; r++) {
+        const float *x = rows + (size_t)r * n;
+        luma_rng rng;
+        luma_rng_seed(&rng, 2000 + (uint64_t)r);
+        for (size_t si = 0; si < sizeof SAMPLERS / sizeof *SAMPLERS; si++) {
+            for (int d = 0; d < 20; d++) {
+                const double u = luma_rng_uniform(&rng);
+                luma_err herr;
+                int32_t want = luma_sampler_draw(&SAMPLERS[si], x, n, u, &herr), got = -7;
+                CHECKF(gpu->ops->chain_sample(gpu, b, r, &SAMPLERS[si], u, &err) == 0, "chain_sample: %s", err.msg);
+                CHECKF(gpu->ops->chain_read(gpu, &got, &err) == 0, "chain_read: %s", err.msg);
+                draws++;
+                if (want == got) continue;
+                differ++;
+                CHECKF(0, "chained draw row %d (n %d) sampler %zu u %.17g: %d, host %d", r, n, si, u, got, want);
+            }
+        }
+    }
+    printf("chained   n %6d: %d draws of %zu samplers, %d differ from the host's\n", n, draws,
+           sizeof SAMPLERS / sizeof *SAMPLERS, differ);
+}
+
 /* ---- bad arguments --------------------------------------------------------- */
 
 static void test_errors(luma_buf *b, const float *rows, int32_t n)
@@ -382,6 +419,14 @@ static void test_errors(luma_buf *b, const float *rows, int32_t n)
     CHECK(gpu->ops->logits_temperature(gpu, b, 0, 0.0f, &err) < 0);
     CHECK(gpu->ops->logits_sample(gpu, b, 0, 1.0, &err) < 0);
     CHECK(gpu->ops->logits_sample(gpu, b, 4, 0.5, &err) < 0 && strstr(err.msg, "masked"));
+    luma_sampler bad = SAMPLERS[0];
+    bad.top_k = LUMA_SAMPLER_K_MAX + 1;
+    CHECK(gpu->ops->chain_sample(gpu, b, 0, &bad, 0.5, &err) < 0 && strstr(err.msg, "top_k"));
+    bad = SAMPLERS[0];
+    bad.temp = 0.0f;
+    CHECK(gpu->ops->chain_sample(gpu, b, 0, &bad, 0.5, &err) < 0 && strstr(err.msg, "temp"));
+    CHECK(gpu->ops->chain_sample(gpu, b, 0, &SAMPLERS[0], 1.0, &err) < 0 && strstr(err.msg, "uniform"));
+    CHECK(gpu->ops->chain_sample(gpu, b, ROWS, &SAMPLERS[0], 0.5, &err) < 0 && strstr(err.msg, "row"));
     luma_buf huge;
     CHECK(gpu->ops->logits_alloc(gpu, &huge, (int64_t)1 << 40, 262144, &err) < 0);
     /* still working */
@@ -405,6 +450,7 @@ static void test_vocab(int32_t n, bool topk_only)
     test_topk(&b, rows, n);
     if (!topk_only) {
         test_sample(&b, rows, n);
+        test_chain_sample(&b, rows, n);
         test_edits(&b, rows, n);
         test_errors(&b, rows, n);
     }
@@ -688,6 +734,16 @@ static void timings(void)
     t0 = now_s();
     for (int i = 0; i < reps; i++) gpu->ops->logits_sample(gpu, &b, i % R, 0.5, &err);
     us[3] = (now_s() - t0) / reps * 1e6;
+    double chained;
+    {
+        int32_t id;
+        t0 = now_s();
+        for (int i = 0; i < reps; i++) {
+            gpu->ops->chain_sample(gpu, &b, i % R, &SAMPLERS[0], 0.5, &err);
+            gpu->ops->chain_read(gpu, &id, &err);
+        }
+        chained = (now_s() - t0) / reps * 1e6;
+    }
     t0 = now_s();
     for (int i = 0; i < reps; i++) gpu->ops->logits_temperature(gpu, &b, i % R, 1.0f, &err);
     CHECK(cudaDeviceSynchronize() == cudaSuccess);
@@ -746,6 +802,7 @@ static void timings(void)
         printf("    the same, other      %8.1f us  %6.0f GB/s (%s)\n", us[8],
                (double)R * n * 4 / (us[8] * 1e-6) / 1e9, other);
     printf("  sample one row         %8.1f us\n", us[3]);
+    printf("  chained draw one row   %8.1f us  (top-k 40, top-p 0.95, temperature 0.8, then read)\n", chained);
     printf("  temperature one row    %8.1f us\n", us[4]);
     printf("  penalize 64 ids        %8.1f us\n", us[5]);
     printf("  penalize, then top-k 40 %7.1f us\n", us[6]);

@@ -209,39 +209,11 @@ static int32_t to_compact(const llogits *lg, int32_t *ids, int32_t *counts, floa
     return k;
 }
 
-typedef struct entry {
-    int32_t id;
-    float v;
-    int32_t rank;              /* its place in the top-k's order */
-} entry;
-
-static int entry_cmp(const void *pa, const void *pb)
-{
-    const entry *a = pa, *b = pb;
-    return (a->id > b->id) - (a->id < b->id);
-}
-
-/* Into id order: a policy's few (top_k 40, say) by insertion, more by qsort. */
-static void sort_by_id(entry *e, int32_t n)
-{
-    if (n > 64) {
-        qsort(e, (size_t)n, sizeof *e, entry_cmp);
-        return;
-    }
-    for (int32_t j = 1; j < n; j++) {
-        entry t = e[j];
-        int32_t i = j;
-        for (; i > 0 && e[i - 1].id > t.id; i--) e[i] = e[i - 1];
-        e[i] = t;
-    }
-}
-
 /* The k (<= LUMA_SPARSE_MAX) best entries become the compact form, found
  * on the device or on the host row, and the row is let go: what
  * luma_logits_top_k leaves of the row, held as its live entries. */
 static void keep_top_compact(lua_State *L, llogits *lg, int32_t k)
 {
-    entry e[LUMA_SPARSE_MAX];
     const float *x = on_device(L, lg) ? NULL : host_row(L, lg);
     int32_t *ids = malloc((size_t)k * (2 * sizeof(int32_t) + sizeof(float)));
     if (!ids) luaL_error(L, "top_k: out of memory for %d entries", (int)k);
@@ -259,13 +231,7 @@ static void keep_top_compact(lua_State *L, llogits *lg, int32_t k)
         free(ids);
         luma_bind_error(L, &err);
     }
-    for (int32_t j = 0; j < got; j++) e[j] = (entry){ ids[j], vals[j], j };
-    sort_by_id(e, got);
-    for (int32_t j = 0; j < got; j++) {
-        ids[j] = e[j].id;
-        vals[j] = e[j].v;
-        order[e[j].rank] = j;
-    }
+    luma_logits_compact(ids, vals, order, got);
     unhold(lg);
     if (lg->x_owned) free(lg->x);
     lg->x = NULL;

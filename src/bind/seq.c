@@ -1,6 +1,9 @@
 /* Sequence userdata: a KV-cache sequence of a model. It keeps its model
  * alive (user value 1) and is linked into the model's list so that closing
  * the model closes it too. */
+#include <float.h>
+#include <stdio.h>
+
 #include "bind/bind.h"
 
 lseq *luma_bind_checkseq(lua_State *L, int i)
@@ -97,25 +100,150 @@ static int seq_eval(lua_State *L)
 
 /* on_token's context: the callback's stack index, and whether it raised
  * (its error object then left on the stack top). */
-typedef struct greedy_cb {
+typedef struct decode_cb {
     lua_State *L;
     int fn;
     bool failed;
-} greedy_cb;
+} decode_cb;
 
-static int greedy_token(void *ctx, int32_t id, bool *stop, luma_err *err)
+static int decode_token(void *ctx, int32_t id, bool *stop, luma_err *err)
 {
-    greedy_cb *g = ctx;
+    decode_cb *g = ctx;
     lua_State *L = g->L;
     lua_pushvalue(L, g->fn);
     lua_pushinteger(L, id);
     if (lua_pcall(L, 1, 1, 0) != LUA_OK) {
         g->failed = true;
-        return luma_errf(err, "greedy: on_token raised an error");
+        return luma_errf(err, "on_token raised an error");
     }
     *stop = lua_toboolean(L, -1);
     lua_pop(L, 1);
     return 0;
+}
+
+/* A number option of opts (index 4) in [lo, hi], def when absent. */
+static float opt_number(lua_State *L, const char *what, const char *key, double def, double lo, double hi)
+{
+    lua_getfield(L, 4, key);
+    double v = def;
+    if (!lua_isnil(L, -1)) {
+        if (!lua_isnumber(L, -1)) luaL_error(L, "%s: option '%s' must be a number", what, key);
+        v = lua_tonumber(L, -1);
+    }
+    lua_pop(L, 1);
+    if (!(v >= lo && v <= hi)) {
+        char msg[160];
+        snprintf(msg, sizeof msg, "%s: option '%s' must be in [%g, %g] (got %g)", what, key, lo, hi, v);
+        luaL_error(L, "%s", msg);
+    }
+    return (float)v;
+}
+
+/* Calls logits:method(arg) (arg: the value at index a, 0 for none) on the
+ * Logits at index 2; leaves its first result on the stack. */
+static void call_method(lua_State *L, const char *method, int a)
+{
+    lua_getfield(L, 2, method);
+    lua_pushvalue(L, 2);
+    if (a) lua_pushvalue(L, a);
+    lua_call(L, a ? 2 : 1, 1);
+}
+
+/* seq:greedy and seq:sample: the options at index 4 (a table), smp the
+ * sampler (NULL: greedy) and its generator at index 8 (a placeholder
+ * there for greedy). */
+static int decode(lua_State *L, const char *what, const luma_sampler *smp, luma_rng *rng)
+{
+    luma_seq *s = luma_bind_seq(L, 1);
+    luma_model *m = s->model;
+    int32_t n_stops = 0;
+    const int32_t *stops = NULL;
+    lua_getfield(L, 4, "stop");   /* 9 */
+    if (!lua_isnil(L, 9)) {
+        if (!lua_istable(L, 9)) return luaL_error(L, "%s: option 'stop' must be a list of token ids", what);
+        stops = luma_bind_checkids(L, 9, m->hp.n_vocab, &n_stops);   /* 10 */
+    } else {
+        lua_pushnil(L);   /* 10 */
+    }
+    decode_cb cb = { L, 0, false };
+    lua_getfield(L, 4, "on_token");   /* 11 */
+    if (!lua_isnil(L, 11)) {
+        if (!lua_isfunction(L, 11)) return luaL_error(L, "%s: option 'on_token' must be a function", what);
+        cb.fn = 11;
+    }
+    /* the first id, as the Logits' own methods take it (edits included):
+     * argmax, or P.from_options' chain */
+    if (smp) {
+        lua_pushinteger(L, smp->top_k);
+        call_method(L, "top_k", lua_gettop(L));
+        lua_pop(L, 2);
+        if (smp->top_p < 1.0f) {
+            lua_pushnumber(L, smp->top_p);
+            call_method(L, "top_p", lua_gettop(L));
+            lua_pop(L, 2);
+        }
+        if (smp->min_p > 0.0f) {
+            lua_pushnumber(L, smp->min_p);
+            call_method(L, "min_p", lua_gettop(L));
+            lua_pop(L, 2);
+        }
+        lua_pushnumber(L, smp->temp);
+        call_method(L, "temperature", lua_gettop(L));
+        lua_pop(L, 2);
+        call_method(L, "sample", 8);
+    } else {
+        call_method(L, "argmax", 0);
+    }
+    int32_t first = (int32_t)lua_tointeger(L, -1);
+    lua_pop(L, 1);
+    const lua_Integer n = lua_tointeger(L, 3);
+    int32_t *ids = lua_newuserdatauv(L, (size_t)(n > 0 ? n : 1) * sizeof(int32_t), 0);   /* 12 */
+    luma_bind_logits_budget(L, m, 2);
+    llogits *out = luma_bind_newlogits(L, m->hp.n_vocab);   /* 13 */
+    luaL_checkstack(L, 8, what);
+    int32_t n_ids = 0;
+    int64_t row = 0;
+    luma_logits_set *set = NULL;
+    luma_err err;
+    m->busy = true;
+    int rc = luma_model_decode(m, s, first, (int32_t)n, smp, rng, stops, n_stops, cb.fn ? decode_token : NULL, &cb,
+                               ids, &n_ids, &set, &row, &err);
+    m->busy = false;
+    if (rc) {
+        if (cb.failed) return lua_error(L);
+        return luma_bind_error(L, &err);
+    }
+    if (set) {
+        luma_bind_logits_hold(out, set, row);
+        luma_logits_set_release(set);
+    }
+    lua_createtable(L, n_ids, 0);
+    for (int32_t i = 0; i < n_ids; i++) {
+        lua_pushinteger(L, ids[i]);
+        lua_rawseti(L, -2, i + 1);
+    }
+    lua_pushvalue(L, set ? 13 : 2);
+    return 2;
+}
+
+/* The arguments both take: (seq, logits, n [, opts]), opts at index 4. */
+static void decode_args(lua_State *L)
+{
+    luma_seq *s = luma_bind_seq(L, 1);
+    luma_model *m = s->model;
+    luma_bind_idle(L, m);
+    llogits *start = luma_bind_checklogits(L, 2);
+    if (start->n != m->hp.n_vocab)
+        luaL_argerror(L, 2, lua_pushfstring(L, "logits of %d entries, not the model's vocabulary of %d",
+                                            (int)start->n, (int)m->hp.n_vocab));
+    lua_Integer n = luaL_checkinteger(L, 3);
+    if (n < 0 || n > m->n_ctx) luaL_argerror(L, 3, lua_pushfstring(L, "%I is outside [0, %d]", n, m->n_ctx));
+    if (!lua_isnoneornil(L, 4)) luaL_checktype(L, 4, LUA_TTABLE);
+    lua_settop(L, 4);
+    if (lua_isnil(L, 4)) {
+        lua_newtable(L);
+        lua_replace(L, 4);
+    }
 }
 
 /* seq:greedy(logits, n [, {stop = {ids}, on_token = function(id) ... end}])
@@ -131,69 +259,41 @@ static int greedy_token(void *ctx, int32_t id, bool *stop, luma_err *err)
  * the sequence then keeps the tokens its cache holds (as seq:eval does). */
 static int seq_greedy(lua_State *L)
 {
-    luma_seq *s = luma_bind_seq(L, 1);
-    luma_model *m = s->model;
-    luma_bind_idle(L, m);
-    llogits *start = luma_bind_checklogits(L, 2);
-    if (start->n != m->hp.n_vocab)
-        return luaL_argerror(L, 2, lua_pushfstring(L, "logits of %d entries, not the model's vocabulary of %d",
-                                                   (int)start->n, (int)m->hp.n_vocab));
-    lua_Integer n = luaL_checkinteger(L, 3);
-    if (n < 0 || n > m->n_ctx) return luaL_argerror(L, 3, lua_pushfstring(L, "%I is outside [0, %d]", n, m->n_ctx));
-    if (!lua_isnoneornil(L, 4)) luaL_checktype(L, 4, LUA_TTABLE);
-    lua_settop(L, 4);
-    if (lua_isnil(L, 4)) {
-        lua_newtable(L);
-        lua_replace(L, 4);
-    }
-    int32_t n_stops = 0;
-    const int32_t *stops = NULL;
-    lua_getfield(L, 4, "stop");   /* 5 */
-    if (!lua_isnil(L, 5)) {
-        if (!lua_istable(L, 5)) return luaL_error(L, "greedy: option 'stop' must be a list of token ids");
-        stops = luma_bind_checkids(L, 5, m->hp.n_vocab, &n_stops);   /* 6 */
-    } else {
-        lua_pushnil(L);   /* 6 */
-    }
-    greedy_cb cb = { L, 0, false };
-    lua_getfield(L, 4, "on_token");   /* 7 */
-    if (!lua_isnil(L, 7)) {
-        if (!lua_isfunction(L, 7)) return luaL_error(L, "greedy: option 'on_token' must be a function");
-        cb.fn = 7;
-    }
-    /* the first id, as logits:argmax() takes it (edits included) */
-    lua_getfield(L, 2, "argmax");
-    lua_pushvalue(L, 2);
-    lua_call(L, 1, 1);
-    int32_t first = (int32_t)lua_tointeger(L, -1);
-    lua_pop(L, 1);
-    int32_t *ids = lua_newuserdatauv(L, (size_t)(n > 0 ? n : 1) * sizeof(int32_t), 0);   /* 8 */
-    luma_bind_logits_budget(L, m, 2);
-    llogits *out = luma_bind_newlogits(L, m->hp.n_vocab);   /* 9 */
-    luaL_checkstack(L, 8, "greedy");
-    int32_t n_ids = 0;
-    int64_t row = 0;
-    luma_logits_set *set = NULL;
-    luma_err err;
-    m->busy = true;
-    int rc = luma_model_greedy(m, s, first, (int32_t)n, stops, n_stops, cb.fn ? greedy_token : NULL, &cb, ids, &n_ids,
-                               &set, &row, &err);
-    m->busy = false;
-    if (rc) {
-        if (cb.failed) return lua_error(L);
-        return luma_bind_error(L, &err);
-    }
-    if (set) {
-        luma_bind_logits_hold(out, set, row);
-        luma_logits_set_release(set);
-    }
-    lua_createtable(L, n_ids, 0);
-    for (int32_t i = 0; i < n_ids; i++) {
-        lua_pushinteger(L, ids[i]);
-        lua_rawseti(L, -2, i + 1);
-    }
-    lua_pushvalue(L, set ? 9 : 2);
-    return 2;
+    decode_args(L);
+    lua_settop(L, 8);   /* 5 .. 8: unused */
+    return decode(L, "greedy", NULL, NULL);
+}
+
+/* seq:sample(logits, n, {rng = r, top_k = k [, top_p, min_p, temp, stop,
+ * on_token]}) -> ids, logits. The same with each id drawn by the chain
+ * P.from_options builds: logits:top_k(k), then :top_p(top_p) where top_p
+ * < 1 (default 1), :min_p(min_p) where min_p > 0 (default 0),
+ * :temperature(temp) (default 1), :sample(r). k in [1, 64]. The first id
+ * is drawn by the Logits' own methods (so logits is left as they leave
+ * it), the others by the same arithmetic in C, on a GPU on the device
+ * (where its exp and log, a last bit off the host's, could move a sum
+ * across a boundary: then, rarely, not the id the methods would draw).
+ * r gives one uniform a draw, in order, as the methods take them. */
+static int seq_sample(lua_State *L)
+{
+    decode_args(L);
+    luma_sampler smp;
+    lua_getfield(L, 4, "rng");   /* 5 */
+    if (!luaL_testudata(L, 5, LUMA_RNG_MT)) return luaL_error(L, "sample: option 'rng' must be a luma.rng");
+    lua_getfield(L, 4, "top_k");   /* 6 */
+    if (!lua_isinteger(L, 6)) return luaL_error(L, "sample: option 'top_k' must be an integer");
+    lua_Integer k = lua_tointeger(L, 6);
+    if (k < 1 || k > LUMA_SAMPLER_K_MAX)
+        return luaL_error(L, "sample: option 'top_k' must be in [1, %d] (got %I)", LUMA_SAMPLER_K_MAX, k);
+    smp.top_k = (int32_t)k;
+    smp.top_p = opt_number(L, "sample", "top_p", 1.0, 0.0, 1.0);
+    if (!(smp.top_p > 0.0f)) return luaL_error(L, "sample: option 'top_p' must be in (0, 1]");
+    smp.min_p = opt_number(L, "sample", "min_p", 0.0, 0.0, 1.0);
+    smp.temp = opt_number(L, "sample", "temp", 1.0, 0.0, FLT_MAX);
+    if (!(smp.temp > 0.0f)) return luaL_error(L, "sample: option 'temp' must be > 0 (temp 0 is seq:greedy)");
+    lua_pushnil(L);   /* 7 */
+    lua_pushvalue(L, 5);   /* 8 */
+    return decode(L, "sample", &smp, lua_touserdata(L, 8));
 }
 
 static int seq_len(lua_State *L)
@@ -274,6 +374,7 @@ static const luaL_Reg meta[] = {
 static const luaL_Reg methods[] = {
     { "eval", seq_eval },
     { "greedy", seq_greedy },
+    { "sample", seq_sample },
     { "len", seq_len },
     { "tokens", seq_tokens },
     { "fork", seq_fork },

@@ -1,0 +1,200 @@
+-- seq:sample: sampled decoding in one call, against the loop of a
+-- P.from_options policy and seq:eval it replaces. On a GPU each step's
+-- token is drawn on the device from the step before (queued before the
+-- host reads it); these specs hold that path to the loop's ids, logits and
+-- generator state.
+local H = require "helper"
+local luma = require "luma"
+local P = luma.policy
+
+local PROMPT = "Once upon a time"
+
+-- option sets of P.from_options that seq:sample runs
+local CHAINS = {
+  { temp = 0.8, top_k = 40, top_p = 0.95 },
+  { temp = 1.3, top_k = 64, min_p = 0.05 },
+  { temp = 0.5, top_k = 8, top_p = 0.9, min_p = 0.1 },
+  { temp = 2.0, top_k = 1 },
+}
+
+describe("seq:sample", function()
+  local model
+  setup(function() model = H.load() end)
+  teardown(function() model:close() end)
+
+  local function start()
+    local seq = model:sequence()
+    return seq, seq:eval(model:tokenize(PROMPT))
+  end
+
+  -- the loop seq:sample replaces: n ids drawn by the Lua policy, each fed
+  local function loop(n, o, seed)
+    local seq, logits = start()
+    local state = { rng = luma.rng(seed) }
+    local policy = P.from_options(o)
+    local ids = {}
+    for i = 1, n do
+      ids[i] = policy(logits, state)
+      logits = seq:eval(ids[i])
+    end
+    return ids, logits, seq, state.rng
+  end
+
+  -- seq:sample's options for o
+  local function opts(o, rng, extra)
+    local t = P.sampler(P.from_options(o))
+    t.rng = rng
+    for k, v in pairs(extra or {}) do t[k] = v end
+    return t
+  end
+
+  it("gives the Lua policy's ids, last logits and generator state", function()
+    for i, o in ipairs(CHAINS) do
+      local want, want_logits, want_seq, want_rng = loop(20, o, i)
+      local seq, logits = start()
+      local rng = luma.rng(i)
+      local ids, last = seq:sample(logits, 20, opts(o, rng))
+      assert.are.same(want, ids)
+      assert.are.equal(0, H.max_abs_diff(want_logits, last))
+      assert.are.same(want_seq:tokens(), seq:tokens())
+      assert.are.equal(want_rng:random(), rng:random())
+      seq:close()
+      want_seq:close()
+    end
+  end)
+
+  it("draws: other seeds give other ids", function()
+    local seen = {}
+    local distinct = 0
+    for seed = 1, 4 do
+      local seq, logits = start()
+      local key = table.concat(seq:sample(logits, 12, opts(CHAINS[2], luma.rng(seed))), ",")
+      if not seen[key] then distinct = distinct + 1 end
+      seen[key] = true
+      seq:close()
+    end
+    assert.is_true(distinct >= 2)
+  end)
+
+  it("ends at a stop id or on_token's true, unfed", function()
+    local want = loop(10, CHAINS[1], 7)
+    local seq, logits = start()
+    local len = seq:len()
+    local ids = seq:sample(logits, 10, opts(CHAINS[1], luma.rng(7), { stop = { want[6] } }))
+    -- the first draw of want[6] may come earlier
+    local at
+    for i, id in ipairs(want) do
+      if id == want[6] then at = i break end
+    end
+    assert.are.same({ table.unpack(want, 1, at) }, ids)
+    assert.are.equal(len + at - 1, seq:len())
+    seq:close()
+    seq, logits = start()
+    local seen = {}
+    ids = seq:sample(logits, 10, opts(CHAINS[1], luma.rng(7), { on_token = function(id)
+      seen[#seen + 1] = id
+      return #seen == 4
+    end }))
+    assert.are.same({ table.unpack(want, 1, 4) }, ids)
+    assert.are.same(ids, seen)
+    assert.are.equal(len + 3, seq:len())
+    seq:close()
+  end)
+
+  it("draws the first id with the Logits' own methods, edits included", function()
+    local seq, logits = start()
+    logits:allow({ 5, 6 })
+    local ids = seq:sample(logits, 1, opts(CHAINS[2], luma.rng(1)))
+    assert.is_true(ids[1] == 5 or ids[1] == 6)
+    seq:close()
+  end)
+
+  it("raises on_token's error as it was and leaves the sequence as it was", function()
+    local seq, logits = start()
+    local before = seq:tokens()
+    local n = 0
+    local ok, e = pcall(seq.sample, seq, logits, 12, opts(CHAINS[1], luma.rng(3), { on_token = function()
+      n = n + 1
+      if n == 5 then error("fifth") end
+    end }))
+    assert.is_false(ok)
+    assert.matches("fifth", e)
+    assert.are.same(before, seq:tokens())
+    seq:close()
+  end)
+
+  it("rejects bad options with clear errors", function()
+    local seq, logits = start()
+    local rng = luma.rng(1)
+    local cases = {
+      { {}, "rng" },
+      { { rng = rng }, "top_k" },
+      { { rng = rng, top_k = 0 }, "top_k" },
+      { { rng = rng, top_k = 65 }, "top_k" },
+      { { rng = rng, top_k = 1.5 }, "top_k" },
+      { { rng = 1, top_k = 4 }, "rng" },
+      { { rng = rng, top_k = 4, top_p = 0 }, "top_p" },
+      { { rng = rng, top_k = 4, top_p = 1.5 }, "top_p" },
+      { { rng = rng, top_k = 4, min_p = -0.1 }, "min_p" },
+      { { rng = rng, top_k = 4, temp = 0 }, "temp" },
+      { { rng = rng, top_k = 4, temp = "hot" }, "temp" },
+      { { rng = rng, top_k = 4, stop = 3 }, "stop" },
+    }
+    for _, c in ipairs(cases) do
+      local ok, e = pcall(seq.sample, seq, logits, 3, c[1])
+      assert.is_false(ok)
+      assert.matches(c[2], e)
+    end
+    assert.has_error(function() seq:sample(logits, -1, { rng = rng, top_k = 4 }) end)
+    assert.are.equal(#model:tokenize(PROMPT), seq:len())
+    seq:close()
+  end)
+end)
+
+describe("P.sampler", function()
+  it("gives seq:sample's options for the chains P.from_options makes without penalties", function()
+    assert.are.same({ top_k = 40, top_p = 0.95, temp = 0.8 }, P.sampler(P.from_options{ top_k = 40, top_p = 0.95 }))
+    assert.are.same({ top_k = 3, min_p = 0.1, temp = 1 }, P.sampler(P.from_options{ top_k = 3, min_p = 0.1, temp = 1 }))
+    assert.is_nil(P.sampler(P.from_options{ top_k = 40, repeat_ = 1.1 }))
+    assert.is_nil(P.sampler(P.from_options{ top_p = 0.9 }))
+    assert.is_nil(P.sampler(P.from_options{ top_k = 65 }))
+    assert.is_nil(P.sampler(P.from_options{ temp = 0, top_k = 40 }))
+    assert.is_nil(P.sampler(function(l) return l:argmax() end))
+  end)
+end)
+
+describe("luma.generate with a sampling chain (through seq:sample)", function()
+  local S = luma.stop
+  local model
+  setup(function() model = H.load() end)
+  teardown(function() model:close() end)
+
+  it("gives the iterator's text, stats and sequence, the default policy included", function()
+    for i, o in ipairs{ { max_tokens = 16 }, { max_tokens = 40, stop = { S.strings{ "." } } },
+                        { max_tokens = 24, policy = P.from_options(CHAINS[2]) } } do
+      local policy = o.policy or P.from_options{ temp = 0.8, top_k = 40, top_p = 0.95 }
+      local fast_seq, slow_seq = model:sequence(), model:sequence()
+      -- the same chain wrapped: the iterator runs it
+      local fo = { seq = fast_seq, seed = i }
+      local so = { policy = function(l, st) return policy(l, st) end, seq = slow_seq, seed = i }
+      for k, v in pairs(o) do fo[k] = v; if k ~= "policy" then so[k] = v end end
+      local fast, fs = luma.generate(model, PROMPT, fo)
+      local slow, ss = luma.generate(model, PROMPT, so)
+      assert.are.equal(slow, fast)
+      assert.are.equal(ss.tokens, fs.tokens)
+      assert.are.equal(ss.stop, fs.stop)
+      assert.are.same(slow_seq:tokens(), fast_seq:tokens())
+      fast_seq:close()
+      slow_seq:close()
+    end
+  end)
+
+  it("stops at the end of the context", function()
+    local small = H.load({ ctx = 16 })
+    local text, stats = luma.generate(small, PROMPT, { seed = 1, max_tokens = 50 })
+    assert.are.equal("ctx", stats.stop)
+    assert.are.equal(16 - stats.prompt_tokens, stats.tokens)
+    assert.is_true(#text > 0)
+    small:close()
+  end)
+end)

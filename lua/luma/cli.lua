@@ -140,7 +140,8 @@ function M.generate(args)
   local stats = {}
   io.write(prompt)
   io.flush()
-  -- to the end (greedy through seq:greedy), each piece shown as it comes
+  -- to the end (greedy through seq:greedy, a chain seq:sample runs through it),
+  -- each piece shown as it comes
   luma.stream.run(model, prompt, { policy = policy, max_tokens = o.n, seed = o.seed, stats = stats }, function(piece)
     io.write(piece)
     io.flush()

@@ -1,6 +1,7 @@
 -- luma.generate(model, prompt, opts) -> text, stats
 -- Runs a generation to the end (luma.stream.run: with P.greedy() through
--- seq:greedy) and joins the pieces. stats: prompt_tokens, tokens, stop (the
+-- seq:greedy, with a sampling chain P.sampler knows through seq:sample)
+-- and joins the pieces. stats: prompt_tokens, tokens, stop (the
 -- reason), ttft and time in seconds, tokens_per_s (decode).
 local stream = require "luma.stream"
 

@@ -845,13 +845,14 @@ sample_walk_kernel(const float *__restrict__ x, int64_t n, int64_t ch, int32_t n
 
 /* ---- the sampling chain on a top-k's entries ------------------------------ */
 
-/* luma_sampler_draw_top (src/sample.c) on the device, by one warp, for the
- * k best entries of a row as queue_topk leaves them (ids [k], values [k],
- * count; k <= LUMA_SAMPLER_K_MAX = 2 x 32): the same steps on the same
- * compact form (the entries in id order), every sum added in the host's
- * order by one lane, so the id is the host's but where exp or log, a last
- * bit off the host's, moves a sum across a boundary. The draw's key goes
- * to *key (0: every entry masked), where chain_argmax's would. */
+/* luma_sampler_draw (src/sample.c) past its top-k, on the device, by one
+ * warp, for the k best entries of a row as queue_topk leaves them (ids
+ * [k], values [k], count; k <= LUMA_SAMPLER_K_MAX = 2 x 32): the same
+ * steps on the same compact form (the entries in id order), every sum
+ * added in the host's order by one lane, so the id is the host's but where
+ * exp or log, a last bit off the host's, moves a sum across a boundary.
+ * The draw's key goes to *key (0: every entry masked), where
+ * chain_argmax's would. */
 #define SAMPLER_K 64
 static_assert(SAMPLER_K == LUMA_SAMPLER_K_MAX, "one warp, two entries a lane");
 

@@ -624,9 +624,10 @@ int luma_model_decode(luma_model *m, luma_seq *s, int32_t first, int32_t n, cons
     if (!set) return -1;
 
     /* Step j feeds ids[j] at position len0 + j; ids[j + 1] is the argmax of
-     * its row, or smp's draw from it. At the loop's top k ids are known, step k - 1 is queued and
-     * not yet committed, and every step before it is. Chained, step k is
-     * queued before ids[k] is read, and discarded when ids[k] stops. */
+     * its row, or smp's draw from it. At the loop's top k ids are known,
+     * step k - 1 is queued and not yet committed, and every step before it
+     * is. Chained, step k is queued before ids[k] is read, and discarded
+     * when ids[k] stops. */
     int32_t k = 1;
     bool stop;
     ids[0] = first;

@@ -677,18 +677,13 @@ static int32_t sample_at(const float *x, int32_t n, double u, luma_err *err)
     return last;
 }
 
-int32_t luma_logits_sample_at(const float *x, int32_t n, double u, luma_err *err)
+int32_t luma_logits_sample(const float *x, int32_t n, luma_rng *rng, luma_err *err)
 {
+    double u = luma_rng_uniform(rng);
     if (check_n("sample", n, err)) return -1;
     sparse sp;
     if (gather(x, n, &sp)) return sp.ids[sample_at(sp.vals, sp.n, u, err)];
     return sample_at(x, n, u, err);
-}
-
-int32_t luma_logits_sample(const float *x, int32_t n, luma_rng *rng, luma_err *err)
-{
-    double u = luma_rng_uniform(rng);
-    return luma_logits_sample_at(x, n, u, err);
 }
 
 /* ---- the compact form, and the sampling chain on it ---------------------- */
@@ -740,8 +735,9 @@ int luma_sampler_check(const luma_sampler *s, luma_err *err)
     return 0;
 }
 
-int32_t luma_sampler_draw_top(const luma_sampler *s, int32_t *ids, float *vals, int32_t count, double u,
-                              luma_err *err)
+/* The draw from a top-k's count entries (ids and vals, largest first; both
+ * reused). */
+static int32_t draw_top(const luma_sampler *s, int32_t *ids, float *vals, int32_t count, double u, luma_err *err)
 {
     if (count < 1) return luma_errf(err, "sample: every logit is masked");
     int32_t order[LUMA_SAMPLER_K_MAX];
@@ -761,5 +757,5 @@ int32_t luma_sampler_draw(const luma_sampler *s, const float *x, int32_t n, doub
     float vals[LUMA_SAMPLER_K_MAX];
     int32_t count = luma_logits_topk(x, n, s->top_k < n ? s->top_k : n, ids, vals, err);
     if (count < 0) return -1;
-    return luma_sampler_draw_top(s, ids, vals, count, u, err);
+    return draw_top(s, ids, vals, count, u, err);
 }

@@ -110,9 +110,6 @@ int luma_logits_entropy(const float *x, int32_t n, double *h, luma_err *err);
  * exactly one luma_rng_uniform from rng, also a call that fails, so that a
  * seed fixes the whole sequence of draws. -1 when every entry is masked. */
 int32_t luma_logits_sample(const float *x, int32_t n, luma_rng *rng, luma_err *err);
-/* The same draw for the uniform u in [0, 1) (luma_logits_sample takes u
- * from its rng, then calls this). */
-int32_t luma_logits_sample_at(const float *x, int32_t n, double u, luma_err *err);
 
 /* A top-k's n entries (ids and vals, largest first, as luma_logits_topk
  * gives them) put in id order, the compact form the functions above work
@@ -135,13 +132,11 @@ typedef struct luma_sampler {
 
 /* Checks the fields' ranges. */
 int luma_sampler_check(const luma_sampler *s, luma_err *err);
-/* The id s draws from a top-k's entries (ids and vals of count entries,
- * largest first, at most s->top_k; both arrays are reused) for the uniform
- * u: the id that the functions above, applied to the compact form in s's
- * order, give. -1 with err set when count is 0. */
-int32_t luma_sampler_draw_top(const luma_sampler *s, int32_t *ids, float *vals, int32_t count, double u,
-                              luma_err *err);
-/* The same from a whole vector x[0..n): its top_k best first. */
+/* The id s draws from x[0..n) for the uniform u in [0, 1): what the
+ * functions above give, applied in s's order to the compact form of x's
+ * top_k best (as the Lua methods logits:top_k(k):top_p(p):min_p(q)
+ * :temperature(t):sample(rng) apply them). -1 with err set when every
+ * entry is masked. */
 int32_t luma_sampler_draw(const luma_sampler *s, const float *x, int32_t n, double u, luma_err *err);
 
 #endif

@@ -2,7 +2,9 @@
  * double-precision references written here: full sorts, explicit softmax,
  * the llama.cpp algorithms step by step. Random logits of n = 1000 and
  * n = 262144 (the Gemma 3 vocabulary) with masked (-inf) entries, fixed
- * seeds. Ends with the time per call on n = 262144 (informative only). */
+ * seeds. luma_sampler_draw (a top-k's compact form) against the same
+ * chain applied to the whole vector. Ends with the time per call on n =
+ * 262144 (informative only). */
 #include <math.h>
 #include <stdarg.h>
 #include <stdint.h>
@@ -469,6 +471,51 @@ static void test_top_p_ordered(int32_t n)
     group_end(name);
 }
 
+/* luma_sampler_draw (the compact form of a top-k, as seq:sample draws on
+ * the host) against the same chain on the whole vector: top_k, top_p,
+ * min_p, temperature, then luma_logits_sample with the same uniform. */
+static void test_sampler(int32_t n)
+{
+    luma_err err;
+    const luma_sampler chains[] = { { 40, 0.95f, 0.0f, 0.8f }, { 64, 1.0f, 0.05f, 1.3f }, { 8, 0.9f, 0.1f, 0.5f },
+                                    { 1, 1.0f, 0.0f, 2.0f },   { 64, 0.5f, 0.0f, 0.01f }, { 3, 1.0f, 1.0f, 1.0f } };
+    luma_rng rng;
+    luma_rng_seed(&rng, 4242);
+    for (int kind = 0; kind < 3; kind++) {
+        make_logits(g_orig, n, 950 + kind, kind == 2 ? 0.5 : 0.0, kind % 2);
+        if (kind == 2)   /* ties */
+            for (int32_t i = 0; i < n; i += 5) g_orig[i] = g_orig[1];
+        for (size_t c = 0; c < sizeof chains / sizeof *chains; c++)
+            for (int d = 0; d < 20; d++) {
+                const luma_sampler *s = &chains[c];
+                luma_rng peek = rng;
+                const double u = luma_rng_uniform(&peek);
+                memcpy(g_x, g_orig, (size_t)n * sizeof *g_x);
+                int rc = luma_logits_top_k(g_x, n, s->top_k, &err);
+                if (rc == 0 && s->top_p < 1.0f) rc = luma_logits_top_p(g_x, n, s->top_p, 1, &err);
+                if (rc == 0 && s->min_p > 0.0f) rc = luma_logits_min_p(g_x, n, s->min_p, 1, &err);
+                if (rc == 0) rc = luma_logits_temperature(g_x, n, s->temp, &err);
+                int32_t want = rc == 0 ? luma_logits_sample(g_x, n, &rng, &err) : -2;
+                int32_t got = luma_sampler_draw(s, g_orig, n, u, &err);
+                check(want >= 0 && got == want, "sampler n=%d kind=%d chain=%zu u=%.17g: %d, the chain %d", n, kind,
+                      c, u, got, want);
+            }
+    }
+    /* bad fields, and nothing live */
+    luma_sampler bad[] = { { 0, 1.0f, 0.0f, 1.0f }, { 65, 1.0f, 0.0f, 1.0f }, { 4, 0.0f, 0.0f, 1.0f },
+                           { 4, 1.5f, 0.0f, 1.0f }, { 4, 1.0f, -0.1f, 1.0f }, { 4, 1.0f, 0.0f, 0.0f },
+                           { 4, 1.0f, 0.0f, INFINITY }, { 4, NAN, 0.0f, 1.0f } };
+    for (size_t b = 0; b < sizeof bad / sizeof *bad; b++)
+        check(luma_sampler_draw(&bad[b], g_orig, n, 0.5, &err) == -1 && strstr(err.msg, "sampler:"),
+              "sampler n=%d: bad fields %zu accepted", n, b);
+    for (int32_t i = 0; i < n; i++) g_x[i] = -INFINITY;
+    check(luma_sampler_draw(&chains[0], g_x, n, 0.5, &err) == -1 && strstr(err.msg, "masked"),
+          "sampler n=%d: a vector with nothing live drew", n);
+    char name[40];
+    snprintf(name, sizeof name, "sampler %d", n);
+    group_end(name);
+}
+
 static void test_moves(int32_t n)
 {
     luma_err err;
@@ -862,6 +909,8 @@ int main(void)
     test_filters(200);
     test_top_p_ordered(40);
     test_top_p_ordered(200);
+    test_sampler(1000);
+    test_sampler(BIG);
     test_frequencies();
     test_errors();
     timings();

@@ -149,6 +149,14 @@ static void call_method(lua_State *L, const char *method, int a)
     lua_call(L, a ? 2 : 1, 1);
 }
 
+/* logits:method(v), its result dropped. */
+static void transform(lua_State *L, const char *method, lua_Number v)
+{
+    lua_pushnumber(L, v);
+    call_method(L, method, lua_gettop(L));
+    lua_pop(L, 2);
+}
+
 /* seq:greedy and seq:sample: the options at index 4 (a table), smp the
  * sampler (NULL: greedy) and its generator at index 8 (a placeholder
  * there for greedy). */
@@ -174,22 +182,10 @@ static int decode(lua_State *L, const char *what, const luma_sampler *smp, luma_
     /* the first id, as the Logits' own methods take it (edits included):
      * argmax, or P.from_options' chain */
     if (smp) {
-        lua_pushinteger(L, smp->top_k);
-        call_method(L, "top_k", lua_gettop(L));
-        lua_pop(L, 2);
-        if (smp->top_p < 1.0f) {
-            lua_pushnumber(L, smp->top_p);
-            call_method(L, "top_p", lua_gettop(L));
-            lua_pop(L, 2);
-        }
-        if (smp->min_p > 0.0f) {
-            lua_pushnumber(L, smp->min_p);
-            call_method(L, "min_p", lua_gettop(L));
-            lua_pop(L, 2);
-        }
-        lua_pushnumber(L, smp->temp);
-        call_method(L, "temperature", lua_gettop(L));
-        lua_pop(L, 2);
+        transform(L, "top_k", smp->top_k);
+        if (smp->top_p < 1.0f) transform(L, "top_p", smp->top_p);
+        if (smp->min_p > 0.0f) transform(L, "min_p", smp->min_p);
+        transform(L, "temperature", smp->temp);
         call_method(L, "sample", 8);
     } else {
         call_method(L, "argmax", 0);

@@ -63,6 +63,23 @@ function H.assert_close(a, b, tol)
   assert(d < tol, string.format("max |diff| %.3g is not below %g", d, tol))
 end
 
+-- Runs luma.generate twice on fresh sequences of model, with options fast
+-- and slow (each given its own sequence), and asserts the same text, token
+-- count, stop reason and sequence: a chained path against the iterator.
+function H.same_generation(model, prompt, fast, slow)
+  local luma, A = require "luma", require "luassert"
+  local fast_seq, slow_seq = model:sequence(), model:sequence()
+  fast.seq, slow.seq = fast_seq, slow_seq
+  local f, fs = luma.generate(model, prompt, fast)
+  local s, ss = luma.generate(model, prompt, slow)
+  A.are.equal(s, f)
+  A.are.equal(ss.tokens, fs.tokens)
+  A.are.equal(ss.stop, fs.stop)
+  A.are.same(slow_seq:tokens(), fast_seq:tokens())
+  fast_seq:close()
+  slow_seq:close()
+end
+
 -- Splits s at every occurrence of the plain string sep.
 function H.split(s, sep)
   local out, pos = {}, 1

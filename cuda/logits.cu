@@ -872,15 +872,27 @@ chain_sample_kernel(const int32_t *__restrict__ res, int32_t k, float top_p, flo
         if (lane == 0) *key = 0;
         return;
     }
-    /* into id order: rank r goes after the entries of lower id */
-    for (int r = lane; r < n; r += 32) {
-        const int32_t id = res[r];
-        int at = 0;
-        for (int j = 0; j < n; j++) at += res[j] < id;
-        s_at[r] = at;
-        s_id[at] = id;
-        s_x[at] = __int_as_float(res[k + r]);
-        s_live[at] = true;
+    /* into id order: rank r (lane r and lane r - 32 hold ranks r and r + 32)
+     * goes after the entries of lower id, counted from registers */
+    const int32_t id0 = lane < n ? res[lane] : INT32_MAX, id1 = lane + 32 < n ? res[lane + 32] : INT32_MAX;
+    int at0 = 0, at1 = 0;
+    for (int j = 0; j < n; j++) {
+        const int32_t a = __shfl_sync(0xffffffffu, id0, j & 31), b = __shfl_sync(0xffffffffu, id1, j & 31);
+        const int32_t idj = j < 32 ? a : b;
+        at0 += idj < id0;
+        at1 += idj < id1;
+    }
+    if (lane < n) {
+        s_at[lane] = at0;
+        s_id[at0] = id0;
+        s_x[at0] = __int_as_float(res[k + lane]);
+        s_live[at0] = true;
+    }
+    if (lane + 32 < n) {
+        s_at[lane + 32] = at1;
+        s_id[at1] = id1;
+        s_x[at1] = __int_as_float(res[k + lane + 32]);
+        s_live[at1] = true;
     }
     __syncwarp();
     /* top_p (luma_logits_top_p_ordered): the entries are ranked already;

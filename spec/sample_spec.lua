@@ -152,6 +152,21 @@ describe("seq:sample", function()
 end)
 
 describe("P.sampler", function()
+  it("gives seq:sample's options for chains of top_k, top_p, min_p and temperature", function()
+    assert.are.same({ top_k = 40, top_p = 0.9, temp = 0.7 }, P.sampler(P.chain{ P.top_k(40), P.top_p(0.9), P.temperature(0.7) }))
+    assert.are.same({ top_k = 64, min_p = 0.2, temp = 2 }, P.sampler(P.chain{ P.top_k(64), P.min_p(0.2), P.temperature(2) }))
+    assert.are.same({ top_k = 1, temp = 1 }, P.sampler(P.chain{ P.top_k(1), P.temperature(1) }))
+    -- out of order, missing a part, another part, min_keep, a chooser: the Lua chain runs them
+    assert.is_nil(P.sampler(P.chain{ P.top_p(0.9), P.top_k(40), P.temperature(0.7) }))
+    assert.is_nil(P.sampler(P.chain{ P.top_k(40), P.top_p(0.9) }))
+    assert.is_nil(P.sampler(P.chain{ P.top_p(0.9), P.temperature(0.7) }))
+    assert.is_nil(P.sampler(P.chain{ P.top_k(40), P.typical(0.9), P.temperature(0.7) }))
+    assert.is_nil(P.sampler(P.chain{ P.top_k(40), P.top_p(0.9, 5), P.temperature(0.7) }))
+    assert.is_nil(P.sampler(P.chain{ P.top_k(40), P.temperature(0) }))
+    assert.is_nil(P.sampler(P.chain{ P.top_k(40), P.temperature(0.7), P.greedy() }))
+    assert.is_nil(P.sampler(P.chain{ P.top_k(40), P.temperature(0.7), P.temperature(0.7) }))
+  end)
+
   it("gives seq:sample's options for the chains P.from_options makes without penalties", function()
     assert.are.same({ top_k = 40, top_p = 0.95, temp = 0.8 }, P.sampler(P.from_options{ top_k = 40, top_p = 0.95 }))
     assert.are.same({ top_k = 3, min_p = 0.1, temp = 1 }, P.sampler(P.from_options{ top_k = 3, min_p = 0.1, temp = 1 }))
@@ -171,7 +186,8 @@ describe("luma.generate with a sampling chain (through seq:sample)", function()
 
   it("gives the iterator's text, stats and sequence, the default policy included", function()
     for i, o in ipairs{ { max_tokens = 16 }, { max_tokens = 40, stop = { S.strings{ "." } } },
-                        { max_tokens = 24, policy = P.from_options(CHAINS[2]) } } do
+                        { max_tokens = 24, policy = P.from_options(CHAINS[2]) },
+                        { max_tokens = 24, policy = P.chain{ P.top_k(16), P.min_p(0.1), P.temperature(0.9) } } } do
       local policy = o.policy or P.from_options{ temp = 0.8, top_k = 40, top_p = 0.95 }
       -- the same chain wrapped: the iterator runs it
       local fo = { seed = i }

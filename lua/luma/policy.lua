@@ -31,24 +31,35 @@ function P.sample()
   return function(logits, state) return logits:sample(state.rng) end
 end
 
+-- the transforms below that seq:sample can run (weak keys): { option, value }
+local steps = setmetatable({}, { __mode = "k" })
+
+local function step(f, option, value)
+  steps[f] = { option, value }
+  return f
+end
+
 function P.temperature(t)
   check_number("temperature", t, 0, math.huge)
-  return function(logits) logits:temperature(t) end
+  local f = function(logits) logits:temperature(t) end
+  return t > 0 and t <= 3.4e38 and step(f, "temp", t) or f
 end
 
 function P.top_k(k)
   if math.type(k) ~= "integer" or k < 1 then error("top_k: expected a positive integer", 2) end
-  return function(logits) logits:top_k(k) end
+  return step(function(logits) logits:top_k(k) end, "top_k", k)
 end
 
 function P.top_p(p, min_keep)
   check_number("top_p", p, 0, 1)
-  return function(logits) logits:top_p(p, min_keep or 1) end
+  local f = function(logits) logits:top_p(p, min_keep or 1) end
+  return (min_keep or 1) == 1 and p > 0 and step(f, "top_p", p) or f
 end
 
 function P.min_p(p, min_keep)
   check_number("min_p", p, 0, 1)
-  return function(logits) logits:min_p(p, min_keep or 1) end
+  local f = function(logits) logits:min_p(p, min_keep or 1) end
+  return (min_keep or 1) == 1 and p > 0 and step(f, "min_p", p) or f
 end
 
 function P.typical(p, min_keep)
@@ -70,6 +81,25 @@ function P.bias(tbl)
   return function(logits) logits:bias(tbl) end
 end
 
+-- the chains that seq:sample can run (weak keys): their options
+local samplers = setmetatable({}, { __mode = "k" })
+
+-- seq:sample's options for a chain of list, or nil: P.top_k(k) with k in
+-- [1, 64], then P.top_p(p), then P.min_p(p) (each optional, min_keep 1),
+-- then P.temperature(t) with t > 0, and nothing else.
+local function sampler_of(list)
+  local o, i = {}, 1
+  for _, option in ipairs{ "top_k", "top_p", "min_p", "temp" } do
+    local s = steps[list[i]]
+    if s and s[1] == option then
+      o[option] = s[2]
+      i = i + 1
+    end
+  end
+  if i ~= #list + 1 or not o.top_k or o.top_k > 64 or not o.temp then return nil end
+  return o
+end
+
 -- P.chain{ t1, t2, ..., [chooser] }: runs each function in order; the first
 -- that returns a token id ends the chain. Without one, it samples.
 function P.chain(list)
@@ -78,13 +108,15 @@ function P.chain(list)
     if type(f) ~= "function" then error("chain: element " .. i .. " is not a function", 2) end
   end
   local n = #list
-  return function(logits, state)
+  local f = function(logits, state)
     for i = 1, n do
       local id = list[i](logits, state)
       if id ~= nil then return id end
     end
     return logits:sample(state.rng)
   end
+  samplers[f] = sampler_of(list)
+  return f
 end
 
 -- Mirostat 2.0 (Basu et al. 2021): keeps the surprise of sampled tokens
@@ -112,10 +144,6 @@ function P.mirostat(o)
   end
 end
 
--- the chains P.from_options made that seq:sample can run (weak keys):
--- their options
-local samplers = setmetatable({}, { __mode = "k" })
-
 -- The usual sampling chain from plain options (used by luma generate):
 -- { temp = 0.8, top_k = 40, top_p = 0.95, min_p = 0.05, repeat_ = 1.1 }.
 -- temp = 0 is greedy.
@@ -123,25 +151,20 @@ function P.from_options(o)
   o = o or {}
   if o.temp == 0 then return P.greedy() end
   local list = {}
-  local penalties = o.repeat_ and o.repeat_ ~= 1
-  if penalties then list[#list + 1] = P.penalties{ repeat_ = o.repeat_, last_n = o.last_n } end
+  if o.repeat_ and o.repeat_ ~= 1 then list[#list + 1] = P.penalties{ repeat_ = o.repeat_, last_n = o.last_n } end
   if o.top_k and o.top_k > 0 then list[#list + 1] = P.top_k(o.top_k) end
   if o.top_p and o.top_p < 1 then list[#list + 1] = P.top_p(o.top_p) end
   if o.min_p and o.min_p > 0 then list[#list + 1] = P.min_p(o.min_p) end
-  local temp = o.temp or 0.8
-  list[#list + 1] = P.temperature(temp)
-  local f = P.chain(list)
-  if not penalties and math.type(o.top_k) == "integer" and o.top_k >= 1 and o.top_k <= 64 and temp > 0 then
-    samplers[f] = { top_k = o.top_k, top_p = o.top_p and o.top_p < 1 and o.top_p or nil,
-                    min_p = o.min_p and o.min_p > 0 and o.min_p or nil, temp = temp }
-  end
-  return f
+  list[#list + 1] = P.temperature(o.temp or 0.8)
+  return P.chain(list)
 end
 
 -- The options of seq:sample (a new table: top_k, top_p, min_p, temp) that
--- draw what f draws, where f is a chain P.from_options made without
--- penalties and with top_k in [1, 64]; nil for any other function.
--- luma.generate then decodes through seq:sample.
+-- draw what f draws, where f is a chain that P.chain made of P.top_k(k)
+-- (k in [1, 64]), then optionally P.top_p(p) and P.min_p(p) (min_keep 1),
+-- then P.temperature(t) (t > 0), and nothing else: P.from_options' chains
+-- without penalties are such. nil for any other function. luma.generate
+-- then decodes through seq:sample.
 function P.sampler(f)
   local o = samplers[f]
   if not o then return nil end

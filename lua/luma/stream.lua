@@ -13,9 +13,9 @@
 --
 -- luma.stream.run(model, prompt, opts, emit) runs a generation to its end,
 -- calling emit(piece, id) where the iterator would yield. With the policy
--- P.greedy() it decodes through seq:greedy, and with a sampling chain of
--- P.from_options that seq:sample can run (P.sampler: the default policy
--- is one) through seq:sample: each step's token is taken where the logits
+-- P.greedy() it decodes through seq:greedy, and with a sampling chain
+-- that seq:sample can run (P.sampler: the default policy is one) through
+-- seq:sample: each step's token is taken where the logits
 -- are (on a GPU, the next step is queued before the host reads it), the
 -- same tokens and text as the iterator's (a draw on a GPU: but where the
 -- device's exp or log, a last bit off the host's, moves a sum across a

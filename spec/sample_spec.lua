@@ -1,5 +1,6 @@
--- seq:sample: sampled decoding in one call, against the loop of a
--- P.from_options policy and seq:eval it replaces. On a GPU each step's
+-- logits:draw and seq:sample: a sampling chain in one call, and sampled
+-- decoding in one call, against the Logits' methods one at a time and the
+-- loop of them and seq:eval. On a GPU each step's
 -- token is drawn on the device from the step before (queued before the
 -- host reads it); these specs hold that path to the loop's ids, logits and
 -- generator state.
@@ -17,6 +18,73 @@ local CHAINS = {
   { temp = 2.0, top_k = 1 },
 }
 
+-- the chain of o as the Logits' methods run it, one call each
+local function methods(o)
+  return function(logits, state)
+    logits:top_k(o.top_k)
+    if o.top_p and o.top_p < 1 then logits:top_p(o.top_p) end
+    if o.min_p and o.min_p > 0 then logits:min_p(o.min_p) end
+    logits:temperature(o.temp or 0.8)
+    return logits:sample(state.rng)
+  end
+end
+
+describe("logits:draw", function()
+  local model
+  setup(function() model = H.load() end)
+  teardown(function() model:close() end)
+
+  local function fresh()
+    local seq = model:sequence()
+    local logits = seq:eval(model:tokenize(PROMPT))
+    seq:close()
+    return logits
+  end
+
+  it("draws what the methods draw, leaving the logits as they were", function()
+    for i, o in ipairs(CHAINS) do
+      for seed = 1, 8 do
+        local a, b = fresh(), fresh()
+        local ra, rb = luma.rng(100 * i + seed), luma.rng(100 * i + seed)
+        local best = b:argmax()
+        assert.are.equal(methods(o)(a, { rng = ra }), b:draw(P.sampler(P.from_options(o)), rb))
+        assert.are.equal(ra:random(), rb:random())
+        assert.are.equal(best, b:argmax())
+        assert.are.equal(0, H.max_abs_diff(fresh(), b))
+      end
+    end
+  end)
+
+  it("draws from edited and compact logits as the methods do", function()
+    local o = { top_k = 8, top_p = 0.9, temp = 1.2 }
+    for seed = 1, 8 do
+      local a, b = fresh(), fresh()
+      local best = a:argmax()
+      for _, l in ipairs{ a, b } do l:bias({ [best] = -math.huge }):top_k(20) end
+      assert.are.equal(methods(o)(a, { rng = luma.rng(seed) }), b:draw(o, luma.rng(seed)))
+    end
+    local l = fresh():allow({ 7 })
+    assert.are.equal(7, l:draw({ top_k = 40, temp = 0.5 }, luma.rng(1)))
+    l = fresh():mask(fresh():topk(#l))
+    local ok, e = pcall(l.draw, l, { top_k = 4 }, luma.rng(1))
+    assert.is_false(ok)
+    assert.matches("masked", e)
+  end)
+
+  it("rejects bad options with clear errors", function()
+    local l = fresh()
+    for _, c in ipairs{ { {}, "top_k" }, { { top_k = 0 }, "top_k" }, { { top_k = 65 }, "top_k" },
+                        { { top_k = 4, top_p = 0 }, "top_p" }, { { top_k = 4, temp = 0 }, "temp" },
+                        { { top_k = 4, min_p = 2 }, "min_p" } } do
+      local ok, e = pcall(l.draw, l, c[1], luma.rng(1))
+      assert.is_false(ok)
+      assert.matches(c[2], e)
+    end
+    assert.has_error(function() l:draw({ top_k = 4 }) end)
+    assert.has_error(function() l:draw(4, luma.rng(1)) end)
+  end)
+end)
+
 describe("seq:sample", function()
   local model
   setup(function() model = H.load() end)
@@ -27,11 +95,11 @@ describe("seq:sample", function()
     return seq, seq:eval(model:tokenize(PROMPT))
   end
 
-  -- the loop seq:sample replaces: n ids drawn by the Lua policy, each fed
+  -- the loop seq:sample replaces: n ids drawn by the Logits' methods, each fed
   local function loop(n, o, seed)
     local seq, logits = start()
     local state = { rng = luma.rng(seed) }
-    local policy = P.from_options(o)
+    local policy = methods(o)
     local ids = {}
     for i = 1, n do
       ids[i] = policy(logits, state)
@@ -186,13 +254,16 @@ describe("luma.generate with a sampling chain (through seq:sample)", function()
 
   it("gives the iterator's text, stats and sequence, the default policy included", function()
     for i, o in ipairs{ { max_tokens = 16 }, { max_tokens = 40, stop = { S.strings{ "." } } },
-                        { max_tokens = 24, policy = P.from_options(CHAINS[2]) },
-                        { max_tokens = 24, policy = P.chain{ P.top_k(16), P.min_p(0.1), P.temperature(0.9) } } } do
-      local policy = o.policy or P.from_options{ temp = 0.8, top_k = 40, top_p = 0.95 }
-      -- the same chain wrapped: the iterator runs it
+                        { max_tokens = 24, policy = P.from_options(CHAINS[2]), chain = CHAINS[2] },
+                        { max_tokens = 24, policy = P.chain{ P.top_k(16), P.min_p(0.1), P.temperature(0.9) },
+                          chain = { top_k = 16, min_p = 0.1, temp = 0.9 } } } do
+      -- the same chain by the Logits' methods: the iterator runs it
       local fo = { seed = i }
-      local so = { policy = function(l, st) return policy(l, st) end, seed = i }
-      for k, v in pairs(o) do fo[k] = v; if k ~= "policy" then so[k] = v end end
+      local so = { policy = methods(o.chain or { temp = 0.8, top_k = 40, top_p = 0.95 }), seed = i }
+      for k, v in pairs(o) do
+        if k ~= "chain" then fo[k] = v end
+        if k ~= "policy" and k ~= "chain" then so[k] = v end
+      end
       H.same_generation(model, PROMPT, fo, so)
     end
   end)

@@ -735,9 +735,8 @@ int luma_sampler_check(const luma_sampler *s, luma_err *err)
     return 0;
 }
 
-/* The draw from a top-k's count entries (ids and vals, largest first; both
- * reused). */
-static int32_t draw_top(const luma_sampler *s, int32_t *ids, float *vals, int32_t count, double u, luma_err *err)
+int32_t luma_sampler_draw_top(const luma_sampler *s, int32_t *ids, float *vals, int32_t count, double u,
+                              luma_err *err)
 {
     if (count < 1) return luma_errf(err, "sample: every logit is masked");
     int32_t order[LUMA_SAMPLER_K_MAX];
@@ -757,5 +756,5 @@ int32_t luma_sampler_draw(const luma_sampler *s, const float *x, int32_t n, doub
     float vals[LUMA_SAMPLER_K_MAX];
     int32_t count = luma_logits_topk(x, n, s->top_k < n ? s->top_k : n, ids, vals, err);
     if (count < 0) return -1;
-    return draw_top(s, ids, vals, count, u, err);
+    return luma_sampler_draw_top(s, ids, vals, count, u, err);
 }

@@ -132,6 +132,12 @@ typedef struct luma_sampler {
 
 /* Checks the fields' ranges. */
 int luma_sampler_check(const luma_sampler *s, luma_err *err);
+/* The id s draws for the uniform u in [0, 1) from a top-k's count entries
+ * (ids and vals, largest first, at most s->top_k; both arrays reused): the
+ * functions above applied in s's order to their compact form. -1 with err
+ * set when count is 0. */
+int32_t luma_sampler_draw_top(const luma_sampler *s, int32_t *ids, float *vals, int32_t count, double u,
+                              luma_err *err);
 /* The id s draws from x[0..n) for the uniform u in [0, 1): what the
  * functions above give, applied in s's order to the compact form of x's
  * top_k best (as the Lua methods logits:top_k(k):top_p(p):min_p(q)

@@ -212,21 +212,25 @@ static int32_t to_compact(const llogits *lg, int32_t *ids, int32_t *counts, floa
 /* The k (<= LUMA_SPARSE_MAX) best entries become the compact form, found
  * on the device or on the host row, and the row is let go: what
  * luma_logits_top_k leaves of the row, held as its live entries. */
+/* The k best entries of a row that is not compact (largest first, as
+ * luma_logits_topk gives them), found on the device or on the host row;
+ * their count, or -1 with err set. */
+static int32_t top_entries(lua_State *L, llogits *lg, int32_t k, int32_t *ids, float *vals, luma_err *err)
+{
+    if (!on_device(L, lg)) return luma_logits_topk(host_row(L, lg), lg->n, k, ids, vals, err);
+    int32_t got = lg->lowered_mem ? luma_logits_set_topk_lowered(lg->set, lg->row, k, &lg->lowered, ids, vals) : -1;
+    return got >= 0 ? got : luma_logits_set_topk(lg->set, lg->row, k, !lg->edited, ids, vals, err);
+}
+
 static void keep_top_compact(lua_State *L, llogits *lg, int32_t k)
 {
-    const float *x = on_device(L, lg) ? NULL : host_row(L, lg);
+    if (!on_device(L, lg)) host_row(L, lg);   /* any error before the allocation */
     int32_t *ids = malloc((size_t)k * (2 * sizeof(int32_t) + sizeof(float)));
     if (!ids) luaL_error(L, "top_k: out of memory for %d entries", (int)k);
     float *vals = (float *)(ids + k);
     int32_t *order = (int32_t *)(vals + k);
     luma_err err;
-    int32_t got;
-    if (x) {
-        got = luma_logits_topk(x, lg->n, k, ids, vals, &err);
-    } else {
-        got = lg->lowered_mem ? luma_logits_set_topk_lowered(lg->set, lg->row, k, &lg->lowered, ids, vals) : -1;
-        if (got < 0) got = luma_logits_set_topk(lg->set, lg->row, k, !lg->edited, ids, vals, &err);
-    }
+    int32_t got = top_entries(L, lg, k, ids, vals, &err);
     if (got < 0) {
         free(ids);
         luma_bind_error(L, &err);
@@ -394,6 +398,64 @@ static int logits_sample(lua_State *L)
     } else {
         id = luma_logits_sample(host_row(L, lg), lg->n, rng, &err);
     }
+    if (id < 0) return luma_bind_error(L, &err);
+    lua_pushinteger(L, id);
+    return 1;
+}
+
+/* ---- the sampling chain in one call ---------------------------------------- */
+
+void luma_bind_checksampler(lua_State *L, int i, const char *what, luma_sampler *s)
+{
+    luaL_checktype(L, i, LUA_TTABLE);
+    lua_getfield(L, i, "top_k");
+    if (!lua_isinteger(L, -1)) luaL_error(L, "%s: option 'top_k' must be an integer", what);
+    lua_Integer k = lua_tointeger(L, -1);
+    lua_pop(L, 1);
+    if (k < 1 || k > LUMA_SAMPLER_K_MAX)
+        luaL_error(L, "%s: option 'top_k' must be in [1, %d] (got %I)", what, LUMA_SAMPLER_K_MAX, k);
+    s->top_k = (int32_t)k;
+    static const char *const keys[] = { "top_p", "min_p", "temp" };
+    static const double defs[] = { 1.0, 0.0, 1.0 };
+    float *fields[] = { &s->top_p, &s->min_p, &s->temp };
+    for (int f = 0; f < 3; f++) {
+        lua_getfield(L, i, keys[f]);
+        double v = defs[f];
+        if (!lua_isnil(L, -1)) {
+            if (!lua_isnumber(L, -1)) luaL_error(L, "%s: option '%s' must be a number", what, keys[f]);
+            v = lua_tonumber(L, -1);
+        }
+        lua_pop(L, 1);
+        *fields[f] = (float)v;
+    }
+    luma_err err;
+    if (luma_sampler_check(s, &err)) luaL_error(L, "%s: option %s", what, err.msg + strlen("sampler: "));
+}
+
+int32_t luma_bind_logits_draw(lua_State *L, llogits *lg, const luma_sampler *s, double u, luma_err *err)
+{
+    int32_t ids[LUMA_SAMPLER_K_MAX];
+    float vals[LUMA_SAMPLER_K_MAX];
+    const int32_t k = s->top_k < lg->n ? s->top_k : lg->n;
+    int32_t got;
+    if (lg->compact) {
+        got = lg->n_live > 0 ? luma_logits_topk(lg->vals, lg->n_live, k, ids, vals, err) : 0;
+        for (int32_t j = 0; j < got; j++) ids[j] = lg->ids[ids[j]];
+    } else {
+        got = top_entries(L, lg, k, ids, vals, err);
+    }
+    return got < 0 ? -1 : luma_sampler_draw_top(s, ids, vals, got, u, err);
+}
+
+/* logits:draw({top_k = k [, top_p, min_p, temp]}, rng) -> id */
+static int logits_draw(lua_State *L)
+{
+    llogits *lg = luma_bind_checklogits(L, 1);
+    luma_sampler s;
+    luma_bind_checksampler(L, 2, "draw", &s);
+    luma_rng *rng = luma_bind_checkrng(L, 3);
+    luma_err err;
+    int32_t id = luma_bind_logits_draw(L, lg, &s, luma_rng_uniform(rng), &err);
     if (id < 0) return luma_bind_error(L, &err);
     lua_pushinteger(L, id);
     return 1;
@@ -707,6 +769,7 @@ static const luaL_Reg methods[] = {
     { "log_softmax", logits_log_softmax },
     { "entropy", logits_entropy },
     { "sample", logits_sample },
+    { "draw", logits_draw },
     { "copy", logits_copy },
     { NULL, NULL },
 };

@@ -1,9 +1,6 @@
 /* Sequence userdata: a KV-cache sequence of a model. It keeps its model
  * alive (user value 1) and is linked into the model's list so that closing
  * the model closes it too. */
-#include <float.h>
-#include <stdio.h>
-
 #include "bind/bind.h"
 
 lseq *luma_bind_checkseq(lua_State *L, int i)
@@ -121,42 +118,6 @@ static int decode_token(void *ctx, int32_t id, bool *stop, luma_err *err)
     return 0;
 }
 
-/* A number option of opts (index 4) in [lo, hi], def when absent. */
-static float opt_number(lua_State *L, const char *what, const char *key, double def, double lo, double hi)
-{
-    lua_getfield(L, 4, key);
-    double v = def;
-    if (!lua_isnil(L, -1)) {
-        if (!lua_isnumber(L, -1)) luaL_error(L, "%s: option '%s' must be a number", what, key);
-        v = lua_tonumber(L, -1);
-    }
-    lua_pop(L, 1);
-    if (!(v >= lo && v <= hi)) {
-        char msg[160];
-        snprintf(msg, sizeof msg, "%s: option '%s' must be in [%g, %g] (got %g)", what, key, lo, hi, v);
-        luaL_error(L, "%s", msg);
-    }
-    return (float)v;
-}
-
-/* Calls logits:method(arg) (arg: the value at index a, 0 for none) on the
- * Logits at index 2; leaves its first result on the stack. */
-static void call_method(lua_State *L, const char *method, int a)
-{
-    lua_getfield(L, 2, method);
-    lua_pushvalue(L, 2);
-    if (a) lua_pushvalue(L, a);
-    lua_call(L, a ? 2 : 1, 1);
-}
-
-/* logits:method(v), its result dropped. */
-static void transform(lua_State *L, const char *method, lua_Number v)
-{
-    lua_pushnumber(L, v);
-    call_method(L, method, lua_gettop(L));
-    lua_pop(L, 2);
-}
-
 /* seq:greedy and seq:sample: the options at index 4 (a table), smp the
  * sampler (NULL: greedy) and its generator at index 8 (a placeholder
  * there for greedy). */
@@ -179,19 +140,20 @@ static int decode(lua_State *L, const char *what, const luma_sampler *smp, luma_
         if (!lua_isfunction(L, 11)) return luaL_error(L, "%s: option 'on_token' must be a function", what);
         cb.fn = 11;
     }
-    /* the first id, as the Logits' own methods take it (edits included):
-     * argmax, or P.from_options' chain */
+    /* the first id, as logits:argmax() or logits:draw() takes it (edits
+     * included) */
+    int32_t first;
+    luma_err err;
     if (smp) {
-        transform(L, "top_k", smp->top_k);
-        if (smp->top_p < 1.0f) transform(L, "top_p", smp->top_p);
-        if (smp->min_p > 0.0f) transform(L, "min_p", smp->min_p);
-        transform(L, "temperature", smp->temp);
-        call_method(L, "sample", 8);
+        first = luma_bind_logits_draw(L, luma_bind_checklogits(L, 2), smp, luma_rng_uniform(rng), &err);
+        if (first < 0) return luma_bind_error(L, &err);
     } else {
-        call_method(L, "argmax", 0);
+        lua_getfield(L, 2, "argmax");
+        lua_pushvalue(L, 2);
+        lua_call(L, 1, 1);
+        first = (int32_t)lua_tointeger(L, -1);
+        lua_pop(L, 1);
     }
-    int32_t first = (int32_t)lua_tointeger(L, -1);
-    lua_pop(L, 1);
     const lua_Integer n = lua_tointeger(L, 3);
     int32_t *ids = lua_newuserdatauv(L, (size_t)(n > 0 ? n : 1) * sizeof(int32_t), 0);   /* 12 */
     luma_bind_logits_budget(L, m, 2);
@@ -200,7 +162,6 @@ static int decode(lua_State *L, const char *what, const luma_sampler *smp, luma_
     int32_t n_ids = 0;
     int64_t row = 0;
     luma_logits_set *set = NULL;
-    luma_err err;
     m->busy = true;
     int rc = luma_model_decode(m, s, first, (int32_t)n, smp, rng, stops, n_stops, cb.fn ? decode_token : NULL, &cb,
                                ids, &n_ids, &set, &row, &err);
@@ -261,32 +222,22 @@ static int seq_greedy(lua_State *L)
 }
 
 /* seq:sample(logits, n, {rng = r, top_k = k [, top_p, min_p, temp, stop,
- * on_token]}) -> ids, logits. The same with each id drawn by the chain
- * P.from_options builds: logits:top_k(k), then :top_p(top_p) where top_p
- * < 1 (default 1), :min_p(min_p) where min_p > 0 (default 0),
- * :temperature(temp) (default 1), :sample(r). k in [1, 64]. The first id
- * is drawn by the Logits' own methods (so logits is left as they leave
- * it), the others by the same arithmetic in C, on a GPU on the device
- * (where its exp and log, a last bit off the host's, could move a sum
- * across a boundary: then, rarely, not the id the methods would draw).
- * r gives one uniform a draw, in order, as the methods take them. */
+ * on_token]}) -> ids, logits. The same with each id drawn as
+ * logits:draw(opts, r) draws it: logits:top_k(k), then :top_p(top_p)
+ * where top_p < 1 (default 1), :min_p(min_p) where min_p > 0 (default 0),
+ * :temperature(temp) (default 1), :sample(r); k in [1, 64]. The first id
+ * is drawn on the host (edits of logits included), the others by the same
+ * arithmetic in C, on a GPU on the device (where its exp and log, a last
+ * bit off the host's, could move a sum across a boundary: then, rarely,
+ * not the id the host would draw). r gives one uniform a draw, in order. */
 static int seq_sample(lua_State *L)
 {
     decode_args(L);
     luma_sampler smp;
     lua_getfield(L, 4, "rng");   /* 5 */
     if (!luaL_testudata(L, 5, LUMA_RNG_MT)) return luaL_error(L, "sample: option 'rng' must be a luma.rng");
-    lua_getfield(L, 4, "top_k");   /* 6 */
-    if (!lua_isinteger(L, 6)) return luaL_error(L, "sample: option 'top_k' must be an integer");
-    lua_Integer k = lua_tointeger(L, 6);
-    if (k < 1 || k > LUMA_SAMPLER_K_MAX)
-        return luaL_error(L, "sample: option 'top_k' must be in [1, %d] (got %I)", LUMA_SAMPLER_K_MAX, k);
-    smp.top_k = (int32_t)k;
-    smp.top_p = opt_number(L, "sample", "top_p", 1.0, 0.0, 1.0);
-    if (!(smp.top_p > 0.0f)) return luaL_error(L, "sample: option 'top_p' must be in (0, 1]");
-    smp.min_p = opt_number(L, "sample", "min_p", 0.0, 0.0, 1.0);
-    smp.temp = opt_number(L, "sample", "temp", 1.0, 0.0, FLT_MAX);
-    if (!(smp.temp > 0.0f)) return luaL_error(L, "sample: option 'temp' must be > 0 (temp 0 is seq:greedy)");
+    luma_bind_checksampler(L, 4, "sample", &smp);
+    lua_pushnil(L);   /* 6 */
     lua_pushnil(L);   /* 7 */
     lua_pushvalue(L, 5);   /* 8 */
     return decode(L, "sample", &smp, lua_touserdata(L, 8));

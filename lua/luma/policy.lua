@@ -101,30 +101,21 @@ local function sampler_of(list)
 end
 
 -- P.chain{ t1, t2, ..., [chooser] }: runs each function in order; the first
--- that returns a token id ends the chain. Without one, it samples. A chain
--- P.sampler knows draws with logits:draw instead: the same id in one call,
--- the logits left as they were.
+-- that returns a token id ends the chain. Without one, it samples.
 function P.chain(list)
   if type(list) ~= "table" then error("chain: expected a list of functions", 2) end
   for i, f in ipairs(list) do
     if type(f) ~= "function" then error("chain: element " .. i .. " is not a function", 2) end
   end
   local n = #list
-  local o = sampler_of(list)
-  local f
-  if o then
-    -- the same draw in one call (logits left unedited)
-    f = function(logits, state) return logits:draw(o, state.rng) end
-  else
-    f = function(logits, state)
-      for i = 1, n do
-        local id = list[i](logits, state)
-        if id ~= nil then return id end
-      end
-      return logits:sample(state.rng)
+  local f = function(logits, state)
+    for i = 1, n do
+      local id = list[i](logits, state)
+      if id ~= nil then return id end
     end
+    return logits:sample(state.rng)
   end
-  samplers[f] = o
+  samplers[f] = sampler_of(list)
   return f
 end
 

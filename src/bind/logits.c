@@ -10,7 +10,9 @@
  * CPU the set is host memory and every method works on it directly. On
  * both, top_k (k <= LUMA_SPARSE_MAX) leaves the compact form (the k
  * survivors on the host), on which the rest of a policy chain runs as the
- * host functions would on the whole row, without passes over it.
+ * host functions would on the whole row, without passes over it. draw runs
+ * such a chain (top_k, top_p, min_p, temperature, sample) in one call on
+ * the k best, leaving the row as it was.
  *
  * Lua's collector does not see the sets' memory, so a run first keeps the
  * held sets within a budget (luma_bind_logits_budget), and a model whose
@@ -209,9 +211,6 @@ static int32_t to_compact(const llogits *lg, int32_t *ids, int32_t *counts, floa
     return k;
 }
 
-/* The k (<= LUMA_SPARSE_MAX) best entries become the compact form, found
- * on the device or on the host row, and the row is let go: what
- * luma_logits_top_k leaves of the row, held as its live entries. */
 /* The k best entries of a row that is not compact (largest first, as
  * luma_logits_topk gives them), found on the device or on the host row;
  * their count, or -1 with err set. */
@@ -222,6 +221,9 @@ static int32_t top_entries(lua_State *L, llogits *lg, int32_t k, int32_t *ids, f
     return got >= 0 ? got : luma_logits_set_topk(lg->set, lg->row, k, !lg->edited, ids, vals, err);
 }
 
+/* The k (<= LUMA_SPARSE_MAX) best entries become the compact form, found
+ * on the device or on the host row, and the row is let go: what
+ * luma_logits_top_k leaves of the row, held as its live entries. */
 static void keep_top_compact(lua_State *L, llogits *lg, int32_t k)
 {
     if (!on_device(L, lg)) host_row(L, lg);   /* any error before the allocation */

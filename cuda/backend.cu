@@ -1117,7 +1117,7 @@ luma_backend *luma_backend_cuda_new(int device, luma_err *err)
         cudaMemset(c->chain_key, 0, sizeof *c->chain_key) != cudaSuccess) {
         cudaGetLastError();
         luma_errf(err, "CUDA backend: no GPU memory for the cuBLAS workspace, the programs' barrier and "
-                       "greedy's argmax");
+                       "chained decoding's token");
         cuda_free(&c->base);
         return NULL;
     }

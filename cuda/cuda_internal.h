@@ -123,7 +123,8 @@ typedef struct cuda_backend {
     size_t stage_cap;
     cudaEvent_t staged;        /* the last upload out of host_stage has completed */
     void *host_results;        /* pinned host memory for the logits operations' results (logits.cu) */
-    unsigned long long *chain_key;      /* greedy's chained argmax: its key on the device (read by embed), */
+    unsigned long long *chain_key;      /* chained decoding's token (the argmax's or the sampler's key) on
+                                         * the device (read by embed), */
     unsigned long long *chain_host;     /* its pinned copy (made at the first use), */
     cudaEvent_t chain_ev;               /* recorded after the copy */
     void *topk_mem;            /* top-k's device work (logits.cu, topk_work): */

@@ -1252,12 +1252,14 @@ int32_t luma_cuda_logits_sample(luma_backend *be, const luma_buf *b, int64_t row
     return id;
 }
 
-/* ---- greedy decoding chained on the device -------------------------------- */
+/* ---- decoding chained on the device --------------------------------------- */
 
-/* The argmax goes to chain_key, where the next step's embed reads it for
- * a row whose token is LUMA_TOKEN_CHAINED, and its copy to chain_host,
- * after which chain_ev is recorded: the host waits for that event only,
- * while the step queued after the argmax runs. */
+/* The chosen id's key (the argmax's, or the sampler's draw) goes to
+ * chain_key, where the next step's embed reads it for a row whose token is
+ * LUMA_TOKEN_CHAINED, and its copy to chain_host, after which chain_ev is
+ * recorded: the host waits for that event only, while the step queued
+ * after the choice runs. */
+
 /* The pinned copy and its event, made at the first use. */
 static cudaError_t chain_ready(cuda_backend *c)
 {
@@ -1310,11 +1312,11 @@ int luma_cuda_chain_sample(luma_backend *be, const luma_buf *b, int64_t row, con
 int luma_cuda_chain_read(luma_backend *be, int32_t *id, luma_err *err)
 {
     cuda_backend *c = cu(be);
-    if (!c->chain_ev) return luma_errf(err, "greedy: no argmax was queued");
+    if (!c->chain_ev) return luma_errf(err, "chained decoding: no token was queued");
     cudaError_t e = cudaEventSynchronize(c->chain_ev);
     if (e != cudaSuccess) {
         cudaGetLastError();
-        return luma_errf(err, "greedy's argmax on the GPU: %s", cudaGetErrorString(e));
+        return luma_errf(err, "chained decoding's token on the GPU: %s", cudaGetErrorString(e));
     }
     *id = luma_cuda_key_id(*(volatile unsigned long long *)c->chain_host);
     return 0;

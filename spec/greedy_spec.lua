@@ -12,10 +12,7 @@ describe("seq:greedy", function()
   teardown(function() model:close() end)
 
   -- a sequence with the prompt evaluated, and its last logits
-  local function start()
-    local seq = model:sequence()
-    return seq, seq:eval(model:tokenize(PROMPT))
-  end
+  local function start() return H.prompted(model, PROMPT) end
 
   -- the loop seq:greedy replaces: n ids, each fed
   local function loop(n)

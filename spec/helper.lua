@@ -63,6 +63,12 @@ function H.assert_close(a, b, tol)
   assert(d < tol, string.format("max |diff| %.3g is not below %g", d, tol))
 end
 
+-- A new sequence of model with text evaluated, and its last logits.
+function H.prompted(model, text)
+  local seq = model:sequence()
+  return seq, seq:eval(model:tokenize(text))
+end
+
 -- Runs luma.generate twice on fresh sequences of model, with options fast
 -- and slow (each given its own sequence), and asserts the same text, token
 -- count, stop reason and sequence: a chained path against the iterator.

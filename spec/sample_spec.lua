@@ -35,8 +35,7 @@ describe("logits:draw", function()
   teardown(function() model:close() end)
 
   local function fresh()
-    local seq = model:sequence()
-    local logits = seq:eval(model:tokenize(PROMPT))
+    local seq, logits = H.prompted(model, PROMPT)
     seq:close()
     return logits
   end
@@ -90,10 +89,7 @@ describe("seq:sample", function()
   setup(function() model = H.load() end)
   teardown(function() model:close() end)
 
-  local function start()
-    local seq = model:sequence()
-    return seq, seq:eval(model:tokenize(PROMPT))
-  end
+  local function start() return H.prompted(model, PROMPT) end
 
   -- the loop seq:sample replaces: n ids drawn by the Logits' methods, each fed
   local function loop(n, o, seed)

@@ -93,25 +93,14 @@ local function decode(model, ids, n, policy, rng)
   return dt, policy_time, first
 end
 
--- The same greedy decode as one seq:greedy call (on a GPU each step's token
--- is chained on the device): the time of its steps after the first.
-local function greedy_decode(model, ids, n)
+-- The same decode as one call of seq:greedy or seq:sample (method; opts:
+-- its options), on a GPU each step's token chained on the device: the time
+-- of its steps after the first.
+local function chained_decode(model, ids, n, method, opts)
   local seq = model:sequence()
-  local _, logits = seq:greedy(seq:eval(ids), 1)
+  local _, logits = seq[method](seq, seq:eval(ids), 1, opts)
   local t0 = luma.now()
-  seq:greedy(logits, n - 1)
-  local dt = luma.now() - t0
-  seq:close()
-  return dt
-end
-
--- The same with each token drawn by seq:sample (opts: its options, rng
--- included).
-local function sample_decode(model, ids, n, opts)
-  local seq = model:sequence()
-  local _, logits = seq:sample(seq:eval(ids), 1, opts)
-  local t0 = luma.now()
-  seq:sample(logits, n - 1, opts)
+  seq[method](seq, logits, n - 1, opts)
   local dt = luma.now() - t0
   seq:close()
   return dt
@@ -236,7 +225,7 @@ function M.run(o, load_model)
   local tps = timed / dec
   local greedy = math.huge
   if timed > 0 then
-    for _ = 1, reps do greedy = math.min(greedy, greedy_decode(model, short, o.gen)) end
+    for _ = 1, reps do greedy = math.min(greedy, chained_decode(model, short, o.gen, "greedy")) end
   end
   local gtps = timed / greedy
 
@@ -290,7 +279,7 @@ function M.run(o, load_model)
         sdec = math.min(sdec, (decode(model, short, o.gen, default, luma.rng(1))))
         local so = P.sampler(default)
         so.rng = luma.rng(1)
-        cdec = math.min(cdec, sample_decode(model, short, o.gen, so))
+        cdec = math.min(cdec, chained_decode(model, short, o.gen, "sample", so))
       end
     end
     row("decode, sampled by a Lua policy", string.format("%.2f", timed / sdec), "tokens/s")

@@ -798,6 +798,7 @@ static void cuda_free(luma_backend *be)
     cudaFree(c->attn_scratch.mem);
     cudaFree(c->sk_scratch.mem);
     cudaFree(c->topk_mem);
+    cudaFree(c->draw_mem);
     cudaFree(c->chain_key);
     if (c->staged) cudaEventSynchronize(c->staged);
     cudaFreeHost(c->host_stage);
@@ -1012,6 +1013,7 @@ static const luma_backend_ops cuda_ops = {
     .chain_argmax = luma_cuda_chain_argmax,
     .chain_sample = luma_cuda_chain_sample,
     .chain_read = luma_cuda_chain_read,
+    .sampler_draw_rows = luma_cuda_sampler_draw_rows,
     .sync = cuda_sync,
     .set_batch_invariant = cuda_set_batch_invariant,
     .set_float_act = cuda_set_float_act,

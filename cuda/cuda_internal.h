@@ -130,6 +130,8 @@ typedef struct cuda_backend {
     void *topk_mem;            /* top-k's device work (logits.cu, topk_work): */
     size_t topk_cap;           /* its bytes, */
     int64_t topk_rows;         /* the rows its arrival counts cover */
+    void *draw_mem;            /* sampler_draw_rows' device copy of its input and output (logits.cu), */
+    size_t draw_cap;           /* its bytes */
     bool topk_stream;          /* small k: topk_stream_kernel (the default), not topk_small_kernel
                                 * (LUMA_CUDA_TOPK=0) */
     cuda_weight_copy *weights; /* made by weight_load, freed with the backend */
@@ -562,6 +564,9 @@ int luma_cuda_chain_argmax(luma_backend *be, const luma_buf *b, int64_t row, lum
 int luma_cuda_chain_sample(luma_backend *be, const luma_buf *b, int64_t row, const luma_sampler *s, double u,
                            luma_err *err);
 int luma_cuda_chain_read(luma_backend *be, int32_t *id, luma_err *err);
+int luma_cuda_sampler_draw_rows(luma_backend *be, int32_t n, int32_t k, const int32_t *ids, const float *vals,
+                                const int32_t *counts, const luma_sampler *smp, const double *u, int32_t *out,
+                                luma_err *err);
 
 /* The id an argmax key names (logits.cu's rank_key: the ordered value
  * above, 0xffffffff - id below); -1 for the key 0 (every entry masked). */

@@ -856,25 +856,20 @@ sample_walk_kernel(const float *__restrict__ x, int64_t n, int64_t ch, int32_t n
 #define SAMPLER_K 64
 static_assert(SAMPLER_K == LUMA_SAMPLER_K_MAX, "one warp, two entries a lane");
 
-__global__ void __launch_bounds__(32)
-chain_sample_kernel(const int32_t *__restrict__ res, int32_t k, float top_p, float min_p, float temp, double u,
-                    unsigned long long *key)
+/* The draw of n entries (n in [1, SAMPLER_K]: ids, and values as float
+ * bits, best first) by one warp; its key at lane 0 (the others' is 0). */
+__device__ unsigned long long draw_entries(const int32_t *__restrict__ ids, const int32_t *__restrict__ vbits, int n,
+                                           float top_p, float min_p, float temp, double u)
 {
-    follow_previous_kernel();
     __shared__ int32_t s_id[SAMPLER_K];     /* in id order */
     __shared__ float s_x[SAMPLER_K];
     __shared__ int32_t s_at[SAMPLER_K];     /* rank r's place in id order */
     __shared__ double s_e[SAMPLER_K];
     __shared__ bool s_live[SAMPLER_K];
     const int lane = threadIdx.x;
-    const int n = res[2 * k];
-    if (n < 1) {
-        if (lane == 0) *key = 0;
-        return;
-    }
     /* into id order: rank r (lane r and lane r - 32 hold ranks r and r + 32)
      * goes after the entries of lower id, counted from registers */
-    const int32_t id0 = lane < n ? res[lane] : INT32_MAX, id1 = lane + 32 < n ? res[lane + 32] : INT32_MAX;
+    const int32_t id0 = lane < n ? ids[lane] : INT32_MAX, id1 = lane + 32 < n ? ids[lane + 32] : INT32_MAX;
     int at0 = 0, at1 = 0;
     for (int j = 0; j < n; j++) {
         const int32_t a = __shfl_sync(0xffffffffu, id0, j & 31), b = __shfl_sync(0xffffffffu, id1, j & 31);
@@ -885,13 +880,13 @@ chain_sample_kernel(const int32_t *__restrict__ res, int32_t k, float top_p, flo
     if (lane < n) {
         s_at[lane] = at0;
         s_id[at0] = id0;
-        s_x[at0] = __int_as_float(res[k + lane]);
+        s_x[at0] = __int_as_float(vbits[lane]);
         s_live[at0] = true;
     }
     if (lane + 32 < n) {
         s_at[lane + 32] = at1;
         s_id[at1] = id1;
-        s_x[at1] = __int_as_float(res[k + lane + 32]);
+        s_x[at1] = __int_as_float(vbits[lane + 32]);
         s_live[at1] = true;
     }
     __syncwarp();
@@ -927,6 +922,7 @@ chain_sample_kernel(const int32_t *__restrict__ res, int32_t k, float top_p, flo
         s_e[i] = s_live[i] ? exp((double)v - (double)m) : 0.0;
     }
     __syncwarp();
+    unsigned long long key = 0;
     if (lane == 0) {
         double z = 0.0, mass = 0.0;
         for (int i = 0; i < n; i++)
@@ -939,8 +935,43 @@ chain_sample_kernel(const int32_t *__restrict__ res, int32_t k, float top_p, flo
             pick = i;
             if (target < mass) break;
         }
-        *key = (1ull << 32) | (0xffffffffu - (unsigned int)s_id[pick]);
+        key = (1ull << 32) | (0xffffffffu - (unsigned int)s_id[pick]);
     }
+    return key;
+}
+
+/* One row, as queue_topk leaves it (ids [k], values [k], count), its key to
+ * *key, where chain_argmax's goes. */
+__global__ void __launch_bounds__(32)
+chain_sample_kernel(const int32_t *__restrict__ res, int32_t k, float top_p, float min_p, float temp, double u,
+                    unsigned long long *key)
+{
+    follow_previous_kernel();
+    const int n = res[2 * k];
+    const unsigned long long got = n < 1 ? 0 : draw_entries(res, res + k, n, top_p, min_p, temp, u);
+    if (threadIdx.x == 0) *key = got;
+}
+
+/* Many rows' draws (sampler_draw_rows), a warp a row: row i's sampler and
+ * uniform at p[i], its entries as logits_topk_rows leaves them (ids at
+ * ids + i k, values at vals + i k, count at counts[i]); its id to out[i]. */
+struct draw_param {
+    double u;
+    float top_p, min_p, temp;
+    int32_t top_k;
+};
+
+__global__ void __launch_bounds__(32)
+draw_rows_kernel(const draw_param *__restrict__ p, const int32_t *__restrict__ ids, const int32_t *__restrict__ vals,
+                 const int32_t *__restrict__ counts, int32_t k, int32_t *out)
+{
+    follow_previous_kernel();
+    const int64_t i = blockIdx.x;
+    const draw_param q = p[i];
+    const int n = counts[i] < q.top_k ? counts[i] : q.top_k;
+    const unsigned long long got =
+        n < 1 ? 0 : draw_entries(ids + i * k, vals + i * k, n, q.top_p, q.min_p, q.temp, q.u);
+    if (threadIdx.x == 0) out[i] = luma_cuda_key_id(got);
 }
 
 /* ---- the operations ------------------------------------------------------ */
@@ -1320,4 +1351,66 @@ int luma_cuda_chain_read(luma_backend *be, int32_t *id, luma_err *err)
     }
     *id = luma_cuda_key_id(*(volatile unsigned long long *)c->chain_host);
     return 0;
+}
+
+/* ---- many rows' draws ------------------------------------------------------ */
+
+/* The input (draw_params, then ids, values and counts as given) goes up in
+ * one copy through the pinned results buffer (or malloc'd memory past its
+ * size), draw_rows_kernel writes the ids after it, and they come back
+ * through the same buffer. */
+int luma_cuda_sampler_draw_rows(luma_backend *be, int32_t n, int32_t k, const int32_t *ids, const float *vals,
+                                const int32_t *counts, const luma_sampler *smp, const double *u, int32_t *out,
+                                luma_err *err)
+{
+    cuda_backend *c = cu(be);
+    if (!LUMA_CUDA_OK(c)) {
+        luma_errf(err, "%s", c->failure);
+        c->failure[0] = 0;
+        return -1;
+    }
+    if (n < 1 || k < 1 || k > LUMA_SAMPLER_K_MAX)
+        return luma_errf(err, "draw: %d rows of %d entries", (int)n, (int)k);
+    const size_t pbytes = (size_t)n * sizeof(draw_param), ebytes = (size_t)n * (size_t)k * sizeof(int32_t),
+                 cbytes = (size_t)n * sizeof(int32_t), in = pbytes + 2 * ebytes + cbytes, total = in + cbytes;
+    if (total > c->draw_cap) {
+        size_t cap = total < 2 * c->draw_cap ? 2 * c->draw_cap : total;
+        cudaStreamSynchronize(c->stream);
+        cudaFree(c->draw_mem);
+        c->draw_mem = NULL;
+        c->draw_cap = 0;
+        if (cudaMalloc(&c->draw_mem, cap) != cudaSuccess) {
+            cudaGetLastError();
+            return luma_errf(err, "draw: no GPU memory for %d rows", (int)n);
+        }
+        c->draw_cap = cap;
+    }
+    char *host = (char *)results_get(c, in);
+    if (!host) return luma_errf(err, "draw: out of memory for %d rows", (int)n);
+    draw_param *p = (draw_param *)host;
+    for (int32_t i = 0; i < n; i++) {
+        if (!(u[i] >= 0.0 && u[i] < 1.0) || counts[i] < 0 || counts[i] > k) {
+            results_free(c, host);
+            return luma_errf(err, "draw: row %d: the uniform %g or the count %d is out of range", (int)i, u[i],
+                             (int)counts[i]);
+        }
+        p[i] = draw_param{ u[i], smp[i].top_p, smp[i].min_p, smp[i].temp, smp[i].top_k };
+    }
+    memcpy(host + pbytes, ids, ebytes);
+    memcpy(host + pbytes + ebytes, vals, ebytes);
+    memcpy(host + pbytes + 2 * ebytes, counts, cbytes);
+    char *d = (char *)c->draw_mem;
+    cudaError_t e = cudaMemcpyAsync(d, host, in, cudaMemcpyHostToDevice, c->stream);
+    if (e == cudaSuccess) {
+        luma_launch(c, c->stream, (unsigned)n, 32, 0, draw_rows_kernel, (const draw_param *)d,
+                    (const int32_t *)(d + pbytes), (const int32_t *)(d + pbytes + ebytes),
+                    (const int32_t *)(d + pbytes + 2 * ebytes), k, (int32_t *)(d + in));
+        e = cudaGetLastError();
+    }
+    /* the upload is done by then (the same stream): its buffer takes the ids */
+    if (e == cudaSuccess) e = cudaMemcpyAsync(host, d + in, cbytes, cudaMemcpyDeviceToHost, c->stream);
+    int rc = op_end(c, "draw", e, err);
+    if (rc == 0) memcpy(out, host, cbytes);
+    results_free(c, host);
+    return rc;
 }

@@ -270,6 +270,17 @@ typedef struct luma_backend_ops {
     int (*chain_sample)(luma_backend *be, const luma_buf *b, int64_t row, const luma_sampler *s, double u,
                         luma_err *err);
     int (*chain_read)(luma_backend *be, int32_t *id, luma_err *err);
+    /* Optional: luma_sampler_draw_top for n rows at once (one wait), from
+     * entries laid out as logits_topk_rows leaves them: row i's counts[i]
+     * entries, best first, at ids[i k ...] and vals[i k ...], of which
+     * its sampler smp[i] takes the first smp[i].top_k (checked by the
+     * caller); out[i] = its draw for the uniform u[i], -1 where it has no
+     * entry (not an error). The same id as the host's, except where the
+     * device's exp or log, a last bit off, moves a sum across a boundary.
+     * Host memory in and out: no logits set is involved. */
+    int (*sampler_draw_rows)(luma_backend *be, int32_t n, int32_t k, const int32_t *ids, const float *vals,
+                             const int32_t *counts, const luma_sampler *smp, const double *u, int32_t *out,
+                             luma_err *err);
 
     /* Waits for the step's work and reports any failure it met. */
     int (*sync)(luma_backend *be, luma_err *err);

@@ -6,8 +6,9 @@
 --           with --policy also luma generate's default sampling chain
 --           (top-k 40, top-p 0.95, temp 0.8) in Lua and through seq:sample;
 --           with --policy and batches, the batches again, each sequence
---           sampled by top-k 40, top-p 0.95 and temperature 0.8, and the
---           same requests run by luma.scheduler (its default policy);
+--           sampled by top-k 40, top-p 0.95 and temperature 0.8 (by the
+--           Lua chain a row, and by one luma.draw a step), and the same
+--           requests run by luma.scheduler (its default policy);
 --   bandwidth: weight bytes read per decoded token x tokens/s.
 local luma = require "luma"
 
@@ -123,20 +124,30 @@ end
 -- Aggregate decode: n sequences, each prefilled with a prompt of plen
 -- tokens, then gen steps where every step is one batch:run over all of
 -- them, each sequence's next token its argmax, or what policy draws for it
--- (with a state and a generator of its own). Returns generated tokens per
--- second over the decode steps after the first, and the first step's
--- seconds. timed, when given, is called as the timed steps begin.
-function M.batched_decode(model, n, plen, gen, policy, timed)
+-- (with a state and a generator of its own), or, with draw (seq:sample's
+-- options), what one luma.draw a step draws for all of them. Returns
+-- generated tokens per second over the decode steps after the first, and
+-- the first step's seconds. timed, when given, is called as the timed
+-- steps begin.
+function M.batched_decode(model, n, plen, gen, policy, timed, draw)
   local batch, seqs, last = M.prefilled(model, n, prompt_ids(model, plen))
-  local states = {}
-  for i = 1, n do states[i] = { model = model, seq = seqs[i], rng = luma.rng(i), step = 0, prompt_len = plen } end
+  local states, rngs, rows = {}, {}, {}
+  for i = 1, n do
+    rngs[i] = luma.rng(i)
+    states[i] = { model = model, seq = seqs[i], rng = rngs[i], step = 0, prompt_len = plen }
+  end
+  local how = { out = last, release = true }
   local out
   local t0 = luma.now()
   local first
   for step = 1, gen do
     for i = 1, n do batch:add(seqs[i], last[i]) end
     out = batch:run()
-    for i = 1, n do
+    if draw then
+      for i = 1, n do rows[i] = out[seqs[i]] end
+      luma.draw(rows, draw, rngs, how)
+    end
+    for i = 1, draw and 0 or n do
       if policy then
         states[i].step = step
         last[i] = policy(out[seqs[i]], states[i])
@@ -290,6 +301,8 @@ function M.run(o, load_model)
       for _, n in ipairs(list(o.batch)) do
         local tps_n = M.batched_decode(model, n, o["batch-prompt"], o.gen, sampler)
         row(string.format("aggregate decode, %d seqs, sampled", n), string.format("%.1f", tps_n), "tokens/s")
+        tps_n = M.batched_decode(model, n, o["batch-prompt"], o.gen, nil, nil, P.sampler(sampler))
+        row(string.format("aggregate decode, %d seqs, luma.draw", n), string.format("%.1f", tps_n), "tokens/s")
       end
       -- and as a scheduler runs them (twice: the first records its shapes)
       for _, n in ipairs(list(o.batch)) do

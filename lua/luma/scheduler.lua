@@ -68,6 +68,21 @@ local P = require "luma.policy"
 local T = require "luma.text"
 local Prefix = require "luma.prefix"
 
+-- The policy of a request that names none (its chain keeps no state).
+local default_policy = P.from_options{ temp = 0.8, top_k = 40, top_p = 0.95 }
+-- seq:sample's options of a policy (P.sampler), false where it has none;
+-- one table a policy, so that a step's draws share their options.
+local samplers = setmetatable({}, { __mode = "k" })
+local RELEASE = { release = true }
+local function sampler_of(policy)
+  local o = samplers[policy]
+  if o == nil then
+    o = P.sampler(policy) or false
+    samplers[policy] = o
+  end
+  return o
+end
+
 local Scheduler = {}
 Scheduler.__index = Scheduler
 
@@ -173,7 +188,7 @@ function Scheduler:submit(r)
   if #ids > self.ctx then
     error(string.format("submit: the prompt has %d tokens, more than the context of %d", #ids, self.ctx), 2)
   end
-  local policy = r.policy or P.from_options{ temp = 0.8, top_k = 40, top_p = 0.95 }
+  local policy = r.policy or default_policy
   if type(policy) ~= "function" then error("submit: policy must be a function (logits, state) -> id", 2) end
   local max_tokens = r.max_tokens or 256
   if math.type(max_tokens) ~= "integer" or max_tokens < 0 then
@@ -185,7 +200,7 @@ function Scheduler:submit(r)
   local req = setmetatable({
     sch = self, id = self.count, priority = priority, status = "waiting",
     ids = ids, prompt_len = #ids, n_done = 0, seq = nil,
-    policy = policy, out = T.emitter(T.stops(r.stop, "submit"), max_tokens),
+    policy = policy, sampler = sampler_of(policy), out = T.emitter(T.stops(r.stop, "submit"), max_tokens),
     on_token = r.on_token or false, on_done = r.on_done or false,
     -- next: the chosen token not yet streamed (then in no list of ids);
     -- last: it ends the request; ending, ending_err: the stop it met
@@ -401,13 +416,16 @@ function Scheduler:run_batch()
   end
 end
 
--- Chooses req's next token from logits; it is streamed later (emit).
-function Scheduler:choose(req, logits)
+-- Chooses req's next token from logits (id: the one its policy drew
+-- already, or nil); it is streamed later (emit).
+function Scheduler:choose(req, logits, id)
   local state = req.state
   state.seq = req.seq
-  local t = luma.now()
-  local id = req.policy(logits, state)
-  self.stats.policy_time = self.stats.policy_time + (luma.now() - t)
+  if id == nil then
+    local t = luma.now()
+    id = req.policy(logits, state)
+    self.stats.policy_time = self.stats.policy_time + (luma.now() - t)
+  end
   if math.type(id) ~= "integer" or id < 0 or id >= #logits then
     error("policy returned " .. tostring(id) .. ", not a token id", 0)
   end
@@ -417,6 +435,39 @@ function Scheduler:choose(req, logits)
   req.last = state.step + 1 >= req.out.max_tokens or #req.ids + 1 > self.ctx
   self.stats.tokens = self.stats.tokens + 1
   self.pending[#self.pending + 1] = req
+end
+
+-- Lets each request of list choose from its row of out, in order. The
+-- requests whose policy is a chain seq:sample knows draw in one luma.draw
+-- (on a GPU, one launch for all of them: the ids the policies would give,
+-- as seq:sample's are); if that fails, each policy runs on its own.
+function Scheduler:choose_all(list, out)
+  local rows, opts, rngs, drawn = {}, {}, {}, nil
+  local n = 0
+  for i = 1, #list do
+    local req = list[i]
+    if req.sampler then
+      n = n + 1
+      rows[n], opts[n], rngs[n] = out[req.seq], req.sampler, req.state.rng
+    end
+  end
+  if n > 0 then
+    local t = luma.now()
+    -- (the rows are not read again: their sets go at once, not at collection)
+    local ok, ids = pcall(luma.draw, rows, opts, rngs, RELEASE)
+    self.stats.policy_time = self.stats.policy_time + (luma.now() - t)
+    if ok then drawn = ids end
+  end
+  local k = 0
+  for i = 1, #list do
+    local req, id = list[i], nil
+    if req.sampler and drawn then
+      k = k + 1
+      id = drawn[k]
+    end
+    local ok, err = pcall(self.choose, self, req, out[req.seq], id)
+    if not ok then self:retire(req, "error", err) end
+  end
 end
 
 -- Streams the pending tokens (see emit_one); the requests they end are
@@ -473,7 +524,7 @@ function Scheduler:step()
     if #self.pending > 0 then self:emit() end
     -- those that ended their requests: the rows they had here were for nothing
     self:retire_stopped()
-    local rows = 0
+    local rows, choosing = 0, {}
     for i = 1, plan and #plan or 0, 2 do
       local req, n = plan[i], plan[i + 1]
       rows = rows + n
@@ -483,12 +534,10 @@ function Scheduler:step()
           req.prefix_done = true
           self.prefix:insert(req.seq, req.prompt_len)
         end
-        if req.n_done == #req.ids and not req.cancelled then
-          local ok, err = pcall(self.choose, self, req, out[req.seq])
-          if not ok then self:retire(req, "error", err) end
-        end
+        if req.n_done == #req.ids and not req.cancelled then choosing[#choosing + 1] = req end
       end
     end
+    self:choose_all(choosing, out)
     if not self.overlap then
       self:emit()
       self:retire_stopped()

@@ -12,6 +12,8 @@
  *   - the sampler's draw chained on the device (chain_sample, chain_read)
  *     for six chains of top-k, top-p, min-p and temperature, 20 uniforms
  *     each a row: luma_sampler_draw's id;
+ *   - many rows' draws in one call (sampler_draw_rows) against
+ *     luma_sampler_draw_top on the same entries;
  * on rows with distinct values, many ties, masked entries (-inf, NaN and
  * +inf, which count as masked), fewer live entries than k, none live, all
  * equal, signed zeros, and values near FLT_MAX; and bad arguments come back
@@ -402,6 +404,66 @@ static void test_chain_sample(luma_buf *b, const float *rows, int32_t n)
            sizeof SAMPLERS / sizeof *SAMPLERS, differ);
 }
 
+/* Many rows' draws at once (sampler_draw_rows) against
+ * luma_sampler_draw_top on the same entries: each test row's 64 best
+ * (as logits_topk_rows leaves them) drawn by every sampler with 10
+ * uniforms, all in one call; the same id, -1 for a row with nothing
+ * live. */
+static void test_draw_rows(const float *rows, int32_t n)
+{
+    enum { K = LUMA_SAMPLER_K_MAX, U = 10 };
+    const int ns = (int)(sizeof SAMPLERS / sizeof *SAMPLERS), total = ROWS * ns * U;
+    int32_t *ids = xmalloc((size_t)total * K * sizeof *ids), *counts = xmalloc((size_t)total * sizeof *counts);
+    int32_t *out = xmalloc((size_t)total * sizeof *out);
+    float *vals = xmalloc((size_t)total * K * sizeof *vals);
+    luma_sampler *smp = xmalloc((size_t)total * sizeof *smp);
+    double *u = xmalloc((size_t)total * sizeof *u);
+    luma_rng rng;
+    luma_rng_seed(&rng, 3000);
+    luma_err err;
+    int i = 0;
+    for (int r = 0; r < ROWS; r++) {
+        int32_t rid[K];
+        float rv[K];
+        int32_t c = luma_logits_topk(rows + (size_t)r * n, n, K, rid, rv, &err);
+        CHECKF(c >= 0, "host top-k: %s", err.msg);
+        for (int si = 0; si < ns; si++)
+            for (int d = 0; d < U; d++, i++) {
+                memcpy(ids + (size_t)i * K, rid, sizeof rid);
+                memcpy(vals + (size_t)i * K, rv, sizeof rv);
+                counts[i] = c;
+                smp[i] = SAMPLERS[si];
+                u[i] = luma_rng_uniform(&rng);
+            }
+    }
+    CHECKF(gpu->ops->sampler_draw_rows(gpu, total, K, ids, vals, counts, smp, u, out, &err) == 0,
+           "sampler_draw_rows: %s", err.msg);
+    int differ = 0;
+    for (i = 0; i < total; i++) {
+        int32_t hid[K];
+        float hv[K];
+        const int32_t c = counts[i] < smp[i].top_k ? counts[i] : smp[i].top_k;
+        memcpy(hid, ids + (size_t)i * K, sizeof hid);
+        memcpy(hv, vals + (size_t)i * K, sizeof hv);
+        luma_err herr;
+        const int32_t want = c > 0 ? luma_sampler_draw_top(&smp[i], hid, hv, c, u[i], &herr) : -1;
+        if (want == out[i]) continue;
+        differ++;
+        CHECKF(0, "draw of many rows, entry %d (row %d) u %.17g: %d, host %d", i, i / (ns * U), u[i], out[i], want);
+    }
+    /* the uniform out of range is refused */
+    u[0] = 1.0;
+    CHECK(gpu->ops->sampler_draw_rows(gpu, total, K, ids, vals, counts, smp, u, out, &err) < 0 &&
+          strstr(err.msg, "uniform"));
+    printf("rows      n %6d: %d draws in one call, %d differ from the host's\n", n, total, differ);
+    free(ids);
+    free(counts);
+    free(out);
+    free(vals);
+    free(smp);
+    free(u);
+}
+
 /* ---- bad arguments --------------------------------------------------------- */
 
 static void test_errors(luma_buf *b, const float *rows, int32_t n)
@@ -451,6 +513,7 @@ static void test_vocab(int32_t n, bool topk_only)
     if (!topk_only) {
         test_sample(&b, rows, n);
         test_chain_sample(&b, rows, n);
+        test_draw_rows(rows, n);
         test_edits(&b, rows, n);
         test_errors(&b, rows, n);
     }
@@ -744,6 +807,40 @@ static void timings(void)
         }
         chained = (now_s() - t0) / reps * 1e6;
     }
+    /* the draws of R rows from their top-k 40, one call */
+    double rows_us, rows_host_us;
+    {
+        int32_t *ri = xmalloc((size_t)R * 64 * sizeof *ri), *cn = xmalloc((size_t)R * sizeof *cn),
+                *out = xmalloc((size_t)R * sizeof *out);
+        float *rv = xmalloc((size_t)R * 64 * sizeof *rv);
+        luma_sampler *smp = xmalloc((size_t)R * sizeof *smp);
+        double *u = xmalloc((size_t)R * sizeof *u);
+        gpu->ops->logits_topk_rows(gpu, &b, 0, R, 64, ri, rv, cn, &err);
+        for (int r = 0; r < R; r++) {
+            smp[r] = SAMPLERS[0];
+            u[r] = (r + 0.5) / R;
+        }
+        gpu->ops->sampler_draw_rows(gpu, R, 64, ri, rv, cn, smp, u, out, &err);
+        t0 = now_s();
+        for (int i = 0; i < reps; i++) gpu->ops->sampler_draw_rows(gpu, R, 64, ri, rv, cn, smp, u, out, &err);
+        rows_us = (now_s() - t0) / reps * 1e6;
+        t0 = now_s();
+        for (int i = 0; i < reps; i++)
+            for (int r = 0; r < R; r++) {
+                int32_t hid[64];
+                float hv[64];
+                memcpy(hid, ri + (size_t)r * 64, sizeof hid);
+                memcpy(hv, rv + (size_t)r * 64, sizeof hv);
+                luma_sampler_draw_top(&smp[r], hid, hv, cn[r] < 40 ? cn[r] : 40, u[r], &err);
+            }
+        rows_host_us = (now_s() - t0) / reps * 1e6;
+        free(ri);
+        free(cn);
+        free(out);
+        free(rv);
+        free(smp);
+        free(u);
+    }
     t0 = now_s();
     for (int i = 0; i < reps; i++) gpu->ops->logits_temperature(gpu, &b, i % R, 1.0f, &err);
     CHECK(cudaDeviceSynchronize() == cudaSuccess);
@@ -803,6 +900,8 @@ static void timings(void)
                (double)R * n * 4 / (us[8] * 1e-6) / 1e9, other);
     printf("  sample one row         %8.1f us\n", us[3]);
     printf("  chained draw one row   %8.1f us  (top-k 40, top-p 0.95, temperature 0.8, then read)\n", chained);
+    printf("  draws of %d rows       %8.1f us  (the same chain from each row's top-k; on the host %.1f us)\n", R,
+           rows_us, rows_host_us);
     printf("  temperature one row    %8.1f us\n", us[4]);
     printf("  penalize 64 ids        %8.1f us\n", us[5]);
     printf("  penalize, then top-k 40 %7.1f us\n", us[6]);

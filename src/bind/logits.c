@@ -434,18 +434,23 @@ void luma_bind_checksampler(lua_State *L, int i, const char *what, luma_sampler 
     if (luma_sampler_check(s, &err)) luaL_error(L, "%s: option %s", what, err.msg + strlen("sampler: "));
 }
 
+/* The entries s draws from: the k best of lg's row (k = s->top_k, at most
+ * the row), largest first; their count, or -1 with err set. */
+static int32_t draw_entries(lua_State *L, llogits *lg, const luma_sampler *s, int32_t *ids, float *vals,
+                            luma_err *err)
+{
+    const int32_t k = s->top_k < lg->n ? s->top_k : lg->n;
+    if (!lg->compact) return top_entries(L, lg, k, ids, vals, err);
+    int32_t got = lg->n_live > 0 ? luma_logits_topk(lg->vals, lg->n_live, k, ids, vals, err) : 0;
+    for (int32_t j = 0; j < got; j++) ids[j] = lg->ids[ids[j]];
+    return got;
+}
+
 int32_t luma_bind_logits_draw(lua_State *L, llogits *lg, const luma_sampler *s, double u, luma_err *err)
 {
     int32_t ids[LUMA_SAMPLER_K_MAX];
     float vals[LUMA_SAMPLER_K_MAX];
-    const int32_t k = s->top_k < lg->n ? s->top_k : lg->n;
-    int32_t got;
-    if (lg->compact) {
-        got = lg->n_live > 0 ? luma_logits_topk(lg->vals, lg->n_live, k, ids, vals, err) : 0;
-        for (int32_t j = 0; j < got; j++) ids[j] = lg->ids[ids[j]];
-    } else {
-        got = top_entries(L, lg, k, ids, vals, err);
-    }
+    int32_t got = draw_entries(L, lg, s, ids, vals, err);
     return got < 0 ? -1 : luma_sampler_draw_top(s, ids, vals, got, u, err);
 }
 
@@ -460,6 +465,133 @@ static int logits_draw(lua_State *L)
     int32_t id = luma_bind_logits_draw(L, lg, &s, luma_rng_uniform(rng), &err);
     if (id < 0) return luma_bind_error(L, &err);
     lua_pushinteger(L, id);
+    return 1;
+}
+
+/* luma.draw(rows, opts, rngs [, how]) -> ids: ids[i] = rows[i]:draw(opts_i,
+ * rng_i) for i = 1 .. #rows, in order, where opts and rngs are each one
+ * (for every row) or an array (a row each); how: { out = a table for the
+ * ids, release = true to let go of the rows' logits sets once drawn (the
+ * rows are then unusable) }. The rows' entries are found first (any error
+ * raised then leaves every generator as it was, as does a row with no
+ * live entry), then each row takes its uniform, then the draws run: on the
+ * device, all in one launch and one wait, where a row's backend can and
+ * there are at least draw_rows_min() rows (a device's exp or log may move
+ * a sum across a boundary, as for seq:sample), else on the host. */
+#define DRAW_ROWS_MIN 8
+
+/* LUMA_DRAW_ROWS: the fewest rows drawn on the device (0: never). */
+static int draw_rows_min(void)
+{
+    static int min = -1;
+    if (min < 0) {
+        const char *e = getenv("LUMA_DRAW_ROWS");
+        min = e && *e ? atoi(e) : DRAW_ROWS_MIN;
+        if (min < 0) min = 0;
+    }
+    return min;
+}
+
+/* Element i of the array at index t, or the value at t itself when it is
+ * not an array of them (one for all); left on the stack. */
+static void nth_or_all(lua_State *L, int t, bool all, lua_Integer i)
+{
+    if (all) lua_pushvalue(L, t);
+    else lua_rawgeti(L, t, i);
+}
+
+int luma_bind_draw(lua_State *L)
+{
+    luaL_checktype(L, 1, LUA_TTABLE);
+    luaL_checktype(L, 2, LUA_TTABLE);
+    const lua_Integer n = luaL_len(L, 1);
+    if (n > INT32_MAX / LUMA_SAMPLER_K_MAX) return luaL_error(L, "draw: %I rows is too many", n);
+    /* one options table when it names top_k, else an array of them */
+    lua_getfield(L, 2, "top_k");
+    const bool one_opts = !lua_isnil(L, -1);
+    lua_pop(L, 1);
+    const bool one_rng = luaL_testudata(L, 3, LUMA_RNG_MT) != NULL;
+    if (!one_rng && !lua_istable(L, 3)) return luaL_error(L, "draw: rngs must be an Rng or an array of them");
+    if (!one_opts && luaL_len(L, 2) != n)
+        return luaL_error(L, "draw: %I rows but %I option tables", n, luaL_len(L, 2));
+    if (!one_rng && luaL_len(L, 3) != n) return luaL_error(L, "draw: %I rows but %I rngs", n, luaL_len(L, 3));
+    bool release = false;
+    if (!lua_isnoneornil(L, 4)) {
+        luaL_checktype(L, 4, LUA_TTABLE);
+        lua_getfield(L, 4, "release");
+        release = lua_toboolean(L, -1);
+        lua_getfield(L, 4, "out");
+        if (!lua_isnil(L, -1) && !lua_istable(L, -1)) return luaL_error(L, "draw: option 'out' must be a table");
+    } else {
+        lua_pushnil(L);
+        lua_pushnil(L);
+    }
+    if (lua_isnil(L, -1)) {
+        lua_pop(L, 1);
+        lua_createtable(L, (int)n, 0);
+    }
+    lua_replace(L, 4);
+    lua_settop(L, 4);
+    if (n == 0) return 1;
+    const int32_t K = LUMA_SAMPLER_K_MAX, rows = (int32_t)n;
+    /* the rows' entries and what draws from them, in memory the collector
+     * frees whatever error comes */
+    const size_t bytes = (size_t)rows * ((size_t)K * (sizeof(int32_t) + sizeof(float)) + 2 * sizeof(int32_t) +
+                                         sizeof(luma_sampler) + sizeof(double) + sizeof(luma_rng *));
+    double *u = lua_newuserdatauv(L, bytes, 0);
+    luma_rng **rng = (luma_rng **)(u + rows);
+    luma_sampler *smp = (luma_sampler *)(rng + rows);
+    int32_t *ids = (int32_t *)(smp + rows), *counts = ids + (size_t)rows * K, *out = counts + rows;
+    float *vals = (float *)(out + rows);
+    luma_backend *be = NULL;
+    const void *parsed = NULL;
+    luma_err err;
+    for (int32_t i = 0; i < rows; i++) {
+        lua_rawgeti(L, 1, i + 1);
+        llogits *lg = luaL_testudata(L, -1, LUMA_LOGITS_MT);
+        if (!lg) return luaL_error(L, "draw: rows[%d] is not a Logits", (int)i + 1);
+        nth_or_all(L, 2, one_opts, i + 1);
+        if (!lua_istable(L, -1)) return luaL_error(L, "draw: opts[%d] is not a table", (int)i + 1);
+        if (lua_topointer(L, -1) != parsed) {
+            luma_bind_checksampler(L, lua_gettop(L), "draw", &smp[i]);
+            parsed = lua_topointer(L, -1);
+        } else {
+            smp[i] = smp[i - 1];
+        }
+        nth_or_all(L, 3, one_rng, i + 1);
+        rng[i] = luaL_testudata(L, -1, LUMA_RNG_MT);
+        if (!rng[i]) return luaL_error(L, "draw: rngs[%d] is not an Rng", (int)i + 1);
+        lua_pop(L, 3);
+        if (lg->set && !be) be = lg->set->model->be;
+        counts[i] = draw_entries(L, lg, &smp[i], ids + (size_t)i * K, vals + (size_t)i * K, &err);
+        if (counts[i] < 0) return luma_bind_error(L, &err);
+        if (counts[i] == 0) return luaL_error(L, "draw: rows[%d]: every logit is masked", (int)i + 1);
+    }
+    for (int32_t i = 0; i < rows; i++) u[i] = luma_rng_uniform(rng[i]);
+    const int min = draw_rows_min();
+    if (be && be->ops->sampler_draw_rows && min > 0 && rows >= min) {
+        if (be->ops->sampler_draw_rows(be, rows, K, ids, vals, counts, smp, u, out, &err))
+            return luma_bind_error(L, &err);
+    } else {
+        for (int32_t i = 0; i < rows; i++) {
+            out[i] = luma_sampler_draw_top(&smp[i], ids + (size_t)i * K, vals + (size_t)i * K, counts[i], u[i], &err);
+            if (out[i] < 0) return luma_bind_error(L, &err);
+        }
+    }
+    for (int32_t i = 0; i < rows; i++) {
+        lua_pushinteger(L, out[i]);
+        lua_rawseti(L, 4, i + 1);
+    }
+    for (int32_t i = 0; release && i < rows; i++) {
+        lua_rawgeti(L, 1, i + 1);
+        llogits *lg = luaL_testudata(L, -1, LUMA_LOGITS_MT);
+        lua_pop(L, 1);
+        if (lg && lg->set) {
+            unhold(lg);
+            lg->lost = "it was released by luma.draw";
+        }
+    }
+    lua_settop(L, 4);
     return 1;
 }
 

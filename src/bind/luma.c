@@ -158,6 +158,7 @@ static int l_simd(lua_State *L)
 static const luaL_Reg funcs[] = {
     { "load", luma_bind_load },
     { "rng", luma_bind_rng },
+    { "draw", luma_bind_draw },
     { "synth", luma_bind_synth },
     { "synth_presets", luma_bind_synth_presets },
     { "sha256", l_sha256 },
@@ -167,7 +168,11 @@ static const luaL_Reg funcs[] = {
     { NULL, NULL },
 };
 
-/* luma.<name> for a name not in the table: require "luma.<name>". */
+/* luma.<name> for a name not in the table: require "luma.<name>", each
+ * time (require finds it in package.loaded after the first), so that
+ * luma.policy and a module's own require "luma.policy" are always one
+ * table, also where package.loaded is reset between uses (busted's
+ * insulation of spec files). */
 static int module_index(lua_State *L)
 {
     const char *name = luaL_checkstring(L, 2);
@@ -183,8 +188,6 @@ static int module_index(lua_State *L)
         return 0;
     }
     lua_call(L, 1, 1);
-    lua_pushvalue(L, -1);
-    lua_setfield(L, 1, name);
     return 1;
 }
 

@@ -559,6 +559,10 @@ int32_t luma_cuda_logits_topk(luma_backend *be, const luma_buf *b, int64_t row, 
                               float *vals, luma_err *err);
 int luma_cuda_logits_edit(luma_backend *be, luma_buf *b, int64_t row, const luma_logits_edit *e, luma_err *err);
 int luma_cuda_logits_temperature(luma_backend *be, luma_buf *b, int64_t row, float t, luma_err *err);
+int luma_cuda_logits_min_p(luma_backend *be, luma_buf *b, int64_t row, double lp, luma_err *err);
+int luma_cuda_logits_softmax(luma_backend *be, luma_buf *b, int64_t row, bool log, luma_err *err);
+int luma_cuda_logits_live_sums(luma_backend *be, const luma_buf *b, int64_t row, double *z, double *s,
+                               luma_err *err);
 int32_t luma_cuda_logits_sample(luma_backend *be, const luma_buf *b, int64_t row, double u, luma_err *err);
 int luma_cuda_chain_argmax(luma_backend *be, const luma_buf *b, int64_t row, luma_err *err);
 int luma_cuda_chain_sample(luma_backend *be, const luma_buf *b, int64_t row, const luma_sampler *s, double u,

@@ -706,8 +706,8 @@ __global__ void edit_kernel(float *x, int kind, edit_chunk e, float repeat, floa
     if (j >= e.n) return;
     int32_t id = e.ids[j];
     float v = x[id];
-    if (kind == LUMA_EDIT_MASK) {
-        x[id] = -INFINITY;
+    if (kind == LUMA_EDIT_MASK || kind == LUMA_EDIT_SET) {
+        x[id] = kind == LUMA_EDIT_SET ? e.values[j] : -INFINITY;
         return;
     }
     if (!is_live(v)) return;
@@ -841,6 +841,83 @@ sample_walk_kernel(const float *__restrict__ x, int64_t n, int64_t ch, int32_t n
         last_live = l > last_live ? l : last_live;
     }
     if (lane == 0) *out = (int32_t)(found >= 0 ? found : last_live);
+}
+
+/* ---- distributions: min_p, softmax, log_softmax, the entropy's sums ----- */
+
+/* After argmax_kernel's key for the row (*best, 0 when nothing is live):
+ * each chunk's z = sum exp(x_i - m) and s = sum exp(x_i - m)(x_i - m) over
+ * its live entries, a warp a chunk (as sample_sums_kernel). */
+__global__ void dist_sums_kernel(const float *__restrict__ x, int64_t n, int64_t ch, int32_t nch,
+                                 const unsigned long long *best, double2 *sums)
+{
+    follow_previous_kernel();
+    int32_t c = (int32_t)(((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32);
+    int lane = threadIdx.x & 31;
+    if (c >= nch) return;
+    double z = 0.0, s = 0.0;
+    if (*best) {
+        double m = (double)x[luma_cuda_key_id(*best)];
+        int64_t lo = (int64_t)c * ch, hi = lo + ch < n ? lo + ch : n;
+        for (int64_t i = lo + lane; i < hi; i += 32) {
+            float v = x[i];
+            if (!is_live(v)) continue;
+            double d = (double)v - m, e = exp(d);
+            z += e;
+            s += e * d;
+        }
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+        z += __shfl_xor_sync(0xffffffffu, z, o);
+        s += __shfl_xor_sync(0xffffffffu, s, o);
+    }
+    if (lane == 0) sums[c] = make_double2(z, s);
+}
+
+/* The chunks' sums added up, one warp, in a fixed order: out = (z, s). */
+__global__ void __launch_bounds__(32) dist_total_kernel(const double2 *__restrict__ sums, int32_t nch, double2 *out)
+{
+    follow_previous_kernel();
+    double z = 0.0, s = 0.0;
+    for (int32_t c = threadIdx.x; c < nch; c += 32) {
+        z += sums[c].x;
+        s += sums[c].y;
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+        z += __shfl_xor_sync(0xffffffffu, z, o);
+        s += __shfl_xor_sync(0xffffffffu, s, o);
+    }
+    if (threadIdx.x == 0) *out = make_double2(z, s);
+}
+
+/* softmax (log 0: exp(x_i - m) rounded to float, times the float 1 / z) or
+ * log_softmax (log 1: x_i - (m + log z) rounded to float; masked entries
+ * -inf), as the host's functions round them; nothing when none is live. */
+__global__ void dist_apply_kernel(float *x, int64_t n, const unsigned long long *best, const double2 *total, int log1)
+{
+    follow_previous_kernel();
+    if (*best == 0) return;
+    const double m = (double)x[luma_cuda_key_id(*best)], z = total->x;
+    const float inv = (float)(1.0 / z);
+    const double lse = m + log(z);
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+        float v = x[i];
+        if (log1) x[i] = is_live(v) ? (float)((double)v - lse) : -INFINITY;
+        else x[i] = is_live(v) ? __fmul_rn((float)exp((double)v - m), inv) : 0.0f;
+    }
+}
+
+/* min_p with min_keep 1: the live entries with x_i - m < lp masked (the
+ * largest always stays: its difference is 0 >= log p). */
+__global__ void min_p_kernel(float *x, int64_t n, const unsigned long long *best, double lp)
+{
+    follow_previous_kernel();
+    if (*best == 0) return;
+    const double m = (double)x[luma_cuda_key_id(*best)];
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+        float v = x[i];
+        if (is_live(v) && (double)v - m < lp) x[i] = -INFINITY;
+    }
 }
 
 /* ---- the sampling chain on a top-k's entries ------------------------------ */
@@ -1217,9 +1294,10 @@ int luma_cuda_logits_topk_rows(luma_backend *be, const luma_buf *b, int64_t row0
 
 int luma_cuda_logits_edit(luma_backend *be, luma_buf *b, int64_t row, const luma_logits_edit *e, luma_err *err)
 {
-    static const char *const names[] = { "penalize", "bias", "mask" };
+    static const char *const names[] = { "penalize", "bias", "mask", "setting an entry" };
     cuda_backend *c = cu(be);
-    if (e->kind < LUMA_EDIT_PENALIZE || e->kind > LUMA_EDIT_MASK) return luma_errf(err, "logits edit: unknown kind");
+    if (e->kind < LUMA_EDIT_PENALIZE || e->kind > LUMA_EDIT_SET) return luma_errf(err, "logits edit: unknown kind");
+    if (e->kind == LUMA_EDIT_SET && !e->values) return luma_errf(err, "setting an entry: no values");
     const char *op = names[e->kind];
     if (op_begin(c, op, b, row, err)) return -1;
     if (e->n < 0) return luma_errf(err, "%s: %d entries", op, (int)e->n);
@@ -1242,15 +1320,98 @@ int luma_cuda_logits_edit(luma_backend *be, luma_buf *b, int64_t row, const luma
     return op_queued(op, ce, err);
 }
 
+/* Grid of an elementwise pass over a row: a thread an entry, at most four
+ * blocks of 256 an SM. */
+static unsigned row_blocks(const cuda_backend *c, int64_t n)
+{
+    int64_t blocks = (n + 255) / 256, most = 4 * (int64_t)c->n_sm;
+    return (unsigned)(blocks < most ? blocks : most);
+}
+
 int luma_cuda_logits_temperature(luma_backend *be, luma_buf *b, int64_t row, float t, luma_err *err)
 {
     cuda_backend *c = cu(be);
     if (op_begin(c, "temperature", b, row, err)) return -1;
     if (!(t > 0.0f) || isinf(t)) return luma_errf(err, "temperature: t must be finite and > 0 (got %g)", (double)t);
-    int64_t blocks = (b->cols + 255) / 256, most = 4 * (int64_t)c->n_sm;
-    luma_launch(c, c->stream, (unsigned)(blocks < most ? blocks : most), 256, 0, temperature_kernel,
-                b->data + row * b->cols, b->cols, t);
+    luma_launch(c, c->stream, row_blocks(c, b->cols), 256, 0, temperature_kernel, b->data + row * b->cols, b->cols,
+                t);
     return op_queued("temperature", cudaSuccess, err);
+}
+
+int luma_cuda_logits_min_p(luma_backend *be, luma_buf *b, int64_t row, double lp, luma_err *err)
+{
+    cuda_backend *c = cu(be);
+    if (op_begin(c, "min_p", b, row, err)) return -1;
+    unsigned long long *best = (unsigned long long *)work(b);
+    cudaError_t e = queue_argmax(c, b, row, 1, best);
+    if (e == cudaSuccess)
+        luma_launch(c, c->stream, row_blocks(c, b->cols), 256, 0, min_p_kernel, b->data + row * b->cols, b->cols,
+                    (const unsigned long long *)best, lp);
+    return op_queued("min_p", e, err);
+}
+
+/* The row's largest key, then its chunks' sums and their total, in the work
+ * area: the key at 0, the total at 64, the chunks' sums from 256 (as
+ * sample's). */
+static cudaError_t queue_live_sums(cuda_backend *c, const luma_buf *b, int64_t row, unsigned long long **best,
+                                   double2 **total)
+{
+    const int64_t n = b->cols;
+    int64_t ch = (n + SAMPLE_CHUNKS_MAX - 1) / SAMPLE_CHUNKS_MAX;
+    ch = ch < 256 ? 256 : (ch + 31) / 32 * 32;
+    const int32_t nch = (int32_t)((n + ch - 1) / ch);
+    *best = (unsigned long long *)work(b);
+    *total = (double2 *)((char *)work(b) + 64);
+    double2 *sums = (double2 *)((char *)work(b) + 256);
+    static_assert(256 + SAMPLE_CHUNKS_MAX * sizeof(double2) <= WORK_MIN, "the chunks' sums fit the work area");
+    cudaError_t e = queue_argmax(c, b, row, 1, *best);
+    if (e != cudaSuccess) return e;
+    luma_launch(c, c->stream, (unsigned)((nch + 7) / 8), 256, 0, dist_sums_kernel, b->data + row * n, n, ch, nch,
+                (const unsigned long long *)*best, sums);
+    luma_launch(c, c->stream, 1, 32, 0, dist_total_kernel, (const double2 *)sums, nch, *total);
+    return cudaGetLastError();
+}
+
+int luma_cuda_logits_softmax(luma_backend *be, luma_buf *b, int64_t row, bool log, luma_err *err)
+{
+    cuda_backend *c = cu(be);
+    const char *op = log ? "log_softmax" : "softmax";
+    if (op_begin(c, op, b, row, err)) return -1;
+    unsigned long long *best;
+    double2 *total;
+    cudaError_t e = queue_live_sums(c, b, row, &best, &total);
+    if (e == cudaSuccess)
+        luma_launch(c, c->stream, row_blocks(c, b->cols), 256, 0, dist_apply_kernel, b->data + row * b->cols,
+                    b->cols, (const unsigned long long *)best, (const double2 *)total, (int)log);
+    unsigned long long key = 0, *host = (unsigned long long *)host_results(c, sizeof key);
+    if (!host) host = &key;
+    if (e == cudaSuccess) e = cudaMemcpyAsync(host, best, sizeof key, cudaMemcpyDeviceToHost, c->stream);
+    if (op_end(c, op, e, err)) return -1;
+    if (*host == 0) return luma_errf(err, "%s: every logit is masked", op);
+    return 0;
+}
+
+int luma_cuda_logits_live_sums(luma_backend *be, const luma_buf *b, int64_t row, double *z, double *s,
+                               luma_err *err)
+{
+    cuda_backend *c = cu(be);
+    if (op_begin(c, "entropy", b, row, err)) return -1;
+    unsigned long long *best;
+    double2 *total;
+    cudaError_t e = queue_live_sums(c, b, row, &best, &total);
+    /* the key, then the total, back in one copy: 64 + 16 bytes */
+    char *host = (char *)host_results(c, 80), local[80];
+    if (!host) host = local;
+    if (e == cudaSuccess) e = cudaMemcpyAsync(host, best, 80, cudaMemcpyDeviceToHost, c->stream);
+    if (op_end(c, "entropy", e, err)) return -1;
+    unsigned long long key;
+    double2 t;
+    memcpy(&key, host, sizeof key);
+    memcpy(&t, host + 64, sizeof t);
+    if (key == 0) return luma_errf(err, "entropy: every logit is masked");
+    *z = t.x;
+    *s = t.y;
+    return 0;
 }
 
 int32_t luma_cuda_logits_sample(luma_backend *be, const luma_buf *b, int64_t row, double u, luma_err *err)

@@ -101,15 +101,17 @@ typedef struct luma_attn {
 
 /* An edit of listed entries of a row of logits (logits_edit): the device
  * side of luma_logits_penalize (once the caller has counted the history with
- * luma_logits_penalty_counts), luma_logits_bias and luma_logits_mask. */
-enum luma_logits_edit_kind { LUMA_EDIT_PENALIZE, LUMA_EDIT_BIAS, LUMA_EDIT_MASK };
+ * luma_logits_penalty_counts), luma_logits_bias, luma_logits_mask, and of
+ * storing values (logits[id] = v). */
+enum luma_logits_edit_kind { LUMA_EDIT_PENALIZE, LUMA_EDIT_BIAS, LUMA_EDIT_MASK, LUMA_EDIT_SET };
 
 typedef struct luma_logits_edit {
     enum luma_logits_edit_kind kind;
     int32_t n;
-    const int32_t *ids;        /* [n] in [0, cols); distinct for PENALIZE and BIAS */
+    const int32_t *ids;        /* [n] in [0, cols); distinct for PENALIZE, BIAS and SET */
     const float *values;       /* [n] PENALIZE: each id's count; BIAS: the value added
-                                * (-INFINITY masks); MASK: unused */
+                                * (-INFINITY masks); MASK: unused; SET: the value
+                                * stored (any float) */
     float repeat, frequency, presence;   /* PENALIZE */
 } luma_logits_edit;
 
@@ -248,6 +250,21 @@ typedef struct luma_backend_ops {
                        luma_err *err);
     /* luma_logits_temperature of one row for t > 0 (finite). */
     int (*logits_temperature)(luma_backend *be, luma_buf *b, int64_t row, float t, luma_err *err);
+    /* luma_logits_min_p of one row with min_keep 1, given lp = log(p)
+     * (the caller's, so that the threshold is the host's to the bit). */
+    int (*logits_min_p)(luma_backend *be, luma_buf *b, int64_t row, double lp, luma_err *err);
+    /* luma_logits_softmax (log false) or luma_logits_log_softmax (log
+     * true) of one row, in place; waits, and fails (the row unchanged)
+     * when every entry is masked. The normalizer is summed in another
+     * order than the host's (and the device's exp and log may be a last
+     * bit off glibc's), so an entry can differ from the host's by an ulp
+     * where it rounds near a boundary. */
+    int (*logits_softmax)(luma_backend *be, luma_buf *b, int64_t row, bool log, luma_err *err);
+    /* The sums luma_logits_entropy takes of one row: with m its largest
+     * live entry, z = sum exp(x_i - m) and s = sum exp(x_i - m)(x_i - m)
+     * over the live entries, in double (added in another order than the
+     * host's); -1 with err set when every entry is masked. */
+    int (*logits_live_sums)(luma_backend *be, const luma_buf *b, int64_t row, double *z, double *s, luma_err *err);
     /* The id luma_logits_sample draws from one row when its uniform is u:
      * the same id, except where the sums, added in another order, round
      * across a boundary. -1 with err set when every entry is masked. */

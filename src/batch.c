@@ -443,6 +443,16 @@ int luma_logits_set_read(const luma_logits_set *s, int64_t row, float *dst, luma
     return be->ops->buf_read(be, &one, dst, err);
 }
 
+int luma_logits_set_read_at(const luma_logits_set *s, int64_t row, int32_t id, float *v, luma_err *err)
+{
+    if (row < 0 || row >= s->buf.rows || id < 0 || id >= s->buf.cols)
+        return luma_errf(err, "logits set: entry %d of row %lld of %lld", (int)id, (long long)row,
+                         (long long)s->buf.rows);
+    luma_backend *be = s->model->be;
+    luma_buf one = { s->buf.data + row * s->buf.cols + id, 1, 1, 1 };
+    return be->ops->buf_read(be, &one, v, err);
+}
+
 int32_t luma_logits_set_argmax(luma_logits_set *s, int64_t row, bool cached, luma_err *err)
 {
     if (row < 0 || row >= s->buf.rows)

@@ -293,6 +293,8 @@ void luma_model_logits_drain(luma_model *m);
 float *luma_logits_set_host(const luma_logits_set *s, int64_t row);
 /* Copies row `row` (n_vocab floats) to dst. */
 int luma_logits_set_read(const luma_logits_set *s, int64_t row, float *dst, luma_err *err);
+/* Entry id of row `row` into *v. */
+int luma_logits_set_read_at(const luma_logits_set *s, int64_t row, int32_t id, float *v, luma_err *err);
 /* luma_logits_argmax of row `row` (-1 with err set when every entry is
  * masked). cached: the first such call finds every row's argmax in one pass
  * and keeps them, for rows unchanged since the run. */

@@ -639,11 +639,16 @@ int luma_logits_entropy(const float *x, int32_t n, double *h, luma_err *err)
     if (m == -INFINITY) return luma_errf(err, "entropy: every logit is masked");
     double z, s;
     live_sums(x, n, m, &z, &s);
+    *h = luma_entropy_of_sums(z, s);
+    return 0;
+}
+
+double luma_entropy_of_sums(double z, double s)
+{
     /* H = -sum p_i log p_i = log z - s / z; rounding may dip below 0 when one
      * entry holds all the mass. */
     double e = log(z) - s / z;
-    *h = e > 0.0 ? e : 0.0;
-    return 0;
+    return e > 0.0 ? e : 0.0;
 }
 
 /* The draw for a uniform u in [0, 1). */

@@ -106,6 +106,9 @@ int luma_logits_log_softmax(float *x, int32_t n, luma_err *err);
 /* *h = the entropy of softmax(x) in nats; x is not changed. Fails when every
  * entry is masked. */
 int luma_logits_entropy(const float *x, int32_t n, double *h, luma_err *err);
+/* The entropy of a distribution from its sums over the live entries (m
+ * the largest): z = sum exp(x_i - m), s = sum exp(x_i - m)(x_i - m). */
+double luma_entropy_of_sums(double z, double s);
 /* Draws an id from the categorical distribution softmax(x). Every call takes
  * exactly one luma_rng_uniform from rng, also a call that fails, so that a
  * seed fixes the whole sequence of draws. -1 when every entry is masked. */

@@ -4,8 +4,10 @@
  *     (ties by lower id, -1 for a row with every entry masked);
  *   - topk for k = 1, 40, 64, 256, 2048 (both of its kernels): the same
  *     count, ids and values;
- *   - temperature, penalize (counted on the host), bias and mask: the
- *     same floats, bit for bit;
+ *   - temperature, penalize (counted on the host), bias, mask, min_p and
+ *     stored entries: the same floats, bit for bit;
+ *   - softmax and log_softmax: every entry the host's or an ulp off; the
+ *     entropy's sums within 1e-12;
  *   - sample for 200 uniforms a row (60 on the large vocabulary): the
  *     same id, except where the target sits within rounding of a boundary
  *     (each such draw is checked to be);
@@ -286,8 +288,40 @@ static int host_listed(float *x, int32_t n, void *ctx, luma_err *err)
     return l->mask ? luma_logits_mask(x, n, l->ids, l->n, err) : luma_logits_bias(x, n, l->ids, l->values, l->n, err);
 }
 
+static int dev_min_p(luma_buf *b, int64_t row, void *ctx, luma_err *err)
+{
+    return gpu->ops->logits_min_p(gpu, b, row, log(*(float *)ctx), err);
+}
+
+static int host_min_p(float *x, int32_t n, void *ctx, luma_err *err)
+{
+    return luma_logits_min_p(x, n, *(float *)ctx, 1, err);
+}
+
+static int dev_set(luma_buf *b, int64_t row, void *ctx, luma_err *err)
+{
+    listed *l = ctx;
+    luma_logits_edit e = { LUMA_EDIT_SET, l->n, l->ids, l->values, 1.0f, 0.0f, 0.0f };
+    return gpu->ops->logits_edit(gpu, b, row, &e, err);
+}
+
+static int host_set(float *x, int32_t n, void *ctx, luma_err *err)
+{
+    (void)n;
+    (void)err;
+    listed *l = ctx;
+    for (int32_t i = 0; i < l->n; i++) x[l->ids[i]] = l->values[i];
+    return 0;
+}
+
 static void test_edits(luma_buf *b, const float *rows, int32_t n)
 {
+    static const float mps[] = { 0.05f, 0.5f, 1.0f, 1e-30f };
+    for (size_t i = 0; i < sizeof mps / sizeof mps[0]; i++) {
+        float p = mps[i];
+        int bad = compare_edit("min_p", b, rows, n, dev_min_p, host_min_p, &p);
+        printf("min_p     n %6d: p %g on %d rows, %d differ\n", n, (double)p, ROWS, bad);
+    }
     static const float ts[] = { 0.7f, 1.3f, 1e-30f };
     for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++) {
         float t = ts[i];
@@ -316,9 +350,82 @@ static void test_edits(luma_buf *b, const float *rows, int32_t n)
     printf("bias      n %6d: 600 ids on %d rows, %d differ\n", n, ROWS, bad);
     bad = compare_edit("mask", b, rows, n, dev_listed, host_listed, &mask);
     printf("mask      n %6d: 600 ids on %d rows, %d differ\n", n, ROWS, bad);
+    /* stored values: any float, NaN and infinities included */
+    for (int32_t i = 0; i < 600; i++) vals[i] = i % 97 == 0 ? NAN : i % 89 == 0 ? INFINITY : vals[i];
+    listed set = { ids, vals, 600, false };
+    bad = compare_edit("set", b, rows, n, dev_set, host_set, &set);
+    printf("set       n %6d: 600 ids on %d rows, %d differ\n", n, ROWS, bad);
     free(ids);
     free(vals);
     upload(b, rows, ROWS);
+}
+
+/* ---- distributions -------------------------------------------------------- */
+
+/* Whether a and b are the same float or neighbours (an ulp apart). */
+static bool within_ulp(float a, float b)
+{
+    if (same_float(a, b)) return true;
+    if (!isfinite(a) || !isfinite(b) || (a < 0.0f) != (b < 0.0f)) return false;
+    uint32_t ua, ub;
+    memcpy(&ua, &a, sizeof ua);
+    memcpy(&ub, &b, sizeof ub);
+    return (ua > ub ? ua - ub : ub - ua) <= 1;
+}
+
+/* softmax and log_softmax on the device against the host's: every entry
+ * the same or an ulp off (the normalizer is summed in another order), the
+ * entropy's sums within 1e-12; a row with nothing live refused on both,
+ * and left as it was. */
+static void test_dist(luma_buf *b, const float *rows, int32_t n)
+{
+    float *want = xmalloc((size_t)n * sizeof *want), *got = xmalloc((size_t)n * sizeof *got);
+    luma_err err, herr;
+    for (int log1 = 0; log1 < 2; log1++) {
+        const char *name = log1 ? "log_softmax" : "softmax";
+        int64_t ulps = 0, refused = 0;
+        upload(b, rows, ROWS);
+        for (int r = 0; r < ROWS; r++) {
+            memcpy(want, rows + (size_t)r * n, (size_t)n * sizeof *want);
+            int hrc = log1 ? luma_logits_log_softmax(want, n, &herr) : luma_logits_softmax(want, n, &herr);
+            int drc = gpu->ops->logits_softmax(gpu, b, r, log1 != 0, &err);
+            CHECKF(hrc == drc, "%s row %d: the host %s, the device %s", name, r, hrc ? herr.msg : "ran",
+                   drc ? err.msg : "ran");
+            download_row(b, r, got);
+            if (drc) {
+                refused++;
+                CHECKF(strstr(err.msg, "masked") != NULL, "%s row %d: %s", name, r, err.msg);
+                CHECKF(memcmp(got, rows + (size_t)r * n, (size_t)n * sizeof *got) == 0,
+                       "%s row %d: a refused row changed", name, r);
+                continue;
+            }
+            int32_t off = 0, far = 0;
+            for (int32_t i = 0; i < n; i++) {
+                off += !same_float(got[i], want[i]);
+                far += !within_ulp(got[i], want[i]);
+            }
+            ulps += off;
+            CHECKF(far == 0, "%s row %d (n %d): %d entries more than an ulp from the host's", name, r, n, far);
+        }
+        printf("%-11s n %6d: %d rows (%lld refused, nothing live), %lld entries an ulp off the host's\n", name, n,
+               ROWS, (long long)refused, (long long)ulps);
+    }
+    upload(b, rows, ROWS);
+    double worst = 0.0;
+    for (int r = 0; r < ROWS; r++) {
+        double h, z, s;
+        int hrc = luma_logits_entropy(rows + (size_t)r * n, n, &h, &herr);
+        int drc = gpu->ops->logits_live_sums(gpu, b, r, &z, &s, &err);
+        CHECKF(hrc == drc, "entropy row %d: the host %s, the device %s", r, hrc ? herr.msg : "ran",
+               drc ? err.msg : "ran");
+        if (hrc || drc) continue;
+        double d = fabs(luma_entropy_of_sums(z, s) - h) / (h > 1.0 ? h : 1.0);
+        worst = d > worst ? d : worst;
+        CHECKF(d < 1e-12, "entropy row %d: %.17g against the host's %.17g", r, luma_entropy_of_sums(z, s), h);
+    }
+    printf("entropy     n %6d: %d rows, largest relative difference %.2g\n", n, ROWS, worst);
+    free(want);
+    free(got);
 }
 
 /* ---- sampling ------------------------------------------------------------ */
@@ -514,6 +621,7 @@ static void test_vocab(int32_t n, bool topk_only)
         test_sample(&b, rows, n);
         test_chain_sample(&b, rows, n);
         test_draw_rows(rows, n);
+        test_dist(&b, rows, n);
         test_edits(&b, rows, n);
         test_errors(&b, rows, n);
     }
@@ -841,6 +949,27 @@ static void timings(void)
         free(smp);
         free(u);
     }
+    /* log_softmax in place (each row once: a row's second would see its
+     * first's output) and the entropy's sums, against the host's */
+    double dist_us[3];
+    {
+        float *row = xmalloc((size_t)n * sizeof *row);
+        t0 = now_s();
+        for (int i = 0; i < reps; i++) gpu->ops->logits_softmax(gpu, &b, i % R, true, &err);
+        dist_us[0] = (now_s() - t0) / reps * 1e6;
+        double z, s;
+        t0 = now_s();
+        for (int i = 0; i < reps; i++) gpu->ops->logits_live_sums(gpu, &b, i % R, &z, &s, &err);
+        dist_us[1] = (now_s() - t0) / reps * 1e6;
+        t0 = now_s();
+        for (int i = 0; i < 5; i++) {
+            memcpy(row, x + (size_t)i * n, (size_t)n * sizeof *row);
+            luma_logits_log_softmax(row, n, &err);
+        }
+        dist_us[2] = (now_s() - t0) / 5 * 1e6;
+        free(row);
+        upload(&b, x, R);
+    }
     t0 = now_s();
     for (int i = 0; i < reps; i++) gpu->ops->logits_temperature(gpu, &b, i % R, 1.0f, &err);
     CHECK(cudaDeviceSynchronize() == cudaSuccess);
@@ -902,6 +1031,9 @@ static void timings(void)
     printf("  chained draw one row   %8.1f us  (top-k 40, top-p 0.95, temperature 0.8, then read)\n", chained);
     printf("  draws of %d rows       %8.1f us  (the same chain from each row's top-k; on the host %.1f us)\n", R,
            rows_us, rows_host_us);
+    printf("  log_softmax one row    %8.1f us  (on the host, without the copy down: %.0f us)\n", dist_us[0],
+           dist_us[2]);
+    printf("  entropy one row        %8.1f us\n", dist_us[1]);
     printf("  temperature one row    %8.1f us\n", us[4]);
     printf("  penalize 64 ids        %8.1f us\n", us[5]);
     printf("  penalize, then top-k 40 %7.1f us\n", us[6]);

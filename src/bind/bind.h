@@ -48,6 +48,7 @@ typedef struct llogits {
     bool x_owned;              /* x was malloc'd (else it is the set's own row) */
     bool compact;
     bool edited;               /* the set's row was changed since the step */
+    int32_t entry_ops;         /* logits[id] reads and stores on the device so far */
     int32_t *lowered_mem;      /* not NULL where the one change was this penalty, */
     luma_lowering lowered;     /* whose ids and counts it holds */
     luma_logits_set *set;      /* holds a reference, or NULL */

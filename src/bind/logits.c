@@ -259,6 +259,18 @@ static int32_t check_index(lua_State *L, const llogits *lg, int i)
     return (int32_t)id;
 }
 
+static int device_edit(lua_State *L, llogits *lg, const luma_logits_edit *e);
+
+/* logits[id] and logits[id] = v on a row in device memory: the first few
+ * move one entry (a policy's look at a token or two); past them the row
+ * comes to the host, where a loop over many entries costs no round trips. */
+#define ENTRY_OPS_MAX 16
+
+static bool entry_on_device(lua_State *L, llogits *lg)
+{
+    return !lg->compact && on_device(L, lg) && ++lg->entry_ops <= ENTRY_OPS_MAX;
+}
+
 static int logits_index(lua_State *L)
 {
     llogits *lg = luma_bind_checklogits(L, 1);
@@ -267,6 +279,12 @@ static int logits_index(lua_State *L)
         if (lg->compact) {
             int32_t j = compact_find(lg, id);
             lua_pushnumber(L, j < 0 ? -INFINITY : lg->vals[j]);
+        } else if (entry_on_device(L, lg)) {
+            /* one entry crosses, not the row */
+            float v;
+            luma_err err;
+            if (luma_logits_set_read_at(lg->set, lg->row, id, &v, &err)) return luma_bind_error(L, &err);
+            lua_pushnumber(L, v);
         } else {
             lua_pushnumber(L, host_row(L, lg)[id]);
         }
@@ -282,6 +300,11 @@ static int logits_newindex(lua_State *L)
     llogits *lg = luma_bind_checklogits(L, 1);
     int32_t id = check_index(L, lg, 2);
     float v = (float)luaL_checknumber(L, 3);
+    if (entry_on_device(L, lg)) {
+        luma_logits_edit e = { LUMA_EDIT_SET, 1, &id, &v, 1.0f, 0.0f, 0.0f };
+        device_edit(L, lg, &e);
+        return 0;
+    }
     host_row(L, lg)[id] = v;
     return 0;
 }
@@ -377,9 +400,17 @@ static int logits_entropy(lua_State *L)
 {
     llogits *lg = luma_bind_checklogits(L, 1);
     luma_err err;
-    double h;
-    int rc = use_compact(lg) ? luma_logits_entropy(lg->vals, lg->n_live, &h, &err)
-                             : luma_logits_entropy(host_row(L, lg), lg->n, &h, &err);
+    double h, z, s;
+    int rc;
+    if (use_compact(lg)) {
+        rc = luma_logits_entropy(lg->vals, lg->n_live, &h, &err);
+    } else if (on_device(L, lg) && backend(lg)->ops->logits_live_sums) {
+        luma_backend *be = backend(lg);
+        rc = be->ops->logits_live_sums(be, &lg->set->buf, lg->row, &z, &s, &err);
+        if (rc == 0) h = luma_entropy_of_sums(z, s);
+    } else {
+        rc = luma_logits_entropy(host_row(L, lg), lg->n, &h, &err);
+    }
     if (rc) return luma_bind_error(L, &err);
     lua_pushnumber(L, h);
     return 1;
@@ -669,6 +700,16 @@ static int logits_top_p(lua_State *L)
 
 static int logits_min_p(lua_State *L)
 {
+    llogits *lg = luma_bind_checklogits(L, 1);
+    if (!use_compact(lg) && on_device(L, lg) && backend(lg)->ops->logits_min_p && check_min_keep(L, 3) == 1) {
+        float p = (float)luaL_checknumber(L, 2);
+        luma_err err;
+        if (!(p > 0.0f && p <= 1.0f)) return luaL_error(L, "min_p: p must be in (0, 1] (got %g)", (double)p);
+        luma_backend *be = backend(lg);
+        lg->edited = true;
+        forget_lowered(lg);
+        return chain(L, be->ops->logits_min_p(be, &lg->set->buf, lg->row, log(p), &err), &err);
+    }
     return filter(L, luma_logits_min_p);
 }
 
@@ -827,10 +868,21 @@ static int logits_allow(lua_State *L)
     return chain(L, luma_logits_allow(host_row(L, lg), lg->n, ids, n, &err), &err);
 }
 
+/* softmax and log_softmax of a row on the device, in place. */
+static int device_softmax(lua_State *L, llogits *lg, bool log)
+{
+    luma_backend *be = backend(lg);
+    luma_err err;
+    lg->edited = true;
+    forget_lowered(lg);
+    return chain(L, be->ops->logits_softmax(be, &lg->set->buf, lg->row, log, &err), &err);
+}
+
 static int logits_softmax(lua_State *L)
 {
     llogits *lg = luma_bind_checklogits(L, 1);
     luma_err err;
+    if (!lg->compact && on_device(L, lg) && backend(lg)->ops->logits_softmax) return device_softmax(L, lg, false);
     return chain(L, luma_logits_softmax(host_row(L, lg), lg->n, &err), &err);
 }
 
@@ -839,6 +891,7 @@ static int logits_log_softmax(lua_State *L)
     llogits *lg = luma_bind_checklogits(L, 1);
     luma_err err;
     if (use_compact(lg)) return chain(L, luma_logits_log_softmax(lg->vals, lg->n_live, &err), &err);
+    if (on_device(L, lg) && backend(lg)->ops->logits_softmax) return device_softmax(L, lg, true);
     return chain(L, luma_logits_log_softmax(host_row(L, lg), lg->n, &err), &err);
 }
 

@@ -800,6 +800,7 @@ static void cuda_free(luma_backend *be)
     cudaFree(c->topk_mem);
     cudaFree(c->draw_mem);
     cudaFree(c->chain_key);
+    cudaFree(c->chain_hist);
     if (c->staged) cudaEventSynchronize(c->staged);
     cudaFreeHost(c->host_stage);
     cudaFreeHost(c->host_results);
@@ -1015,6 +1016,7 @@ static const luma_backend_ops cuda_ops = {
     .logits_sample = luma_cuda_logits_sample,
     .chain_argmax = luma_cuda_chain_argmax,
     .chain_sample = luma_cuda_chain_sample,
+    .chain_history = luma_cuda_chain_history,
     .chain_read = luma_cuda_chain_read,
     .sampler_draw_rows = luma_cuda_sampler_draw_rows,
     .sync = cuda_sync,

@@ -127,6 +127,7 @@ typedef struct cuda_backend {
                                          * the device (read by embed), */
     unsigned long long *chain_host;     /* its pinned copy (made at the first use), */
     cudaEvent_t chain_ev;               /* recorded after the copy */
+    void *chain_hist;                   /* the history of chained draws (logits.cu's chain_hist) */
     void *topk_mem;            /* top-k's device work (logits.cu, topk_work): */
     size_t topk_cap;           /* its bytes, */
     int64_t topk_rows;         /* the rows its arrival counts cover */
@@ -568,6 +569,7 @@ int luma_cuda_chain_argmax(luma_backend *be, const luma_buf *b, int64_t row, lum
 int luma_cuda_chain_sample(luma_backend *be, const luma_buf *b, int64_t row, const luma_sampler *s, double u,
                            luma_err *err);
 int luma_cuda_chain_read(luma_backend *be, int32_t *id, luma_err *err);
+int luma_cuda_chain_history(luma_backend *be, const int32_t *ids, int32_t n, luma_err *err);
 int luma_cuda_sampler_draw_rows(luma_backend *be, int32_t n, int32_t k, const int32_t *ids, const float *vals,
                                 const int32_t *counts, const luma_sampler *smp, const double *u, int32_t *out,
                                 luma_err *err);

@@ -1017,16 +1017,61 @@ __device__ unsigned long long draw_entries(const int32_t *__restrict__ ids, cons
     return key;
 }
 
+/* The device's history of chained draws (chain_history): the last
+ * LUMA_SAMPLER_WINDOW_MAX ids, id i of all at ring[i % WINDOW], and the
+ * count of all. */
+#define WINDOW LUMA_SAMPLER_WINDOW_MAX
+
+struct chain_hist {
+    int32_t ring[WINDOW];
+    long long total;
+};
+
 /* One row, as queue_topk leaves it (ids [k], values [k], count), its key to
- * *key, where chain_argmax's goes. */
+ * *key, where chain_argmax's goes; the id joins h (where not NULL). */
 __global__ void __launch_bounds__(32)
 chain_sample_kernel(const int32_t *__restrict__ res, int32_t k, float top_p, float min_p, float temp, double u,
-                    unsigned long long *key)
+                    unsigned long long *key, chain_hist *h)
 {
     follow_previous_kernel();
     const int n = res[2 * k];
     const unsigned long long got = n < 1 ? 0 : draw_entries(res, res + k, n, top_p, min_p, temp, u);
-    if (threadIdx.x == 0) *key = got;
+    if (threadIdx.x == 0) {
+        *key = got;
+        if (h && got) {
+            h->ring[h->total % WINDOW] = luma_cuda_key_id(got);
+            h->total++;
+        }
+    }
+}
+
+/* luma_logits_penalize of x over the last last_n ids of h: a thread an
+ * entry of the window; the first of each distinct id counts the window's
+ * and edits x[id] as luma_logits_penalize_counted does (each operation
+ * rounded alone). */
+__global__ void __launch_bounds__(WINDOW)
+chain_penalty_kernel(float *x, const chain_hist *__restrict__ h, int32_t last_n, float repeat, float frequency,
+                     float presence)
+{
+    follow_previous_kernel();
+    __shared__ int32_t win[WINDOW];
+    const long long total = h->total;
+    const int w = (int)(total < last_n ? total : last_n), t = threadIdx.x;
+    if (t < w) win[t] = h->ring[(total - w + t) % WINDOW];
+    __syncthreads();
+    if (t >= w) return;
+    const int32_t id = win[t];
+    int count = 0;
+    bool first = true;
+    for (int j = 0; j < w; j++) {
+        count += win[j] == id;
+        first &= !(j < t && win[j] == id);
+    }
+    if (!first) return;
+    float v = x[id];
+    if (!is_live(v)) return;
+    v = v <= 0.0f ? __fmul_rn(v, repeat) : __fdiv_rn(v, repeat);
+    x[id] = finite_f(__fsub_rn(v, __fadd_rn(__fmul_rn((float)count, frequency), presence)));
 }
 
 /* Many rows' draws (sampler_draw_rows), a warp a row: row i's sampler and
@@ -1484,21 +1529,56 @@ int luma_cuda_chain_argmax(luma_backend *be, const luma_buf *b, int64_t row, lum
     return chain_queued(c, "greedy's argmax", e, err);
 }
 
-/* The sampler's draw goes where the argmax's would: its top-k (queue_topk),
- * then chain_sample_kernel. */
+/* The sampler's draw goes where the argmax's would: the penalties over
+ * the history (chain_penalty_kernel, where s penalizes), its top-k
+ * (queue_topk), then chain_sample_kernel, which adds the id to the
+ * history. */
 int luma_cuda_chain_sample(luma_backend *be, const luma_buf *b, int64_t row, const luma_sampler *s, double u,
                            luma_err *err)
 {
     cuda_backend *c = cu(be);
     if (op_begin(c, "the sampler's draw", b, row, err) || luma_sampler_check(s, err)) return -1;
     if (!(u >= 0.0 && u < 1.0)) return luma_errf(err, "sample: the uniform %g is not in [0, 1)", u);
+    const bool penalizes = luma_sampler_penalizes(s);
+    if (penalizes && !c->chain_hist) return luma_errf(err, "the sampler's draw: penalties with no history begun");
     const int32_t k = s->top_k < b->cols ? s->top_k : (int32_t)b->cols;
     int32_t *res;
     cudaError_t e = chain_ready(c);
     if (e != cudaSuccess) return chain_queued(c, "the sampler's draw", e, err);
+    chain_hist *h = (chain_hist *)c->chain_hist;
+    if (penalizes)
+        luma_launch(c, c->stream, 1, WINDOW, 0, chain_penalty_kernel, b->data + row * b->cols, (const chain_hist *)h,
+                    s->last_n, s->repeat, s->frequency, s->presence);
     if (queue_topk(c, b, row, 1, k, &res, err)) return -1;
-    luma_launch(c, c->stream, 1, 32, 0, chain_sample_kernel, res, k, s->top_p, s->min_p, s->temp, u, c->chain_key);
+    luma_launch(c, c->stream, 1, 32, 0, chain_sample_kernel, res, k, s->top_p, s->min_p, s->temp, u, c->chain_key,
+                penalizes ? h : (chain_hist *)NULL);
     return chain_queued(c, "the sampler's draw", cudaSuccess, err);
+}
+
+int luma_cuda_chain_history(luma_backend *be, const int32_t *ids, int32_t n, luma_err *err)
+{
+    cuda_backend *c = cu(be);
+    if (!LUMA_CUDA_OK(c)) {
+        luma_errf(err, "%s", c->failure);
+        c->failure[0] = 0;
+        return -1;
+    }
+    if (n < 0) return luma_errf(err, "chained history: %d ids", (int)n);
+    cudaError_t e = cudaSuccess;
+    if (!c->chain_hist) e = cudaMalloc(&c->chain_hist, sizeof(chain_hist));
+    chain_hist *h = (chain_hist *)host_results(c, sizeof(chain_hist)), local;
+    if (!h) h = &local;
+    memset(h, 0, sizeof *h);
+    for (int32_t i = n > WINDOW ? n - WINDOW : 0; i < n; i++) h->ring[i % WINDOW] = ids[i];
+    h->total = n;
+    /* waited for: the pinned buffer serves the next operation's result */
+    if (e == cudaSuccess) e = cudaMemcpyAsync(c->chain_hist, h, sizeof *h, cudaMemcpyHostToDevice, c->stream);
+    if (e == cudaSuccess) e = cudaStreamSynchronize(c->stream);
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        return luma_errf(err, "chained history on the GPU: %s", cudaGetErrorString(e));
+    }
+    return 0;
 }
 
 int luma_cuda_chain_read(luma_backend *be, int32_t *id, luma_err *err)

@@ -127,6 +127,41 @@ describe("seq:sample", function()
     end
   end)
 
+  it("penalizes over the sequence's tokens (or a history given) and the ids drawn, as P.penalties does", function()
+    local chains = {
+      P.from_options{ temp = 0.8, top_k = 40, top_p = 0.95, repeat_ = 1.3 },
+      P.from_options{ temp = 1.0, top_k = 64, min_p = 0.02, repeat_ = 1.1, last_n = 8 },
+      P.chain{ P.penalties{ frequency = 0.5, presence = 0.3, last_n = 16 }, P.top_k(40), P.temperature(0.9) },
+    }
+    for i, chain in ipairs(chains) do
+      for _, history in ipairs{ false, { 3, 3, 7 } } do
+        -- the Lua loop, its window the tokens so far (or the history and the ids drawn)
+        local seq, logits = start()
+        local state, want = { rng = luma.rng(i) }, {}
+        for k = 1, 24 do
+          if history then
+            state.tokens = { table.unpack(history) }
+            table.move(want, 1, k - 1, #history + 1, state.tokens)
+          else
+            state.tokens = seq:tokens()
+          end
+          want[k] = chain(logits, state)
+          logits = seq:eval(want[k])
+        end
+        local seq2, logits2 = start()
+        local so = P.sampler(chain)
+        assert.is_not_nil(so.last_n)
+        so.rng, so.history = luma.rng(i), history or nil
+        local ids, last = seq2:sample(logits2, 24, so)
+        assert.are.same(want, ids, "chain " .. i)
+        assert.are.equal(0, H.max_abs_diff(logits, last))
+        assert.are.equal(state.rng:random(), so.rng:random())
+        seq:close()
+        seq2:close()
+      end
+    end
+  end)
+
   it("draws: other seeds give other ids", function()
     local seen = {}
     local distinct = 0
@@ -203,6 +238,12 @@ describe("seq:sample", function()
       { { rng = rng, top_k = 4, temp = 0 }, "temp" },
       { { rng = rng, top_k = 4, temp = "hot" }, "temp" },
       { { rng = rng, top_k = 4, stop = 3 }, "stop" },
+      { { rng = rng, top_k = 4, repeat_ = 0 }, "repeat_" },
+      { { rng = rng, top_k = 4, repeat_ = 1.1, last_n = 0 }, "last_n" },
+      { { rng = rng, top_k = 4, repeat_ = 1.1, last_n = 257 }, "last_n" },
+      { { rng = rng, top_k = 4, frequency = "x" }, "frequency" },
+      { { rng = rng, top_k = 4, repeat_ = 1.1, history = 3 }, "history" },
+      { { rng = rng, top_k = 4, repeat_ = 1.1, history = { -1 } }, "range" },
     }
     for _, c in ipairs(cases) do
       local ok, e = pcall(seq.sample, seq, logits, 3, c[1])
@@ -231,10 +272,15 @@ describe("P.sampler", function()
     assert.is_nil(P.sampler(P.chain{ P.top_k(40), P.temperature(0.7), P.temperature(0.7) }))
   end)
 
-  it("gives seq:sample's options for the chains P.from_options makes without penalties", function()
+  it("gives seq:sample's options for the chains P.from_options makes, penalties first", function()
     assert.are.same({ top_k = 40, top_p = 0.95, temp = 0.8 }, P.sampler(P.from_options{ top_k = 40, top_p = 0.95 }))
     assert.are.same({ top_k = 3, min_p = 0.1, temp = 1 }, P.sampler(P.from_options{ top_k = 3, min_p = 0.1, temp = 1 }))
-    assert.is_nil(P.sampler(P.from_options{ top_k = 40, repeat_ = 1.1 }))
+    assert.are.same({ top_k = 40, temp = 0.8, repeat_ = 1.1, frequency = 0, presence = 0, last_n = 64 },
+                    P.sampler(P.from_options{ top_k = 40, repeat_ = 1.1 }))
+    -- a window seq:sample cannot keep (all of the history, or past 256)
+    assert.is_nil(P.sampler(P.from_options{ top_k = 40, repeat_ = 1.1, last_n = 0 }))
+    assert.is_nil(P.sampler(P.from_options{ top_k = 40, repeat_ = 1.1, last_n = 300 }))
+    assert.is_nil(P.sampler(P.chain{ P.top_k(40), P.penalties{ repeat_ = 1.1 }, P.temperature(0.8) }))
     assert.is_nil(P.sampler(P.from_options{ top_p = 0.9 }))
     assert.is_nil(P.sampler(P.from_options{ top_k = 65 }))
     assert.is_nil(P.sampler(P.from_options{ temp = 0, top_k = 40 }))
@@ -261,6 +307,13 @@ describe("luma.generate with a sampling chain (through seq:sample)", function()
         if k ~= "policy" and k ~= "chain" then so[k] = v end
       end
       H.same_generation(model, PROMPT, fo, so)
+    end
+    -- penalties: the same chain wrapped, so that P.sampler does not know it
+    for i, o in ipairs{ { temp = 0.8, top_k = 40, repeat_ = 1.3 }, { temp = 1.1, top_k = 20, repeat_ = 1.2, last_n = 4 } } do
+      local chain = P.from_options(o)
+      assert.is_not_nil(P.sampler(chain))
+      H.same_generation(model, PROMPT, { seed = i, max_tokens = 32, policy = chain },
+                        { seed = i, max_tokens = 32, policy = function(l, st) return chain(l, st) end })
     end
   end)
 

@@ -283,9 +283,15 @@ typedef struct luma_backend_ops {
      * queues the draw of s from one row for the uniform u, in the place
      * of chain_argmax's argmax: luma_sampler_draw's id, except where the
      * device's exp or log, a last bit off the host's, moves a sum across
-     * a boundary. */
+     * a boundary. Where s penalizes, the row is first penalized in place
+     * (luma_logits_penalize, to the bit) over the last s->last_n ids of
+     * the history that chain_history began, each draw adding its id. */
     int (*chain_sample)(luma_backend *be, const luma_buf *b, int64_t row, const luma_sampler *s, double u,
                         luma_err *err);
+    /* Begins the device's history of chained draws: ids [n], of which the
+     * last LUMA_SAMPLER_WINDOW_MAX are kept (queued). Optional: without
+     * it, penalizing samplers are not chained. */
+    int (*chain_history)(luma_backend *be, const int32_t *ids, int32_t n, luma_err *err);
     int (*chain_read)(luma_backend *be, int32_t *id, luma_err *err);
     /* Optional: luma_sampler_draw_top for n rows at once (one wait), from
      * entries laid out as logits_topk_rows leaves them: row i's counts[i]

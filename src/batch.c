@@ -594,8 +594,10 @@ static int decode_note(int32_t id, const int32_t *stops, int32_t n_stops, luma_t
 
 /* The next id from row `row` of set, the step before it done (the loop
  * without chain ops). */
+/* The id chosen from row `row`; a penalizing sampler first penalizes the
+ * row (in place on the host) over hist [n_hist]. */
 static int32_t decode_pick(luma_model *m, luma_logits_set *set, int64_t row, const luma_sampler *smp, double u,
-                           float **scratch, luma_err *err)
+                           const int32_t *hist, int32_t n_hist, float **scratch, luma_err *err)
 {
     if (!smp) return luma_logits_set_argmax(set, row, false, err);
     const int32_t nv = m->hp.n_vocab;
@@ -606,12 +608,16 @@ static int32_t decode_pick(luma_model *m, luma_logits_set *set, int64_t row, con
         if (luma_logits_set_read(set, row, *scratch, err)) return -1;
         x = *scratch;
     }
+    if (luma_sampler_penalizes(smp) &&
+        luma_logits_penalize(x, nv, hist, n_hist, smp->last_n, smp->repeat, smp->frequency, smp->presence, err))
+        return -1;
     return luma_sampler_draw(smp, x, nv, u, err);
 }
 
 int luma_model_decode(luma_model *m, luma_seq *s, int32_t first, int32_t n, const luma_sampler *smp, luma_rng *rng,
-                      const int32_t *stops, int32_t n_stops, luma_token_fn on_token, void *ctx, int32_t *ids,
-                      int32_t *n_ids, luma_logits_set **last, int64_t *last_row, luma_err *err)
+                      const int32_t *history, int32_t n_history, const int32_t *stops, int32_t n_stops,
+                      luma_token_fn on_token, void *ctx, int32_t *ids, int32_t *n_ids, luma_logits_set **last,
+                      int64_t *last_row, luma_err *err)
 {
     const char *what = smp ? "sample" : "greedy";
     *n_ids = 0;
@@ -624,14 +630,38 @@ int luma_model_decode(luma_model *m, luma_seq *s, int32_t first, int32_t n, cons
         return luma_errf(err, "%s: token id %d out of range [0, %d)", what, first, m->hp.n_vocab);
     if (smp && (luma_sampler_check(smp, err) || (!rng && luma_errf(err, "sample: no generator"))))
         return -1;
+    const bool penalizes = smp && luma_sampler_penalizes(smp);
+    if (penalizes && (n_history < 0 || (n_history > 0 && !history)))
+        return luma_errf(err, "sample: a history of %d ids", (int)n_history);
+    for (int32_t i = 0; penalizes && i < n_history; i++)
+        if (history[i] < 0 || history[i] >= m->hp.n_vocab)
+            return luma_errf(err, "sample: history id %d (at index %d) out of range [0, %d)", (int)history[i], (int)i,
+                             m->hp.n_vocab);
     if (n == 0) return 0;
     if (check_room(m, s, n, err)) return -1;
     luma_backend *be = m->be;
-    const bool chained = (smp ? be->ops->chain_sample != NULL : be->ops->chain_argmax != NULL) && be->ops->chain_read;
+    const bool chained = (smp ? be->ops->chain_sample != NULL && (!penalizes || be->ops->chain_history)
+                              : be->ops->chain_argmax != NULL) &&
+                         be->ops->chain_read;
     const int32_t len0 = s->n_tokens;
     float *scratch = NULL;   /* a row read back, where the set is not host memory */
+    /* the penalties' window on the host: the history, then ids[0 ..] */
+    int32_t *hist = NULL, n_hist = penalizes ? n_history + 1 : 0;
+    if (penalizes) {
+        if (!(hist = malloc(((size_t)n_history + (size_t)n) * sizeof *hist)))
+            return luma_errf(err, "sample: out of memory for a history of %d ids", (int)(n_history + n));
+        if (n_history > 0) memcpy(hist, history, (size_t)n_history * sizeof *hist);
+        hist[n_history] = first;
+        if (chained && be->ops->chain_history(be, hist, n_hist, err)) {
+            free(hist);
+            return -1;
+        }
+    }
     luma_logits_set *set = set_get(m, 2, err);   /* step j's logits in row j & 1 */
-    if (!set) return -1;
+    if (!set) {
+        free(hist);
+        return -1;
+    }
 
     /* Step j feeds ids[j] at position len0 + j; ids[j + 1] is the argmax of
      * its row, or smp's draw from it. At the loop's top k ids are known,
@@ -645,6 +675,7 @@ int luma_model_decode(luma_model *m, luma_seq *s, int32_t first, int32_t n, cons
     if (stop) {
         *n_ids = 1;
         luma_logits_set_release(set);
+        free(hist);
         return 0;
     }
     if (luma_kv_reserve(m->kv, s->kv, 1, err) || decode_step(m, s, len0, first, set, 0, err)) goto fail;
@@ -664,12 +695,13 @@ int luma_model_decode(luma_model *m, luma_seq *s, int32_t first, int32_t n, cons
             }
         } else {
             if (be->ops->sync(be, err)) goto fail;
-            id = decode_pick(m, set, (k - 1) & 1, smp, u, &scratch, err);
+            id = decode_pick(m, set, (k - 1) & 1, smp, u, hist, n_hist, &scratch, err);
             if (id < 0) goto fail;
         }
         luma_kv_commit(m->kv, s->kv, 1);
         if (append_tokens(s, &ids[k - 1], 1, err)) goto fail;
         ids[k++] = id;
+        if (hist) hist[n_hist++] = id;
         if (decode_note(id, stops, n_stops, on_token, ctx, &stop, err)) goto fail;
         if (stop) {
             /* ends unfed: the logits before it are the last */
@@ -680,6 +712,7 @@ int luma_model_decode(luma_model *m, luma_seq *s, int32_t first, int32_t n, cons
             *last = set;
             *last_row = (k - 2) & 1;
             free(scratch);
+            free(hist);
             return 0;
         }
         if (!chained && (luma_kv_reserve(m->kv, s->kv, 1, err) || decode_step(m, s, len0 + k - 1, id, set,
@@ -693,6 +726,7 @@ int luma_model_decode(luma_model *m, luma_seq *s, int32_t first, int32_t n, cons
     *last = set;
     *last_row = (n - 1) & 1;
     free(scratch);
+    free(hist);
     return 0;
 fail:;
     luma_err ignored;
@@ -700,5 +734,6 @@ fail:;
     seq_rollback(m, s, len0, "the sequence", err);
     luma_logits_set_release(set);
     free(scratch);
+    free(hist);
     return -1;
 }

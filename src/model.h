@@ -283,9 +283,12 @@ void luma_logits_set_release(luma_logits_set *s);
  * early positions were released on the way: it then keeps the tokens its
  * cache holds, and err says so. */
 typedef int (*luma_token_fn)(void *ctx, int32_t id, bool *stop, luma_err *err);
+/* A penalizing sampler's window is over history [n_history] (the ids
+ * before first; NULL when it does not penalize), then the ids drawn. */
 int luma_model_decode(luma_model *m, luma_seq *s, int32_t first, int32_t n, const luma_sampler *smp, luma_rng *rng,
-                      const int32_t *stops, int32_t n_stops, luma_token_fn on_token, void *ctx, int32_t *ids,
-                      int32_t *n_ids, luma_logits_set **last, int64_t *last_row, luma_err *err);
+                      const int32_t *history, int32_t n_history, const int32_t *stops, int32_t n_stops,
+                      luma_token_fn on_token, void *ctx, int32_t *ids, int32_t *n_ids, luma_logits_set **last,
+                      int64_t *last_row, luma_err *err);
 /* Frees the pool of released sets; held sets stay. */
 void luma_model_logits_drain(luma_model *m);
 /* Row `row` in host memory where the backend keeps its buffers there; NULL

@@ -737,7 +737,19 @@ int luma_sampler_check(const luma_sampler *s, luma_err *err)
         return luma_errf(err, "sampler: min_p must be in [0, 1] (got %g)", (double)s->min_p);
     if (!(s->temp > 0.0f) || isinf(s->temp))
         return luma_errf(err, "sampler: temp must be finite and > 0 (got %g)", (double)s->temp);
+    if (s->last_n < 0 || s->last_n > LUMA_SAMPLER_WINDOW_MAX)
+        return luma_errf(err, "sampler: last_n must be in [0, %d] (got %d)", LUMA_SAMPLER_WINDOW_MAX, (int)s->last_n);
+    if (s->last_n > 0 && (!(s->repeat > 0.0f) || isinf(s->repeat)))
+        return luma_errf(err, "sampler: repeat_ must be finite and > 0 (got %g)", (double)s->repeat);
+    if (s->last_n > 0 && (!isfinite(s->frequency) || !isfinite(s->presence)))
+        return luma_errf(err, "sampler: frequency and presence must be finite (got %g, %g)", (double)s->frequency,
+                         (double)s->presence);
     return 0;
+}
+
+bool luma_sampler_penalizes(const luma_sampler *s)
+{
+    return s->last_n > 0 && (s->repeat != 1.0f || s->frequency != 0.0f || s->presence != 0.0f);
 }
 
 int32_t luma_sampler_draw_top(const luma_sampler *s, int32_t *ids, float *vals, int32_t count, double u,

@@ -122,19 +122,27 @@ int32_t luma_logits_sample(const float *x, int32_t n, luma_rng *rng, luma_err *e
 void luma_logits_compact(int32_t *ids, float *vals, int32_t *order, int32_t n);
 
 /* The sampling chain that luma.policy's P.from_options builds, in its
- * order: the top_k best entries, then top_p (1: none), then min_p (0:
- * none), then the temperature temp, then a draw. Decoding runs it without
- * Lua (luma_model_decode; on a GPU on the device, next to the step). */
+ * order: the penalties (luma_logits_penalize over the last last_n ids of
+ * the history; last_n 0: none), then the top_k best entries, then top_p
+ * (1: none), then min_p (0: none), then the temperature temp, then a draw.
+ * Decoding runs it without Lua (luma_model_decode; on a GPU on the
+ * device, next to the step). luma_sampler_draw and _draw_top take no
+ * penalties: their caller applies them (or has none). */
 #define LUMA_SAMPLER_K_MAX 64
+#define LUMA_SAMPLER_WINDOW_MAX 256
 typedef struct luma_sampler {
     int32_t top_k;   /* [1, LUMA_SAMPLER_K_MAX] */
     float top_p;     /* (0, 1] */
     float min_p;     /* [0, 1] */
     float temp;      /* finite, > 0 */
+    float repeat, frequency, presence;   /* with last_n > 0: repeat finite > 0, the others finite */
+    int32_t last_n;  /* [0, LUMA_SAMPLER_WINDOW_MAX] */
 } luma_sampler;
 
 /* Checks the fields' ranges. */
 int luma_sampler_check(const luma_sampler *s, luma_err *err);
+/* Whether s penalizes: a window and a penalty that changes something. */
+bool luma_sampler_penalizes(const luma_sampler *s);
 /* The id s draws for the uniform u in [0, 1) from a top-k's count entries
  * (ids and vals, largest first, at most s->top_k; both arrays reused): the
  * functions above applied in s's order to their compact form. -1 with err

@@ -2,7 +2,8 @@
 --   prefill: one forward over a prompt of N tokens (time to first token);
 --   decode: greedy tokens one at a time with C argmax, and optionally with a
 --           Lua sampling chain (penalties, top-k 40, top-p 0.95, temp 0.8),
---           timed over the steps after the first (reported on its own);
+--           and the same chain through seq:sample, timed over the steps
+--           after the first (reported on its own);
 --           with --policy also luma generate's default sampling chain
 --           (top-k 40, top-p 0.95, temp 0.8) in Lua and through seq:sample;
 --           with --policy and batches, the batches again, each sequence
@@ -282,6 +283,14 @@ function M.run(o, load_model)
     row("decode with Lua policy chain", string.format("%.2f", timed / pdec), "tokens/s")
     row("Lua policy cost per token", string.format("%.1f", ptime / timed * 1e6), "us")
     row("Lua policy share of decode", string.format("%.1f", ptime / pdec * 100), "%")
+    -- the same chain, penalties included, through seq:sample
+    local pchained = math.huge
+    for _ = 1, timed > 0 and reps or 0 do
+      local so = P.sampler(chain)
+      so.rng = luma.rng(1)
+      pchained = math.min(pchained, chained_decode(model, short, o.gen, "sample", so))
+    end
+    row("the same chain (seq:sample)", string.format("%.2f", timed / pchained), "tokens/s")
     -- luma generate's default chain, in Lua and through seq:sample
     local default = P.from_options{ temp = 0.8, top_k = 40, top_p = 0.95 }
     local sdec, cdec = math.huge, math.huge

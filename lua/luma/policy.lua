@@ -72,7 +72,11 @@ function P.penalties(o)
   o = o or {}
   local opts = { repeat_ = o.repeat_ or 1.0, frequency = o.frequency or 0.0,
                  presence = o.presence or 0.0, last_n = o.last_n or 64 }
-  return function(logits, state) logits:penalize(state.tokens, opts) end
+  local f = function(logits, state) logits:penalize(state.tokens, opts) end
+  -- seq:sample's window is 1 to 256 ids
+  local w = opts.last_n
+  if math.type(w) == "integer" and w >= 1 and w <= 256 then steps[f] = { "penalties", opts } end
+  return f
 end
 
 -- P.bias{ [id] = value, ... }: -math.huge bans a token
@@ -84,11 +88,17 @@ end
 -- the chains that seq:sample can run (weak keys): their options
 local samplers = setmetatable({}, { __mode = "k" })
 
--- seq:sample's options for a chain of list, or nil: P.top_k(k) with k in
--- [1, 64], then P.top_p(p), then P.min_p(p) (each optional, min_keep 1),
--- then P.temperature(t) with t > 0, and nothing else.
+-- seq:sample's options for a chain of list, or nil: P.penalties{...}
+-- (optional, last_n 1 to 256), then P.top_k(k) with k in [1, 64], then
+-- P.top_p(p), then P.min_p(p) (each optional, min_keep 1), then
+-- P.temperature(t) with t > 0, and nothing else.
 local function sampler_of(list)
   local o, i = {}, 1
+  local s = steps[list[1]]
+  if s and s[1] == "penalties" then
+    for k, v in pairs(s[2]) do o[k] = v end
+    i = 2
+  end
   for _, option in ipairs{ "top_k", "top_p", "min_p", "temp" } do
     local s = steps[list[i]]
     if s and s[1] == option then
@@ -159,16 +169,19 @@ function P.from_options(o)
   return P.chain(list)
 end
 
--- The options of seq:sample (a new table: top_k, top_p, min_p, temp) that
--- draw what f draws, where f is a chain that P.chain made of P.top_k(k)
--- (k in [1, 64]), then optionally P.top_p(p) and P.min_p(p) (min_keep 1),
--- then P.temperature(t) (t > 0), and nothing else: P.from_options' chains
--- without penalties are such. nil for any other function. luma.generate
--- then decodes through seq:sample.
+-- The options of seq:sample (a new table: top_k, top_p, min_p, temp, and
+-- repeat_, frequency, presence, last_n where the chain penalizes) that
+-- draw what f draws, where f is a chain that P.chain made of optionally
+-- P.penalties{...} (last_n 1 to 256), then P.top_k(k) (k in [1, 64]),
+-- then optionally P.top_p(p) and P.min_p(p) (min_keep 1), then
+-- P.temperature(t) (t > 0), and nothing else: P.from_options' chains are
+-- such. nil for any other function. luma.generate then decodes through
+-- seq:sample.
 function P.sampler(f)
   local o = samplers[f]
   if not o then return nil end
-  return { top_k = o.top_k, top_p = o.top_p, min_p = o.min_p, temp = o.temp }
+  return { top_k = o.top_k, top_p = o.top_p, min_p = o.min_p, temp = o.temp,
+           repeat_ = o.repeat_, frequency = o.frequency, presence = o.presence, last_n = o.last_n }
 end
 
 return P

@@ -70,14 +70,16 @@ local Prefix = require "luma.prefix"
 
 -- The policy of a request that names none (its chain keeps no state).
 local default_policy = P.from_options{ temp = 0.8, top_k = 40, top_p = 0.95 }
--- seq:sample's options of a policy (P.sampler), false where it has none;
--- one table a policy, so that a step's draws share their options.
+-- luma.draw's options of a policy: P.sampler's, false where it has none or
+-- it penalizes (luma.draw takes no history); one table a policy, so that a
+-- step's draws share their options.
 local samplers = setmetatable({}, { __mode = "k" })
 local RELEASE = { release = true }
 local function sampler_of(policy)
   local o = samplers[policy]
   if o == nil then
     o = P.sampler(policy) or false
+    if o and o.last_n then o = false end
     samplers[policy] = o
   end
   return o

@@ -14,6 +14,8 @@
  *   - the sampler's draw chained on the device (chain_sample, chain_read)
  *     for six chains of top-k, top-p, min-p and temperature, 20 uniforms
  *     each a row: luma_sampler_draw's id;
+ *   - penalizing samplers chained (chain_history, chain_sample): the
+ *     host's penalties and draws, step after step;
  *   - many rows' draws in one call (sampler_draw_rows) against
  *     luma_sampler_draw_top on the same entries;
  * on rows with distinct values, many ties, masked entries (-inf, NaN and
@@ -481,8 +483,9 @@ static void test_sample(luma_buf *b, const float *rows, int32_t n)
  * against luma_sampler_draw on the host, for several chains and uniforms
  * a row: the same id (-1 for a row with nothing live). */
 static const luma_sampler SAMPLERS[] = {
-    { 40, 0.95f, 0.0f, 0.8f }, { 64, 1.0f, 0.05f, 1.3f }, { 8, 0.9f, 0.1f, 0.5f },
-    { 1, 1.0f, 0.0f, 2.0f },   { 64, 0.5f, 0.0f, 0.01f }, { 3, 1.0f, 1.0f, 1.0f },
+    { 40, 0.95f, 0.0f, 0.8f, 1.0f, 0.0f, 0.0f, 0 }, { 64, 1.0f, 0.05f, 1.3f, 1.0f, 0.0f, 0.0f, 0 },
+    { 8, 0.9f, 0.1f, 0.5f, 1.0f, 0.0f, 0.0f, 0 },   { 1, 1.0f, 0.0f, 2.0f, 1.0f, 0.0f, 0.0f, 0 },
+    { 64, 0.5f, 0.0f, 0.01f, 1.0f, 0.0f, 0.0f, 0 }, { 3, 1.0f, 1.0f, 1.0f, 1.0f, 0.0f, 0.0f, 0 },
 };
 
 static void test_chain_sample(luma_buf *b, const float *rows, int32_t n)
@@ -509,6 +512,70 @@ static void test_chain_sample(luma_buf *b, const float *rows, int32_t n)
     }
     printf("chained   n %6d: %d draws of %zu samplers, %d differ from the host's\n", n, draws,
            sizeof SAMPLERS / sizeof *SAMPLERS, differ);
+}
+
+/* Penalizing samplers chained on the device: from a history begun by
+ * chain_history (300 ids with repeats, many among each row's best), 20
+ * draws a row, each penalizing the row in place over the history and the
+ * ids drawn since, against the same on a host copy (luma_logits_penalize,
+ * then luma_sampler_draw): the same ids, and the row the same floats. */
+static void test_chain_penalties(luma_buf *b, const float *rows, int32_t n)
+{
+    static const luma_sampler pen[] = {
+        { 40, 0.95f, 0.0f, 0.8f, 1.3f, 0.0f, 0.0f, 64 },
+        { 64, 1.0f, 0.05f, 1.0f, 1.1f, 0.25f, 0.5f, 256 },
+        { 8, 0.9f, 0.0f, 0.7f, 0.8f, -0.1f, 0.3f, 1 },
+    };
+    enum { H = 300, D = 20 };
+    float *x = xmalloc((size_t)n * sizeof *x), *got = xmalloc((size_t)n * sizeof *got);
+    int32_t *hist = xmalloc((H + D) * sizeof *hist);
+    luma_err err;
+    int draws = 0, differ = 0, rows_differ = 0;
+    for (size_t si = 0; si < sizeof pen / sizeof *pen; si++) {
+        upload(b, rows, ROWS);
+        for (int r = 0; r < ROWS; r++) {
+            const float *row = rows + (size_t)r * n;
+            int32_t best[16];
+            float bv[16];
+            int32_t nb = luma_logits_topk(row, n, 16, best, bv, &err);
+            for (int i = 0; i < H; i++)
+                hist[i] = nb > 0 && i % 2 == 0 ? best[rnd() % (uint64_t)nb] : (int32_t)(rnd() % (uint64_t)n);
+            int32_t nh = H;
+            CHECKF(gpu->ops->chain_history(gpu, hist, nh, &err) == 0, "chain_history: %s", err.msg);
+            memcpy(x, row, (size_t)n * sizeof *x);
+            luma_rng rng;
+            luma_rng_seed(&rng, 5000 + (uint64_t)r);
+            for (int d = 0; d < D; d++) {
+                const double u = luma_rng_uniform(&rng);
+                luma_err herr;
+                int32_t want = luma_logits_penalize(x, n, hist, nh, pen[si].last_n, pen[si].repeat, pen[si].frequency,
+                                                    pen[si].presence, &herr) == 0
+                                   ? luma_sampler_draw(&pen[si], x, n, u, &herr)
+                                   : -2;
+                int32_t id = -7;
+                CHECKF(gpu->ops->chain_sample(gpu, b, r, &pen[si], u, &err) == 0, "chain_sample: %s", err.msg);
+                CHECKF(gpu->ops->chain_read(gpu, &id, &err) == 0, "chain_read: %s", err.msg);
+                draws++;
+                if (id != want) {
+                    differ++;
+                    CHECKF(0, "penalized chained draw, sampler %zu row %d step %d: %d, host %d", si, r, d, id, want);
+                }
+                if (want < 0) break;
+                hist[nh++] = want;
+            }
+            download_row(b, r, got);
+            int32_t diff = 0;
+            for (int32_t i = 0; i < n; i++) diff += !same_float(got[i], x[i]);
+            rows_differ += diff != 0;
+            CHECKF(diff == 0, "penalized chained draws, sampler %zu row %d: %d entries differ", si, r, diff);
+        }
+    }
+    printf("penalized n %6d: %d chained draws of %zu samplers, %d differ from the host's, %d rows differ\n", n,
+           draws, sizeof pen / sizeof *pen, differ, rows_differ);
+    upload(b, rows, ROWS);
+    free(x);
+    free(got);
+    free(hist);
 }
 
 /* Many rows' draws at once (sampler_draw_rows) against
@@ -621,6 +688,7 @@ static void test_vocab(int32_t n, bool topk_only)
         test_sample(&b, rows, n);
         test_chain_sample(&b, rows, n);
         test_draw_rows(rows, n);
+        test_chain_penalties(&b, rows, n);
         test_dist(&b, rows, n);
         test_edits(&b, rows, n);
         test_errors(&b, rows, n);

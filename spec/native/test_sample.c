@@ -477,8 +477,13 @@ static void test_top_p_ordered(int32_t n)
 static void test_sampler(int32_t n)
 {
     luma_err err;
-    const luma_sampler chains[] = { { 40, 0.95f, 0.0f, 0.8f }, { 64, 1.0f, 0.05f, 1.3f }, { 8, 0.9f, 0.1f, 0.5f },
-                                    { 1, 1.0f, 0.0f, 2.0f },   { 64, 0.5f, 0.0f, 0.01f }, { 3, 1.0f, 1.0f, 1.0f } };
+    /* top_k, top_p, min_p, temp, and no penalties (repeat, frequency,
+     * presence, last_n: luma_model_decode applies them, not the draw) */
+    const luma_sampler chains[] = {
+        { 40, 0.95f, 0.0f, 0.8f, 1.0f, 0.0f, 0.0f, 0 },  { 64, 1.0f, 0.05f, 1.3f, 1.0f, 0.0f, 0.0f, 0 },
+        { 8, 0.9f, 0.1f, 0.5f, 1.0f, 0.0f, 0.0f, 0 },    { 1, 1.0f, 0.0f, 2.0f, 1.0f, 0.0f, 0.0f, 0 },
+        { 64, 0.5f, 0.0f, 0.01f, 1.0f, 0.0f, 0.0f, 0 },  { 3, 1.0f, 1.0f, 1.0f, 1.0f, 0.0f, 0.0f, 0 },
+    };
     luma_rng rng;
     luma_rng_seed(&rng, 4242);
     for (int kind = 0; kind < 3; kind++) {
@@ -502,9 +507,14 @@ static void test_sampler(int32_t n)
             }
     }
     /* bad fields, and nothing live */
-    luma_sampler bad[] = { { 0, 1.0f, 0.0f, 1.0f }, { 65, 1.0f, 0.0f, 1.0f }, { 4, 0.0f, 0.0f, 1.0f },
-                           { 4, 1.5f, 0.0f, 1.0f }, { 4, 1.0f, -0.1f, 1.0f }, { 4, 1.0f, 0.0f, 0.0f },
-                           { 4, 1.0f, 0.0f, INFINITY }, { 4, NAN, 0.0f, 1.0f } };
+    luma_sampler bad[] = {
+        { 0, 1.0f, 0.0f, 1.0f, 1.0f, 0.0f, 0.0f, 0 },      { 65, 1.0f, 0.0f, 1.0f, 1.0f, 0.0f, 0.0f, 0 },
+        { 4, 0.0f, 0.0f, 1.0f, 1.0f, 0.0f, 0.0f, 0 },      { 4, 1.5f, 0.0f, 1.0f, 1.0f, 0.0f, 0.0f, 0 },
+        { 4, 1.0f, -0.1f, 1.0f, 1.0f, 0.0f, 0.0f, 0 },     { 4, 1.0f, 0.0f, 0.0f, 1.0f, 0.0f, 0.0f, 0 },
+        { 4, 1.0f, 0.0f, INFINITY, 1.0f, 0.0f, 0.0f, 0 },  { 4, NAN, 0.0f, 1.0f, 1.0f, 0.0f, 0.0f, 0 },
+        { 4, 1.0f, 0.0f, 1.0f, 0.0f, 0.0f, 0.0f, 64 },     { 4, 1.0f, 0.0f, 1.0f, 1.1f, NAN, 0.0f, 64 },
+        { 4, 1.0f, 0.0f, 1.0f, 1.1f, 0.0f, 0.0f, 257 },    { 4, 1.0f, 0.0f, 1.0f, 1.1f, 0.0f, 0.0f, -1 },
+    };
     for (size_t b = 0; b < sizeof bad / sizeof *bad; b++)
         check(luma_sampler_draw(&bad[b], g_orig, n, 0.5, &err) == -1 && strstr(err.msg, "sampler:"),
               "sampler n=%d: bad fields %zu accepted", n, b);

@@ -75,8 +75,10 @@ luma_seq *luma_bind_seq(lua_State *L, int i);       /* open, or an error */
 llogits *luma_bind_checklogits(lua_State *L, int i);
 luma_rng *luma_bind_checkrng(lua_State *L, int i);
 /* The sampler in the options table at i (top_k, and top_p, min_p, temp
- * defaulting to 1, 0, 1), or an error naming what. */
-void luma_bind_checksampler(lua_State *L, int i, const char *what, luma_sampler *s);
+ * defaulting to 1, 0, 1; with penalties also repeat_, frequency, presence
+ * and last_n, defaulting to 1, 0, 0 and 64, else an error where one is
+ * given), or an error naming what. */
+void luma_bind_checksampler(lua_State *L, int i, const char *what, bool penalties, luma_sampler *s);
 /* The id s draws from the row lg stands for with the uniform u, as
  * lg:top_k(k):top_p(p):min_p(q):temperature(t):sample draws it (the same
  * functions on the same entries), lg left as it was; -1 with err set. */

@@ -438,7 +438,7 @@ static int logits_sample(lua_State *L)
 
 /* ---- the sampling chain in one call ---------------------------------------- */
 
-void luma_bind_checksampler(lua_State *L, int i, const char *what, luma_sampler *s)
+void luma_bind_checksampler(lua_State *L, int i, const char *what, bool penalties, luma_sampler *s)
 {
     luaL_checktype(L, i, LUA_TTABLE);
     lua_getfield(L, i, "top_k");
@@ -448,19 +448,33 @@ void luma_bind_checksampler(lua_State *L, int i, const char *what, luma_sampler 
     if (k < 1 || k > LUMA_SAMPLER_K_MAX)
         luaL_error(L, "%s: option 'top_k' must be in [1, %d] (got %I)", what, LUMA_SAMPLER_K_MAX, k);
     s->top_k = (int32_t)k;
-    static const char *const keys[] = { "top_p", "min_p", "temp" };
-    static const double defs[] = { 1.0, 0.0, 1.0 };
-    float *fields[] = { &s->top_p, &s->min_p, &s->temp };
-    for (int f = 0; f < 3; f++) {
+    /* the penalties as P.penalties defaults them (last_n 64) */
+    static const char *const keys[] = { "top_p", "min_p", "temp", "repeat_", "frequency", "presence" };
+    static const double defs[] = { 1.0, 0.0, 1.0, 1.0, 0.0, 0.0 };
+    float *fields[] = { &s->top_p, &s->min_p, &s->temp, &s->repeat, &s->frequency, &s->presence };
+    for (int f = 0; f < 6; f++) {
         lua_getfield(L, i, keys[f]);
         double v = defs[f];
         if (!lua_isnil(L, -1)) {
+            if (f >= 3 && !penalties)
+                luaL_error(L, "%s: option '%s': penalties need the history (logits:penalize first)", what, keys[f]);
             if (!lua_isnumber(L, -1)) luaL_error(L, "%s: option '%s' must be a number", what, keys[f]);
             v = lua_tonumber(L, -1);
         }
         lua_pop(L, 1);
         *fields[f] = (float)v;
     }
+    lua_getfield(L, i, "last_n");
+    s->last_n = 64;
+    if (!lua_isnil(L, -1)) {
+        if (!penalties) luaL_error(L, "%s: option 'last_n': penalties need the history (logits:penalize first)", what);
+        if (!lua_isinteger(L, -1)) luaL_error(L, "%s: option 'last_n' must be an integer", what);
+        lua_Integer w = lua_tointeger(L, -1);
+        if (w < 1 || w > LUMA_SAMPLER_WINDOW_MAX)
+            luaL_error(L, "%s: option 'last_n' must be in [1, %d] (got %I)", what, LUMA_SAMPLER_WINDOW_MAX, w);
+        s->last_n = (int32_t)w;
+    }
+    lua_pop(L, 1);
     luma_err err;
     if (luma_sampler_check(s, &err)) luaL_error(L, "%s: option %s", what, err.msg + strlen("sampler: "));
 }
@@ -490,7 +504,7 @@ static int logits_draw(lua_State *L)
 {
     llogits *lg = luma_bind_checklogits(L, 1);
     luma_sampler s;
-    luma_bind_checksampler(L, 2, "draw", &s);
+    luma_bind_checksampler(L, 2, "draw", false, &s);
     luma_rng *rng = luma_bind_checkrng(L, 3);
     luma_err err;
     int32_t id = luma_bind_logits_draw(L, lg, &s, luma_rng_uniform(rng), &err);
@@ -584,7 +598,7 @@ int luma_bind_draw(lua_State *L)
         nth_or_all(L, 2, one_opts, i + 1);
         if (!lua_istable(L, -1)) return luaL_error(L, "draw: opts[%d] is not a table", (int)i + 1);
         if (lua_topointer(L, -1) != parsed) {
-            luma_bind_checksampler(L, lua_gettop(L), "draw", &smp[i]);
+            luma_bind_checksampler(L, lua_gettop(L), "draw", false, &smp[i]);
             parsed = lua_topointer(L, -1);
         } else {
             smp[i] = smp[i - 1];

@@ -120,8 +120,10 @@ static int decode_token(void *ctx, int32_t id, bool *stop, luma_err *err)
 
 /* seq:greedy and seq:sample: the options at index 4 (a table), smp the
  * sampler (NULL: greedy) and its generator at index 8 (a placeholder
- * there for greedy). */
-static int decode(lua_State *L, const char *what, const luma_sampler *smp, luma_rng *rng)
+ * there for greedy); a penalizing sampler's history as a table at index 6
+ * and as history [n_history]. */
+static int decode(lua_State *L, const char *what, const luma_sampler *smp, luma_rng *rng, const int32_t *history,
+                  int32_t n_history)
 {
     luma_seq *s = luma_bind_seq(L, 1);
     luma_model *m = s->model;
@@ -145,6 +147,14 @@ static int decode(lua_State *L, const char *what, const luma_sampler *smp, luma_
     int32_t first;
     luma_err err;
     if (smp) {
+        if (luma_sampler_penalizes(smp)) {
+            /* logits:penalize(history, opts), as P.penalties does */
+            lua_getfield(L, 2, "penalize");
+            lua_pushvalue(L, 2);
+            lua_pushvalue(L, 6);
+            lua_pushvalue(L, 4);
+            lua_call(L, 3, 0);
+        }
         first = luma_bind_logits_draw(L, luma_bind_checklogits(L, 2), smp, luma_rng_uniform(rng), &err);
         if (first < 0) return luma_bind_error(L, &err);
     } else {
@@ -163,8 +173,8 @@ static int decode(lua_State *L, const char *what, const luma_sampler *smp, luma_
     int64_t row = 0;
     luma_logits_set *set = NULL;
     m->busy = true;
-    int rc = luma_model_decode(m, s, first, (int32_t)n, smp, rng, stops, n_stops, cb.fn ? decode_token : NULL, &cb,
-                               ids, &n_ids, &set, &row, &err);
+    int rc = luma_model_decode(m, s, first, (int32_t)n, smp, rng, history, n_history, stops, n_stops,
+                               cb.fn ? decode_token : NULL, &cb, ids, &n_ids, &set, &row, &err);
     m->busy = false;
     if (rc) {
         if (cb.failed) return lua_error(L);
@@ -182,6 +192,8 @@ static int decode(lua_State *L, const char *what, const luma_sampler *smp, luma_
     lua_pushvalue(L, set ? 13 : 2);
     return 2;
 }
+
+static int seq_tokens(lua_State *L);
 
 /* The arguments both take: (seq, logits, n [, opts]), opts at index 4. */
 static void decode_args(lua_State *L)
@@ -218,29 +230,48 @@ static int seq_greedy(lua_State *L)
 {
     decode_args(L);
     lua_settop(L, 8);   /* 5 .. 8: unused */
-    return decode(L, "greedy", NULL, NULL);
+    return decode(L, "greedy", NULL, NULL, NULL, 0);
 }
 
-/* seq:sample(logits, n, {rng = r, top_k = k [, top_p, min_p, temp, stop,
- * on_token]}) -> ids, logits. The same with each id drawn as
- * logits:draw(opts, r) draws it: logits:top_k(k), then :top_p(top_p)
- * where top_p < 1 (default 1), :min_p(min_p) where min_p > 0 (default 0),
+/* seq:sample(logits, n, {rng = r, top_k = k [, top_p, min_p, temp,
+ * repeat_, frequency, presence, last_n, history, stop, on_token]}) -> ids,
+ * logits. The same with each id drawn as the chain P.from_options builds
+ * draws it: where a penalty is set (repeat_ ~= 1, frequency or presence
+ * ~= 0), logits:penalize(history, opts) over the last last_n (1 to 256,
+ * default 64) ids of the history (default the sequence's tokens) and the
+ * ids drawn since; then logits:top_k(k), :top_p(top_p) where top_p < 1
+ * (default 1), :min_p(min_p) where min_p > 0 (default 0),
  * :temperature(temp) (default 1), :sample(r); k in [1, 64]. The first id
- * is drawn on the host (edits of logits included), the others by the same
- * arithmetic in C, on a GPU on the device (where its exp and log, a last
- * bit off the host's, could move a sum across a boundary: then, rarely,
- * not the id the host would draw). r gives one uniform a draw, in order. */
+ * is drawn on the host (edits of logits included; the penalty edits
+ * logits), the others by the same arithmetic in C, on a GPU on the
+ * device (where its exp and log, a last bit off the host's, could move a
+ * sum across a boundary: then, rarely, not the id the host would draw).
+ * r gives one uniform a draw, in order. */
 static int seq_sample(lua_State *L)
 {
     decode_args(L);
     luma_sampler smp;
     lua_getfield(L, 4, "rng");   /* 5 */
     if (!luaL_testudata(L, 5, LUMA_RNG_MT)) return luaL_error(L, "sample: option 'rng' must be a luma.rng");
-    luma_bind_checksampler(L, 4, "sample", &smp);
-    lua_pushnil(L);   /* 6 */
-    lua_pushnil(L);   /* 7 */
+    luma_bind_checksampler(L, 4, "sample", true, &smp);
+    const int32_t *history = NULL;
+    int32_t n_history = 0;
+    lua_getfield(L, 4, "history");   /* 6 */
+    if (luma_sampler_penalizes(&smp)) {
+        if (lua_isnil(L, 6)) {
+            lua_pop(L, 1);
+            lua_pushcfunction(L, seq_tokens);
+            lua_pushvalue(L, 1);
+            lua_call(L, 1, 1);   /* 6 */
+        } else if (!lua_istable(L, 6)) {
+            return luaL_error(L, "sample: option 'history' must be a list of token ids");
+        }
+        history = luma_bind_checkids(L, 6, luma_bind_seq(L, 1)->model->hp.n_vocab, &n_history);   /* 7 */
+    } else {
+        lua_pushnil(L);   /* 7 */
+    }
     lua_pushvalue(L, 5);   /* 8 */
-    return decode(L, "sample", &smp, lua_touserdata(L, 8));
+    return decode(L, "sample", &smp, lua_touserdata(L, 8), history, n_history);
 }
 
 static int seq_len(lua_State *L)

@@ -733,37 +733,47 @@ __global__ void temperature_kernel(float *x, int64_t n, float t)
 /* The draw of luma_logits_sample for uniform u: with m the largest live
  * entry and mass_i = exp(x_i - m) in double, the first id (in id order)
  * where the running mass passes u * (total mass). Three launches: the
- * largest key (argmax_kernel), the mass of every chunk of `ch` entries (a
- * warp each, over many SMs), then one block finds the chunk where the
+ * largest key (argmax_kernel), the mass of every chunk of `ch` entries
+ * (dist_sums_kernel, below: a warp each, over many SMs), then one block
+ * finds the chunk where the
  * target falls and a warp walks it in order. The sums are added in another
  * order than the host's, so the id differs only where the target sits on a
  * boundary within rounding. */
 #define SAMPLE_CHUNKS_MAX 2048
 #define SAMPLE_THREADS 1024
 
-__global__ void sample_sums_kernel(const float *__restrict__ x, int64_t n, int64_t ch, int32_t nch,
-                                   const unsigned long long *best, double *sums)
+/* After argmax_kernel's key for the row (*best, 0 when nothing is live):
+ * each chunk's z = sum exp(x_i - m) and s = sum exp(x_i - m)(x_i - m) over
+ * its live entries, a warp a chunk. */
+__global__ void dist_sums_kernel(const float *__restrict__ x, int64_t n, int64_t ch, int32_t nch,
+                                 const unsigned long long *best, double2 *sums)
 {
     follow_previous_kernel();
     int32_t c = (int32_t)(((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32);
     int lane = threadIdx.x & 31;
     if (c >= nch) return;
-    double s = 0.0;
+    double z = 0.0, s = 0.0;
     if (*best) {
         double m = (double)x[luma_cuda_key_id(*best)];
         int64_t lo = (int64_t)c * ch, hi = lo + ch < n ? lo + ch : n;
         for (int64_t i = lo + lane; i < hi; i += 32) {
             float v = x[i];
-            if (is_live(v)) s += exp((double)v - m);
+            if (!is_live(v)) continue;
+            double d = (double)v - m, e = exp(d);
+            z += e;
+            s += e * d;
         }
     }
-    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-    if (lane == 0) sums[c] = s;
+    for (int o = 16; o > 0; o >>= 1) {
+        z += __shfl_xor_sync(0xffffffffu, z, o);
+        s += __shfl_xor_sync(0xffffffffu, s, o);
+    }
+    if (lane == 0) sums[c] = make_double2(z, s);
 }
 
 __global__ void __launch_bounds__(SAMPLE_THREADS)
 sample_walk_kernel(const float *__restrict__ x, int64_t n, int64_t ch, int32_t nch,
-                   const unsigned long long *best, const double *sums, double u, int32_t *out)
+                   const unsigned long long *best, const double2 *sums, double u, int32_t *out)
 {
     follow_previous_kernel();
     __shared__ double incl[SAMPLE_CHUNKS_MAX];
@@ -777,7 +787,7 @@ sample_walk_kernel(const float *__restrict__ x, int64_t n, int64_t ch, int32_t n
     const double m = (double)x[luma_cuda_key_id(*best)];
     /* inclusive prefix sums of the chunks' masses: each thread two chunks */
     int c0 = 2 * tid;
-    double a = c0 < nch ? sums[c0] : 0.0, b = c0 + 1 < nch ? sums[c0 + 1] : 0.0;
+    double a = c0 < nch ? sums[c0].x : 0.0, b = c0 + 1 < nch ? sums[c0 + 1].x : 0.0;
     double t = a + b, scan = t;
     for (int o = 1; o < 32; o <<= 1) {
         double v = __shfl_up_sync(0xffffffffu, scan, o);
@@ -844,35 +854,6 @@ sample_walk_kernel(const float *__restrict__ x, int64_t n, int64_t ch, int32_t n
 }
 
 /* ---- distributions: min_p, softmax, log_softmax, the entropy's sums ----- */
-
-/* After argmax_kernel's key for the row (*best, 0 when nothing is live):
- * each chunk's z = sum exp(x_i - m) and s = sum exp(x_i - m)(x_i - m) over
- * its live entries, a warp a chunk (as sample_sums_kernel). */
-__global__ void dist_sums_kernel(const float *__restrict__ x, int64_t n, int64_t ch, int32_t nch,
-                                 const unsigned long long *best, double2 *sums)
-{
-    follow_previous_kernel();
-    int32_t c = (int32_t)(((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32);
-    int lane = threadIdx.x & 31;
-    if (c >= nch) return;
-    double z = 0.0, s = 0.0;
-    if (*best) {
-        double m = (double)x[luma_cuda_key_id(*best)];
-        int64_t lo = (int64_t)c * ch, hi = lo + ch < n ? lo + ch : n;
-        for (int64_t i = lo + lane; i < hi; i += 32) {
-            float v = x[i];
-            if (!is_live(v)) continue;
-            double d = (double)v - m, e = exp(d);
-            z += e;
-            s += e * d;
-        }
-    }
-    for (int o = 16; o > 0; o >>= 1) {
-        z += __shfl_xor_sync(0xffffffffu, z, o);
-        s += __shfl_xor_sync(0xffffffffu, s, o);
-    }
-    if (lane == 0) sums[c] = make_double2(z, s);
-}
 
 /* The chunks' sums added up, one warp, in a fixed order: out = (z, s). */
 __global__ void __launch_bounds__(32) dist_total_kernel(const double2 *__restrict__ sums, int32_t nch, double2 *out)
@@ -1395,25 +1376,39 @@ int luma_cuda_logits_min_p(luma_backend *be, luma_buf *b, int64_t row, double lp
     return op_queued("min_p", e, err);
 }
 
-/* The row's largest key, then its chunks' sums and their total, in the work
- * area: the key at 0, the total at 64, the chunks' sums from 256 (as
- * sample's). */
-static cudaError_t queue_live_sums(cuda_backend *c, const luma_buf *b, int64_t row, unsigned long long **best,
-                                   double2 **total)
+/* The sums over a row's live entries, in its work area: the largest key
+ * at 0 (argmax_kernel), the chunks' (z, s) from 256 (dist_sums_kernel: nch
+ * chunks of ch entries, ch a multiple of 32, 256 at least), and their
+ * total, where asked, at 64 (dist_total_kernel). */
+typedef struct row_sums {
+    int64_t ch;
+    int32_t nch;
+    unsigned long long *best;
+    double2 *sums, *total;
+} row_sums;
+
+static cudaError_t queue_chunk_sums(cuda_backend *c, const luma_buf *b, int64_t row, row_sums *rs)
 {
     const int64_t n = b->cols;
     int64_t ch = (n + SAMPLE_CHUNKS_MAX - 1) / SAMPLE_CHUNKS_MAX;
-    ch = ch < 256 ? 256 : (ch + 31) / 32 * 32;
-    const int32_t nch = (int32_t)((n + ch - 1) / ch);
-    *best = (unsigned long long *)work(b);
-    *total = (double2 *)((char *)work(b) + 64);
-    double2 *sums = (double2 *)((char *)work(b) + 256);
+    rs->ch = ch < 256 ? 256 : (ch + 31) / 32 * 32;
+    rs->nch = (int32_t)((n + rs->ch - 1) / rs->ch);
+    rs->best = (unsigned long long *)work(b);
+    rs->total = (double2 *)((char *)work(b) + 64);
+    rs->sums = (double2 *)((char *)work(b) + 256);
     static_assert(256 + SAMPLE_CHUNKS_MAX * sizeof(double2) <= WORK_MIN, "the chunks' sums fit the work area");
-    cudaError_t e = queue_argmax(c, b, row, 1, *best);
+    cudaError_t e = queue_argmax(c, b, row, 1, rs->best);
     if (e != cudaSuccess) return e;
-    luma_launch(c, c->stream, (unsigned)((nch + 7) / 8), 256, 0, dist_sums_kernel, b->data + row * n, n, ch, nch,
-                (const unsigned long long *)*best, sums);
-    luma_launch(c, c->stream, 1, 32, 0, dist_total_kernel, (const double2 *)sums, nch, *total);
+    luma_launch(c, c->stream, (unsigned)((rs->nch + 7) / 8), 256, 0, dist_sums_kernel, b->data + row * n, n, rs->ch,
+                rs->nch, (const unsigned long long *)rs->best, rs->sums);
+    return cudaGetLastError();
+}
+
+static cudaError_t queue_live_sums(cuda_backend *c, const luma_buf *b, int64_t row, row_sums *rs)
+{
+    cudaError_t e = queue_chunk_sums(c, b, row, rs);
+    if (e != cudaSuccess) return e;
+    luma_launch(c, c->stream, 1, 32, 0, dist_total_kernel, (const double2 *)rs->sums, rs->nch, rs->total);
     return cudaGetLastError();
 }
 
@@ -1422,15 +1417,14 @@ int luma_cuda_logits_softmax(luma_backend *be, luma_buf *b, int64_t row, bool lo
     cuda_backend *c = cu(be);
     const char *op = log ? "log_softmax" : "softmax";
     if (op_begin(c, op, b, row, err)) return -1;
-    unsigned long long *best;
-    double2 *total;
-    cudaError_t e = queue_live_sums(c, b, row, &best, &total);
+    row_sums rs;
+    cudaError_t e = queue_live_sums(c, b, row, &rs);
     if (e == cudaSuccess)
         luma_launch(c, c->stream, row_blocks(c, b->cols), 256, 0, dist_apply_kernel, b->data + row * b->cols,
-                    b->cols, (const unsigned long long *)best, (const double2 *)total, (int)log);
+                    b->cols, (const unsigned long long *)rs.best, (const double2 *)rs.total, (int)log);
     unsigned long long key = 0, *host = (unsigned long long *)host_results(c, sizeof key);
     if (!host) host = &key;
-    if (e == cudaSuccess) e = cudaMemcpyAsync(host, best, sizeof key, cudaMemcpyDeviceToHost, c->stream);
+    if (e == cudaSuccess) e = cudaMemcpyAsync(host, rs.best, sizeof key, cudaMemcpyDeviceToHost, c->stream);
     if (op_end(c, op, e, err)) return -1;
     if (*host == 0) return luma_errf(err, "%s: every logit is masked", op);
     return 0;
@@ -1441,13 +1435,12 @@ int luma_cuda_logits_live_sums(luma_backend *be, const luma_buf *b, int64_t row,
 {
     cuda_backend *c = cu(be);
     if (op_begin(c, "entropy", b, row, err)) return -1;
-    unsigned long long *best;
-    double2 *total;
-    cudaError_t e = queue_live_sums(c, b, row, &best, &total);
+    row_sums rs;
+    cudaError_t e = queue_live_sums(c, b, row, &rs);
     /* the key, then the total, back in one copy: 64 + 16 bytes */
     char *host = (char *)host_results(c, 80), local[80];
     if (!host) host = local;
-    if (e == cudaSuccess) e = cudaMemcpyAsync(host, best, 80, cudaMemcpyDeviceToHost, c->stream);
+    if (e == cudaSuccess) e = cudaMemcpyAsync(host, rs.best, 80, cudaMemcpyDeviceToHost, c->stream);
     if (op_end(c, "entropy", e, err)) return -1;
     unsigned long long key;
     double2 t;
@@ -1464,20 +1457,13 @@ int32_t luma_cuda_logits_sample(luma_backend *be, const luma_buf *b, int64_t row
     cuda_backend *c = cu(be);
     if (op_begin(c, "sample", b, row, err)) return -1;
     if (!(u >= 0.0 && u < 1.0)) return luma_errf(err, "sample: the uniform %g is not in [0, 1)", u);
-    /* at most SAMPLE_CHUNKS_MAX chunks of a multiple of 32 entries, 256 at least */
-    int64_t n = b->cols, ch = (n + SAMPLE_CHUNKS_MAX - 1) / SAMPLE_CHUNKS_MAX;
-    ch = ch < 256 ? 256 : (ch + 31) / 32 * 32;
-    int32_t nch = (int32_t)((n + ch - 1) / ch);
-    /* work: the best key, the id drawn, then the chunks' sums */
-    unsigned long long *best = (unsigned long long *)work(b);
-    int32_t *d_out = (int32_t *)(best + 1), id = -1;
-    double *sums = (double *)((char *)work(b) + 256);
-    cudaError_t e = queue_argmax(c, b, row, 1, best);
+    /* the chunks' sums, then the id drawn at 8 in the work area */
+    row_sums rs;
+    int32_t *d_out = (int32_t *)((char *)work(b) + 8), id = -1;
+    cudaError_t e = queue_chunk_sums(c, b, row, &rs);
     if (e == cudaSuccess) {
-        luma_launch(c, c->stream, (unsigned)((nch + 7) / 8), 256, 0, sample_sums_kernel, b->data + row * n, n, ch, nch,
-                    best, sums);
-        luma_launch(c, c->stream, 1, SAMPLE_THREADS, 0, sample_walk_kernel, b->data + row * n, n, ch, nch, best, sums,
-                    u, d_out);
+        luma_launch(c, c->stream, 1, SAMPLE_THREADS, 0, sample_walk_kernel, b->data + row * b->cols, b->cols, rs.ch,
+                    rs.nch, (const unsigned long long *)rs.best, (const double2 *)rs.sums, u, d_out);
         e = cudaGetLastError();
     }
     int32_t *host = (int32_t *)host_results(c, sizeof id);

@@ -1,5 +1,5 @@
--- A step's logits where they lie: softmax, log_softmax, entropy, min_p and
--- single entries (logits[id], logits[id] = v). On a GPU these run in device
+-- A step's logits where they lie: softmax, log_softmax, entropy, min_p,
+-- top_p and single entries (logits[id], logits[id] = v). On a GPU these run in device
 -- memory and only small results cross; each is held here to the same
 -- method on a host copy of the row (logits:copy()).
 local H = require "helper"
@@ -76,6 +76,28 @@ describe("logits where they lie", function()
         assert.are.equal(0, count_differ(a, b, function(x, y) return x == y end), "p " .. p .. " keep " .. keep)
       end
     end
+  end)
+
+  it("keep top_p's entries as a host copy does, without a top_k before", function()
+    for i = 1, #PROMPTS do
+      for _, p in ipairs{ 0.3, 0.9, 0.95, 0.999 } do
+        for _, keep in ipairs{ 1, 80 } do
+          local a = fresh(i)
+          local b = a:copy()
+          a:top_p(p, keep)
+          b:top_p(p, keep)
+          assert.are.equal(0, count_differ(a, b, function(x, y) return x == y end),
+                           "prompt " .. i .. " p " .. p .. " keep " .. keep)
+        end
+      end
+    end
+    -- a chain without top_k, generated where the logits lie and on host copies
+    local chain = P.from_options{ temp = 0.9, top_k = 0, top_p = 0.9 }
+    assert.is_nil(P.sampler(chain))
+    local here = luma.generate(model, PROMPTS[1], { policy = chain, seed = 3, max_tokens = 16 })
+    local copied = luma.generate(model, PROMPTS[1], { policy = function(l, st) return chain(l:copy(), st) end,
+                                                      seed = 3, max_tokens = 16 })
+    assert.are.equal(copied, here)
   end)
 
   it("read and store single entries, and loops over every entry", function()

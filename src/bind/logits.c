@@ -224,6 +224,23 @@ static int32_t top_entries(lua_State *L, llogits *lg, int32_t k, int32_t *ids, f
 /* The k (<= LUMA_SPARSE_MAX) best entries become the compact form, found
  * on the device or on the host row, and the row is let go: what
  * luma_logits_top_k leaves of the row, held as its live entries. */
+/* lg becomes the compact form of the got entries ids [got] and vals [got],
+ * largest first (ids, the start of one allocation holding vals and order,
+ * room for got at least, is now lg's), and lets go of its row. */
+static void become_compact(llogits *lg, int32_t *ids, float *vals, int32_t *order, int32_t got)
+{
+    luma_logits_compact(ids, vals, order, got);
+    unhold(lg);
+    if (lg->x_owned) free(lg->x);
+    lg->x = NULL;
+    lg->x_owned = false;
+    lg->compact = true;
+    lg->ids = ids;
+    lg->vals = vals;
+    lg->order = order;
+    lg->n_live = got;
+}
+
 static void keep_top_compact(lua_State *L, llogits *lg, int32_t k)
 {
     if (!on_device(L, lg)) host_row(L, lg);   /* any error before the allocation */
@@ -237,16 +254,7 @@ static void keep_top_compact(lua_State *L, llogits *lg, int32_t k)
         free(ids);
         luma_bind_error(L, &err);
     }
-    luma_logits_compact(ids, vals, order, got);
-    unhold(lg);
-    if (lg->x_owned) free(lg->x);
-    lg->x = NULL;
-    lg->x_owned = false;
-    lg->compact = true;
-    lg->ids = ids;
-    lg->vals = vals;
-    lg->order = order;
-    lg->n_live = got;
+    become_compact(lg, ids, vals, order, got);
 }
 
 /* ---- indexing ------------------------------------------------------------ */
@@ -702,9 +710,56 @@ static int filter(lua_State *L, mass_filter f)
     return chain(L, f(host_row(L, lg), lg->n, p, min_keep, &err), &err);
 }
 
+/* top_p of a row in device memory, from its best entries: the normalizer
+ * z from logits_live_sums, then the row's top 64 (the run's, found ahead,
+ * where there) and where their mass falls short its top 2048, walked in
+ * rank order, each weight exp(x - max) in double, as luma_logits_top_p
+ * walks them (z added in another order: a row whose mass reaches p within
+ * rounding of an entry may keep one entry more or less). Where the goal
+ * is met among them, or they are every live entry, what it keeps becomes
+ * the compact form; true then, else false (the caller goes the host's
+ * way). */
+static bool device_top_p(lua_State *L, llogits *lg, float p, int32_t min_keep)
+{
+    luma_backend *be = backend(lg);
+    luma_err err;
+    double z, s;
+    if (!be->ops->logits_live_sums || be->ops->logits_live_sums(be, &lg->set->buf, lg->row, &z, &s, &err))
+        return false;
+    static const int32_t tries[] = { 64, LUMA_SPARSE_MAX };
+    for (int t = 0; t < 2; t++) {
+        const int32_t k = tries[t] < lg->n ? tries[t] : lg->n;
+        int32_t *ids = malloc((size_t)k * (2 * sizeof(int32_t) + sizeof(float)));
+        if (!ids) return false;
+        float *vals = (float *)(ids + k);
+        int32_t got = top_entries(L, lg, k, ids, vals, &err), keep = -1;
+        double mass = 0.0;
+        for (int32_t j = 0; j < got && keep < 0; j++) {
+            mass += exp((double)vals[j] - (double)vals[0]);
+            if (mass / z >= (double)p && j + 1 >= min_keep) keep = j + 1;
+        }
+        if (keep < 0 && got >= 0 && got < k) keep = got;   /* every live entry: the goal unmet keeps them all */
+        if (keep > 0) {
+            become_compact(lg, ids, vals, (int32_t *)(vals + k), keep);
+            return true;
+        }
+        free(ids);
+        if (got < 0 || k == lg->n) return false;
+    }
+    return false;
+}
+
 static int logits_top_p(lua_State *L)
 {
     llogits *lg = luma_bind_checklogits(L, 1);
+    if (!lg->compact && on_device(L, lg)) {
+        float p = (float)luaL_checknumber(L, 2);
+        int32_t min_keep = check_min_keep(L, 3);
+        if (p > 0.0f && p < 1.0f && min_keep <= LUMA_SPARSE_MAX && device_top_p(L, lg, p, min_keep)) {
+            lua_settop(L, 1);
+            return 1;
+        }
+    }
     if (!use_compact(lg)) return filter(L, luma_logits_top_p);
     float p = (float)luaL_checknumber(L, 2);
     int32_t min_keep = check_min_keep(L, 3);

@@ -20,9 +20,9 @@
  * Each set's allocation carries a work area after its b->cap floats (the
  * argmax keys, the top-k results), so the operations need no other device
  * memory and never move a buffer a recorded step uses. Results come back
- * through a small pinned buffer of the backend. The edits and temperature
- * return nothing and are only queued: the next operation that returns a
- * result waits for them. */
+ * through a small pinned buffer of the backend. The edits (stored entries
+ * among them), min_p and temperature return nothing and are only queued:
+ * the next operation that returns a result waits for them. */
 #include <float.h>
 #include <math.h>
 #include <stdio.h>

@@ -5,8 +5,11 @@
  *
  * Where the row lives (llogits, bind.h): a step leaves it in a logits set of
  * the backend. On a GPU, argmax, topk, top_k, penalize, bias, mask,
- * temperature and sample run there and only their small results come back;
- * any other method downloads the row once and goes on on the host. On the
+ * temperature, sample, softmax, log_softmax, entropy, min_p (min_keep 1),
+ * top_p (where the nucleus is among the row's best 2048) and the first few
+ * single entries (logits[id], logits[id] = v) run there and only their
+ * small results come back; any other method downloads the row once and
+ * goes on on the host. On the
  * CPU the set is host memory and every method works on it directly. On
  * both, top_k (k <= LUMA_SPARSE_MAX) leaves the compact form (the k
  * survivors on the host), on which the rest of a policy chain runs as the

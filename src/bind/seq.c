@@ -143,10 +143,12 @@ static int decode(lua_State *L, const char *what, const luma_sampler *smp, luma_
         cb.fn = 11;
     }
     /* the first id, as logits:argmax() or logits:draw() takes it (edits
-     * included) */
-    int32_t first;
+     * included); none when nothing is asked (the generator untouched) */
+    int32_t first = 0;
     luma_err err;
-    if (smp) {
+    if (lua_tointeger(L, 3) == 0) {
+        /* nothing to draw */
+    } else if (smp) {
         if (luma_sampler_penalizes(smp)) {
             /* logits:penalize(history, opts), as P.penalties does */
             lua_getfield(L, 2, "penalize");

@@ -103,6 +103,51 @@ describe("luma.draw", function()
     close(seqs)
   end)
 
+  it("penalizes each row over its history first, as logits:penalize then logits:draw", function()
+    local pens = {
+      { top_k = 40, top_p = 0.95, temp = 0.8, repeat_ = 1.3 },
+      { top_k = 64, temp = 1.0, repeat_ = 1.1, frequency = 0.4, presence = 0.2, last_n = 8 },
+      { top_k = 16, temp = 0.7, repeat_ = 0.9, frequency = -0.1, last_n = 32 },   -- raises some entries
+    }
+    for round, o in ipairs(pens) do
+      local rows, seqs = step()
+      local copies, hists = {}, {}
+      for i, l in ipairs(rows) do
+        copies[i] = l:copy()
+        -- each row's history: its prompt, then its own best ids again (so that they count)
+        local h = seqs[i]:tokens()
+        local ids = l:topk(6)
+        for _, id in ipairs(ids) do h[#h + 1] = id end
+        hists[i] = h
+      end
+      local got = luma.draw(rows, o, luma.rng(round), { release = true, histories = hists })
+      local r = luma.rng(round)
+      for i, c in ipairs(copies) do
+        c:penalize(hists[i], o)
+        assert.are.equal(c:draw({ top_k = o.top_k, top_p = o.top_p, temp = o.temp }, r), got[i], "row " .. i)
+      end
+      close(seqs)
+    end
+    -- penalties need the histories, and release
+    local rows, seqs = step()
+    local ok, e = pcall(luma.draw, rows, { top_k = 4, repeat_ = 1.2 }, luma.rng(1))
+    assert.is_false(ok)
+    assert.matches("penalties need the history", e)
+    local hists = {}
+    for i = 1, #rows do hists[i] = { 1, 2, 3 } end
+    ok, e = pcall(luma.draw, rows, { top_k = 4, repeat_ = 1.2 }, luma.rng(1), { histories = hists })
+    assert.is_false(ok)
+    assert.matches("release", e)
+    ok, e = pcall(luma.draw, rows, { top_k = 4, repeat_ = 1.2 }, luma.rng(1), { release = true, histories = { {} } })
+    assert.is_false(ok)
+    assert.matches("histories", e)
+    hists[2] = { 1, -5 }
+    ok, e = pcall(luma.draw, rows, { top_k = 4, repeat_ = 1.2 }, luma.rng(1), { release = true, histories = hists })
+    assert.is_false(ok)
+    assert.matches("range", e)
+    close(seqs)
+  end)
+
   it("refuses bad arguments with clear errors, leaving the generators as they were", function()
     local rows, seqs = step()
     local r = luma.rng(7)
@@ -169,5 +214,10 @@ describe("the scheduler's draws", function()
     assert.are.same(run(function() return by_hand(OPTS[1]) end), run(function() return nil end))
     local mixed = run(function(i) return P.from_options(OPTS[i % #OPTS + 1]) end)
     assert.are.same(run(function(i) return by_hand(OPTS[i % #OPTS + 1]) end), mixed)
+    -- with penalties: the chain, and the same chain wrapped so that P.sampler does not know it
+    local pen = {}
+    for i = 1, #PROMPTS do pen[i] = P.from_options{ temp = 0.9, top_k = 40, repeat_ = 1.4, last_n = 16 + i } end
+    assert.are.same(run(function(i) return function(l, st) return pen[i](l, st) end end),
+                    run(function(i) return pen[i] end))
   end)
 end)

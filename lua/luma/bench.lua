@@ -9,7 +9,8 @@
 --           with --policy and batches, the batches again, each sequence
 --           sampled by top-k 40, top-p 0.95 and temperature 0.8 (by the
 --           Lua chain a row, and by one luma.draw a step), and the same
---           requests run by luma.scheduler (its default policy);
+--           requests run by luma.scheduler (its default policy, then the
+--           penalties chain);
 --   bandwidth: weight bytes read per decoded token x tokens/s.
 local luma = require "luma"
 
@@ -174,12 +175,13 @@ end
 -- the run: its steps of all n, then its last ones as requests end), and
 -- over that part the scheduler's steps and its Lua and policy seconds (its
 -- stats). timed, when given, is called as that part begins; overlap is the
--- scheduler's option (nil: its default).
-function M.scheduled_decode(model, n, plen, gen, timed, overlap)
+-- scheduler's option (nil: its default); policy, every request's (nil: the
+-- scheduler's default).
+function M.scheduled_decode(model, n, plen, gen, timed, overlap, policy)
   local Scheduler = require "luma.scheduler"
   local ids = prompt_ids(model, plen)
   local sch = Scheduler.new(model, { prefix = false, overlap = overlap })
-  for i = 1, n do sch:submit{ prompt = ids, max_tokens = gen, seed = i, stop = {} } end
+  for i = 1, n do sch:submit{ prompt = ids, max_tokens = gen, seed = i, stop = {}, policy = policy } end
   while sch.stats.tokens < n and sch:step() do end
   local st = sch.stats
   local tokens, steps, lua, policy = st.tokens, st.steps, st.lua_time, st.policy_time
@@ -319,6 +321,9 @@ function M.run(o, load_model)
         local tps_n = M.scheduled_decode(model, n, o["batch-prompt"], o.gen)
         row(string.format("scheduler, %d requests (%d+%d)", n, o["batch-prompt"], o.gen), string.format("%.1f", tps_n),
             "tokens/s")
+        -- the same with the penalties of the Lua policy chain above
+        tps_n = M.scheduled_decode(model, n, o["batch-prompt"], o.gen, nil, nil, chain)
+        row(string.format("scheduler, %d requests, penalties", n), string.format("%.1f", tps_n), "tokens/s")
       end
     end
   end

@@ -70,16 +70,13 @@ local Prefix = require "luma.prefix"
 
 -- The policy of a request that names none (its chain keeps no state).
 local default_policy = P.from_options{ temp = 0.8, top_k = 40, top_p = 0.95 }
--- luma.draw's options of a policy: P.sampler's, false where it has none or
--- it penalizes (luma.draw takes no history); one table a policy, so that a
--- step's draws share their options.
+-- luma.draw's options of a policy: P.sampler's, false where it has none;
+-- one table a policy, so that a step's draws share their options.
 local samplers = setmetatable({}, { __mode = "k" })
-local RELEASE = { release = true }
 local function sampler_of(policy)
   local o = samplers[policy]
   if o == nil then
     o = P.sampler(policy) or false
-    if o and o.last_n then o = false end
     samplers[policy] = o
   end
   return o
@@ -440,23 +437,25 @@ function Scheduler:choose(req, logits, id)
 end
 
 -- Lets each request of list choose from its row of out, in order. The
--- requests whose policy is a chain seq:sample knows draw in one luma.draw
+-- requests whose policy is a chain seq:sample knows (penalties included)
+-- draw in one luma.draw
 -- (on a GPU, one launch for all of them: the ids the policies would give,
 -- as seq:sample's are); if that fails, each policy runs on its own.
 function Scheduler:choose_all(list, out)
-  local rows, opts, rngs, drawn = {}, {}, {}, nil
+  local rows, opts, rngs, hists, drawn = {}, {}, {}, {}, nil
   local n = 0
   for i = 1, #list do
     local req = list[i]
     if req.sampler then
       n = n + 1
-      rows[n], opts[n], rngs[n] = out[req.seq], req.sampler, req.state.rng
+      rows[n], opts[n], rngs[n], hists[n] = out[req.seq], req.sampler, req.state.rng, req.state.tokens
     end
   end
   if n > 0 then
     local t = luma.now()
-    -- (the rows are not read again: their sets go at once, not at collection)
-    local ok, ids = pcall(luma.draw, rows, opts, rngs, RELEASE)
+    -- (the rows are not read again: their sets go at once, not at collection;
+    -- a penalizing chain's window is state.tokens, as P.penalties' is)
+    local ok, ids = pcall(luma.draw, rows, opts, rngs, { release = true, histories = hists })
     self.stats.policy_time = self.stats.policy_time + (luma.now() - t)
     if ok then drawn = ids end
   end

@@ -528,7 +528,11 @@ static int logits_draw(lua_State *L)
  * rng_i) for i = 1 .. #rows, in order, where opts and rngs are each one
  * (for every row) or an array (a row each); how: { out = a table for the
  * ids, release = true to let go of the rows' logits sets once drawn (the
- * rows are then unusable) }. The rows' entries are found first (any error
+ * rows are then unusable), histories = a history a row }. With histories
+ * the options may hold penalties (repeat_, frequency, presence, last_n, as
+ * seq:sample's), applied first as rows[i]:penalize(histories[i], opts_i)
+ * would (release must then be true: a row is penalized in place, or not
+ * at all where its penalized best are found from the run's). The rows' entries are found first (any error
  * raised then leaves every generator as it was, as does a row with no
  * live entry), then each row takes its uniform, then the draws run: on the
  * device, all in one launch and one wait, where a row's backend can and
@@ -556,6 +560,56 @@ static void nth_or_all(lua_State *L, int t, bool all, lua_Integer i)
     else lua_rawgeti(L, t, i);
 }
 
+/* A penalizing sampler's entries for rows[i + 1] (on the stack: its
+ * options table on top, below it ... the histories at 5): the penalties
+ * over the last last_n ids of histories[i + 1] applied to the k best the
+ * run found ahead (luma_logits_set_topk_lowered: an unedited row, a
+ * penalty that only lowers), their count; else the row is penalized in
+ * place (logits:penalize(history, opts)) and -1 says to find its entries
+ * as without penalties. */
+static int32_t penalized_entries(lua_State *L, llogits *lg, int32_t i, const luma_sampler *s, int32_t *ids,
+                                 float *vals, luma_err *err)
+{
+    const int opts = lua_gettop(L) - 1;   /* the rng above it */
+    lua_rawgeti(L, 5, i + 1);
+    const int hist = lua_gettop(L);
+    if (!lua_istable(L, hist)) luaL_error(L, "draw: histories[%d] is not a list of token ids", (int)i + 1);
+    const lua_Integer len = luaL_len(L, hist);
+    const int32_t w = (int32_t)(len < s->last_n ? len : s->last_n);
+    if (lg->set && !lg->x && !lg->edited && !lg->compact && s->repeat >= 1.0f && s->frequency >= 0.0f &&
+        s->presence >= 0.0f) {
+        int32_t win[LUMA_SAMPLER_WINDOW_MAX], pid[LUMA_SAMPLER_WINDOW_MAX], pcount[LUMA_SAMPLER_WINDOW_MAX];
+        for (int32_t j = 0; j < w; j++) {
+            lua_rawgeti(L, hist, len - w + 1 + j);
+            int isint;
+            lua_Integer id = lua_tointegerx(L, -1, &isint);
+            lua_pop(L, 1);
+            if (!isint || id < 0 || id >= lg->n)
+                luaL_error(L, "draw: histories[%d]: an id out of range [0, %d)", (int)i + 1, (int)lg->n);
+            win[j] = (int32_t)id;
+        }
+        int32_t k = luma_logits_penalty_counts(lg->n, win, w, w, s->repeat, s->frequency, s->presence, pid, pcount,
+                                               err);
+        if (k < 0) luma_bind_error(L, err);
+        const luma_lowering low = { pid, pcount, k, s->repeat, s->frequency, s->presence };
+        const int32_t top = s->top_k < lg->n ? s->top_k : lg->n;
+        int32_t got = luma_logits_set_topk_lowered(lg->set, lg->row, top, &low, ids, vals);
+        if (got >= 0) {
+            lua_pop(L, 1);
+            return got;
+        }
+    }
+    /* rows[i + 1]:penalize(history, opts) */
+    lua_rawgeti(L, 1, i + 1);
+    lua_getfield(L, -1, "penalize");
+    lua_insert(L, -2);
+    lua_pushvalue(L, hist);
+    lua_pushvalue(L, opts);
+    lua_call(L, 3, 0);
+    lua_pop(L, 1);
+    return -1;
+}
+
 int luma_bind_draw(lua_State *L)
 {
     luaL_checktype(L, 1, LUA_TTABLE);
@@ -576,9 +630,13 @@ int luma_bind_draw(lua_State *L)
         luaL_checktype(L, 4, LUA_TTABLE);
         lua_getfield(L, 4, "release");
         release = lua_toboolean(L, -1);
+        lua_getfield(L, 4, "histories");   /* 5 after the settop below */
+        if (!lua_isnil(L, -1) && (!lua_istable(L, -1) || luaL_len(L, -1) != n))
+            return luaL_error(L, "draw: option 'histories' must be a list of %I histories, one a row", n);
         lua_getfield(L, 4, "out");
         if (!lua_isnil(L, -1) && !lua_istable(L, -1)) return luaL_error(L, "draw: option 'out' must be a table");
     } else {
+        lua_pushnil(L);
         lua_pushnil(L);
         lua_pushnil(L);
     }
@@ -587,8 +645,13 @@ int luma_bind_draw(lua_State *L)
         lua_createtable(L, (int)n, 0);
     }
     lua_replace(L, 4);
-    lua_settop(L, 4);
-    if (n == 0) return 1;
+    lua_replace(L, 5);   /* histories */
+    lua_settop(L, 5);
+    const bool histories = !lua_isnil(L, 5);
+    if (n == 0) {
+        lua_settop(L, 4);
+        return 1;
+    }
     const int32_t K = LUMA_SAMPLER_K_MAX, rows = (int32_t)n;
     /* the rows' entries and what draws from them, in memory the collector
      * frees whatever error comes */
@@ -609,7 +672,7 @@ int luma_bind_draw(lua_State *L)
         nth_or_all(L, 2, one_opts, i + 1);
         if (!lua_istable(L, -1)) return luaL_error(L, "draw: opts[%d] is not a table", (int)i + 1);
         if (lua_topointer(L, -1) != parsed) {
-            luma_bind_checksampler(L, lua_gettop(L), "draw", false, &smp[i]);
+            luma_bind_checksampler(L, lua_gettop(L), "draw", histories, &smp[i]);
             parsed = lua_topointer(L, -1);
         } else {
             smp[i] = smp[i - 1];
@@ -617,9 +680,14 @@ int luma_bind_draw(lua_State *L)
         nth_or_all(L, 3, one_rng, i + 1);
         rng[i] = luaL_testudata(L, -1, LUMA_RNG_MT);
         if (!rng[i]) return luaL_error(L, "draw: rngs[%d] is not an Rng", (int)i + 1);
-        lua_pop(L, 3);
         if (lg->set && !be) be = lg->set->model->be;
-        counts[i] = draw_entries(L, lg, &smp[i], ids + (size_t)i * K, vals + (size_t)i * K, &err);
+        int32_t got = -1;
+        if (luma_sampler_penalizes(&smp[i])) {
+            if (!release) return luaL_error(L, "draw: penalties need release = true (the rows may be penalized in place)");
+            got = penalized_entries(L, lg, i, &smp[i], ids + (size_t)i * K, vals + (size_t)i * K, &err);
+        }
+        lua_pop(L, 3);
+        counts[i] = got >= 0 ? got : draw_entries(L, lg, &smp[i], ids + (size_t)i * K, vals + (size_t)i * K, &err);
         if (counts[i] < 0) return luma_bind_error(L, &err);
         if (counts[i] == 0) return luaL_error(L, "draw: rows[%d]: every logit is masked", (int)i + 1);
     }

@@ -47,8 +47,7 @@ void luma_cuda_failf(cuda_backend *c, const char *fmt, ...)
     va_end(ap);
 }
 
-/* Hands the recorded failure to the caller and clears it. */
-static int report(cuda_backend *c, luma_err *err)
+int luma_cuda_report(cuda_backend *c, luma_err *err)
 {
     luma_errf(err, "%s", c->failure);
     c->failure[0] = 0;
@@ -220,7 +219,7 @@ static int await_copy(cuda_backend *c, void *p, const char *what, luma_err *err)
     if (LUMA_CUDA_OK(c)) luma_cuda_fail(c, cudaStreamSynchronize(c->stream), what);
     if (LUMA_CUDA_OK(c)) return 0;
     cudaFree(p);
-    return report(c, err);
+    return luma_cuda_report(c, err);
 }
 
 /* Gives the matrix w (just loaded into slot) its f16 copy while the backend
@@ -231,7 +230,7 @@ static int await_copy(cuda_backend *c, void *p, const char *what, luma_err *err)
 static int keep_f16(cuda_backend *c, luma_weight *w, cuda_weight_copy *slot, luma_err *err)
 {
     if (c->f16_mode != CUDA_F16_RESIDENT || w->rows < 2 || w->type == LUMA_F16) return 0;
-    if (!LUMA_CUDA_OK(c)) return report(c, err);
+    if (!LUMA_CUDA_OK(c)) return luma_cuda_report(c, err);
     size_t bytes;
     if (luma_mul_size((size_t)w->rows, (size_t)w->cols, &bytes) ||
         luma_mul_size(bytes, sizeof(__half), &bytes) || bytes > c->f16_budget - c->f16_bytes) {
@@ -370,7 +369,7 @@ static int cuda_buf_read(luma_backend *be, const luma_buf *b, float *dst, luma_e
         luma_cuda_fail(c, cudaMemcpyAsync(dst, b->data, bytes, cudaMemcpyDeviceToHost, c->stream),
                        "reading an activation buffer");
     if (LUMA_CUDA_OK(c)) luma_cuda_fail(c, cudaStreamSynchronize(c->stream), "reading an activation buffer");
-    return LUMA_CUDA_OK(c) ? 0 : report(c, err);
+    return LUMA_CUDA_OK(c) ? 0 : luma_cuda_report(c, err);
 }
 
 static size_t kv_elem_size(const luma_kv_layout *l) { return l->type == LUMA_F16 ? 2 : 4; }
@@ -513,14 +512,14 @@ static int reserve_step(cuda_backend *c, size_t bytes, luma_err *err)
 static int cuda_step_begin(luma_backend *be, const luma_step *s, luma_err *err)
 {
     cuda_backend *c = cu(be);
-    if (!LUMA_CUDA_OK(c)) return report(c, err);
+    if (!LUMA_CUDA_OK(c)) return luma_cuda_report(c, err);
     step_plan p;
     int32_t n_dec, n_tiles;
     if (plan_step(c, s, &p, &n_dec, &n_tiles, err) || reserve_step(c, p.total * sizeof(int32_t), err))
         return -1;
     /* The previous upload must be out of the staging buffer before it is rewritten. */
     if (luma_cuda_fail(c, cudaEventSynchronize(c->staged), "waiting for the last step upload"))
-        return report(c, err);
+        return luma_cuda_report(c, err);
     int32_t *h = (int32_t *)c->host_stage;
     int32_t R = s->n_rows, S = s->n_seqs, np = c->kvl.n_pools;
     int32_t max_pos = 0, dec_max_pos = 0;
@@ -573,7 +572,7 @@ static int cuda_step_begin(luma_backend *be, const luma_step *s, luma_err *err)
     if (luma_cuda_fail(c, cudaMemcpyAsync(d, h, p.total * sizeof(int32_t), cudaMemcpyHostToDevice, c->stream),
                        "uploading the step") ||
         luma_cuda_fail(c, cudaEventRecord(c->staged, c->stream), "uploading the step"))
-        return report(c, err);
+        return luma_cuda_report(c, err);
     cuda_step *cs = &c->step;
     cs->host = s;
     cs->n_rows = R;
@@ -733,7 +732,7 @@ static int cuda_step_run(luma_backend *be, const luma_step *step, int (*forward)
         }
     }
     if (luma_cuda_fail(c, cudaGraphLaunch(g->exec, c->stream), "replaying a recorded decode step"))
-        return report(c, err);
+        return luma_cuda_report(c, err);
     c->n_replays++;
     return 0;
 }
@@ -772,7 +771,7 @@ static int cuda_sync(luma_backend *be, luma_err *err)
     flush_all(c);
     if (c->capturing) return LUMA_CUDA_OK(c) ? 0 : -1;   /* step_run reports it */
     luma_cuda_fail(c, cudaStreamSynchronize(c->stream), "the step's kernels");
-    return LUMA_CUDA_OK(c) ? 0 : report(c, err);
+    return LUMA_CUDA_OK(c) ? 0 : luma_cuda_report(c, err);
 }
 
 static void cuda_free(luma_backend *be)

@@ -291,6 +291,8 @@ void luma_cuda_failf(cuda_backend *c, const char *fmt, ...)
 #endif
     ;
 #define LUMA_CUDA_OK(c) ((c)->failure[0] == 0)
+/* Hands the recorded failure to the caller as err and clears it: -1. */
+int luma_cuda_report(cuda_backend *c, luma_err *err);
 
 /* The device copy of n entries of the current step's tokens, pos or
  * out_rows, given the host pointer the operation was called with (a pointer

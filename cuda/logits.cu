@@ -1083,11 +1083,7 @@ draw_rows_kernel(const draw_param *__restrict__ p, const int32_t *__restrict__ i
  * reported first. */
 static int op_begin(cuda_backend *c, const char *op, const luma_buf *b, int64_t row, luma_err *err)
 {
-    if (!LUMA_CUDA_OK(c)) {
-        luma_errf(err, "%s", c->failure);
-        c->failure[0] = 0;
-        return -1;
-    }
+    if (!LUMA_CUDA_OK(c)) return luma_cuda_report(c, err);
     if (b->cols < 1 || b->cols > INT32_MAX) return luma_errf(err, "%s: rows of %lld logits", op, (long long)b->cols);
     if (row < 0 || row >= b->rows)
         return luma_errf(err, "%s: row %lld of a set of %lld", op, (long long)row, (long long)b->rows);
@@ -1544,11 +1540,7 @@ int luma_cuda_chain_sample(luma_backend *be, const luma_buf *b, int64_t row, con
 int luma_cuda_chain_history(luma_backend *be, const int32_t *ids, int32_t n, luma_err *err)
 {
     cuda_backend *c = cu(be);
-    if (!LUMA_CUDA_OK(c)) {
-        luma_errf(err, "%s", c->failure);
-        c->failure[0] = 0;
-        return -1;
-    }
+    if (!LUMA_CUDA_OK(c)) return luma_cuda_report(c, err);
     if (n < 0) return luma_errf(err, "chained history: %d ids", (int)n);
     cudaError_t e = cudaSuccess;
     if (!c->chain_hist) e = cudaMalloc(&c->chain_hist, sizeof(chain_hist));
@@ -1591,11 +1583,7 @@ int luma_cuda_sampler_draw_rows(luma_backend *be, int32_t n, int32_t k, const in
                                 luma_err *err)
 {
     cuda_backend *c = cu(be);
-    if (!LUMA_CUDA_OK(c)) {
-        luma_errf(err, "%s", c->failure);
-        c->failure[0] = 0;
-        return -1;
-    }
+    if (!LUMA_CUDA_OK(c)) return luma_cuda_report(c, err);
     if (n < 1 || k < 1 || k > LUMA_SAMPLER_K_MAX)
         return luma_errf(err, "draw: %d rows of %d entries", (int)n, (int)k);
     const size_t pbytes = (size_t)n * sizeof(draw_param), ebytes = (size_t)n * (size_t)k * sizeof(int32_t),

@@ -593,9 +593,8 @@ static int decode_note(int32_t id, const int32_t *stops, int32_t n_stops, luma_t
 }
 
 /* The next id from row `row` of set, the step before it done (the loop
- * without chain ops). */
-/* The id chosen from row `row`; a penalizing sampler first penalizes the
- * row (in place on the host) over hist [n_hist]. */
+ * without chain ops); a penalizing sampler first penalizes the row (in
+ * place on the host) over hist [n_hist]. */
 static int32_t decode_pick(luma_model *m, luma_logits_set *set, int64_t row, const luma_sampler *smp, double u,
                            const int32_t *hist, int32_t n_hist, float **scratch, luma_err *err)
 {

@@ -306,13 +306,12 @@ function M.run(o, load_model)
     end
     row("decode, sampled by a Lua policy", string.format("%.2f", timed / sdec), "tokens/s")
     row("decode, sampled (seq:sample)", string.format("%.2f", timed / cdec), "tokens/s")
-    -- Batches sampled by the scheduler's default policy (no penalties).
+    -- Batches sampled by that default chain (the scheduler's default policy).
     if o.batch then
-      local sampler = P.from_options{ temp = 0.8, top_k = 40, top_p = 0.95 }
       for _, n in ipairs(list(o.batch)) do
-        local tps_n = M.batched_decode(model, n, o["batch-prompt"], o.gen, sampler)
+        local tps_n = M.batched_decode(model, n, o["batch-prompt"], o.gen, default)
         row(string.format("aggregate decode, %d seqs, sampled", n), string.format("%.1f", tps_n), "tokens/s")
-        tps_n = M.batched_decode(model, n, o["batch-prompt"], o.gen, nil, nil, P.sampler(sampler))
+        tps_n = M.batched_decode(model, n, o["batch-prompt"], o.gen, nil, nil, P.sampler(default))
         row(string.format("aggregate decode, %d seqs, luma.draw", n), string.format("%.1f", tps_n), "tokens/s")
       end
       -- and as a scheduler runs them (twice: the first records its shapes)

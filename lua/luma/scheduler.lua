@@ -438,9 +438,9 @@ end
 
 -- Lets each request of list choose from its row of out, in order. The
 -- requests whose policy is a chain seq:sample knows (penalties included)
--- draw in one luma.draw
--- (on a GPU, one launch for all of them: the ids the policies would give,
--- as seq:sample's are); if that fails, each policy runs on its own.
+-- draw in one luma.draw (on a GPU, one launch for all of them: the ids the
+-- policies would give, as seq:sample's are); if that fails, each policy
+-- runs on its own.
 function Scheduler:choose_all(list, out)
   local rows, opts, rngs, hists, drawn = {}, {}, {}, {}, nil
   local n = 0

@@ -83,7 +83,7 @@ void luma_bind_checksampler(lua_State *L, int i, const char *what, bool penaltie
  * lg:top_k(k):top_p(p):min_p(q):temperature(t):sample draws it (the same
  * functions on the same entries), lg left as it was; -1 with err set. */
 int32_t luma_bind_logits_draw(lua_State *L, llogits *lg, const luma_sampler *s, double u, luma_err *err);
-/* luma.draw(rows, opts, rngs [, out]): many rows' draws at once. */
+/* luma.draw(rows, opts, rngs [, how]): many rows' draws at once. */
 int luma_bind_draw(lua_State *L);
 
 /* A new Logits userdata of n entries, with no row yet (luma_bind_logits_hold

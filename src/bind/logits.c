@@ -224,9 +224,6 @@ static int32_t top_entries(lua_State *L, llogits *lg, int32_t k, int32_t *ids, f
     return got >= 0 ? got : luma_logits_set_topk(lg->set, lg->row, k, !lg->edited, ids, vals, err);
 }
 
-/* The k (<= LUMA_SPARSE_MAX) best entries become the compact form, found
- * on the device or on the host row, and the row is let go: what
- * luma_logits_top_k leaves of the row, held as its live entries. */
 /* lg becomes the compact form of the got entries ids [got] and vals [got],
  * largest first (ids, the start of one allocation holding vals and order,
  * room for got at least, is now lg's), and lets go of its row. */
@@ -244,6 +241,9 @@ static void become_compact(llogits *lg, int32_t *ids, float *vals, int32_t *orde
     lg->n_live = got;
 }
 
+/* The k (<= LUMA_SPARSE_MAX) best entries become the compact form, found
+ * on the device or on the host row, and the row is let go: what
+ * luma_logits_top_k leaves of the row, held as its live entries. */
 static void keep_top_compact(lua_State *L, llogits *lg, int32_t k)
 {
     if (!on_device(L, lg)) host_row(L, lg);   /* any error before the allocation */
@@ -532,12 +532,13 @@ static int logits_draw(lua_State *L)
  * the options may hold penalties (repeat_, frequency, presence, last_n, as
  * seq:sample's), applied first as rows[i]:penalize(histories[i], opts_i)
  * would (release must then be true: a row is penalized in place, or not
- * at all where its penalized best are found from the run's). The rows' entries are found first (any error
- * raised then leaves every generator as it was, as does a row with no
- * live entry), then each row takes its uniform, then the draws run: on the
- * device, all in one launch and one wait, where a row's backend can and
- * there are at least draw_rows_min() rows (a device's exp or log may move
- * a sum across a boundary, as for seq:sample), else on the host. */
+ * at all where its penalized best are found from the run's). The rows'
+ * entries are found first (any error raised then leaves every generator
+ * as it was, as does a row with no live entry), then each row takes its
+ * uniform, then the draws run: on the device, all in one launch and one
+ * wait, where a row's backend can and there are at least draw_rows_min()
+ * rows (a device's exp or log may move a sum across a boundary, as for
+ * seq:sample), else on the host. */
 #define DRAW_ROWS_MIN 8
 
 /* LUMA_DRAW_ROWS: the fewest rows drawn on the device (0: never). */

@@ -144,9 +144,10 @@ static int decode(lua_State *L, const char *what, const luma_sampler *smp, luma_
     }
     /* the first id, as logits:argmax() or logits:draw() takes it (edits
      * included); none when nothing is asked (the generator untouched) */
+    const lua_Integer n = lua_tointeger(L, 3);
     int32_t first = 0;
     luma_err err;
-    if (lua_tointeger(L, 3) == 0) {
+    if (n == 0) {
         /* nothing to draw */
     } else if (smp) {
         if (luma_sampler_penalizes(smp)) {
@@ -166,7 +167,6 @@ static int decode(lua_State *L, const char *what, const luma_sampler *smp, luma_
         first = (int32_t)lua_tointeger(L, -1);
         lua_pop(L, 1);
     }
-    const lua_Integer n = lua_tointeger(L, 3);
     int32_t *ids = lua_newuserdatauv(L, (size_t)(n > 0 ? n : 1) * sizeof(int32_t), 0);   /* 12 */
     luma_bind_logits_budget(L, m, 2);
     llogits *out = luma_bind_newlogits(L, m->hp.n_vocab);   /* 13 */

@@ -111,6 +111,9 @@ describe("a loaded model", function()
     assert.are.equal("spm", info.tokenizer)
     assert.is_true(info.weight_bytes > 0 and info.weight_bytes < info.file_bytes)
     assert.is_true(info.kv_bytes > 0)
+    -- a key of one layer: one kv head's 256 + 256 values in F16; 15 of the 18 layers slide
+    assert.are.equal(1024, info.kv_token_bytes)
+    assert.are.equal(15, info.swa_layers)
     assert.is_nil(info.vocab_only)
     -- the CPU computes every row alike whatever its step; the GPU only when asked
     assert.are.equal(H.backend == "cpu", info.batch_invariant)

@@ -11,7 +11,9 @@
 --           Lua chain a row, and by one luma.draw a step), and the same
 --           requests run by luma.scheduler (its default policy, then the
 --           penalties chain);
---   bandwidth: weight bytes read per decoded token x tokens/s.
+--   bandwidth: weight bytes read per decoded token x tokens/s;
+--   with --depth, decode (seq:greedy) after prompts of those lengths, and
+--   the bandwidth counting the cache's keys and values each step reads.
 local luma = require "luma"
 
 local M = {}
@@ -199,12 +201,21 @@ local function list(s)
   return t
 end
 
-function M.run(o, load_model)
+-- o: luma bench's options; load_model(o, opts) loads the model;
+-- usage_error(msg) raises a mistake in the options.
+function M.run(o, load_model, usage_error)
   local t0 = luma.now()
   local model, path = load_model(o, { max_rows = o["max-rows"], kv_mb = o["kv-mb"] })
   local load_s = luma.now() - t0
   local info = model.info
   local reps = math.max(1, o.reps)
+  for _, depth in ipairs(o.depth and list(o.depth) or {}) do
+    if depth < 1 or depth + o.gen > info.ctx then
+      model:close()
+      usage_error(string.format("bench: --depth %d and -n %d need a context of %d tokens, the model has %d (--ctx)",
+                                depth, o.gen, depth + o.gen, info.ctx))
+    end
+  end
   local rows = {}
   local function row(name, value, unit) rows[#rows + 1] = { name, value, unit } end
 
@@ -265,6 +276,27 @@ function M.run(o, load_model)
         "% of " .. o["peak-gbs"] .. " GB/s")
     row("the same, seq:greedy", string.format("%.1f", info.weight_bytes * gtps / 1e9 / o["peak-gbs"] * 100),
         "% of " .. o["peak-gbs"] .. " GB/s")
+  end
+  -- Decode after a long prompt: seq:greedy at each depth, and the bandwidth
+  -- counting the cache's keys and values a step reads besides the weights.
+  for _, depth in ipairs(o.depth and list(o.depth) or {}) do
+    local ids = prompt_ids(model, depth)
+    local best = math.huge
+    for _ = 1, reps do best = math.min(best, chained_decode(model, ids, o.gen, "greedy")) end
+    local per = best / timed
+    -- the keys of the timed steps, on average: depth + 1 + (gen - 1) / 2
+    local keys = depth + 1 + (o.gen - 1) / 2
+    local swa = info.swa_layers or 0
+    local kv = info.kv_token_bytes * ((info.layers - swa) * keys +
+                                      swa * math.min(keys, info.sliding_window > 0 and info.sliding_window or keys))
+    row(string.format("decode at depth %d (seq:greedy)", depth), string.format("%.2f", 1 / per), "tokens/s")
+    row(string.format("time per token at depth %d", depth), string.format("%.2f", per * 1000), "ms")
+    row(string.format("weights + KV read per token at %d", depth),
+        string.format("%.1f + %.1f", info.weight_bytes / 1048576, kv / 1048576), "MiB")
+    row(string.format("achieved bandwidth at depth %d", depth),
+        string.format("%.2f", (info.weight_bytes + kv) / per / 1e9) ..
+        (o["peak-gbs"] and string.format(" (%.1f%%)", (info.weight_bytes + kv) / per / 1e9 / o["peak-gbs"] * 100) or ""),
+        "GB/s" .. (o["peak-gbs"] and " (% of " .. o["peak-gbs"] .. ")" or ""))
   end
   if o.batch then
     for _, n in ipairs(list(o.batch)) do

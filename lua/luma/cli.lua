@@ -273,6 +273,7 @@ local bench_spec = with{
   prompt = { kind = "string", short = "p", help = "prompt tokens for the prefill test (a list: 512,4096)", default = "512" },
   batch = { kind = "string", short = "b", help = "aggregate decode at these numbers of sequences (a list: 1,8,32)" },
   ["batch-prompt"] = { kind = "integer", help = "prompt tokens of each sequence in the aggregate test", default = 128 },
+  depth = { kind = "string", short = "d", help = "decode after prompts of these lengths too (a list: 4096,8192)" },
   ["max-rows"] = { kind = "integer", help = "rows per forward pass (0: the default)", default = 0 },
   ["kv-mb"] = { kind = "integer", help = "KV cache budget in MiB (0: one full context)", default = 0 },
   ["peak-gbs"] = { kind = "number", help = "memory bandwidth to report decode against, GB/s" },
@@ -285,7 +286,7 @@ M.bench = function(args)
   local o = parse("bench", bench_spec, args)
   if o.help then return help("bench", "[options]", bench_spec) end
   if o.gen < 2 then usage_error("bench: -n must be at least 2 (the first decode step is timed on its own)") end
-  return require("luma.bench").run(o, load_model)
+  return require("luma.bench").run(o, load_model, usage_error)
 end
 
 -- ---- synth ---------------------------------------------------------------

@@ -103,7 +103,8 @@ typedef struct attn_args {
     const int32_t *pos, *row_seq, *blocks, *block_off, *seq_row0, *seq_nrows, *seq_pos0;
     const int32_t *dec_rows, *tiles;
     int32_t n_tiles;
-    int32_t split_len, n_splits;
+    int32_t split_len, n_splits;   /* decode: split_unit 0: every row's splits split_len keys long */
+    int32_t split_unit;        /* else a row's n_splits splits share its own keys (row_split_len) */
     int32_t dec_tk, dec_warps, dec_stages;   /* decode: keys per tile, warps per CTA, stages per warp */
     int32_t ldk, ldv, stage_elems;   /* decode: K and V row strides and a stage in a warp's ring, in elements */
     float *part;               /* decode partial sums: [n_dec][n_head][n_splits][dv] */
@@ -197,6 +198,23 @@ struct lane_blocks {
 __device__ static int32_t first_key(const attn_args &a, int32_t p)
 {
     return a.window > 0 && p - a.window + 1 > 0 ? p - a.window + 1 : 0;
+}
+
+/* The keys of each split of a decode row whose first key is first and
+ * whose last is p. With split_unit 0 (batch invariance) the planned
+ * split_len; else the row's own keys over the step's n_splits, rounded up
+ * to split_unit (the keys the CTA's warps take in one round) and at least
+ * split_len (the planned floor): the step's splits are planned for its
+ * bucket of context lengths (a power of two, so that a recorded step
+ * replays for every length of it), and a row just past the bucket's lower
+ * end would otherwise leave half its splits with no keys and the others
+ * twice as many (cuda/NOTES.md, "Decode at depth"). */
+__device__ static int32_t row_split_len(const attn_args &a, int32_t first, int32_t p)
+{
+    if (a.split_unit == 0) return a.split_len;
+    int32_t len = (p - first + a.n_splits) / a.n_splits;   /* ceil((p - first + 1) / n_splits) */
+    len = (len + a.split_unit - 1) / a.split_unit * a.split_unit;
+    return len > a.split_len ? len : a.split_len;
 }
 
 __device__ static float score(const attn_args &a, float dot)
@@ -587,9 +605,10 @@ __global__ static void __launch_bounds__(DEC_MAX_WARPS * 32, MMA == 128 ? 2 : 1)
     int32_t kvh = (int32_t)blockIdx.z / a.n_hchunks, hc0 = (int32_t)(blockIdx.z % a.n_hchunks) * a.heads_per_cta;
     int32_t nh = min(a.heads_per_cta, a.group - hc0), h0 = kvh * a.group + hc0;
     int32_t r = a.dec_rows[y], p = a.pos[r], seq = a.row_seq[r], first = first_key(a, p);
-    int32_t k0 = first + split * a.split_len;
+    const int32_t split_len = row_split_len(a, first, p);
+    int32_t k0 = first + split * split_len;
     if (k0 > p) return;   /* past the row's keys: no work, no partial */
-    int32_t k1 = min(p + 1, k0 + a.split_len), n_live = (p - first) / a.split_len + 1;
+    int32_t k1 = min(p + 1, k0 + split_len), n_live = (p - first) / split_len + 1;
     const int32_t *tab = block_table(a, seq);
     int32_t spos0 = a.seq_pos0[seq], srow0 = a.seq_row0[seq];
 
@@ -1308,7 +1327,8 @@ __global__ static void __launch_bounds__(256) combine_kernel(const attn_args a)
     __shared__ __align__(16) float red[8][128];
     int32_t y = blockIdx.x, h = blockIdx.y, col = (int32_t)blockIdx.z * 128 + (int32_t)(threadIdx.x % 32) * 4;
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    int32_t r = a.dec_rows[y], p = a.pos[r], n_live = (p - first_key(a, p)) / a.split_len + 1;
+    int32_t r = a.dec_rows[y], p = a.pos[r], first = first_key(a, p);
+    int32_t n_live = (p - first) / row_split_len(a, first, p) + 1;
     if (n_live == 1) return;   /* decode_kernel wrote the row */
     size_t pl = ((size_t)y * (size_t)a.n_head + (size_t)h) * (size_t)a.n_splits;
     if (warp == 0) split_weights(a, pl, n_live, wt);
@@ -1921,7 +1941,8 @@ static void launch_tc(const cuda_backend *c, const attn_args *a, unsigned tiles,
  * replaces them for measuring (spec/native/test_cuda.c sweeps it). */
 typedef struct dec_tuning {
     int stages, stage_bytes, warps, waves, min_split;
-    int merge_kb;              /* partials a row's last split merges itself at most; more: combine_kernel */
+    int merge_kb;              /* partials a row's last split merges itself at most; more: combine_kernel
+                                * (-1: 64 KB when the step's CTAs fill the SMs, else 0: dec_defaults) */
     int mma;                   /* F16 caches on the tensor cores (dk, dv multiples of 16) */
     int one_split;             /* steps whose keys bound is at most this many: one split a row */
     int lean_min;              /* decode_lean_kernel from this many units (rows x kv heads x head chunks) */
@@ -1947,11 +1968,18 @@ static dec_tuning dec_tuning_get(void);
 static dec_tuning dec_defaults(dec_tuning t, int32_t dv, int64_t ctas, int n_sm)
 {
     if (t.mma < 0) t.mma = dv <= 128;
-    /* 4 warps a CTA on the tensor cores, 8 when the step's rows and kv
-     * heads give fewer CTAs than SMs (7B at batch 1: 371 to 379 tokens/s;
-     * 8 sequences 1,433-1,461 to 1,508): each warp then has fewer tiles of
-     * its CTA's keys to go through one after the other */
-    if (t.warps == 0) t.warps = dv <= 128 && ctas >= n_sm ? 4 : 8;
+    /* 4 warps a CTA on the tensor cores. (8 when the step's rows and kv
+     * heads gave fewer CTAs than SMs was faster when this kernel took the
+     * short contexts of batch 1, which decode_lean_kernel now takes; at
+     * batch 1 past 1,024 keys 4 warps, three CTAs an SM, are faster: the
+     * 7B at 3,000 to 8,192 keys 2.37-2.45 against 2.52-2.59 ms a token,
+     * cuda/NOTES.md, "Decode at depth") */
+    if (t.warps == 0) t.warps = dv <= 128 ? 4 : 8;
+    /* the last split merges a row's partials where the step has CTAs
+     * enough to spread the merges over; with fewer (a few long rows)
+     * combine_kernel's CTA a head merges them faster than one CTA a kv head
+     * (the same measurement) */
+    if (t.merge_kb < 0) t.merge_kb = ctas >= n_sm ? 64 : 0;
     /* one split for short contexts on the tensor cores (7B at batch 1: 368
      * to 373 tokens/s, 32 sequences 4,076 to 4,211), not on the CUDA cores
      * (Gemma 3 270M at batch 1: 1,164 to 1,071; 8 sequences 6,070 to 5,137:
@@ -1962,9 +1990,9 @@ static dec_tuning dec_defaults(dec_tuning t, int32_t dv, int64_t ctas, int n_sm)
 
 static dec_tuning dec_tuning_get(void)
 {
-    /* stages 0, warps 0, mma -1 and one_split -1: the defaults for the layer's heads
-     * (dec_defaults, decode_launch) */
-    dec_tuning t = { 0, 8192, 0, 1, 64, 64, -1, -1, DEC_LEAN_MIN, DEC_LEAN_KEYS, 0, DEC_LEAN_WIDE,
+    /* stages 0, warps 0, merge_kb -1, mma -1 and one_split -1: the defaults for the layer's heads
+     * and the step (dec_defaults, decode_launch) */
+    dec_tuning t = { 0, 8192, 0, 1, 64, -1, -1, -1, DEC_LEAN_MIN, DEC_LEAN_KEYS, 0, DEC_LEAN_WIDE,
                      DEC_LEAN_LONG, 0 };
     const char *s = getenv("LUMA_CUDA_ATTN_DECODE");
     if (s && *s)
@@ -2022,10 +2050,11 @@ static int decode_occupancy(const cudaFuncAttributes &fa, int threads, size_t sm
 
 /* Splits of each decode row's keys: about `waves` rounds of the CTAs that
  * stay resident, none shorter than min_split keys, lengths a multiple of
- * the keys the warps take in one round. Planned for dec_keys_bound keys
- * (the step's shape), not its longest context, so that a decode step
- * recorded as a CUDA graph replays unchanged for every step of its bucket:
- * splits past a row's keys return at once. */
+ * the keys the warps take in one round. Their number is planned for
+ * dec_keys_bound keys (the step's shape), not its longest context, so that
+ * a decode step recorded as a CUDA graph replays unchanged for every step
+ * of its bucket; each row's length follows its own keys on the device
+ * (row_split_len), and splits past a row's keys return at once. */
 static void plan_splits(const cuda_backend *c, attn_args *a, const dec_tuning &tu, int32_t tk, int occ)
 {
     int64_t keys = c->step.dec_keys_bound;
@@ -2043,12 +2072,16 @@ static void plan_splits(const cuda_backend *c, attn_args *a, const dec_tuning &t
         if (len < tu.min_split) len = tu.min_split;
         len = (len + unit - 1) / unit * unit;
         a->split_len = (int32_t)len;
+        a->split_unit = 0;
         a->n_splits = (int32_t)((keys + len - 1) / len);
         if (a->n_splits < 1) a->n_splits = 1;
         return;
     }
     int64_t ctas = (int64_t)c->step.n_dec * a->n_kv_head * a->n_hchunks;
-    int64_t want = ((int64_t)c->n_sm * occ * tu.waves + ctas - 1) / ctas;
+    /* as many as fit the waves whole: one CTA past them would take a
+     * round of its own (4 rows of the 7B at 3,000 keys: 5 splits, 160 CTAs
+     * where 132 fit, 6% slower than 4) */
+    int64_t want = (int64_t)c->n_sm * occ * tu.waves / ctas;
     /* short contexts (a decode step of at most one_split keys) in one
      * split where dec_defaults says so: merging splits (their partials
      * written, an arrival counter, the last split reading them back) costs
@@ -2060,8 +2093,11 @@ static void plan_splits(const cuda_backend *c, attn_args *a, const dec_tuning &t
     if (n < 1) n = 1;
     int64_t len = (keys + n - 1) / n;
     len = (len + unit - 1) / unit * unit;
-    a->split_len = (int32_t)len;
     a->n_splits = (int32_t)((keys + len - 1) / len);
+    /* each row then shares its own keys among the n_splits
+     * (row_split_len), in splits of at least min_split keys */
+    a->split_unit = (int32_t)unit;
+    a->split_len = (int32_t)((tu.min_split + unit - 1) / unit * unit);
 }
 
 /* Plans and launches decode_kernel<T, H, MMA> over the step's decode rows. */
@@ -2388,6 +2424,7 @@ bool luma_cuda_attention_quant(cuda_backend *c, const luma_buf *q, const luma_bu
     a.tiles = st->tiles;
     a.n_tiles = st->n_tiles;
     a.split_len = 0;
+    a.split_unit = 0;
     a.n_splits = 1;
     a.dec_tk = a.dec_warps = a.dec_stages = a.ldk = a.ldv = a.stage_elems = 0;
     a.part = a.part_ml = NULL;

@@ -5,7 +5,8 @@
 #      Q4_K_M, the llama-spm vocabulary from $LUMA_VOCAB or ../shared);
 #   3. `luma bench` on it: prefill of 512 and 4096 tokens, decode at batch
 #      1, aggregate decode of 1, 8, 32 and 128 sequences (128-token prompts,
-#      128 new tokens each), with recorded decode steps (CUDA graphs) and,
+#      128 new tokens each), decode at batch 1 after prompts of 1024 and
+#      4096 tokens (--depth), with recorded decode steps (CUDA graphs) and,
 #      for comparison, without (LUMA_CUDA_GRAPHS=0);
 #   4. the same on the default model when it is present ($LUMA_MODEL or
 #      ~/.cache/luma/models/), with the Lua policy chain;
@@ -41,14 +42,14 @@ if [ ! -f "$MODEL7" ]; then
 fi
 common=(--backend cuda -r 2 -n 128 -b 1,8,32,128 --batch-prompt 128 --peak-gbs "$PEAK_GBS")
 echo "==== llama 7B shape, recorded decode steps"
-"$BUILD/luma" bench -m "$MODEL7" "${common[@]}" -p 512,4096 --max-rows 4096 --kv-mb 20000 --ctx 8192 |
+"$BUILD/luma" bench -m "$MODEL7" "${common[@]}" -p 512,4096 -d 1024,4096 --max-rows 4096 --kv-mb 20000 --ctx 8192 |
     tee "$out/l7"
 echo "==== llama 7B shape, LUMA_CUDA_GRAPHS=0"
 LUMA_CUDA_GRAPHS=0 "$BUILD/luma" bench -m "$MODEL7" "${common[@]}" -p 512 --max-rows 4096 --kv-mb 20000 \
     --ctx 8192 | tee "$out/l7-eager"
 if [ -f "$DEFAULT" ]; then
     echo "==== default model, recorded decode steps"
-    "$BUILD/luma" bench -m "$DEFAULT" "${common[@]}" -p 512,4096 --max-rows 4096 --kv-mb 8000 --ctx 8192 \
+    "$BUILD/luma" bench -m "$DEFAULT" "${common[@]}" -p 512,4096 -d 1024,4096 --max-rows 4096 --kv-mb 8000 --ctx 8192 \
         --policy | tee "$out/gemma"
 else
     echo "==== the default model is not at $DEFAULT: its benchmark did not run"
@@ -74,6 +75,6 @@ echo "==== summary"
 for f in l7 l7-eager gemma l7-float gemma-float l7-q8_0 l7-q8_0-file; do
     [ -f "$out/$f" ] || continue
     echo "-- $f"
-    grep -E "^(prefill|time to first|decode|fraction|aggregate|Lua policy cost)" "$out/$f"
+    grep -E "^(prefill|time to first|decode|fraction|aggregate|Lua policy cost|achieved bandwidth at)" "$out/$f"
 done
 rm -rf "$out"

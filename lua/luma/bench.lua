@@ -284,11 +284,14 @@ function M.run(o, load_model, usage_error)
     local best = math.huge
     for _ = 1, reps do best = math.min(best, chained_decode(model, ids, o.gen, "greedy")) end
     local per = best / timed
-    -- the keys of the timed steps, on average: depth + 1 + (gen - 1) / 2
-    local keys = depth + 1 + (o.gen - 1) / 2
-    local swa = info.swa_layers or 0
-    local kv = info.kv_token_bytes * ((info.layers - swa) * keys +
-                                      swa * math.min(keys, info.sliding_window > 0 and info.sliding_window or keys))
+    -- the cache a timed step reads: step i (2..gen) sees depth + i keys,
+    -- the window's at most in the sliding layers
+    local swa, window, kv = info.swa_layers, info.sliding_window, 0
+    for i = 2, o.gen do
+      local keys = depth + i
+      kv = kv + info.kv_token_bytes * ((info.layers - swa) * keys + swa * math.min(keys, window > 0 and window or keys))
+    end
+    kv = kv / timed
     row(string.format("decode at depth %d (seq:greedy)", depth), string.format("%.2f", 1 / per), "tokens/s")
     row(string.format("time per token at depth %d", depth), string.format("%.2f", per * 1000), "ms")
     row(string.format("weights + KV read per token at %d", depth),

@@ -23,7 +23,9 @@
  *     are held to 2e-3 (numpy's model of that rounding gives 2e-4 to 7e-4
  *     on these shapes), the f32 kernels to 1e-4 (F16 cache) and 2e-5 (F32);
  *     the F16 shapes of heads of 64 and 128 again with every decode row on
- *     decode_lean_kernel (the kernel the defaults give many short rows);
+ *     decode_lean_kernel (the kernel the defaults give many short rows),
+ *     and every shape's three decode rows on decode_kernel, their splits
+ *     merged by the last split and by combine_kernel;
  *   - decode steps on the 7B llama shape and gemma's (F16 cache): 32 and
  *     128 rows of 128 to 512 keys, 128 rows of 600 to 1100 keys under a
  *     window of 512 (gemma), one row of 4096 and one of 32768 keys; each
@@ -1033,6 +1035,24 @@ static void test_attention_shape(const attn_shape *sh, enum luma_type type)
             attend(&e, &as.t.s, &e.full, label, type == LUMA_F16 ? steps[k].timing : UNTIMED);
             snprintf(label, sizeof label, "attn %s %s %s w%d", sh->name, luma_type_name(type), steps[k].what, WINDOW);
             attend(&e, &as.t.s, &e.win, label, UNTIMED);
+            /* the decode rows again on decode_kernel whatever their keys
+             * (the lean kernel's reach 0), each row's splits merged by the
+             * last of them to finish and by combine_kernel: the defaults
+             * give these few rows the second, many rows the first */
+            if (k == 0) {
+                static const char *const merges[2][2] = { { "0,8192,0,1,64,1024,-1,-1,1,0", "merged" },
+                                                          { "0,8192,0,1,64,0,-1,-1,1,0", "combined" } };
+                for (int mi = 0; mi < 2; mi++) {
+                    setenv("LUMA_CUDA_ATTN_DECODE", merges[mi][0], 1);
+                    snprintf(label, sizeof label, "attn %s %s %s %s w0", sh->name, luma_type_name(type),
+                             steps[k].what, merges[mi][1]);
+                    attend(&e, &as.t.s, &e.full, label, UNTIMED);
+                    snprintf(label, sizeof label, "attn %s %s %s %s w%d", sh->name, luma_type_name(type),
+                             steps[k].what, merges[mi][1], WINDOW);
+                    attend(&e, &as.t.s, &e.win, label, UNTIMED);
+                }
+                unsetenv("LUMA_CUDA_ATTN_DECODE");
+            }
             /* the decode rows again on decode_lean_kernel (which the
              * defaults give rows of up to some keys only), with 1, 2, 4
              * and 8 parts a unit (2 and more merge them; heads of 256

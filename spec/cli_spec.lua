@@ -134,6 +134,12 @@ describe("the luma command", function()
     assert.are.equal(1, code)
     assert.matches("bench: -n must be at least 2", err, 1, true)
     assert.is_nil(err:find("traceback"))
+    for _, bad in ipairs{ "-d abc", "-b 8,,32", "-p 0", "-d 1.5" } do
+      _, err, code = H.run(bin .. " bench -m " .. H.quote(model_path) .. " -n 2 " .. bad)
+      assert.are.equal(1, code, bad)
+      assert.matches("bench: %-%-%a+ expects positive integers separated by commas, got '", err)
+      assert.is_nil(err:find("traceback"))
+    end
     _, err, code = H.run(bin .. " bench -m " .. H.quote(model_path) .. " --ctx 64 -n 2 -d 63")
     assert.are.equal(1, code)
     assert.matches("bench: --depth 63 and -n 2 need a context of 65 tokens, the model has 64", err, 1, true)

@@ -2382,7 +2382,7 @@ bool luma_cuda_attention_quant(cuda_backend *c, const luma_buf *q, const luma_bu
         return false;
     }
     const cuda_step *st = &c->step;
-    size_t es = l->type == LUMA_F16 ? 2 : 4;
+    size_t es = luma_kv_elem_size(l);
     attn_args a;
     a.q = q->data;
     a.k = k->data;

@@ -372,8 +372,6 @@ static int cuda_buf_read(luma_backend *be, const luma_buf *b, float *dst, luma_e
     return LUMA_CUDA_OK(c) ? 0 : luma_cuda_report(c, err);
 }
 
-static size_t kv_elem_size(const luma_kv_layout *l) { return l->type == LUMA_F16 ? 2 : 4; }
-
 static int cuda_kv_alloc(luma_backend *be, const luma_kv_layout *l, luma_err *err)
 {
     cuda_backend *c = cu(be);
@@ -392,8 +390,7 @@ static int cuda_kv_alloc(luma_backend *be, const luma_kv_layout *l, luma_err *er
     c->kvl = *l;
     c->buf_gen++;
     /* K [n_kv_head][block_tokens][head_dim_k] then V, per layer of the pool */
-    size_t layer = (size_t)l->n_kv_head * (size_t)l->block_tokens *
-                   ((size_t)l->head_dim_k + (size_t)l->head_dim_v) * kv_elem_size(l);
+    size_t layer = (size_t)l->block_tokens * luma_kv_token_bytes(l);
     for (int p = 0; p < l->n_pools && e == cudaSuccess; p++) {
         size_t block, total;
         if (l->n_layers[p] < 0 || l->n_blocks[p] < 0 ||

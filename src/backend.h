@@ -80,6 +80,16 @@ typedef struct luma_kv_layout {
     enum luma_type type;       /* LUMA_F16 or LUMA_F32 */
 } luma_kv_layout;
 
+/* Bytes of one element of the cache. */
+static inline size_t luma_kv_elem_size(const luma_kv_layout *l) { return l->type == LUMA_F16 ? 2 : 4; }
+
+/* Bytes of one position's K and V in one layer (every kv head): a layer of
+ * a block is block_tokens of them. */
+static inline size_t luma_kv_token_bytes(const luma_kv_layout *l)
+{
+    return (size_t)l->n_kv_head * ((size_t)l->head_dim_k + (size_t)l->head_dim_v) * luma_kv_elem_size(l);
+}
+
 enum luma_rope_kind { LUMA_ROPE_NORM = 0, LUMA_ROPE_NEOX = 2 };
 
 typedef struct luma_rope {

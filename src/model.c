@@ -322,8 +322,7 @@ static int setup_kv(luma_model *m, const luma_model_params *p, luma_err *err)
      * pool holds the window plus one step of new rows. */
     int32_t per_seq[LUMA_KV_MAX_POOLS];
     int64_t seq_bytes = 0;
-    size_t es = l->type == LUMA_F16 ? 2 : 4;
-    int64_t layer_block = (int64_t)l->n_kv_head * l->block_tokens * (l->head_dim_k + l->head_dim_v) * (int64_t)es;
+    int64_t layer_block = (int64_t)l->block_tokens * (int64_t)luma_kv_token_bytes(l);
     for (int p2 = 0; p2 < l->n_pools; p2++) {
         per_seq[p2] = div_up(m->n_ctx, l->block_tokens);
         if (window[p2] > 0) {

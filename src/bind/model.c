@@ -267,17 +267,15 @@ static void push_info(lua_State *L, const luma_model *m)
     lua_setfield(L, -2, "batch_invariant");
     lua_pushboolean(L, m->float_act);
     lua_setfield(L, -2, "float_act");
-    int64_t kv_bytes = 0;
     const luma_kv_layout *l = &m->kv_layout;
-    for (int p = 0; p < l->n_pools; p++)
-        kv_bytes += (int64_t)l->n_blocks[p] * l->n_layers[p] * l->n_kv_head * l->block_tokens *
-                    (l->head_dim_k + l->head_dim_v) * (l->type == LUMA_F16 ? 2 : 4);
+    const int64_t token = (int64_t)luma_kv_token_bytes(l);
+    int64_t kv_bytes = 0;
+    for (int p = 0; p < l->n_pools; p++) kv_bytes += (int64_t)l->n_blocks[p] * l->n_layers[p] * l->block_tokens * token;
     set_int(L, "kv_bytes", kv_bytes);
     /* what a decode step reads of the cache per key: a position's K and V
      * in one layer (kv_token_bytes), in each of the layers; the sliding-
      * window layers (swa_layers of them) read at most sliding_window keys */
-    set_int(L, "kv_token_bytes", (lua_Integer)l->n_kv_head * (l->head_dim_k + l->head_dim_v) *
-                                     (l->type == LUMA_F16 ? 2 : 4));
+    set_int(L, "kv_token_bytes", token);
     int swa = 0;
     for (int il = 0; il < hp->n_layer; il++) swa += hp->swa_window > 0 && hp->layer_swa[il];
     set_int(L, "swa_layers", swa);

@@ -124,13 +124,10 @@ static int cpu_buf_read(luma_backend *be, const luma_buf *b, float *dst, luma_er
     return 0;
 }
 
-static size_t kv_elem_size(const luma_kv_layout *l) { return l->type == LUMA_F16 ? 2 : 4; }
-
 /* Bytes of one layer inside a block: K [n_kv_head][B][dk] then V [n_kv_head][B][dv]. */
 static size_t kv_layer_bytes(const luma_kv_layout *l)
 {
-    return (size_t)l->n_kv_head * (size_t)l->block_tokens *
-           ((size_t)l->head_dim_k + (size_t)l->head_dim_v) * kv_elem_size(l);
+    return (size_t)l->block_tokens * luma_kv_token_bytes(l);
 }
 
 static int cpu_kv_alloc(luma_backend *be, const luma_kv_layout *l, luma_err *err)
@@ -560,7 +557,7 @@ static uint8_t *kv_row(cpu_backend *c, const luma_attn *a, int32_t block, int32_
                        bool value)
 {
     const luma_kv_layout *l = &c->kvl;
-    size_t es = kv_elem_size(l);
+    size_t es = luma_kv_elem_size(l);
     uint8_t *base = c->kv_mem[a->pool] + (size_t)block * c->kv_block_bytes[a->pool] +
                     (size_t)a->layer * kv_layer_bytes(l);
     size_t k_bytes = (size_t)l->n_kv_head * (size_t)l->block_tokens * (size_t)l->head_dim_k * es;

@@ -209,7 +209,8 @@ function M.run(o, load_model, usage_error)
   local load_s = luma.now() - t0
   local info = model.info
   local reps = math.max(1, o.reps)
-  for _, depth in ipairs(o.depth and list(o.depth) or {}) do
+  local depths = o.depth and list(o.depth) or {}
+  for _, depth in ipairs(depths) do
     if depth < 1 or depth + o.gen > info.ctx then
       model:close()
       usage_error(string.format("bench: --depth %d and -n %d need a context of %d tokens, the model has %d (--ctx)",
@@ -279,7 +280,7 @@ function M.run(o, load_model, usage_error)
   end
   -- Decode after a long prompt: seq:greedy at each depth, and the bandwidth
   -- counting the cache's keys and values a step reads besides the weights.
-  for _, depth in ipairs(o.depth and list(o.depth) or {}) do
+  for _, depth in ipairs(depths) do
     local ids = prompt_ids(model, depth)
     local best = math.huge
     for _ = 1, reps do best = math.min(best, chained_decode(model, ids, o.gen, "greedy")) end

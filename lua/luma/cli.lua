@@ -287,12 +287,15 @@ M.bench = function(args)
   if o.help then return help("bench", "[options]", bench_spec) end
   if o.gen < 2 then usage_error("bench: -n must be at least 2 (the first decode step is timed on its own)") end
   for _, k in ipairs{ "prompt", "batch", "depth" } do
-    local s, ok = o[k], o[k] ~= ""
-    for v in ((s or "1") .. ","):gmatch("([^,]*),") do
-      local n = math.tointeger(tonumber(v))
-      ok = ok and n ~= nil and n >= 1
+    local s = o[k]
+    if s then
+      local ok = s ~= ""
+      for v in (s .. ","):gmatch("([^,]*),") do
+        local n = math.tointeger(tonumber(v))
+        ok = ok and n ~= nil and n >= 1
+      end
+      if not ok then usage_error("bench: --" .. k .. " expects positive integers separated by commas, got '" .. s .. "'") end
     end
-    if not ok then usage_error("bench: --" .. k .. " expects positive integers separated by commas, got '" .. s .. "'") end
   end
   return require("luma.bench").run(o, load_model, usage_error)
 end

@@ -93,6 +93,16 @@ static luma_backend *backend(const llogits *lg)
     return lg->set->model->be;
 }
 
+/* The backend of a row in device memory that is about to be changed there:
+ * what the run found ahead of the unchanged row (its top-k, the lowering)
+ * no longer holds. */
+static luma_backend *edit_on_device(llogits *lg)
+{
+    lg->edited = true;
+    forget_lowered(lg);
+    return backend(lg);
+}
+
 /* Gives lg its own host copy of the row and lets go of the set; on failure
  * lg is left as it was. */
 static int detach(llogits *lg, luma_err *err)
@@ -736,9 +746,7 @@ static int logits_temperature(lua_State *L)
             lua_settop(L, 1);
             return 1;
         }
-        luma_backend *be = backend(lg);
-        lg->edited = true;
-        forget_lowered(lg);
+        luma_backend *be = edit_on_device(lg);
         return chain(L, be->ops->logits_temperature(be, &lg->set->buf, lg->row, t, &err), &err);
     }
     if (use_compact(lg)) return chain(L, luma_logits_temperature(lg->vals, lg->n_live, t, &err), &err);
@@ -846,9 +854,7 @@ static int logits_min_p(lua_State *L)
         float p = (float)luaL_checknumber(L, 2);
         luma_err err;
         if (!(p > 0.0f && p <= 1.0f)) return luaL_error(L, "min_p: p must be in (0, 1] (got %g)", (double)p);
-        luma_backend *be = backend(lg);
-        lg->edited = true;
-        forget_lowered(lg);
+        luma_backend *be = edit_on_device(lg);
         return chain(L, be->ops->logits_min_p(be, &lg->set->buf, lg->row, log(p), &err), &err);
     }
     return filter(L, luma_logits_min_p);
@@ -862,10 +868,8 @@ static int logits_typical(lua_State *L)
 /* Applies an edit of listed entries on the device; lg stays there. */
 static int device_edit(lua_State *L, llogits *lg, const luma_logits_edit *e)
 {
-    luma_backend *be = backend(lg);
+    luma_backend *be = edit_on_device(lg);
     luma_err err;
-    lg->edited = true;
-    forget_lowered(lg);
     return chain(L, be->ops->logits_edit(be, &lg->set->buf, lg->row, e, &err), &err);
 }
 
@@ -1012,10 +1016,8 @@ static int logits_allow(lua_State *L)
 /* softmax and log_softmax of a row on the device, in place. */
 static int device_softmax(lua_State *L, llogits *lg, bool log)
 {
-    luma_backend *be = backend(lg);
+    luma_backend *be = edit_on_device(lg);
     luma_err err;
-    lg->edited = true;
-    forget_lowered(lg);
     return chain(L, be->ops->logits_softmax(be, &lg->set->buf, lg->row, log, &err), &err);
 }
 

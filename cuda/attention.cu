@@ -25,12 +25,14 @@
  *            replays unchanged for every step of its bucket: splits past a
  *            row's keys return at once. Short and middling contexts (a
  *            step's keys bound of at most DEC_LEAN_KEYS, twice that at
- *            many rows; less for heads of 256 at few rows: lean_covers)
- *            take decode_lean_kernel
- *            instead: one to eight warps per row and kv head over all
- *            its keys (eight at a few rows, their sums merged in shared
- *            memory; one from a few dozen rows, nothing shared between
- *            warps), no splits.
+ *            many rows), and contexts of any length at few rows
+ *            (lean_covers), take decode_lean_kernel instead: one to eight
+ *            warps per row and kv head (eight at a few rows, their sums
+ *            merged in shared memory; one from a few dozen rows, nothing
+ *            shared between warps), over all its keys or, at few rows of
+ *            more keys than its warps go through quickly, split over CTAs
+ *            whose partial results the last to finish merges
+ *            (lean_splits).
  *   prefill  long chunks are cut into tiles of LUMA_CUDA_ATTN_TILE (128)
  *            query rows, attended with an online softmax (flash attention):
  *            no score matrix is ever materialized beyond a tile of keys.
@@ -984,11 +986,12 @@ static __host__ __device__ constexpr int lean_merge_floats(int D, int DS)
     return DS * ((D / 16 / DS) * 4 + 2) * 32;
 }
 
-/* The decode kernel for rows of short contexts (decode_lean_launch): grid
- * (decode rows, units / units a CTA), SP warps per unit, a unit being one
- * row, one kv head and the query heads of it that decode_kernel's CTA would
- * take (H <= 8: the rows of the scores' m16 tiles), over all of the row's
- * keys. F16 caches with dk = dv = D (64, 128 or 256: heads of 256 take 4
+/* The decode kernel for rows of short contexts, and of any length at few
+ * rows (decode_lean_launch): grid (decode rows, units / units a CTA,
+ * splits), SP warps per unit, a unit being one row, one kv head and the
+ * query heads of it that decode_kernel's CTA would take (H <= 8: the rows
+ * of the scores' m16 tiles), over all of the row's keys or (SPLIT) over
+ * split blockIdx.z of them. F16 caches with dk = dv = D (64, 128 or 256: heads of 256 take 4
  * warps a unit at most, load q at their first tile and spill). With one
  * warp a unit (many rows) nothing is shared between warps: no q staging, no
  * barrier, no merge. With 2, 4 or 8 (few rows: batch 1's 8 units would
@@ -1002,15 +1005,23 @@ static __host__ __device__ constexpr int lean_merge_floats(int D, int DS)
  * ring of dec_stages stages (cp.async; a tile inside one cache block is one
  * running address: its K and V are 4 KB each for D = 128), and the per-tile
  * work is decode_kernel's tensor-core path. The row's own k and v: as
- * decode_kernel (taken from the step, stored by the unit of head chunk 0).
- * SP is a template argument: at batch 1 the kernel is a latency chain run
- * once an SM a layer, and each split's code is only its own
+ * decode_kernel (taken from the step, stored by the unit of head chunk 0,
+ * in the split that holds the row's position). SPLIT (lean_splits: few
+ * rows of more keys than a CTA's parts go through quickly): each split's
+ * CTA writes its parts' merged sums, m and l as a partial result, and the
+ * last of the row's splits to arrive (a counter a row and unit) merges
+ * them, writes the row and quantizes it; without SPLIT the kernel is the
+ * one-CTA-a-unit kernel it was (a separate instance: with the split's
+ * code in it heads of 256, at 255 registers, ran 3% slower at short
+ * contexts). SP is a template argument: at batch 1 the kernel is a latency
+ * chain run once an SM a layer, and each split's code is only its own
  * (cuda/NOTES.md). */
-template <int D, int SP, int DS>
+template <int D, int SP, int DS, bool SPLIT>
 __global__ static void __launch_bounds__(SP * DS > DEC_LEAN_CTA_WARPS ? SP * DS * 32 : DEC_LEAN_CTA_WARPS * 32, 1)
     decode_lean_kernel(const attn_args a)
 {
     static_assert(SP == 1 || SP == 2 || SP == 4 || SP == 8, "a unit's parts");
+    static_assert(!SPLIT || SP > 1, "splits merge through the parts' merge");
     static_assert(DS == 1 || (DS == 2 && SP <= 4 && D >= 128), "a part's warps");
     constexpr int LD = D + 8, TILE = 16 * LD, STAGE = 2 * TILE, KC = D / 16, KCD = KC / DS, UW = SP * DS;
     constexpr int PPR = D / 8, RPP = 32 / PPR, PASSES = 16 / RPP;   /* 16-byte pieces of a row; rows a pass */
@@ -1024,7 +1035,15 @@ __global__ static void __launch_bounds__(SP * DS > DEC_LEAN_CTA_WARPS ? SP * DS 
     const int32_t y = (int32_t)blockIdx.x;
     const int32_t kvh = zz / a.n_hchunks, hc0 = zz % a.n_hchunks * a.heads_per_cta;
     const int32_t nh = min(a.heads_per_cta, a.group - hc0), h0 = kvh * a.group + hc0;
-    const int32_t r = a.dec_rows[y], p = a.pos[r], seq = a.row_seq[r], k0 = first_key(a, p), k1 = p + 1;
+    const int32_t r = a.dec_rows[y], p = a.pos[r], seq = a.row_seq[r], row_first = first_key(a, p);
+    /* SPLIT: split blockIdx.z of the row's keys (lean_splits), else all of them */
+    const int32_t split_len = SPLIT ? row_split_len(a, row_first, p) : 0;
+    const int32_t k0 = SPLIT ? row_first + (int32_t)blockIdx.z * split_len : row_first;
+    if (SPLIT && k0 > p) return;   /* past the row's keys: the CTA's units alike, no partial */
+    const int32_t k1 = SPLIT ? min(p + 1, k0 + split_len) : p + 1;
+    /* this warp stores the row's own k and v: the unit of head chunk 0, in
+     * the split that holds the row's position */
+    const bool own = hc0 == 0 && uw == 0 && k1 == p + 1;
     const int32_t *tab = block_table(a, seq);
     const int32_t spos0 = a.seq_pos0[seq], srow0 = a.seq_row0[seq];
     __half *ring = (__half *)dsm + (size_t)(warp / DS) * (size_t)S * STAGE;   /* the part's */
@@ -1115,7 +1134,6 @@ __global__ static void __launch_bounds__(SP * DS > DEC_LEAN_CTA_WARPS ? SP * DS 
     {
         const float *kr = a.k + (size_t)r * (size_t)a.k_cols + (size_t)kvh * D + lane * OWN;
         const float *vr = a.v + (size_t)r * (size_t)a.v_cols + (size_t)kvh * D + lane * OWN;
-        const bool own = hc0 == 0 && part == 0 && dh == 0;
 #pragma unroll
         for (int i = 0; i < OWN; i += 4) {
             if (OWN == 2) {
@@ -1141,7 +1159,7 @@ __global__ static void __launch_bounds__(SP * DS > DEC_LEAN_CTA_WARPS ? SP * DS 
                 qh[kc][hf] = *(const uint32_t *)&hh;
                 ql[kc][hf] = *(const uint32_t *)&hl;
             }
-        if (hc0 == 0 && part == 0 && dh == 0 && own_b >= 0) {
+        if (own && own_b >= 0) {
             __half *slot = (__half *)(a.pool + (size_t)own_b * a.block_bytes + head_off +
                                       (size_t)(p & (a.block_tokens - 1)) * (D * 2)) + lane * (D / 32);
             __half2 kh[OWN / 2], vh[OWN / 2];
@@ -1256,7 +1274,7 @@ __global__ static void __launch_bounds__(SP * DS > DEC_LEAN_CTA_WARPS ? SP * DS 
     team_barrier(1 + warp / UW, UW * 32);
     const float *first = (const float *)((__half *)dsm + (size_t)((warp - uw) / DS) * (size_t)S * STAGE) + dh * NF * 32;
     const size_t ring_floats = (size_t)S * STAGE / 2;
-    float mh[2] = { -INFINITY, -INFINITY }, f[SP][2], w[2];
+    float mh[2] = { -INFINITY, -INFINITY }, f[SP][2], w[2], lsum[2];
 #pragma unroll
     for (int u = 0; u < 2; u++)
 #pragma unroll
@@ -1270,8 +1288,15 @@ __global__ static void __launch_bounds__(SP * DS > DEC_LEAN_CTA_WARPS ? SP * DS 
             f[q][u] = expf(first[q * ring_floats + 4 * KCD * 32 + 8 * t + 4 * u] - mh[u]);
             l += f[q][u] * first[q * ring_floats + (4 * KCD + 1) * 32 + 8 * t + 4 * u];
         }
+        lsum[u] = l;
         w[u] = unscale / l;
     }
+    /* with splits the CTA's partial result of each head (sums, m, l: as
+     * decode_kernel's) goes to a.part and a.part_ml, the row's last split
+     * to arrive merging them below */
+    const int32_t n_live = SPLIT ? (p - row_first) / split_len + 1 : 1;
+    const bool split = SPLIT && n_live > 1;
+    const size_t pl = ((size_t)y * (size_t)a.n_head + (size_t)h0) * (size_t)a.n_splits;   /* head h0, split 0 */
     constexpr int PER = 4 * KCD / SP;   /* even: a value's head (u = v & 1) is j's */
     static_assert(PER % 2 == 0, "a part's values pair up by head");
     /* with a.qo the unit's values also go to shared memory (the first
@@ -1286,11 +1311,90 @@ __global__ static void __launch_bounds__(SP * DS > DEC_LEAN_CTA_WARPS ? SP * DS 
 #pragma unroll
         for (int q = 0; q < SP; q++) sum += f[q][u] * first[q * ring_floats + v * 32 + lane];
         const int at = (2 * t + u) * D + 16 * (v / 4) + 8 * (v % 4 / 2);
-        const float value = sum * w[u];
-        if (2 * t + u < nh) {
+        if (2 * t + u >= nh) continue;
+        if (split) {
+            const size_t ps = pl + (size_t)(2 * t + u) * (size_t)a.n_splits + blockIdx.z;
+            a.part[ps * D + (size_t)(at - (2 * t + u) * D + g + dh * (D / DS))] = sum * unscale;
+        } else {
+            const float value = sum * w[u];
             out[at] = value;
             if (a.qo) staged[at + g + dh * (D / DS)] = value;
         }
+    }
+    if (SPLIT && split) {
+        if (uw == 0 && g == 0)
+#pragma unroll
+            for (int u = 0; u < 2; u++)
+                if (2 * t + u < nh) {
+                    const size_t ps = pl + (size_t)(2 * t + u) * (size_t)a.n_splits + blockIdx.z;
+                    a.part_ml[2 * ps] = mh[u];
+                    a.part_ml[2 * ps + 1] = lsum[u];
+                }
+        /* the last of the row's live splits to arrive (a counter a row and
+         * unit, reset by it) merges them, as decode_kernel's merge_here */
+        __shared__ int lean_last[DEC_LEAN_CTA_WARPS];
+        __threadfence();
+        team_barrier(1 + warp / UW, UW * 32);
+        int32_t *const counter = a.counters + (size_t)y * (size_t)z + (size_t)zz;
+        if (uw == 0 && lane == 0) lean_last[warp / UW] = atomicAdd(counter, 1) == n_live - 1;
+        team_barrier(1 + warp / UW, UW * 32);
+        if (!lean_last[warp / UW]) return;
+        __threadfence();
+        /* a thread takes 4 columns of a head and goes through the splits
+         * with a running maximum, as the online softmax goes through keys:
+         * every split's (m, l) and sums are loaded with no wait between
+         * them (8 splits a round), so the merge costs one round trip to L2
+         * a round rather than one a reduction */
+        float *const row = a.out + (size_t)r * (size_t)a.out_cols + (size_t)h0 * D;
+        for (int i = uw * 32 + lane; i < nh * D / 4; i += UW * 32) {
+            const int hh = i / (D / 4), e = i % (D / 4) * 4;
+            const size_t at0 = pl + (size_t)hh * (size_t)a.n_splits;
+            const float *pt = a.part + at0 * D + e;
+            const float2 *mlp = (const float2 *)a.part_ml + at0;
+            float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            float mx = -INFINITY, l = 0.0f;
+            for (int32_t s0 = 0; s0 < n_live; s0 += 8) {
+                float2 ml[8];
+                float4 x[8];
+#pragma unroll
+                for (int j = 0; j < 8; j++) {
+                    const bool live = s0 + j < n_live;
+                    ml[j] = live ? __ldcg(mlp + s0 + j) : make_float2(-INFINITY, 0.0f);
+                    x[j] = live ? __ldcg((const float4 *)(pt + (size_t)(s0 + j) * D)) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                }
+                float m_new = mx;
+#pragma unroll
+                for (int j = 0; j < 8; j++) m_new = fmaxf(m_new, ml[j].x);   /* finite: split s0 is live */
+                const float cr = expf(mx - m_new);
+                acc.x *= cr;
+                acc.y *= cr;
+                acc.z *= cr;
+                acc.w *= cr;
+                l *= cr;
+#pragma unroll
+                for (int j = 0; j < 8; j++) {
+                    const float f = expf(ml[j].x - m_new);   /* 0 past the live splits */
+                    l += f * ml[j].y;
+                    acc.x += f * x[j].x;
+                    acc.y += f * x[j].y;
+                    acc.z += f * x[j].z;
+                    acc.w += f * x[j].w;
+                }
+                mx = m_new;
+            }
+            const float inv = 1.0f / l;
+            acc.x *= inv;
+            acc.y *= inv;
+            acc.z *= inv;
+            acc.w *= inv;
+            float *to = row + hh * D + e;
+            to[0] = acc.x;
+            to[1] = acc.y;
+            to[2] = acc.z;
+            to[3] = acc.w;
+            if (a.qo) *(float4 *)(staged + hh * D + e) = acc;
+        }
+        if (uw == 0 && lane == 0) *counter = 0;
     }
     if (!a.qo) return;
     /* The unit's nh x D values quantized as quantize_act does for the
@@ -1854,6 +1958,13 @@ int luma_cuda_attention_setup(const luma_kv_layout *l, luma_err *err)
     if (e != cudaSuccess) return luma_errf(err, "setting up the attention kernels: %s", cudaGetErrorString(e));
     /* the decode kernel's shared memory depends on its tuning, checked at
      * launch: each may take what the device allows beside its static part */
+#define LEAN_KERNELS(SPLIT)                                                                                        \
+    (const void *)decode_lean_kernel<64, 2, 1, SPLIT>, (const void *)decode_lean_kernel<64, 4, 1, SPLIT>,          \
+        (const void *)decode_lean_kernel<64, 8, 1, SPLIT>, (const void *)decode_lean_kernel<128, 2, 1, SPLIT>,     \
+        (const void *)decode_lean_kernel<128, 4, 1, SPLIT>, (const void *)decode_lean_kernel<128, 8, 1, SPLIT>,    \
+        (const void *)decode_lean_kernel<256, 2, 1, SPLIT>, (const void *)decode_lean_kernel<256, 4, 1, SPLIT>,    \
+        (const void *)decode_lean_kernel<128, 2, 2, SPLIT>, (const void *)decode_lean_kernel<128, 4, 2, SPLIT>,    \
+        (const void *)decode_lean_kernel<256, 2, 2, SPLIT>, (const void *)decode_lean_kernel<256, 4, 2, SPLIT>
     const void *decoders[] = {
         (const void *)decode_kernel<__half, 1, 128>, (const void *)decode_kernel<__half, 2, 128>,
         (const void *)decode_kernel<__half, 4, 128>, (const void *)decode_kernel<__half, 8, 128>,
@@ -1863,16 +1974,12 @@ int luma_cuda_attention_setup(const luma_kv_layout *l, luma_err *err)
         (const void *)decode_kernel<__half, 4, 0>,   (const void *)decode_kernel<__half, 8, 0>,
         (const void *)decode_kernel<float, 1, 0>,    (const void *)decode_kernel<float, 2, 0>,
         (const void *)decode_kernel<float, 4, 0>,    (const void *)decode_kernel<float, 8, 0>,
-        (const void *)decode_lean_kernel<64, 1, 1>,  (const void *)decode_lean_kernel<64, 2, 1>,
-        (const void *)decode_lean_kernel<64, 4, 1>,  (const void *)decode_lean_kernel<64, 8, 1>,
-        (const void *)decode_lean_kernel<128, 1, 1>, (const void *)decode_lean_kernel<128, 2, 1>,
-        (const void *)decode_lean_kernel<128, 4, 1>, (const void *)decode_lean_kernel<128, 8, 1>,
-        (const void *)decode_lean_kernel<256, 1, 1>, (const void *)decode_lean_kernel<256, 2, 1>,
-        (const void *)decode_lean_kernel<256, 4, 1>, (const void *)decode_lean_kernel<128, 1, 2>,
-        (const void *)decode_lean_kernel<128, 2, 2>, (const void *)decode_lean_kernel<128, 4, 2>,
-        (const void *)decode_lean_kernel<256, 1, 2>, (const void *)decode_lean_kernel<256, 2, 2>,
-        (const void *)decode_lean_kernel<256, 4, 2>,
+        LEAN_KERNELS(false), LEAN_KERNELS(true),
+        (const void *)decode_lean_kernel<64, 1, 1, false>, (const void *)decode_lean_kernel<128, 1, 1, false>,
+        (const void *)decode_lean_kernel<256, 1, 1, false>, (const void *)decode_lean_kernel<128, 1, 2, false>,
+        (const void *)decode_lean_kernel<256, 1, 2, false>,
     };
+#undef LEAN_KERNELS
     dec_smem_max = (size_t)optin;
     for (size_t i = 0; i < sizeof decoders / sizeof decoders[0]; i++) {
         cudaFuncAttributes fa;
@@ -1954,10 +2061,15 @@ typedef struct dec_tuning {
                                 * part: from half as many) */
     int lean_ds;               /* warps a part of a unit: 2 (each half of the values), 1, or 0: by the heads
                                 * (lean_ds_for) */
+    int lean_tiles;            /* a row's keys split over CTAs so that each part of a unit takes about this
+                                * many tiles of a split (0: one CTA a unit, and lean_keys its reach at few
+                                * units too; -1: lean_tiles_for) */
+    int lean_solo;             /* ... once its parts would take more than this many tiles each in one CTA
+                                * (-1: 512 / the head's dimensions: lean_splits) */
 } dec_tuning;
 
 /* LUMA_CUDA_ATTN_DECODE="stages,stage_bytes,warps,waves,min_split,merge_kb,mma,one_split,lean_min,lean_keys,
- * lean_split,lean_wide,lean_long,lean_ds" */
+ * lean_split,lean_wide,lean_long,lean_ds,lean_tiles,lean_solo" */
 static dec_tuning dec_tuning_get(void);
 
 /* The defaults that depend on the heads (cuda/NOTES.md, "Decode:
@@ -1993,12 +2105,12 @@ static dec_tuning dec_tuning_get(void)
     /* stages 0, warps 0, merge_kb -1, mma -1 and one_split -1: the defaults for the layer's heads
      * and the step (dec_defaults, decode_launch) */
     dec_tuning t = { 0, 8192, 0, 1, 64, -1, -1, -1, DEC_LEAN_MIN, DEC_LEAN_KEYS, 0, DEC_LEAN_WIDE,
-                     DEC_LEAN_LONG, 0 };
+                     DEC_LEAN_LONG, 0, -1, -1 };
     const char *s = getenv("LUMA_CUDA_ATTN_DECODE");
     if (s && *s)
-        sscanf(s, "%d,%d,%d,%d,%d,%d,%d,%d,%d,%d,%d,%d,%d,%d", &t.stages, &t.stage_bytes, &t.warps, &t.waves,
+        sscanf(s, "%d,%d,%d,%d,%d,%d,%d,%d,%d,%d,%d,%d,%d,%d,%d,%d", &t.stages, &t.stage_bytes, &t.warps, &t.waves,
                &t.min_split, &t.merge_kb, &t.mma, &t.one_split, &t.lean_min, &t.lean_keys, &t.lean_split,
-               &t.lean_wide, &t.lean_long, &t.lean_ds);
+               &t.lean_wide, &t.lean_long, &t.lean_ds, &t.lean_tiles, &t.lean_solo);
     if (t.stages != 0) t.stages = t.stages < 2 ? 2 : t.stages > DEC_MAX_STAGES ? DEC_MAX_STAGES : t.stages;
     if (t.warps != 0) t.warps = t.warps < 1 ? 1 : t.warps > DEC_MAX_WARPS ? DEC_MAX_WARPS : t.warps;
     if (t.waves < 1) t.waves = 1;
@@ -2185,6 +2297,44 @@ static int lean_split_for(const cuda_backend *c, const attn_args *a, const dec_t
     return sp;
 }
 
+/* The tiles each part of a unit takes in one split of decode_lean_kernel:
+ * the tuning's, else 1 (2 measured slower on a gemma3-1b synth past 256
+ * keys, level on the 7B). */
+static int lean_tiles_for(const dec_tuning &tu)
+{
+    return tu.lean_tiles >= 0 ? tu.lean_tiles : 1;
+}
+
+/* Splits of a decode_lean_kernel row over CTAs (grid z), planned as
+ * plan_splits plans decode_kernel's: for the step's dec_keys_bound (capped
+ * at the window) so that a recorded graph replays for its bucket, each
+ * row sharing its own keys among them (row_split_len) in rounds of the
+ * unit's sp parts (16 keys a part), about `tiles` such rounds a split; no
+ * more than `fit` a row (the resident CTAs' one wave over the step's
+ * rows). No splits while each part would take at most `solo` tiles in
+ * one CTA: 512 / d by default, where the split's merge (a partial result
+ * written, a counter, one CTA reading them all back: about 2 us) stopped
+ * paying (heads of 128 split from a bound of 1,024 keys at batch 1, of
+ * 256 from 256: measured on the H200, cuda/NOTES.md). Sets the args'
+ * split fields; 1: no splits (every row one split as long as any row). */
+static int32_t lean_splits(const cuda_backend *c, attn_args *a, const dec_tuning &tu, int d, int sp, int64_t fit)
+{
+    int64_t ns = 1, keys = c->step.dec_keys_bound;
+    if (a->window > 0 && a->window < keys) keys = a->window;
+    const int tiles = lean_tiles_for(tu), solo = tu.lean_solo >= 0 ? tu.lean_solo : 512 / d;
+    if (sp > 1 && tiles > 0 && keys > (int64_t)16 * sp * solo) {
+        const int64_t per = (int64_t)16 * sp * tiles;
+        ns = (keys + per - 1) / per;
+        if (ns > fit) ns = fit;
+        if (ns > DEC_MAX_SPLITS) ns = DEC_MAX_SPLITS;
+        if (ns < 1) ns = 1;
+    }
+    a->n_splits = (int32_t)ns;
+    a->split_unit = ns > 1 ? 16 * sp : 0;
+    a->split_len = ns > 1 ? 16 * sp : 1 << 30;
+    return (int32_t)ns;
+}
+
 /* Launches decode_lean_kernel<D, SP, DS> over the step's decode rows: SP
  * parts of DS warps a unit (a ring a part), units sharing a CTA of up to
  * DEC_LEAN_CTA_WARPS warps. */
@@ -2192,7 +2342,7 @@ template <int D, int SP, int DS>
 static void decode_lean_go(cuda_backend *c, attn_args *a, const dec_tuning &tu)
 {
     static cudaFuncAttributes fa;
-    static const cudaError_t setup = cudaFuncGetAttributes(&fa, (const void *)decode_lean_kernel<D, SP, DS>);
+    static const cudaError_t setup = cudaFuncGetAttributes(&fa, (const void *)decode_lean_kernel<D, SP, DS, false>);
     if (luma_cuda_fail(c, setup, "attention (decode kernel)")) return;
     const cuda_step *st = &c->step;
     const int32_t z = a->n_kv_head * a->n_hchunks;
@@ -2212,8 +2362,20 @@ static void decode_lean_go(cuda_backend *c, attn_args *a, const dec_tuning &tu)
      * ring for the unit's values past the merge's rings (decode_lean_kernel) */
     if (SP == 1 || ((size_t)lean_merge_floats(D, DS) + (size_t)a->heads_per_cta * D) * sizeof(float) > ring)
         a->qo = NULL;
-    luma_launch(c, c->stream, dim3((unsigned)st->n_dec, (unsigned)((z + upc - 1) / upc)), warps * 32, smem,
-                decode_lean_kernel<D, SP, DS>, *a);
+    const unsigned ctas = (unsigned)((z + upc - 1) / upc);
+    const int32_t ns = lean_splits(c, a, tu, D, SP, (int64_t)c->n_sm * occ / ((int64_t)st->n_dec * ctas));
+    if constexpr (SP > 1) {
+        if (ns > 1) {
+            const size_t n = (size_t)st->n_dec * (size_t)a->n_head * (size_t)ns;
+            if (!decode_scratch(c, (size_t)st->n_dec * (size_t)z, n * (size_t)(D + 2) * sizeof(float), a)) return;
+            a->part_ml = a->part + n * (size_t)D;
+            luma_launch(c, c->stream, dim3((unsigned)st->n_dec, ctas, (unsigned)ns), warps * 32, smem,
+                        decode_lean_kernel<D, SP, DS, true>, *a);
+            return;
+        }
+    }
+    luma_launch(c, c->stream, dim3((unsigned)st->n_dec, ctas), warps * 32, smem, decode_lean_kernel<D, SP, DS, false>,
+                *a);
 }
 
 /* The warps of a part: 2 (each taking half of the values, both the
@@ -2289,14 +2451,22 @@ static bool lean_covers(const cuda_backend *c, const attn_args *a, const dec_tun
      * warps a part (their default, lean_ds_for): a quarter of lean_keys at
      * any units (1 and 2 rows of 160 to 256 keys 8 to 23% faster), and
      * lean_keys from half of lean_long units (32 rows of 400 to 928 keys 5
-     * to 11% faster; 8 and 16 rows lost 3 to 13% at 800 to 928). */
+     * to 11% faster; 8 and 16 rows lost 3 to 13% at 800 to 928). Below
+     * those many units (lean_long for heads of up to 128, half of it for
+     * heads of 256) the rows' keys split over CTAs where they are many
+     * (lean_splits), and the lean kernel takes any length: against
+     * decode_kernel the 7B at batch 1 past 1,024 keys 6 to 13% faster, 4
+     * rows of 1,000 keys 6%; a gemma3-1b synth at batch 1 past 256 keys 12
+     * to 14% (cuda/NOTES.md, "Decode attention split over CTAs"). */
     int64_t most;
+    const bool splits = lean_tiles_for(tu) > 0;
     if (a->dk <= 128)
         most = units >= tu.lean_long ? 2 * (int64_t)tu.lean_keys
+               : splits ? INT64_MAX
                : units >= 2 * tu.lean_wide ? tu.lean_keys
                                            : tu.lean_keys / 4;
     else if (lean_ds_for(a, tu, 1) == 2)   /* heads of 256 split at most 4 ways: the split does not decide */
-        most = units >= tu.lean_long / 2 ? tu.lean_keys : tu.lean_keys / 4;
+        most = units >= tu.lean_long / 2 ? tu.lean_keys : splits ? INT64_MAX : tu.lean_keys / 4;
     else
         most = units >= tu.lean_long ? tu.lean_keys : units >= tu.lean_wide ? tu.lean_keys / 4 : tu.lean_keys / 8;
     return !c->invariant && a->dk == a->dv && (a->dk == 64 || a->dk == 128 || a->dk == 256) &&

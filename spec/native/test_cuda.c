@@ -1057,20 +1057,25 @@ static void test_attention_shape(const attn_shape *sh, enum luma_type type)
              * defaults give rows of up to some keys only), with 1, 2, 4
              * and 8 parts a unit (2 and more merge them; heads of 256
              * take 4 at most), and for heads of 128 and 256 with two
-             * warps a part (each half of the values) at up to 4 parts */
+             * warps a part (each half of the values) at up to 4 parts;
+             * each row in one CTA, and (2 parts and more) split over
+             * CTAs of a tile a part whatever the row's keys, merged by
+             * the last split */
             if (type == LUMA_F16 && sh->dk == sh->dv && (sh->dk == 64 || sh->dk == 128 || sh->dk == 256)) {
                 for (int ds = 1; ds <= (sh->dk >= 128 ? 2 : 1); ds++)
-                    for (int split = 1; split <= (sh->dk > 128 || ds > 1 ? 4 : 8); split *= 2) {
-                        char tuning[80];
-                        snprintf(tuning, sizeof tuning, "0,8192,0,1,64,64,-1,-1,0,1000000,%d,4,64,%d", split, ds);
-                        setenv("LUMA_CUDA_ATTN_DECODE", tuning, 1);
-                        snprintf(label, sizeof label, "attn %s f16 %s lean/%dx%d w0", sh->name, steps[k].what, split,
-                                 ds);
-                        attend(&e, &as.t.s, &e.full, label, UNTIMED);
-                        snprintf(label, sizeof label, "attn %s f16 %s lean/%dx%d w%d", sh->name, steps[k].what,
-                                 split, ds, WINDOW);
-                        attend(&e, &as.t.s, &e.win, label, UNTIMED);
-                    }
+                    for (int split = 1; split <= (sh->dk > 128 || ds > 1 ? 4 : 8); split *= 2)
+                        for (int tiles = 0; tiles <= (split > 1 ? 1 : 0); tiles++) {
+                            char tuning[80];
+                            snprintf(tuning, sizeof tuning, "0,8192,0,1,64,64,-1,-1,0,1000000,%d,4,64,%d,%s", split,
+                                     ds, tiles ? "1,0" : "0");
+                            setenv("LUMA_CUDA_ATTN_DECODE", tuning, 1);
+                            snprintf(label, sizeof label, "attn %s f16 %s lean/%dx%d/%s w0", sh->name, steps[k].what,
+                                     split, ds, tiles ? "split" : "whole");
+                            attend(&e, &as.t.s, &e.full, label, UNTIMED);
+                            snprintf(label, sizeof label, "attn %s f16 %s lean/%dx%d/%s w%d", sh->name,
+                                     steps[k].what, split, ds, tiles ? "split" : "whole", WINDOW);
+                            attend(&e, &as.t.s, &e.win, label, UNTIMED);
+                        }
                 unsetenv("LUMA_CUDA_ATTN_DECODE");
             }
         }
@@ -1103,7 +1108,7 @@ static void test_attention(void)
  * hi]. Checked against the CPU, then timed at the bandwidth of reading each
  * row's visible K and V once (F16 cache). LUMA_CUDA_DECODE_CONFIGS, a list
  * of decode tunings separated by ';' (each "stages,stage_bytes,warps,waves,
- * min_split,merge_kb,mma[,one_split,lean_min,lean_keys,lean_split]", as cuda/attention.cu reads
+ * min_split,merge_kb,mma[,one_split,lean_min,lean_keys,lean_split,...,lean_tiles]", as cuda/attention.cu reads
  * LUMA_CUDA_ATTN_DECODE, set to each in turn), also checks and times each of
  * them; LUMA_CUDA_DECODE_CASE=i runs case i alone (for a profiler). */
 typedef struct dec_case {

@@ -2297,12 +2297,71 @@ static int lean_split_for(const cuda_backend *c, const attn_args *a, const dec_t
     return sp;
 }
 
+/* The warps of a part: 2 (each taking half of the values, both the
+ * scores; the part's ring shared, a named barrier of the two a tile) for
+ * heads of 256 at up to 4 parts a unit, or for heads of 128 when the
+ * tuning's lean_ds asks; else 1 (lean_ds 1: always). Measured for heads of
+ * 256 (Gemma 3 270M: batch 1 0.61 to 0.55 ms, 4 to 128 sequences 16 to
+ * 23% more tokens/s); for heads of 128 (the 7B) level or slower, so not
+ * taken there by default (cuda/NOTES.md, "Two warps a part"). */
+static int lean_ds_for(const attn_args *a, const dec_tuning &tu, int sp)
+{
+    const int ds = tu.lean_ds > 0 ? tu.lean_ds : a->dk >= 256 ? 2 : 1;
+    return ds >= 2 && a->dk >= 128 && sp <= 4 ? 2 : 1;
+}
+
 /* The tiles each part of a unit takes in one split of decode_lean_kernel:
  * the tuning's, else 1 (2 measured slower on a gemma3-1b synth past 256
  * keys, level on the 7B). */
 static int lean_tiles_for(const dec_tuning &tu)
 {
     return tu.lean_tiles >= 0 ? tu.lean_tiles : 1;
+}
+
+/* How far decode_lean_kernel reaches with a CTA a unit (no splits),
+ * measured against decode_kernel on the H200 with whole models
+ * (cuda/NOTES.md, "Decode attention past 256 keys"). Heads of up to 128 (the 7B, 8 units a row): level or
+ * faster at 1 to 4 rows up to 1,024 keys, 2 to 25% faster from 4 rows,
+ * and from 16 rows up to 2,048 keys (20%); decode_kernel's splits keep
+ * longer rows. Fewer than the 7B's one row of units (Qwen2 0.5B's 2 kv
+ * heads at 1 to 3 rows: not measured) keep a quarter of lean_keys (256,
+ * as before). Heads of 256 (Gemma 3; 4 parts a unit at most, their
+ * tiles twice as long, against decode_kernel on the CUDA cores): with
+ * one warp a part, at 1 and 2 units faster up to about 150 keys and
+ * slower from 128 to 256, so up to an eighth of lean_keys (128: a step
+ * bound of 128, the first bucket); from lean_wide units faster up to
+ * 256 keys (2 to 20%); from lean_long units faster at 385 to 960 keys
+ * too (8 to 21%), where at 8 rows it lost and at 32 was level. With two
+ * warps a part (their default, lean_ds_for): a quarter of lean_keys at
+ * any units (1 and 2 rows of 160 to 256 keys 8 to 23% faster), and
+ * lean_keys from half of lean_long units (32 rows of 400 to 928 keys 5
+ * to 11% faster; 8 and 16 rows lost 3 to 13% at 800 to 928). */
+static int64_t lean_reach(const cuda_backend *c, const attn_args *a, const dec_tuning &tu)
+{
+    const int64_t units = lean_units(c, a);
+    if (a->dk <= 128)
+        return units >= tu.lean_long ? 2 * (int64_t)tu.lean_keys
+               : units >= 2 * tu.lean_wide ? tu.lean_keys
+                                           : tu.lean_keys / 4;
+    if (lean_ds_for(a, tu, 1) == 2)   /* heads of 256 split at most 4 ways: the split does not decide */
+        return units >= tu.lean_long / 2 ? tu.lean_keys : tu.lean_keys / 4;
+    return units >= tu.lean_long ? tu.lean_keys : units >= tu.lean_wide ? tu.lean_keys / 4 : tu.lean_keys / 8;
+}
+
+/* Whether the step's units are few enough that decode_lean_kernel takes
+ * their rows at any length, split over CTAs past lean_reach (lean_splits):
+ * below lean_long units for heads of up to 128, half of it for heads of
+ * 256 on two warps a part. Against decode_kernel (and its combine_kernel
+ * and the quantizer after it): the 7B at batch 1 past 1,024 keys 6 to 13%
+ * faster, 2 and 4 rows of 3,000 keys 13 and 9%; Gemma 3 270M at batch 1
+ * past 256 keys 16 to 19%, 4 rows of 1,000 keys 10 to 14% (cuda/NOTES.md,
+ * "Decode attention split over CTAs"). */
+static bool lean_few(const cuda_backend *c, const attn_args *a, const dec_tuning &tu)
+{
+    const int64_t units = lean_units(c, a);
+    if (lean_tiles_for(tu) <= 0) return false;
+    if (a->dk <= 128) return units < tu.lean_long;
+    return lean_ds_for(a, tu, 1) == 2 && units < tu.lean_long / 2;
 }
 
 /* Splits of a decode_lean_kernel row over CTAs (grid z), planned as
@@ -2322,7 +2381,11 @@ static int32_t lean_splits(const cuda_backend *c, attn_args *a, const dec_tuning
     int64_t ns = 1, keys = c->step.dec_keys_bound;
     if (a->window > 0 && a->window < keys) keys = a->window;
     const int tiles = lean_tiles_for(tu), solo = tu.lean_solo >= 0 ? tu.lean_solo : 512 / d;
-    if (sp > 1 && tiles > 0 && keys > (int64_t)16 * sp * solo) {
+    /* past the reach of a CTA a unit, and within it at one or two rows
+     * (more, the splits' merges cost more than they save: Gemma 3 270M at 8
+     * rows of up to 256 keys 4% slower, the 7B at 32 rows 10%) */
+    const bool want = keys > lean_reach(c, a, tu) || c->step.n_dec <= 2;
+    if (sp > 1 && tiles > 0 && want && keys > (int64_t)16 * sp * solo) {
         const int64_t per = (int64_t)16 * sp * tiles;
         ns = (keys + per - 1) / per;
         if (ns > fit) ns = fit;
@@ -2378,19 +2441,6 @@ static void decode_lean_go(cuda_backend *c, attn_args *a, const dec_tuning &tu)
                 *a);
 }
 
-/* The warps of a part: 2 (each taking half of the values, both the
- * scores; the part's ring shared, a named barrier of the two a tile) for
- * heads of 256 at up to 4 parts a unit, or for heads of 128 when the
- * tuning's lean_ds asks; else 1 (lean_ds 1: always). Measured for heads of
- * 256 (Gemma 3 270M: batch 1 0.61 to 0.55 ms, 4 to 128 sequences 16 to
- * 23% more tokens/s); for heads of 128 (the 7B) level or slower, so not
- * taken there by default (cuda/NOTES.md, "Two warps a part"). */
-static int lean_ds_for(const attn_args *a, const dec_tuning &tu, int sp)
-{
-    const int ds = tu.lean_ds > 0 ? tu.lean_ds : a->dk >= 256 ? 2 : 1;
-    return ds >= 2 && a->dk >= 128 && sp <= 4 ? 2 : 1;
-}
-
 template <int D, int DS>
 static void decode_lean_parts(cuda_backend *c, attn_args *a, const dec_tuning &tu, int sp)
 {
@@ -2434,43 +2484,8 @@ static bool lean_covers(const cuda_backend *c, const attn_args *a, const dec_tun
     if (a->window > 0 && a->window < keys) keys = a->window;
     const bool aligned = (((uintptr_t)a->q | (uintptr_t)a->k | (uintptr_t)a->v) & 15) == 0 &&
                          ((a->q_cols | a->k_cols | a->v_cols) & 3) == 0;   /* its q, k and v loads */
-    /* How far the lean kernel reaches, measured against decode_kernel on
-     * the H200 with whole models (cuda/NOTES.md, "Decode attention past
-     * 256 keys"). Heads of up to 128 (the 7B, 8 units a row): level or
-     * faster at 1 to 4 rows up to 1,024 keys, 2 to 25% faster from 4 rows,
-     * and from 16 rows up to 2,048 keys (20%); decode_kernel's splits keep
-     * longer rows. Fewer than the 7B's one row of units (Qwen2 0.5B's 2 kv
-     * heads at 1 to 3 rows: not measured) keep a quarter of lean_keys (256,
-     * as before). Heads of 256 (Gemma 3; 4 parts a unit at most, their
-     * tiles twice as long, against decode_kernel on the CUDA cores): with
-     * one warp a part, at 1 and 2 units faster up to about 150 keys and
-     * slower from 128 to 256, so up to an eighth of lean_keys (128: a step
-     * bound of 128, the first bucket); from lean_wide units faster up to
-     * 256 keys (2 to 20%); from lean_long units faster at 385 to 960 keys
-     * too (8 to 21%), where at 8 rows it lost and at 32 was level. With two
-     * warps a part (their default, lean_ds_for): a quarter of lean_keys at
-     * any units (1 and 2 rows of 160 to 256 keys 8 to 23% faster), and
-     * lean_keys from half of lean_long units (32 rows of 400 to 928 keys 5
-     * to 11% faster; 8 and 16 rows lost 3 to 13% at 800 to 928). Below
-     * those many units (lean_long for heads of up to 128, half of it for
-     * heads of 256) the rows' keys split over CTAs where they are many
-     * (lean_splits), and the lean kernel takes any length: against
-     * decode_kernel the 7B at batch 1 past 1,024 keys 6 to 13% faster, 4
-     * rows of 1,000 keys 6%; a gemma3-1b synth at batch 1 past 256 keys 12
-     * to 14% (cuda/NOTES.md, "Decode attention split over CTAs"). */
-    int64_t most;
-    const bool splits = lean_tiles_for(tu) > 0;
-    if (a->dk <= 128)
-        most = units >= tu.lean_long ? 2 * (int64_t)tu.lean_keys
-               : splits ? INT64_MAX
-               : units >= 2 * tu.lean_wide ? tu.lean_keys
-                                           : tu.lean_keys / 4;
-    else if (lean_ds_for(a, tu, 1) == 2)   /* heads of 256 split at most 4 ways: the split does not decide */
-        most = units >= tu.lean_long / 2 ? tu.lean_keys : splits ? INT64_MAX : tu.lean_keys / 4;
-    else
-        most = units >= tu.lean_long ? tu.lean_keys : units >= tu.lean_wide ? tu.lean_keys / 4 : tu.lean_keys / 8;
     return !c->invariant && a->dk == a->dv && (a->dk == 64 || a->dk == 128 || a->dk == 256) &&
-           a->heads_per_cta <= 8 && aligned && units >= tu.lean_min && keys <= most;
+           a->heads_per_cta <= 8 && aligned && units >= tu.lean_min && (keys <= lean_reach(c, a, tu) || lean_few(c, a, tu));
 }
 
 template <typename T, int MMA>

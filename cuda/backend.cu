@@ -725,7 +725,14 @@ static int cuda_step_run(luma_backend *be, const luma_step *step, int (*forward)
             return run_forward(c, forward, ctx, err);
         if (!graph_record(c, g, forward, ctx)) {
             g->failures++;
-            return run_forward(c, forward, ctx, err);
+            const int rc = run_forward(c, forward, ctx, err);
+            /* the buffer that had to grow has grown in the eager run:
+             * recorded now, the next step of the shape replays instead of
+             * recording (a long prompt's first decode steps, whose
+             * attention splits grow its scratch, no longer pay for a
+             * recording on their second step) */
+            if (rc == 0 && LUMA_CUDA_OK(c) && g->failures < CUDA_GRAPH_TRIES) graph_record(c, g, forward, ctx);
+            return rc;
         }
     }
     if (luma_cuda_fail(c, cudaGraphLaunch(g->exec, c->stream), "replaying a recorded decode step"))

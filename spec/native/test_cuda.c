@@ -1066,8 +1066,10 @@ static void test_attention_shape(const attn_shape *sh, enum luma_type type)
                     for (int split = 1; split <= (sh->dk > 128 || ds > 1 ? 4 : 8); split *= 2)
                         for (int tiles = 0; tiles <= (split > 1 ? 1 : 0); tiles++) {
                             char tuning[80];
-                            snprintf(tuning, sizeof tuning, "0,8192,0,1,64,64,-1,-1,0,1000000,%d,4,64,%d,%s", split,
-                                     ds, tiles ? "1,0" : "0");
+                            /* split: a reach of a CTA a unit of no keys (lean_keys 1), splits of a tile
+                             * a part from the first (lean_tiles 1, lean_solo 0) */
+                            snprintf(tuning, sizeof tuning, "0,8192,0,1,64,64,-1,-1,0,%s,%d,4,64,%d,%s",
+                                     tiles ? "1" : "1000000", split, ds, tiles ? "1,0" : "0");
                             setenv("LUMA_CUDA_ATTN_DECODE", tuning, 1);
                             snprintf(label, sizeof label, "attn %s f16 %s lean/%dx%d/%s w0", sh->name, steps[k].what,
                                      split, ds, tiles ? "split" : "whole");

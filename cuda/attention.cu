@@ -991,8 +991,9 @@ static __host__ __device__ constexpr int lean_merge_floats(int D, int DS)
  * splits), SP warps per unit, a unit being one row, one kv head and the
  * query heads of it that decode_kernel's CTA would take (H <= 8: the rows
  * of the scores' m16 tiles), over all of the row's keys or (SPLIT) over
- * split blockIdx.z of them. F16 caches with dk = dv = D (64, 128 or 256: heads of 256 take 4
- * warps a unit at most, load q at their first tile and spill). With one
+ * split blockIdx.z of them. F16 caches with dk = dv = D (64, 128 or 256:
+ * heads of 256 take 4 warps a unit at most, load q at their first tile
+ * and spill). With one
  * warp a unit (many rows) nothing is shared between warps: no q staging, no
  * barrier, no merge. With 2, 4 or 8 (few rows: batch 1's 8 units would
  * leave a warp going through all the row's tiles alone), the unit's warps
@@ -1360,7 +1361,8 @@ __global__ static void __launch_bounds__(SP * DS > DEC_LEAN_CTA_WARPS ? SP * DS 
                 for (int j = 0; j < 8; j++) {
                     const bool live = s0 + j < n_live;
                     ml[j] = live ? __ldcg(mlp + s0 + j) : make_float2(-INFINITY, 0.0f);
-                    x[j] = live ? __ldcg((const float4 *)(pt + (size_t)(s0 + j) * D)) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                    x[j] = live ? __ldcg((const float4 *)(pt + (size_t)(s0 + j) * D))
+                                : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
                 }
                 float m_new = mx;
 #pragma unroll
@@ -2320,7 +2322,8 @@ static int lean_tiles_for(const dec_tuning &tu)
 
 /* How far decode_lean_kernel reaches with a CTA a unit (no splits),
  * measured against decode_kernel on the H200 with whole models
- * (cuda/NOTES.md, "Decode attention past 256 keys"). Heads of up to 128 (the 7B, 8 units a row): level or
+ * (cuda/NOTES.md, "Decode attention past 256 keys"). Heads of up to 128
+ * (the 7B, 8 units a row): level or
  * faster at 1 to 4 rows up to 1,024 keys, 2 to 25% faster from 4 rows,
  * and from 16 rows up to 2,048 keys (20%); decode_kernel's splits keep
  * longer rows. Fewer than the 7B's one row of units (Qwen2 0.5B's 2 kv
@@ -2472,12 +2475,12 @@ static void decode_lean_launch(cuda_backend *c, attn_args *a, const dec_tuning &
 }
 
 /* Whether decode_lean_kernel takes the step's decode rows: F16 caches with
- * dk = dv of 64, 128 or 256 on the tensor cores, at least lean_min units (rows x
- * kv heads x head chunks; 1 by default: with its warps a unit it beats
- * decode_kernel from batch 1 on, cuda/NOTES.md), at most lean_keys keys a
- * row (the step's bound; a unit's warps go through them without splits),
- * and not under batch invariance (the kernel taken follows the step's
- * rows). */
+ * dk = dv of 64, 128 or 256 on the tensor cores, at least lean_min units
+ * (rows x kv heads x head chunks; 1 by default: with its warps a unit it
+ * beats decode_kernel from batch 1 on, cuda/NOTES.md), keys a row (the
+ * step's bound) within lean_reach or units few enough to split any length
+ * (lean_few), and not under batch invariance (the kernel taken follows the
+ * step's rows). */
 static bool lean_covers(const cuda_backend *c, const attn_args *a, const dec_tuning &tu)
 {
     int64_t units = lean_units(c, a), keys = c->step.dec_keys_bound;
@@ -2485,7 +2488,8 @@ static bool lean_covers(const cuda_backend *c, const attn_args *a, const dec_tun
     const bool aligned = (((uintptr_t)a->q | (uintptr_t)a->k | (uintptr_t)a->v) & 15) == 0 &&
                          ((a->q_cols | a->k_cols | a->v_cols) & 3) == 0;   /* its q, k and v loads */
     return !c->invariant && a->dk == a->dv && (a->dk == 64 || a->dk == 128 || a->dk == 256) &&
-           a->heads_per_cta <= 8 && aligned && units >= tu.lean_min && (keys <= lean_reach(c, a, tu) || lean_few(c, a, tu));
+           a->heads_per_cta <= 8 && aligned && units >= tu.lean_min &&
+           (keys <= lean_reach(c, a, tu) || lean_few(c, a, tu));
 }
 
 template <typename T, int MMA>

@@ -74,6 +74,7 @@
                                * (heads of 256, one warp a part: a quarter from this many, an eighth below) */
 #define DEC_LEAN_LONG 64      /* twice DEC_LEAN_KEYS from this many units (heads of 256: DEC_LEAN_KEYS; from
                                * half as many with two warps a part) */
+#define DEC_LEAN_MANY 256     /* below this many units (half for heads of 256) rows of any length (lean_few) */
 #define DEC_P_SCALE 16384.0f  /* softmax weights (<= 1) times this on the tensor cores: f16 stays normal longer */
 #define PF_QT 16              /* query rows per CUDA-core prefill CTA */
 #define PF_SUB (LUMA_CUDA_ATTN_TILE / PF_QT)   /* its CTAs per tile */
@@ -2068,10 +2069,12 @@ typedef struct dec_tuning {
                                 * units too; -1: lean_tiles_for) */
     int lean_solo;             /* ... once its parts would take more than this many tiles each in one CTA
                                 * (-1: 512 / the head's dimensions: lean_splits) */
+    int lean_many;             /* below this many units (half for heads of 256) the lean kernel takes rows
+                                * of any length, split past its reach (lean_few) */
 } dec_tuning;
 
 /* LUMA_CUDA_ATTN_DECODE="stages,stage_bytes,warps,waves,min_split,merge_kb,mma,one_split,lean_min,lean_keys,
- * lean_split,lean_wide,lean_long,lean_ds,lean_tiles,lean_solo" */
+ * lean_split,lean_wide,lean_long,lean_ds,lean_tiles,lean_solo,lean_many" */
 static dec_tuning dec_tuning_get(void);
 
 /* The defaults that depend on the heads (cuda/NOTES.md, "Decode:
@@ -2107,12 +2110,12 @@ static dec_tuning dec_tuning_get(void)
     /* stages 0, warps 0, merge_kb -1, mma -1 and one_split -1: the defaults for the layer's heads
      * and the step (dec_defaults, decode_launch) */
     dec_tuning t = { 0, 8192, 0, 1, 64, -1, -1, -1, DEC_LEAN_MIN, DEC_LEAN_KEYS, 0, DEC_LEAN_WIDE,
-                     DEC_LEAN_LONG, 0, -1, -1 };
+                     DEC_LEAN_LONG, 0, -1, -1, DEC_LEAN_MANY };
     const char *s = getenv("LUMA_CUDA_ATTN_DECODE");
     if (s && *s)
-        sscanf(s, "%d,%d,%d,%d,%d,%d,%d,%d,%d,%d,%d,%d,%d,%d,%d,%d", &t.stages, &t.stage_bytes, &t.warps, &t.waves,
-               &t.min_split, &t.merge_kb, &t.mma, &t.one_split, &t.lean_min, &t.lean_keys, &t.lean_split,
-               &t.lean_wide, &t.lean_long, &t.lean_ds, &t.lean_tiles, &t.lean_solo);
+        sscanf(s, "%d,%d,%d,%d,%d,%d,%d,%d,%d,%d,%d,%d,%d,%d,%d,%d,%d", &t.stages, &t.stage_bytes, &t.warps,
+               &t.waves, &t.min_split, &t.merge_kb, &t.mma, &t.one_split, &t.lean_min, &t.lean_keys, &t.lean_split,
+               &t.lean_wide, &t.lean_long, &t.lean_ds, &t.lean_tiles, &t.lean_solo, &t.lean_many);
     if (t.stages != 0) t.stages = t.stages < 2 ? 2 : t.stages > DEC_MAX_STAGES ? DEC_MAX_STAGES : t.stages;
     if (t.warps != 0) t.warps = t.warps < 1 ? 1 : t.warps > DEC_MAX_WARPS ? DEC_MAX_WARPS : t.warps;
     if (t.waves < 1) t.waves = 1;
@@ -2353,18 +2356,20 @@ static int64_t lean_reach(const cuda_backend *c, const attn_args *a, const dec_t
 
 /* Whether the step's units are few enough that decode_lean_kernel takes
  * their rows at any length, split over CTAs past lean_reach (lean_splits):
- * below lean_long units for heads of up to 128, half of it for heads of
+ * below lean_many units for heads of up to 128, half of it for heads of
  * 256 on two warps a part. Against decode_kernel (and its combine_kernel
- * and the quantizer after it): the 7B at batch 1 past 1,024 keys 6 to 13%
- * faster, 2 and 4 rows of 3,000 keys 13 and 9%; Gemma 3 270M at batch 1
- * past 256 keys 16 to 19%, 4 rows of 1,000 keys 10 to 14% (cuda/NOTES.md,
- * "Decode attention split over CTAs"). */
+ * and, at one row, the quantizer after it): the 7B at batch 1 past 1,024
+ * keys 6 to 13% faster, 2 / 4 / 8 / 16 rows of 3,000 keys 13 / 9 / 15 /
+ * 7%, at 32 rows level; Gemma 3 270M at batch 1 past 256 keys 16 to 19%,
+ * 4 rows of 1,000 keys 10 to 14%; a gemma3-1b synth at 32 and 64 rows of
+ * 3,000 keys 10 and 7% (cuda/NOTES.md, "Decode attention split over
+ * CTAs"). */
 static bool lean_few(const cuda_backend *c, const attn_args *a, const dec_tuning &tu)
 {
     const int64_t units = lean_units(c, a);
     if (lean_tiles_for(tu) <= 0) return false;
-    if (a->dk <= 128) return units < tu.lean_long;
-    return lean_ds_for(a, tu, 1) == 2 && units < tu.lean_long / 2;
+    if (a->dk <= 128) return units < tu.lean_many;
+    return lean_ds_for(a, tu, 1) == 2 && units < tu.lean_many / 2;
 }
 
 /* Splits of a decode_lean_kernel row over CTAs (grid z), planned as

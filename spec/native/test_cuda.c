@@ -1036,12 +1036,13 @@ static void test_attention_shape(const attn_shape *sh, enum luma_type type)
             snprintf(label, sizeof label, "attn %s %s %s w%d", sh->name, luma_type_name(type), steps[k].what, WINDOW);
             attend(&e, &as.t.s, &e.win, label, UNTIMED);
             /* the decode rows again on decode_kernel whatever their keys
-             * (the lean kernel's reach 0), each row's splits merged by the
-             * last of them to finish and by combine_kernel: the defaults
-             * give these few rows the second, many rows the first */
+             * (the lean kernel's reach 0, and no lean splits), each row's
+             * splits merged by the last of them to finish and by
+             * combine_kernel: the defaults give few rows the second, many
+             * rows the first */
             if (k == 0) {
-                static const char *const merges[2][2] = { { "0,8192,0,1,64,1024,-1,-1,1,0", "merged" },
-                                                          { "0,8192,0,1,64,0,-1,-1,1,0", "combined" } };
+                static const char *const merges[2][2] = { { "0,8192,0,1,64,1024,-1,-1,1,0,0,4,64,0,0", "merged" },
+                                                          { "0,8192,0,1,64,0,-1,-1,1,0,0,4,64,0,0", "combined" } };
                 for (int mi = 0; mi < 2; mi++) {
                     setenv("LUMA_CUDA_ATTN_DECODE", merges[mi][0], 1);
                     snprintf(label, sizeof label, "attn %s %s %s %s w0", sh->name, luma_type_name(type),

@@ -103,6 +103,26 @@ describe("the luma command", function()
     assert.matches("weights %+ KV read per token at 600%s+[%d.]+ %+ " .. want:gsub("%.", "%%.") .. "%s", out)
   end)
 
+  it("bench -b reports each batch size's aggregate decode, the best of -r runs", function()
+    local out, err, code = H.run(bin .. " bench -m " .. H.quote(model_path) ..
+                                 " -t 2 -p 8 -n 3 -r 2 -b 1,2 --batch-prompt 16 --policy")
+    assert.are.equal(0, code, err)
+    for _, n in ipairs{ 1, 2 } do
+      for _, what in ipairs{ " %(16%+3%)", ", sampled", ", luma%.draw" } do
+        local tps = tonumber(out:match("aggregate decode, " .. n .. " seqs" .. what .. "%s+([%d.]+)%s+tokens/s"))
+        assert.is_true(tps and tps > 0, out)
+      end
+      assert.matches("scheduler, " .. n .. " requests %(16%+3%)%s+[%d.]+%s+tokens/s", out)
+    end
+    -- the best of the runs: the highest rate, with that run's first step
+    local rates, calls = { { 3, 0.3 }, { 5, 0.5 }, { 4, 0.4 } }, 0
+    local rate, first = require("luma.bench").best_rate(3, function()
+      calls = calls + 1
+      return rates[calls][1], rates[calls][2]
+    end)
+    assert.are.same({ 3, 5, 0.5 }, { calls, rate, first })
+  end)
+
   it("runs a chunk with -e, passing the remaining arguments as ...", function()
     local out, err, code = H.run(bin .. " -e 'local luma = require \"luma\"; print(luma.version, ...)' a 'b c'")
     assert.are.equal(0, code, err)

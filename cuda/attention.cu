@@ -1299,6 +1299,8 @@ __global__ static void __launch_bounds__(SP * DS > DEC_LEAN_CTA_WARPS ? SP * DS 
     const int32_t n_live = SPLIT ? (p - row_first) / split_len + 1 : 1;
     const bool split = SPLIT && n_live > 1;
     const size_t pl = ((size_t)y * (size_t)a.n_head + (size_t)h0) * (size_t)a.n_splits;   /* head h0, split 0 */
+    auto part_at = [&](int head) { return pl + (size_t)head * (size_t)a.n_splits + blockIdx.z; };   /* this split's */
+    const int own_col = g + dh * (D / DS);   /* this lane's first column of a head (out's offset) */
     constexpr int PER = 4 * KCD / SP;   /* even: a value's head (u = v & 1) is j's */
     static_assert(PER % 2 == 0, "a part's values pair up by head");
     /* with a.qo the unit's values also go to shared memory (the first
@@ -1312,25 +1314,23 @@ __global__ static void __launch_bounds__(SP * DS > DEC_LEAN_CTA_WARPS ? SP * DS 
         float sum = 0.0f;
 #pragma unroll
         for (int q = 0; q < SP; q++) sum += f[q][u] * first[q * ring_floats + v * 32 + lane];
-        const int at = (2 * t + u) * D + 16 * (v / 4) + 8 * (v % 4 / 2);
-        if (2 * t + u >= nh) continue;
+        const int head = 2 * t + u, col = 16 * (v / 4) + 8 * (v % 4 / 2), at = head * D + col;
+        if (head >= nh) continue;
         if (split) {
-            const size_t ps = pl + (size_t)(2 * t + u) * (size_t)a.n_splits + blockIdx.z;
-            a.part[ps * D + (size_t)(at - (2 * t + u) * D + g + dh * (D / DS))] = sum * unscale;
+            a.part[part_at(head) * D + (size_t)(col + own_col)] = sum * unscale;
         } else {
             const float value = sum * w[u];
             out[at] = value;
-            if (a.qo) staged[at + g + dh * (D / DS)] = value;
+            if (a.qo) staged[at + own_col] = value;
         }
     }
-    if (SPLIT && split) {
+    if (split) {
         if (uw == 0 && g == 0)
 #pragma unroll
             for (int u = 0; u < 2; u++)
                 if (2 * t + u < nh) {
-                    const size_t ps = pl + (size_t)(2 * t + u) * (size_t)a.n_splits + blockIdx.z;
-                    a.part_ml[2 * ps] = mh[u];
-                    a.part_ml[2 * ps + 1] = lsum[u];
+                    a.part_ml[2 * part_at(2 * t + u)] = mh[u];
+                    a.part_ml[2 * part_at(2 * t + u) + 1] = lsum[u];
                 }
         /* the last of the row's live splits to arrive (a counter a row and
          * unit, reset by it) merges them, as decode_kernel's merge_here */
@@ -2383,7 +2383,8 @@ static bool lean_few(const cuda_backend *c, const attn_args *a, const dec_tuning
  * written, a counter, one CTA reading them all back: about 2 us) stopped
  * paying (heads of 128 split from a bound of 1,024 keys at batch 1, of
  * 256 from 256: measured on the H200, cuda/NOTES.md). Sets the args'
- * split fields; 1: no splits (every row one split as long as any row). */
+ * split fields; 1: no splits (the kernel without SPLIT, which reads
+ * none of them). */
 static int32_t lean_splits(const cuda_backend *c, attn_args *a, const dec_tuning &tu, int d, int sp, int64_t fit)
 {
     int64_t ns = 1, keys = c->step.dec_keys_bound;
@@ -2401,8 +2402,7 @@ static int32_t lean_splits(const cuda_backend *c, attn_args *a, const dec_tuning
         if (ns < 1) ns = 1;
     }
     a->n_splits = (int32_t)ns;
-    a->split_unit = ns > 1 ? 16 * sp : 0;
-    a->split_len = ns > 1 ? 16 * sp : 1 << 30;
+    if (ns > 1) a->split_unit = a->split_len = 16 * sp;   /* row_split_len's: rounds of the parts */
     return (int32_t)ns;
 }
 

@@ -301,8 +301,7 @@ static int setup_kv(luma_model *m, const luma_model_params *p, luma_err *err)
     l->head_dim_k = hp->head_dim_k;
     l->head_dim_v = hp->head_dim_v;
     l->type = p->kv_f32 ? LUMA_F32 : LUMA_F16;
-    int32_t n_swa = 0;
-    for (int32_t i = 0; i < hp->n_layer; i++) n_swa += hp->layer_swa[i];
+    const int32_t n_swa = luma_swa_layers(hp);
     /* Sliding-window layers get their own pool when the window is shorter
      * than the context; otherwise they see everything anyway. */
     bool split = hp->swa_window > 0 && n_swa > 0 && hp->swa_window < m->n_ctx;

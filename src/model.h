@@ -49,6 +49,14 @@ typedef struct luma_hparams {
     float embd_scale;                   /* embeddings are multiplied by it */
 } luma_hparams;
 
+/* How many layers use the sliding window (none without a window). */
+static inline int32_t luma_swa_layers(const luma_hparams *hp)
+{
+    int32_t n = 0;
+    for (int32_t i = 0; i < hp->n_layer; i++) n += hp->swa_window > 0 && hp->layer_swa[i];
+    return n;
+}
+
 typedef struct luma_layer {
     luma_weight attn_norm, wq, wk, wv, wo, bq, bk, bv;
     luma_weight q_norm, k_norm, post_attn_norm;

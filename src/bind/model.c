@@ -276,9 +276,7 @@ static void push_info(lua_State *L, const luma_model *m)
      * in one layer (kv_token_bytes), in each of the layers; the sliding-
      * window layers (swa_layers of them) read at most sliding_window keys */
     set_int(L, "kv_token_bytes", token);
-    int swa = 0;
-    for (int il = 0; il < hp->n_layer; il++) swa += hp->swa_window > 0 && hp->layer_swa[il];
-    set_int(L, "swa_layers", swa);
+    set_int(L, "swa_layers", luma_swa_layers(hp));
 }
 
 static int model_index(lua_State *L)

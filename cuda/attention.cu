@@ -23,16 +23,16 @@
  *            The number of splits follows the step's dec_keys_bound, not its
  *            context lengths, so that a decode step recorded as a CUDA graph
  *            replays unchanged for every step of its bucket: splits past a
- *            row's keys return at once. Short and middling contexts (a
- *            step's keys bound of at most DEC_LEAN_KEYS, twice that at
- *            many rows), and contexts of any length at few rows
- *            (lean_covers), take decode_lean_kernel instead: one to eight
- *            warps per row and kv head (eight at a few rows, their sums
- *            merged in shared memory; one from a few dozen rows, nothing
- *            shared between warps), over all its keys or, at few rows of
- *            more keys than its warps go through quickly, split over CTAs
- *            whose partial results the last to finish merges
- *            (lean_splits).
+ *            row's keys return at once. Every row count and context length
+ *            of F16 caches with dk = dv in {64, 128, 256} (heads of 256 on
+ *            two warps a part), outside batch invariance, takes
+ *            decode_lean_kernel instead (lean_covers): one to eight warps
+ *            per row and kv head (eight at a few rows, their sums merged in
+ *            shared memory; one from a few dozen rows, nothing shared
+ *            between warps), over all its keys or, past what its warps go
+ *            through quickly, split over CTAs whose partial results the
+ *            last to finish merges (lean_splits). decode_kernel keeps the
+ *            rest. Both merge splits with merge_splits.
  *   prefill  long chunks are cut into tiles of LUMA_CUDA_ATTN_TILE (128)
  *            query rows, attended with an online softmax (flash attention):
  *            no score matrix is ever materialized beyond a tile of keys.
@@ -74,7 +74,6 @@
                                * (heads of 256, one warp a part: a quarter from this many, an eighth below) */
 #define DEC_LEAN_LONG 64      /* twice DEC_LEAN_KEYS from this many units (heads of 256: DEC_LEAN_KEYS; from
                                * half as many with two warps a part) */
-#define DEC_LEAN_MANY 256     /* below this many units (half for heads of 256) rows of any length (lean_few) */
 #define DEC_P_SCALE 16384.0f  /* softmax weights (<= 1) times this on the tensor cores: f16 stays normal longer */
 #define PF_QT 16              /* query rows per CUDA-core prefill CTA */
 #define PF_SUB (LUMA_CUDA_ATTN_TILE / PF_QT)   /* its CTAs per tile */
@@ -454,6 +453,57 @@ __device__ static void split_weights(const attn_args &a, size_t at, int32_t n_li
     for (int32_t s = lane; s < n_live; s += 32) sum += __ldcg(ml + 2 * s + 1) * expf(__ldcg(ml + 2 * s) - mx);
     for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
     for (int32_t s = lane; s < n_live; s += 32) wt[s] = expf(__ldcg(ml + 2 * s) - mx) / sum;
+}
+
+/* The merged sums of 4 columns (from e) of one head over the n_live
+ * splits whose partials start at part[at0 dv] (dv floats a split, not yet
+ * divided by l) and part_ml[2 at0] ((m, l) a split), divided by the
+ * merged l. The splits are taken with a running maximum, as the online
+ * softmax takes keys: 8 splits' (m, l) and sums are loaded with no wait
+ * between them, so the merge costs one round trip to L2 per 8 splits
+ * rather than one per reduction (split_weights: three passes, then the
+ * sums). Every live split holds a key: its m is finite. */
+__device__ static float4 merge_splits(const attn_args &a, size_t at0, int32_t n_live, int32_t dv, int32_t e)
+{
+    const float *pt = a.part + at0 * (size_t)dv + (size_t)e;
+    const float2 *mlp = (const float2 *)a.part_ml + at0;
+    float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    float mx = -INFINITY, l = 0.0f;
+    for (int32_t s0 = 0; s0 < n_live; s0 += 8) {
+        float2 ml[8];
+        float4 x[8];
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            const bool live = s0 + j < n_live;
+            ml[j] = live ? __ldcg(mlp + s0 + j) : make_float2(-INFINITY, 0.0f);
+            x[j] = live ? __ldcg((const float4 *)(pt + (size_t)(s0 + j) * (size_t)dv)) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        }
+        float m_new = mx;
+#pragma unroll
+        for (int j = 0; j < 8; j++) m_new = fmaxf(m_new, ml[j].x);   /* finite: split s0 is live */
+        const float cr = expf(mx - m_new);
+        acc.x *= cr;
+        acc.y *= cr;
+        acc.z *= cr;
+        acc.w *= cr;
+        l *= cr;
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            const float f = expf(ml[j].x - m_new);   /* 0 past the live splits */
+            l += f * ml[j].y;
+            acc.x += f * x[j].x;
+            acc.y += f * x[j].y;
+            acc.z += f * x[j].z;
+            acc.w += f * x[j].w;
+        }
+        mx = m_new;
+    }
+    const float inv = 1.0f / l;
+    acc.x *= inv;
+    acc.y *= inv;
+    acc.z *= inv;
+    acc.w *= inv;
+    return acc;
 }
 
 /* x as f16 hi + lo: hi its rounding, lo the rounding of what hi left out
@@ -952,22 +1002,9 @@ __global__ static void __launch_bounds__(DEC_MAX_WARPS * 32, MMA == 128 ? 2 : 1)
     __syncthreads();
     if (!last_s) return;
     __threadfence();
-    float *wt = (float *)rings;   /* [nh][n_live] */
-    for (int g = warp; g < nh; g += W) split_weights(a, pl + (size_t)g * (size_t)a.n_splits, n_live, wt + g * n_live);
-    __syncthreads();
     for (int i = tid; i < nh * a.dv / 4; i += blockDim.x) {
         int g = i / (a.dv / 4), e = i % (a.dv / 4) * 4;
-        const float *pt = a.part + (pl + (size_t)g * (size_t)a.n_splits) * (size_t)a.dv + e;
-        float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll 16
-        for (int32_t s = 0; s < n_live; s++) {
-            float4 x = __ldcg((const float4 *)(pt + (size_t)s * (size_t)a.dv));
-            float w = wt[g * n_live + s];
-            sum.x += w * x.x;
-            sum.y += w * x.y;
-            sum.z += w * x.z;
-            sum.w += w * x.w;
-        }
+        float4 sum = merge_splits(a, pl + (size_t)g * (size_t)a.n_splits, n_live, a.dv, e);
         float *to = a.out + (size_t)r * (size_t)a.out_cols + (size_t)(h0 + g) * (size_t)a.dv + (size_t)e;
         to[0] = sum.x;
         to[1] = sum.y;
@@ -1342,54 +1379,11 @@ __global__ static void __launch_bounds__(SP * DS > DEC_LEAN_CTA_WARPS ? SP * DS 
         team_barrier(1 + warp / UW, UW * 32);
         if (!lean_last[warp / UW]) return;
         __threadfence();
-        /* a thread takes 4 columns of a head and goes through the splits
-         * with a running maximum, as the online softmax goes through keys:
-         * every split's (m, l) and sums are loaded with no wait between
-         * them (8 splits a round), so the merge costs one round trip to L2
-         * a round rather than one a reduction */
+        /* a thread takes 4 columns of a head (merge_splits) */
         float *const row = a.out + (size_t)r * (size_t)a.out_cols + (size_t)h0 * D;
         for (int i = uw * 32 + lane; i < nh * D / 4; i += UW * 32) {
             const int hh = i / (D / 4), e = i % (D / 4) * 4;
-            const size_t at0 = pl + (size_t)hh * (size_t)a.n_splits;
-            const float *pt = a.part + at0 * D + e;
-            const float2 *mlp = (const float2 *)a.part_ml + at0;
-            float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            float mx = -INFINITY, l = 0.0f;
-            for (int32_t s0 = 0; s0 < n_live; s0 += 8) {
-                float2 ml[8];
-                float4 x[8];
-#pragma unroll
-                for (int j = 0; j < 8; j++) {
-                    const bool live = s0 + j < n_live;
-                    ml[j] = live ? __ldcg(mlp + s0 + j) : make_float2(-INFINITY, 0.0f);
-                    x[j] = live ? __ldcg((const float4 *)(pt + (size_t)(s0 + j) * D))
-                                : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-                }
-                float m_new = mx;
-#pragma unroll
-                for (int j = 0; j < 8; j++) m_new = fmaxf(m_new, ml[j].x);   /* finite: split s0 is live */
-                const float cr = expf(mx - m_new);
-                acc.x *= cr;
-                acc.y *= cr;
-                acc.z *= cr;
-                acc.w *= cr;
-                l *= cr;
-#pragma unroll
-                for (int j = 0; j < 8; j++) {
-                    const float f = expf(ml[j].x - m_new);   /* 0 past the live splits */
-                    l += f * ml[j].y;
-                    acc.x += f * x[j].x;
-                    acc.y += f * x[j].y;
-                    acc.z += f * x[j].z;
-                    acc.w += f * x[j].w;
-                }
-                mx = m_new;
-            }
-            const float inv = 1.0f / l;
-            acc.x *= inv;
-            acc.y *= inv;
-            acc.z *= inv;
-            acc.w *= inv;
+            const float4 acc = merge_splits(a, pl + (size_t)hh * (size_t)a.n_splits, n_live, D, e);
             float *to = row + hh * D + e;
             to[0] = acc.x;
             to[1] = acc.y;
@@ -2070,7 +2064,7 @@ typedef struct dec_tuning {
     int lean_solo;             /* ... once its parts would take more than this many tiles each in one CTA
                                 * (-1: 512 / the head's dimensions: lean_splits) */
     int lean_many;             /* below this many units (half for heads of 256) the lean kernel takes rows
-                                * of any length, split past its reach (lean_few) */
+                                * of any length, split past its reach (lean_long_rows; -1: at any number) */
 } dec_tuning;
 
 /* LUMA_CUDA_ATTN_DECODE="stages,stage_bytes,warps,waves,min_split,merge_kb,mma,one_split,lean_min,lean_keys,
@@ -2110,7 +2104,7 @@ static dec_tuning dec_tuning_get(void)
     /* stages 0, warps 0, merge_kb -1, mma -1 and one_split -1: the defaults for the layer's heads
      * and the step (dec_defaults, decode_launch) */
     dec_tuning t = { 0, 8192, 0, 1, 64, -1, -1, -1, DEC_LEAN_MIN, DEC_LEAN_KEYS, 0, DEC_LEAN_WIDE,
-                     DEC_LEAN_LONG, 0, -1, -1, DEC_LEAN_MANY };
+                     DEC_LEAN_LONG, 0, -1, -1, -1 };
     const char *s = getenv("LUMA_CUDA_ATTN_DECODE");
     if (s && *s)
         sscanf(s, "%d,%d,%d,%d,%d,%d,%d,%d,%d,%d,%d,%d,%d,%d,%d,%d,%d", &t.stages, &t.stage_bytes, &t.warps,
@@ -2126,8 +2120,7 @@ static dec_tuning dec_tuning_get(void)
 /* The decode kernel's tile and shared memory for a layer: q of the CTA's
  * heads (and, on the CUDA cores, each warp's softmax weights), then the
  * warps' rings, whose room later holds the merge of the warps ([warps][H]
- * [dv + 2] floats) and, when the last split merges the others, their
- * weights ([H][n_splits]). K and V rows are 16 bytes longer than a head:
+ * [dv + 2] floats). K and V rows are 16 bytes longer than a head:
  * the rows an ldmatrix or a column of lanes reads fall in distinct banks. */
 typedef struct dec_shape {
     int32_t tk, ldk, ldv, stage_elems;
@@ -2176,6 +2169,14 @@ static void plan_splits(const cuda_backend *c, attn_args *a, const dec_tuning &t
 {
     int64_t keys = c->step.dec_keys_bound;
     if (a->window > 0 && a->window < keys) keys = a->window;
+    if (a->dv % 4 != 0) {
+        /* both merges of splits read a split's sums 4 columns at once:
+         * such heads take a row's keys in one split */
+        a->n_splits = 1;
+        a->split_unit = 1;
+        a->split_len = 1;
+        return;
+    }
     if (c->invariant) {
         /* a row's splits depend on nothing but its own keys: one length for
          * every step, long enough that the most keys the cache can hold
@@ -2244,12 +2245,7 @@ static void decode_launch(cuda_backend *c, attn_args *a, const dec_tuning &tunin
     /* with batch invariance always combine_kernel, whose order of the
      * splits is not the merge_here path's */
     a->merge_here = a->n_splits > 1 && merge <= (size_t)tu.merge_kb << 10 && !c->invariant;
-    size_t weights = ((size_t)tu.warps * H * (size_t)(a->dv + 2) + (size_t)H * (size_t)a->n_splits) * sizeof(float);
-    size_t smem = d.fixed_bytes + (a->merge_here && weights > d.ring_bytes ? weights : d.ring_bytes);
-    if (smem > dec_smem_max) {
-        luma_cuda_failf(c, "attention: the decode kernel does not fit an SM (%zu bytes of shared memory)", smem);
-        return;
-    }
+    size_t smem = d.fixed_bytes + d.ring_bytes;
     a->dec_tk = d.tk;
     a->dec_warps = tu.warps;
     a->dec_stages = tu.stages;
@@ -2354,22 +2350,25 @@ static int64_t lean_reach(const cuda_backend *c, const attn_args *a, const dec_t
     return units >= tu.lean_long ? tu.lean_keys : units >= tu.lean_wide ? tu.lean_keys / 4 : tu.lean_keys / 8;
 }
 
-/* Whether the step's units are few enough that decode_lean_kernel takes
- * their rows at any length, split over CTAs past lean_reach (lean_splits):
- * below lean_many units for heads of up to 128, half of it for heads of
- * 256 on two warps a part. Against decode_kernel (and its combine_kernel
- * and, at one row, the quantizer after it): the 7B at batch 1 past 1,024
- * keys 6 to 13% faster, 2 / 4 / 8 / 16 rows of 3,000 keys 13 / 9 / 15 /
- * 7%, at 32 rows level; Gemma 3 270M at batch 1 past 256 keys 16 to 19%,
- * 4 rows of 1,000 keys 10 to 14%; a gemma3-1b synth at 32 and 64 rows of
- * 3,000 keys 10 and 7% (cuda/NOTES.md, "Decode attention split over
- * CTAs"). */
-static bool lean_few(const cuda_backend *c, const attn_args *a, const dec_tuning &tu)
+/* Whether decode_lean_kernel takes the step's rows at any length, split
+ * over CTAs past lean_reach (lean_splits): at any number of units by
+ * default (lean_many -1; else below lean_many units for heads of up to
+ * 128, half of it for heads of 256), for heads of 256 on two warps a
+ * part. Against decode_kernel (and its combine_kernel and, at one row,
+ * the quantizer after it): the 7B at batch 1 past 1,024 keys 6 to 13%
+ * faster, 2 / 4 / 8 / 16 rows of 3,000 keys 13 / 9 / 15 / 7%, 32 / 64 /
+ * 128 rows of 3,000 keys 8 / 16 / 8%, 256 rows of 2,200 keys 7%; Gemma 3
+ * 270M at batch 1 past 256 keys 16 to 19%, 4 rows of 1,000 keys 10 to
+ * 14%; a gemma3-1b synth at 32 and 64 rows of 3,000 keys 10 and 7%, 128
+ * and 256 rows 5 and 18%, 512 rows of 1,500 keys 9 to 15% (cuda/NOTES.md,
+ * "Decode attention split over CTAs" and "The lean kernel at every row
+ * count"). */
+static bool lean_long_rows(const cuda_backend *c, const attn_args *a, const dec_tuning &tu)
 {
     const int64_t units = lean_units(c, a);
     if (lean_tiles_for(tu) <= 0) return false;
-    if (a->dk <= 128) return units < tu.lean_many;
-    return lean_ds_for(a, tu, 1) == 2 && units < tu.lean_many / 2;
+    if (a->dk <= 128) return tu.lean_many < 0 || units < tu.lean_many;
+    return lean_ds_for(a, tu, 1) == 2 && (tu.lean_many < 0 || units < tu.lean_many / 2);
 }
 
 /* Splits of a decode_lean_kernel row over CTAs (grid z), planned as
@@ -2483,8 +2482,8 @@ static void decode_lean_launch(cuda_backend *c, attn_args *a, const dec_tuning &
  * dk = dv of 64, 128 or 256 on the tensor cores, at least lean_min units
  * (rows x kv heads x head chunks; 1 by default: with its warps a unit it
  * beats decode_kernel from batch 1 on, cuda/NOTES.md), keys a row (the
- * step's bound) within lean_reach or units few enough to split any length
- * (lean_few), and not under batch invariance (the kernel taken follows the
+ * step's bound) within lean_reach or split over CTAs past it
+ * (lean_long_rows), and not under batch invariance (the kernel taken follows the
  * step's rows). */
 static bool lean_covers(const cuda_backend *c, const attn_args *a, const dec_tuning &tu)
 {
@@ -2494,7 +2493,7 @@ static bool lean_covers(const cuda_backend *c, const attn_args *a, const dec_tun
                          ((a->q_cols | a->k_cols | a->v_cols) & 3) == 0;   /* its q, k and v loads */
     return !c->invariant && a->dk == a->dv && (a->dk == 64 || a->dk == 128 || a->dk == 256) &&
            a->heads_per_cta <= 8 && aligned && units >= tu.lean_min &&
-           (keys <= lean_reach(c, a, tu) || lean_few(c, a, tu));
+           (keys <= lean_reach(c, a, tu) || lean_long_rows(c, a, tu));
 }
 
 template <typename T, int MMA>

@@ -28,7 +28,9 @@
  *     merged by the last split and by combine_kernel;
  *   - decode steps on the 7B llama shape and gemma's (F16 cache): 32 and
  *     128 rows of 128 to 512 keys, 128 rows of 600 to 1100 keys under a
- *     window of 512 (gemma), one row of 4096 and one of 32768 keys; each
+ *     window of 512 (gemma), rows past the lean kernel's reach at many
+ *     units (40 rows of 2100 to 2600 keys, llama; 160 of 1100 to 1400,
+ *     gemma), one row of 4096 and one of 32768 keys; each
  *     against the CPU, then timed at the bandwidth of its K and V reads;
  *   - a 4096-row causal prefill on the 7B llama shape (32 heads over 8 of
  *     128) and on gemma's, each timed on the CUDA-core and the tensor-core
@@ -1331,6 +1333,8 @@ static void test_decode_timing(void)
         { "gemma", 4, 1, 256, 32, 128, 512, 0 },
         { "gemma", 4, 1, 256, 128, 128, 512, 0 },
         { "gemma", 4, 1, 256, 128, 600, 1100, WINDOW },
+        { "llama", 32, 8, 128, 40, 2100, 2600, 0 },   /* 320 units past the lean kernel's reach */
+        { "gemma", 4, 1, 256, 160, 1100, 1400, 0 },   /* 160 */
         { "llama", 32, 8, 128, 1, 4096, 4096, 0 },
         { "llama", 32, 8, 128, 1, 32768, 32768, 0 },
         { "gemma", 4, 1, 256, 1, 4096, 4096, 0 },

@@ -25,8 +25,9 @@
  *            replays unchanged for every step of its bucket: splits past a
  *            row's keys return at once. Every row count and context length
  *            of F16 caches with dk = dv in {64, 128, 256} (heads of 256 on
- *            two warps a part), outside batch invariance, takes
- *            decode_lean_kernel instead (lean_covers): one to eight warps
+ *            two warps a part) takes decode_lean_kernel instead
+ *            (lean_covers; under batch invariance with a fixed split of a
+ *            unit and split length): one to eight warps
  *            per row and kv head (eight at a few rows, their sums merged in
  *            shared memory; one from a few dozen rows, nothing shared
  *            between warps), over all its keys or, past what its warps go
@@ -2158,6 +2159,22 @@ static int decode_occupancy(const cudaFuncAttributes &fa, int threads, size_t sm
     return n < by_smem ? n : by_smem;
 }
 
+/* Under batch invariance a row's splits depend on nothing but its own
+ * keys: one length for every step, long enough that the most keys the
+ * cache can hold take at most DEC_MAX_SPLITS splits, at least min_split,
+ * a multiple of unit (plan_splits, lean_splits). */
+static int32_t invariant_split_len(const cuda_backend *c, const dec_tuning &tu, int64_t unit)
+{
+    int64_t cap = 0;
+    for (int p = 0; p < c->kvl.n_pools; p++) {
+        int64_t t = (int64_t)c->kvl.n_blocks[p] * c->kvl.block_tokens;
+        if (t > cap) cap = t;
+    }
+    int64_t len = (cap + DEC_MAX_SPLITS - 1) / DEC_MAX_SPLITS;
+    if (len < tu.min_split) len = tu.min_split;
+    return (int32_t)((len + unit - 1) / unit * unit);
+}
+
 /* Splits of each decode row's keys: about `waves` rounds of the CTAs that
  * stay resident, none shorter than min_split keys, lengths a multiple of
  * the keys the warps take in one round. Their number is planned for
@@ -2178,18 +2195,8 @@ static void plan_splits(const cuda_backend *c, attn_args *a, const dec_tuning &t
         return;
     }
     if (c->invariant) {
-        /* a row's splits depend on nothing but its own keys: one length for
-         * every step, long enough that the most keys the cache can hold
-         * take at most DEC_MAX_SPLITS splits */
-        int64_t cap = 0, unit = (int64_t)tk * tu.warps;
-        for (int p = 0; p < c->kvl.n_pools; p++) {
-            int64_t t = (int64_t)c->kvl.n_blocks[p] * c->kvl.block_tokens;
-            if (t > cap) cap = t;
-        }
-        int64_t len = (cap + DEC_MAX_SPLITS - 1) / DEC_MAX_SPLITS;
-        if (len < tu.min_split) len = tu.min_split;
-        len = (len + unit - 1) / unit * unit;
-        a->split_len = (int32_t)len;
+        const int32_t len = invariant_split_len(c, tu, (int64_t)tk * tu.warps);
+        a->split_len = len;
         a->split_unit = 0;
         a->n_splits = (int32_t)((keys + len - 1) / len);
         if (a->n_splits < 1) a->n_splits = 1;
@@ -2292,6 +2299,14 @@ static int lean_split_for(const cuda_backend *c, const attn_args *a, const dec_t
         const int sp = tu.lean_split >= 8 ? 8 : tu.lean_split >= 4 ? 4 : tu.lean_split >= 2 ? 2 : 1;
         return sp < most ? sp : most;
     }
+    /* under batch invariance the parts (whose sums a unit merges in their
+     * order) may not follow the step's units: 4 for heads of up to 128, 2
+     * (of two warps) for heads of 256. Measured with --batch-invariant on
+     * the H200 (prefill of 512 tokens, ms a token at batch 1, after 1,024
+     * tokens): the 7B 1,016 / 1.94 / 2.09 at 4 against 1,029 / 1.93 / 2.25
+     * at 2; Gemma 3 270M 6,544 / 0.54 at 4 against 7,260 / 0.54 at 2
+     * (decode_kernel before: 999 / 2.08 / 2.31 and 7,751 / 0.62) */
+    if (c->invariant) return a->dk > 128 ? 2 : 4;
     const int64_t units = lean_units(c, a);
     int sp = most;
     while (sp > 1 && units * sp > LEAN_WARPS_SM * (int64_t)c->n_sm) sp /= 2;
@@ -2388,6 +2403,17 @@ static int32_t lean_splits(const cuda_backend *c, attn_args *a, const dec_tuning
 {
     int64_t ns = 1, keys = c->step.dec_keys_bound;
     if (a->window > 0 && a->window < keys) keys = a->window;
+    if (c->invariant) {
+        /* a split length for every step (decode_lean_go then takes the
+         * SPLIT kernel at any number of splits, so that a row of one split
+         * runs the same code in every step) */
+        const int32_t len = invariant_split_len(c, tu, (int64_t)16 * sp);
+        ns = (keys + len - 1) / len;
+        a->n_splits = (int32_t)(ns < 1 ? 1 : ns);
+        a->split_unit = 0;
+        a->split_len = len;
+        return a->n_splits;
+    }
     const int tiles = lean_tiles_for(tu), solo = tu.lean_solo >= 0 ? tu.lean_solo : 512 / d;
     /* past the reach of a CTA a unit, and within it at one or two rows
      * (more, the splits' merges cost more than they save: Gemma 3 270M at 8
@@ -2435,7 +2461,7 @@ static void decode_lean_go(cuda_backend *c, attn_args *a, const dec_tuning &tu)
     const unsigned ctas = (unsigned)((z + upc - 1) / upc);
     const int32_t ns = lean_splits(c, a, tu, D, SP, (int64_t)c->n_sm * occ / ((int64_t)st->n_dec * ctas));
     if constexpr (SP > 1) {
-        if (ns > 1) {
+        if (ns > 1 || c->invariant) {
             const size_t n = (size_t)st->n_dec * (size_t)a->n_head * (size_t)ns;
             if (!decode_scratch(c, (size_t)st->n_dec * (size_t)z, n * (size_t)(D + 2) * sizeof(float), a)) return;
             a->part_ml = a->part + n * (size_t)D;
@@ -2483,17 +2509,17 @@ static void decode_lean_launch(cuda_backend *c, attn_args *a, const dec_tuning &
  * (rows x kv heads x head chunks; 1 by default: with its warps a unit it
  * beats decode_kernel from batch 1 on, cuda/NOTES.md), keys a row (the
  * step's bound) within lean_reach or split over CTAs past it
- * (lean_long_rows), and not under batch invariance (the kernel taken follows the
- * step's rows). */
+ * (lean_long_rows). Under batch invariance every such row, whatever the
+ * step (the kernel taken may not follow the step's rows), with a fixed
+ * split of a unit and split length (lean_split_for, lean_splits). */
 static bool lean_covers(const cuda_backend *c, const attn_args *a, const dec_tuning &tu)
 {
     int64_t units = lean_units(c, a), keys = c->step.dec_keys_bound;
     if (a->window > 0 && a->window < keys) keys = a->window;
     const bool aligned = (((uintptr_t)a->q | (uintptr_t)a->k | (uintptr_t)a->v) & 15) == 0 &&
                          ((a->q_cols | a->k_cols | a->v_cols) & 3) == 0;   /* its q, k and v loads */
-    return !c->invariant && a->dk == a->dv && (a->dk == 64 || a->dk == 128 || a->dk == 256) &&
-           a->heads_per_cta <= 8 && aligned && units >= tu.lean_min &&
-           (keys <= lean_reach(c, a, tu) || lean_long_rows(c, a, tu));
+    return a->dk == a->dv && (a->dk == 64 || a->dk == 128 || a->dk == 256) && a->heads_per_cta <= 8 && aligned &&
+           (c->invariant || (units >= tu.lean_min && (keys <= lean_reach(c, a, tu) || lean_long_rows(c, a, tu))));
 }
 
 template <typename T, int MMA>

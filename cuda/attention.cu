@@ -1025,9 +1025,9 @@ static __host__ __device__ constexpr int lean_merge_floats(int D, int DS)
     return DS * ((D / 16 / DS) * 4 + 2) * 32;
 }
 
-/* The decode kernel for rows of short contexts, and of any length at few
- * rows (decode_lean_launch): grid (decode rows, units / units a CTA,
- * splits), SP warps per unit, a unit being one row, one kv head and the
+/* The decode kernel for rows of F16 caches with heads of 64, 128 or 256
+ * (decode_lean_launch, lean_covers): grid (decode rows, units / units a
+ * CTA, splits), SP warps per unit, a unit being one row, one kv head and the
  * query heads of it that decode_kernel's CTA would take (H <= 8: the rows
  * of the scores' m16 tiles), over all of the row's keys or (SPLIT) over
  * split blockIdx.z of them. F16 caches with dk = dv = D (64, 128 or 256:
@@ -1046,8 +1046,9 @@ static __host__ __device__ constexpr int lean_merge_floats(int D, int DS)
  * running address: its K and V are 4 KB each for D = 128), and the per-tile
  * work is decode_kernel's tensor-core path. The row's own k and v: as
  * decode_kernel (taken from the step, stored by the unit of head chunk 0,
- * in the split that holds the row's position). SPLIT (lean_splits: few
- * rows of more keys than a CTA's parts go through quickly): each split's
+ * in the split that holds the row's position). SPLIT (lean_splits: rows
+ * of more keys than a CTA's parts go through quickly, and every row under
+ * batch invariance): each split's
  * CTA writes its parts' merged sums, m and l as a partial result, and the
  * last of the row's splits to arrive (a counter a row and unit) merges
  * them, writes the row and quantizes it; without SPLIT the kernel is the
@@ -2159,11 +2160,20 @@ static int decode_occupancy(const cudaFuncAttributes &fa, int threads, size_t sm
     return n < by_smem ? n : by_smem;
 }
 
+/* The most keys a decode row of the step sees: its keys bound, capped at
+ * the layer's window (what the splits are planned for). */
+static int64_t dec_keys(const cuda_backend *c, const attn_args *a)
+{
+    const int64_t keys = c->step.dec_keys_bound;
+    return a->window > 0 && a->window < keys ? a->window : keys;
+}
+
 /* Under batch invariance a row's splits depend on nothing but its own
  * keys: one length for every step, long enough that the most keys the
  * cache can hold take at most DEC_MAX_SPLITS splits, at least min_split,
- * a multiple of unit (plan_splits, lean_splits). */
-static int32_t invariant_split_len(const cuda_backend *c, const dec_tuning &tu, int64_t unit)
+ * a multiple of unit; the step's number of splits follows (plan_splits,
+ * lean_splits). Sets the args' split fields and returns the number. */
+static int32_t invariant_splits(const cuda_backend *c, attn_args *a, const dec_tuning &tu, int64_t unit)
 {
     int64_t cap = 0;
     for (int p = 0; p < c->kvl.n_pools; p++) {
@@ -2172,7 +2182,12 @@ static int32_t invariant_split_len(const cuda_backend *c, const dec_tuning &tu, 
     }
     int64_t len = (cap + DEC_MAX_SPLITS - 1) / DEC_MAX_SPLITS;
     if (len < tu.min_split) len = tu.min_split;
-    return (int32_t)((len + unit - 1) / unit * unit);
+    len = (len + unit - 1) / unit * unit;
+    const int64_t n = (dec_keys(c, a) + len - 1) / len;
+    a->split_len = (int32_t)len;
+    a->split_unit = 0;
+    a->n_splits = (int32_t)(n < 1 ? 1 : n);
+    return a->n_splits;
 }
 
 /* Splits of each decode row's keys: about `waves` rounds of the CTAs that
@@ -2184,8 +2199,7 @@ static int32_t invariant_split_len(const cuda_backend *c, const dec_tuning &tu, 
  * (row_split_len), and splits past a row's keys return at once. */
 static void plan_splits(const cuda_backend *c, attn_args *a, const dec_tuning &tu, int32_t tk, int occ)
 {
-    int64_t keys = c->step.dec_keys_bound;
-    if (a->window > 0 && a->window < keys) keys = a->window;
+    const int64_t keys = dec_keys(c, a);
     if (a->dv % 4 != 0) {
         /* both merges of splits read a split's sums 4 columns at once:
          * such heads take a row's keys in one split */
@@ -2195,11 +2209,7 @@ static void plan_splits(const cuda_backend *c, attn_args *a, const dec_tuning &t
         return;
     }
     if (c->invariant) {
-        const int32_t len = invariant_split_len(c, tu, (int64_t)tk * tu.warps);
-        a->split_len = len;
-        a->split_unit = 0;
-        a->n_splits = (int32_t)((keys + len - 1) / len);
-        if (a->n_splits < 1) a->n_splits = 1;
+        invariant_splits(c, a, tu, (int64_t)tk * tu.warps);
         return;
     }
     int64_t ctas = (int64_t)c->step.n_dec * a->n_kv_head * a->n_hchunks;
@@ -2401,19 +2411,12 @@ static bool lean_long_rows(const cuda_backend *c, const attn_args *a, const dec_
  * none of them). */
 static int32_t lean_splits(const cuda_backend *c, attn_args *a, const dec_tuning &tu, int d, int sp, int64_t fit)
 {
-    int64_t ns = 1, keys = c->step.dec_keys_bound;
-    if (a->window > 0 && a->window < keys) keys = a->window;
-    if (c->invariant) {
-        /* a split length for every step (decode_lean_go then takes the
-         * SPLIT kernel at any number of splits, so that a row of one split
-         * runs the same code in every step) */
-        const int32_t len = invariant_split_len(c, tu, (int64_t)16 * sp);
-        ns = (keys + len - 1) / len;
-        a->n_splits = (int32_t)(ns < 1 ? 1 : ns);
-        a->split_unit = 0;
-        a->split_len = len;
-        return a->n_splits;
-    }
+    /* under invariance a split length for every step (decode_lean_go then
+     * takes the SPLIT kernel at any number of splits, so that a row of one
+     * split runs the same code in every step) */
+    if (c->invariant) return invariant_splits(c, a, tu, (int64_t)16 * sp);
+    const int64_t keys = dec_keys(c, a);
+    int64_t ns = 1;
     const int tiles = lean_tiles_for(tu), solo = tu.lean_solo >= 0 ? tu.lean_solo : 512 / d;
     /* past the reach of a CTA a unit, and within it at one or two rows
      * (more, the splits' merges cost more than they save: Gemma 3 270M at 8
@@ -2514,8 +2517,7 @@ static void decode_lean_launch(cuda_backend *c, attn_args *a, const dec_tuning &
  * split of a unit and split length (lean_split_for, lean_splits). */
 static bool lean_covers(const cuda_backend *c, const attn_args *a, const dec_tuning &tu)
 {
-    int64_t units = lean_units(c, a), keys = c->step.dec_keys_bound;
-    if (a->window > 0 && a->window < keys) keys = a->window;
+    const int64_t units = lean_units(c, a), keys = dec_keys(c, a);
     const bool aligned = (((uintptr_t)a->q | (uintptr_t)a->k | (uintptr_t)a->v) & 15) == 0 &&
                          ((a->q_cols | a->k_cols | a->v_cols) & 3) == 0;   /* its q, k and v loads */
     return a->dk == a->dv && (a->dk == 64 || a->dk == 128 || a->dk == 256) && a->heads_per_cta <= 8 && aligned &&

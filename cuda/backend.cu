@@ -794,6 +794,9 @@ static void cuda_free(luma_backend *be)
     for (int i = 0; i < CUDA_GRAPHS; i++) graph_drop(&c->graphs[i]);
     cudaFree(c->cublas_ws);
     cudaFree(c->side_ws);
+    cudaFree(c->tab_dev);
+    cudaFreeHost(c->tab_host);
+    free(c->tab_k);
     cudaFree(c->side_scratch);
     for (int p = 0; p < LUMA_KV_MAX_POOLS; p++) cudaFree(c->kv_mem[p]);
     cudaFree(c->step_mem);
@@ -1080,6 +1083,7 @@ luma_backend *luma_backend_cuda_new(int device, luma_err *err)
     const char *prog = getenv("LUMA_CUDA_PROGRAM");
     c->prog_on = prog && strcmp(prog, "1") == 0;
     c->normq_on = !env_off("LUMA_CUDA_NORM_QUANT");
+    c->gemm_batch = !env_off("LUMA_CUDA_GEMM_BATCH");
     c->attnq_on = !env_off("LUMA_CUDA_ATTN_QUANT");
     c->repack_q6k = !env_off("LUMA_CUDA_Q6K_MMV");
     c->repack_x4 = !env_off("LUMA_CUDA_X4_MMV");
@@ -1136,6 +1140,15 @@ luma_backend *luma_backend_cuda_new(int device, luma_err *err)
         luma_errf(err, "CUDA backend: could not start cuBLAS");
         cuda_free(&c->base);
         return NULL;
+    }
+    /* the batched GEMMs' pointer tables; without them each product is a
+     * GEMM of its own */
+    const size_t tab = (size_t)CUDA_GEMM_TAB_SLOTS * CUDA_GEMM_TAB_PTRS * sizeof(void *);
+    if (c->gemm_batch && (cudaMalloc((void **)&c->tab_dev, tab) != cudaSuccess ||
+                          cudaMallocHost((void **)&c->tab_host, tab) != cudaSuccess ||
+                          !(c->tab_k = (uint8_t *)calloc(CUDA_GEMM_TAB_SLOTS, 1)))) {
+        cudaGetLastError();
+        c->gemm_batch = false;
     }
     return &c->base;
 }

@@ -3729,6 +3729,78 @@ static void tensor_gemm(cuda_backend *c, const luma_weight *w, const __half *xh,
         luma_cuda_failf(c, "matmul: cuBLAS GEMM failed (%s)", cublas_status_name(st));
 }
 
+/* The slot of c's GEMM pointer tables that holds the 3 k pointers p (A[k],
+ * B[k], C[k]), made where new; -1 where the table is off or full (then the
+ * caller runs the products one by one). Before its GEMM reads a slot, the
+ * stream has its pointers: a slot is written eagerly once (in stream
+ * order, before any recorded step that reads it is replayed), or, while
+ * the step is being recorded and no eager write came first, by a copy node
+ * of the recording, which every replay runs again (tab_k's bit 7: written
+ * eagerly). */
+static int gemm_table_slot(cuda_backend *c, const void *const *p, int k)
+{
+    if (!c->gemm_batch || k < 2 || k > LUMA_MATMUL_MANY) return -1;
+    const size_t bytes = (size_t)(3 * k) * sizeof(void *);
+    uint64_t h = 1469598103934665603ull ^ (uint64_t)k;
+    for (int i = 0; i < 3 * k; i++) h = (h ^ (uint64_t)(uintptr_t)p[i]) * 1099511628211ull;
+    h ^= h >> 31;
+    for (int probe = 0; probe < CUDA_GEMM_TAB_SLOTS; probe++) {
+        const int slot = (int)((h + (uint64_t)probe) & (CUDA_GEMM_TAB_SLOTS - 1));
+        void **e = c->tab_host + (size_t)slot * CUDA_GEMM_TAB_PTRS;
+        const int kk = c->tab_k[slot] & 0x7f;
+        if (kk == 0) {
+            if (4 * (c->tab_used + 1) > 3 * CUDA_GEMM_TAB_SLOTS) return -1;   /* at most 3/4 full */
+            memcpy(e, p, bytes);
+            c->tab_k[slot] = (uint8_t)k;
+            c->tab_used++;
+        } else if (kk != k || memcmp(e, p, bytes) != 0) {
+            continue;
+        }
+        if (c->tab_k[slot] & 0x80) return slot;
+        if (luma_cuda_fail(c, cudaMemcpyAsync(c->tab_dev + (size_t)slot * CUDA_GEMM_TAB_PTRS, e, bytes,
+                                              cudaMemcpyHostToDevice, c->stream),
+                           "matmul (a batched GEMM's pointers)"))
+            return -1;
+        if (!c->capturing) c->tab_k[slot] |= 0x80;
+        return slot;
+    }
+    return -1;
+}
+
+/* ys[i] = ws[i] xh for k weights of one shape on their resident f16
+ * copies, as one cublasGemmBatchedEx; false, running nothing, where the
+ * table has no slot for them. */
+static bool tensor_gemm_batched(cuda_backend *c, const luma_weight *const *ws, float *const *ys, int k,
+                                const __half *xh, int64_t m)
+{
+    const void *p[3 * LUMA_MATMUL_MANY];
+    if (k < 2 || k > LUMA_MATMUL_MANY) return false;
+    for (int i = 0; i < k; i++) {
+        p[i] = resident_f16(c, ws[i]);
+        p[k + i] = xh;
+        p[2 * k + i] = ys[i];
+        if (!p[i] || ws[i]->rows != ws[0]->rows || ws[i]->cols != ws[0]->cols) return false;
+    }
+    const int slot = gemm_table_slot(c, p, k);
+    if (slot < 0) return false;
+    void *const *t = c->tab_dev + (size_t)slot * CUDA_GEMM_TAB_PTRS;
+    const int rows = (int)ws[0]->rows, cols = (int)ws[0]->cols;
+    cublasStatus_t st = cublasSetStream(c->cublas, c->stream);
+    if (st == CUBLAS_STATUS_SUCCESS)
+        st = cublasSetWorkspace(c->cublas, c->stream == c->side ? c->side_ws : c->cublas_ws, CUBLAS_WORKSPACE);
+    if (st == CUBLAS_STATUS_SUCCESS) st = cublasSetPointerMode(c->cublas, CUBLAS_POINTER_MODE_HOST);
+    const float one = 1.0f, zero = 0.0f;
+    if (st == CUBLAS_STATUS_SUCCESS)
+        st = cublasGemmBatchedEx(c->cublas, CUBLAS_OP_T, CUBLAS_OP_N, rows, (int)m, cols, &one, (const void *const *)t,
+                                 CUDA_R_16F, cols, (const void *const *)(t + k), CUDA_R_16F, cols, &zero,
+                                 (void *const *)(t + 2 * k), CUDA_R_32F, rows, k, CUBLAS_COMPUTE_32F,
+                                 CUBLAS_GEMM_DEFAULT);
+    if (st != CUBLAS_STATUS_SUCCESS)
+        luma_cuda_failf(c, "matmul: cuBLAS batched GEMM failed (%s)", cublas_status_name(st));
+    c->gemm_batches++;
+    return true;
+}
+
 static void mm_tensor(cuda_backend *c, const luma_weight *w, const float *x, int64_t m, float *y)
 {
     if (!tensor_fits(c, w, m)) return;
@@ -3918,8 +3990,29 @@ static bool cublas_group(cuda_backend *c, int i, int n, const luma_weight *const
     __half *xh = (__half *)luma_cuda_scratch(c, (size_t)m * (size_t)w->cols * sizeof(__half));
     if (!xh) return false;
     tensor_act(c, w, x, m, xh);
-    for (int j = i; j < n && j < LUMA_MATMUL_MANY && LUMA_CUDA_OK(c); j++) {
-        if (fmt_of[j] >= 0 || done[j] || !cublas_joins(c, w, ws[j], x, m)) continue;
+    int group[LUMA_MATMUL_MANY], g = 0;
+    for (int j = i; j < n && j < LUMA_MATMUL_MANY; j++)
+        if (fmt_of[j] < 0 && !done[j] && cublas_joins(c, w, ws[j], x, m)) group[g++] = j;
+    /* the members of one shape as one batched GEMM (the f16 wgmma kernel's,
+     * where its rule takes them, one by one, below) */
+    for (int a = 0; a < g && LUMA_CUDA_OK(c); a++) {
+        const luma_weight *same[LUMA_MATMUL_MANY];
+        float *out[LUMA_MATMUL_MANY];
+        int k = 0, at[LUMA_MATMUL_MANY];
+        for (int b = a; b < g; b++) {
+            const luma_weight *v = ws[group[b]];
+            if (!done[group[b]] && v->rows == ws[group[a]]->rows && !luma_cuda_g16_takes(c, v, m)) {
+                at[k] = group[b];
+                same[k] = v;
+                out[k++] = ys[group[b]];
+            }
+        }
+        if (k >= 2 && tensor_gemm_batched(c, same, out, k, xh, m))
+            for (int b = 0; b < k; b++) done[at[b]] = true;
+    }
+    for (int a = 0; a < g && LUMA_CUDA_OK(c); a++) {
+        const int j = group[a];
+        if (done[j]) continue;
         tensor_gemm(c, ws[j], xh, NULL, ws[j]->rows, m, ys[j]);
         done[j] = true;
     }
@@ -4124,6 +4217,20 @@ void luma_cuda_matmul_many(cuda_backend *c, int n, const luma_weight *const *ws,
 extern "C" long long luma_cuda_norm_quants(luma_backend *be)
 {
     return ((cuda_backend *)be)->norm_quants;
+}
+
+/* How many batched GEMMs have been queued (for the tests). */
+extern "C" long long luma_cuda_gemm_batches(luma_backend *be)
+{
+    return ((cuda_backend *)be)->gemm_batches;
+}
+
+/* Groups of one shape on cuBLAS as one batched GEMM, or one GEMM each (for
+ * the tests; on only where the pointer tables were made). */
+extern "C" void luma_cuda_set_gemm_batch(luma_backend *be, bool on)
+{
+    cuda_backend *c = (cuda_backend *)be;
+    c->gemm_batch = on && c->tab_dev && c->tab_host && c->tab_k;
 }
 
 /* Norms joined to the quantizer that follows them, or not (for the tests). */

@@ -1574,10 +1574,15 @@ static bool g16_wins(int64_t m)
     return env_rows_set(env, "LUMA_CUDA_G16") && m >= env.lo && m <= env.hi;
 }
 
-bool luma_cuda_g16(cuda_backend *c, const luma_weight *w, const __half *wh, const __half *xh, int64_t m, float *y)
+bool luma_cuda_g16_takes(const cuda_backend *c, const luma_weight *w, int64_t m)
 {
     if (!c->wgmma || c->g16_policy < 0 || (c->g16_policy == 0 && !g16_wins(m))) return false;
-    if (w->cols % G16_K != 0 || w->cols > INT32_MAX || w->rows > INT32_MAX || m > INT32_MAX) return false;
+    return w->cols % G16_K == 0 && w->cols <= INT32_MAX && w->rows <= INT32_MAX && m <= INT32_MAX;
+}
+
+bool luma_cuda_g16(cuda_backend *c, const luma_weight *w, const __half *wh, const __half *xh, int64_t m, float *y)
+{
+    if (!luma_cuda_g16_takes(c, w, m)) return false;
     /* 128-row CTAs (two consumer warpgroups) for tall weights; 64-row ones
      * (one) below G16_TALL_ROWS rows, so that 4096 rows make 64 tiles that
      * split k in pairs: 128 CTAs, one wave */

@@ -45,7 +45,8 @@
  *   activations; no f16 copy) takes the (type, m) for which it measured
  *   faster, its int8 route at m = 8..16 even before the matrix-vector
  *   kernels (luma_cuda_mmq_small). Weights of one matmul_many call that go
- *   to cuBLAS share one conversion of the activations. */
+ *   to cuBLAS share one conversion of the activations, and those of one
+ *   shape among them one batched GEMM (tensor_gemm_batched). */
 #include "cuda_internal.h"
 #include "blocks.cuh"
 #include "launch.cuh"

@@ -64,21 +64,14 @@ int main(void)
     }
     const luma_synth_params sp = { .arch = "gemma3", .n_layer = 3, .n_embd = 640, .n_head = 4, .n_kv_head = 1,
                                    .head_dim = 256, .n_ff = 2048, .n_ctx = 4096, .seed = 37, .vocab_path = vocab };
-    luma_err err = { { 0 } };
     char path[256];
     snprintf(path, sizeof path, "/tmp/luma-gemm-batch-%d.gguf", (int)getpid());
-    if (luma_synth_write(&sp, path, &err) != 0) {
-        printf("test_cuda_gemm_batch: FAIL: writing the model: %s\n", err.msg);
+    luma_model *m[3];
+    if (!luma_test_load_three(&sp, path, 256, MAX_SEQS * PROMPT, KV_BYTES, m, "gemma3 640")) {
+        printf("test_cuda_gemm_batch: %d failures\n", failures);
         return 1;
     }
-    const int32_t rows = MAX_SEQS * PROMPT;
-    luma_model *cpu = luma_test_load(path, "cpu", true, 256, rows, KV_BYTES, &err), *gpu = NULL, *eager = NULL;
-    if (cpu) gpu = luma_test_load(path, "cuda", true, 256, rows, KV_BYTES, &err);
-    if (gpu) eager = luma_test_load(path, "cuda", false, 256, rows, KV_BYTES, &err);
-    if (!cpu || !gpu || !eager) {
-        CHECKF(0, "loading the model: %s", err.msg);
-        goto done;
-    }
+    luma_model *cpu = m[0], *gpu = m[1], *eager = m[2];
     int32_t nv = cpu->hp.n_vocab;
     const int seq_counts[] = { 16, MAX_SEQS };
     for (int t = 0; t < 2; t++) {
@@ -132,11 +125,7 @@ int main(void)
         free(lon);
         free(leg);
     }
-done:
-    luma_model_free(eager);
-    luma_model_free(gpu);
-    luma_model_free(cpu);
-    remove(path);
+    luma_test_free_three(m, path);
     if (failures) {
         printf("test_cuda_gemm_batch: %d failures\n", failures);
         return 1;

@@ -62,20 +62,11 @@ static bool run(luma_model *m, int n_seqs, float *out, const char *name)
  * model's heads of a CTA make whole blocks of the activations) */
 static void check_model(const luma_synth_params *sp, const char *label, bool attn)
 {
-    luma_err err = { { 0 } };
     char path[256];
     snprintf(path, sizeof path, "/tmp/luma-normq-%d.gguf", (int)getpid());
-    if (luma_synth_write(sp, path, &err) != 0) {
-        CHECKF(0, "%s: writing the model: %s", label, err.msg);
-        return;
-    }
-    luma_model *cpu = luma_test_load(path, "cpu", true, 256, 64, 0, &err), *gpu = NULL, *eager = NULL;
-    if (cpu) gpu = luma_test_load(path, "cuda", true, 256, 64, 0, &err);
-    if (gpu) eager = luma_test_load(path, "cuda", false, 256, 64, 0, &err);
-    if (!cpu || !gpu || !eager) {
-        CHECKF(0, "%s: loading the model: %s", label, err.msg);
-        goto done;
-    }
+    luma_model *m[3];
+    if (!luma_test_load_three(sp, path, 256, 64, 0, m, label)) return;
+    luma_model *cpu = m[0], *gpu = m[1], *eager = m[2];
     int32_t nv = cpu->hp.n_vocab;
     for (int n_seqs = 1; n_seqs <= MAX_SEQS; n_seqs += MAX_SEQS - 1) {
         size_t n = (size_t)STEPS * (size_t)n_seqs * (size_t)nv;
@@ -126,11 +117,7 @@ static void check_model(const luma_synth_params *sp, const char *label, bool att
         free(lon);
         free(leg);
     }
-done:
-    luma_model_free(eager);
-    luma_model_free(gpu);
-    luma_model_free(cpu);
-    remove(path);
+    luma_test_free_three(m, path);
 }
 
 int main(void)

@@ -288,6 +288,40 @@ static inline luma_model *luma_test_load(const char *path, const char *backend, 
     return rc == 0 ? m : NULL;
 }
 
+#ifdef LUMA_SYNTH_H
+/* The three copies a test of a GPU switch compares, of the synthetic model
+ * sp written to path: m[0] on the CPU, m[1] on the GPU, m[2] on the GPU with
+ * graphs off (eager), each with a context of n_ctx, steps of at most
+ * max_rows rows and kv_bytes of cache. False, with a failed check naming
+ * label and nothing left loaded, where the file or a copy cannot be made;
+ * luma_test_free_three frees them and the file. */
+static inline bool luma_test_load_three(const luma_synth_params *sp, const char *path, int32_t n_ctx,
+                                        int32_t max_rows, int64_t kv_bytes, luma_model *m[3], const char *label)
+{
+    luma_err err = { { 0 } };
+    m[0] = m[1] = m[2] = NULL;
+    if (luma_synth_write(sp, path, &err) != 0) {
+        CHECKF(0, "%s: writing the model: %s", label, err.msg);
+        return false;
+    }
+    m[0] = luma_test_load(path, "cpu", true, n_ctx, max_rows, kv_bytes, &err);
+    if (m[0]) m[1] = luma_test_load(path, "cuda", true, n_ctx, max_rows, kv_bytes, &err);
+    if (m[1]) m[2] = luma_test_load(path, "cuda", false, n_ctx, max_rows, kv_bytes, &err);
+    if (m[2]) return true;
+    CHECKF(0, "%s: loading the model: %s", label, err.msg);
+    for (int i = 0; i < 2; i++) luma_model_free(m[i]);
+    m[0] = m[1] = NULL;
+    remove(path);
+    return false;
+}
+
+static inline void luma_test_free_three(luma_model *m[3], const char *path)
+{
+    for (int i = 2; i >= 0; i--) luma_model_free(m[i]);
+    remove(path);
+}
+#endif
+
 /* n_seqs new sequences of m, sequence s given ids[s (prompt + steps) ...]:
  * its prompt (all of them in one step), then `steps` steps of one forced
  * token a sequence, each step's logits into out ([steps][n_seqs][n_vocab]).

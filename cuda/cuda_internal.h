@@ -187,7 +187,7 @@ typedef struct cuda_backend {
     uint64_t n_steps;          /* steps run through step_run */
     uint64_t buf_gen;          /* bumped when a weight, buffer or KV pool is made or freed */
     void *cublas_ws;           /* cuBLAS workspace: no allocation inside a recording */
-    /* Pointer tables of cublasGemmBatchedEx (matmul.cu, gemm_table): a
+    /* Pointer tables of cublasGemmBatchedEx (matmul.cu, gemm_table_slot): a
      * matmul_many group of weights of one shape on their resident f16
      * copies runs as one batched GEMM, whose A, B and C pointers cuBLAS
      * reads from device memory. Slot s holds CUDA_GEMM_TAB_PTRS pointers
@@ -195,8 +195,8 @@ typedef struct cuda_backend {
      * once from its pinned twin tab_host, which stays as written: a
      * recorded step's copy node reads it again at every replay. A slot is
      * keyed by its pointers and never rewritten (tab_k: products in slot s,
-     * 0 free); a full table, or LUMA_CUDA_GEMM_BATCH=0, leaves the products
-     * one GEMM each. */
+     * 0 free, bit 7 once copied eagerly); a full table, or
+     * LUMA_CUDA_GEMM_BATCH=0, leaves the products one GEMM each. */
     void **tab_dev, **tab_host;
     uint8_t *tab_k;
     int tab_used;
@@ -497,9 +497,9 @@ bool luma_cuda_wgmma_probe(cuda_backend *c);
 /* y = W x on W's resident f16 copy wh and the activations' f16 xh (m x
  * cols) by the tensor memory accelerator and wgmma (sm_90a), where its
  * policy takes it; false, queuing nothing, where it does not. */
+bool luma_cuda_g16(cuda_backend *c, const luma_weight *w, const __half *wh, const __half *xh, int64_t m, float *y);
 /* Whether luma_cuda_g16 takes y = W x for m rows. */
 bool luma_cuda_g16_takes(const cuda_backend *c, const luma_weight *w, int64_t m);
-bool luma_cuda_g16(cuda_backend *c, const luma_weight *w, const __half *wh, const __half *xh, int64_t m, float *y);
 /* Whether luma_cuda_mmq takes this product although m is small enough for
  * the matrix-vector kernels (its int8 route, where it measured faster). */
 bool luma_cuda_mmq_small(const cuda_backend *c, const luma_weight *w, const float *x, int64_t m);

@@ -3701,6 +3701,18 @@ static bool tensor_fits(cuda_backend *c, const luma_weight *w, int64_t m)
     return false;
 }
 
+/* cuBLAS's handle on the backend's current stream, with that stream's
+ * workspace (the side stream has its own: the two may run at once) and
+ * host scalars. */
+static cublasStatus_t cublas_on_stream(cuda_backend *c)
+{
+    cublasStatus_t st = cublasSetStream(c->cublas, c->stream);
+    if (st == CUBLAS_STATUS_SUCCESS)
+        st = cublasSetWorkspace(c->cublas, c->stream == c->side ? c->side_ws : c->cublas_ws, CUBLAS_WORKSPACE);
+    if (st == CUBLAS_STATUS_SUCCESS) st = cublasSetPointerMode(c->cublas, CUBLAS_POINTER_MODE_HOST);
+    return st;
+}
+
 /* Y (m x rows, row-major) = X W^T through cuBLAS, which is column-major: W
  * row-major is the cols x rows matrix A (lda cols), X row-major the cols x m
  * matrix B (ldb cols), so Y^T = A^T B is rows x m with ldc rows: the "TN"
@@ -3713,10 +3725,7 @@ static void tensor_gemm(cuda_backend *c, const luma_weight *w, const __half *xh,
     int64_t rows = w->rows, cols = w->cols;
     const __half *whole = resident_f16(c, w);
     if (whole && luma_cuda_g16(c, w, whole, xh, m, y)) return;   /* mmq.cu: where it measured faster */
-    cublasStatus_t st = cublasSetStream(c->cublas, c->stream);
-    if (st == CUBLAS_STATUS_SUCCESS)   /* the side stream's own workspace: the two may run at once */
-        st = cublasSetWorkspace(c->cublas, c->stream == c->side ? c->side_ws : c->cublas_ws, CUBLAS_WORKSPACE);
-    if (st == CUBLAS_STATUS_SUCCESS) st = cublasSetPointerMode(c->cublas, CUBLAS_POINTER_MODE_HOST);
+    cublasStatus_t st = cublas_on_stream(c);
     const float one = 1.0f, zero = 0.0f;
     for (int64_t r0 = 0; r0 < rows && st == CUBLAS_STATUS_SUCCESS && LUMA_CUDA_OK(c); r0 += panel) {
         int64_t n = rows - r0 < panel ? rows - r0 : panel;
@@ -3786,10 +3795,7 @@ static bool tensor_gemm_batched(cuda_backend *c, const luma_weight *const *ws, f
     if (slot < 0) return false;
     void *const *t = c->tab_dev + (size_t)slot * CUDA_GEMM_TAB_PTRS;
     const int rows = (int)ws[0]->rows, cols = (int)ws[0]->cols;
-    cublasStatus_t st = cublasSetStream(c->cublas, c->stream);
-    if (st == CUBLAS_STATUS_SUCCESS)
-        st = cublasSetWorkspace(c->cublas, c->stream == c->side ? c->side_ws : c->cublas_ws, CUBLAS_WORKSPACE);
-    if (st == CUBLAS_STATUS_SUCCESS) st = cublasSetPointerMode(c->cublas, CUBLAS_POINTER_MODE_HOST);
+    cublasStatus_t st = cublas_on_stream(c);
     const float one = 1.0f, zero = 0.0f;
     if (st == CUBLAS_STATUS_SUCCESS)
         st = cublasGemmBatchedEx(c->cublas, CUBLAS_OP_T, CUBLAS_OP_N, rows, (int)m, cols, &one, (const void *const *)t,

@@ -44,6 +44,7 @@ static const preset presets[] = {
     { "llama-1b", SHAPE("llama", 16, 2048, 32, 8, 64, 8192, 8192, 0, 500000.0f, true) },
     { "llama-7b", SHAPE("llama", 32, 4096, 32, 8, 128, 14336, 8192, 0, 500000.0f, false) },
     { "qwen2-0.5b", SHAPE("qwen2", 24, 896, 14, 2, 64, 4864, 32768, 0, 1000000.0f, true) },
+    { "gemma3-270m", SHAPE("gemma3", 18, 640, 4, 1, 256, 2048, 32768, 512, 1000000.0f, true) },
     { "gemma3-1b", SHAPE("gemma3", 26, 1152, 4, 1, 256, 6912, 32768, 512, 1000000.0f, true) },
 };
 

@@ -1091,6 +1091,7 @@ luma_backend *luma_backend_cuda_new(int device, luma_err *err)
     c->tc_q6k = c->repack_tc && !env_off("LUMA_CUDA_TC_Q6K");
     c->rs6 = !env_off("LUMA_CUDA_RS6");
     c->rs_pair = !env_off("LUMA_CUDA_RS_PAIR");
+    luma_cuda_tall_init(c);
     const char *fork_min = getenv("LUMA_CUDA_FORK");
     c->fork_min = fork_min ? (int64_t)strtoll(fork_min, NULL, 10) : LUMA_FORK_MIN;
     c->mmv_on = true;

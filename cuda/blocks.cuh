@@ -1,5 +1,6 @@
 /* Device helpers that the kernels reading GGUF blocks share (matmul.cu,
- * mmq.cu): half-float bits, the Q5 high bits and the K-quant 6-bit scales. */
+ * mmq.cu, tall.cu): half-float bits, the Q5 high bits, the K-quant 6-bit
+ * scales, and the f16 tensor-core product of one m16n8k16 tile. */
 #ifndef LUMA_CUDA_BLOCKS_CUH
 #define LUMA_CUDA_BLOCKS_CUH
 
@@ -110,6 +111,16 @@ static __host__ __device__ __forceinline__ int rs_q4k_pos(int el)
 {
     int p = el >> 6, e = (el >> 5) & 1, l = el & 31, t = 2 * p + (l >> 4), i = l & 15;
     return 16 * (2 * (i >> 2) + e) + 8 * (i & 1) + 2 * t + ((i >> 1) & 1);
+}
+
+/* c += A B for one m16n8k16 tile: a holds the A fragment (rows g, g + 8;
+ * k slots 2t, 2t + 1 and 2t + 8, 2t + 9), b0 and b1 the B fragment. */
+static __device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1)
+{
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 #endif

@@ -227,6 +227,11 @@ typedef struct cuda_backend {
      * environment: not, for measuring); rs_pairs counts those launches */
     bool rs_pair;
     long long rs_pairs;
+    /* the activation rows the tall kernel takes (tall.cu; LUMA_CUDA_TALL=
+     * lo,hi in the environment sets them, for measuring); talls counts its
+     * launches (recorded ones once) */
+    int tall_lo, tall_hi;
+    long long talls;
     /* matmul_many's second stream (matmul.cu, fork_plan): in a set of
      * products past the matrix-vector path, llama's q runs on `side`
      * while k and v run on `stream`; fork_ev and join_ev order the two.
@@ -345,6 +350,10 @@ void luma_cuda_matmul(cuda_backend *c, const luma_weight *w, const float *x, int
  * other paths, float weights); the caller then runs the two operations. */
 bool luma_cuda_gated_matmul(cuda_backend *c, const luma_weight *w, float *gate, const float *up, int act,
                             int64_t m, float *y);
+/* W's x4 copy for the matrix-vector kernels (matmul.cu's x4_q8_0: 136
+ * bytes a 128 elements of a row) where W is Q8_0 and the copy is there to
+ * read, else NULL. */
+const uint8_t *luma_cuda_x4(const cuda_backend *c, const luma_weight *w);
 /* A switch in the environment for measuring (read once by each caller):
  * the digit it is set to, or dflt when it is unset or not one digit. */
 int luma_cuda_env_digit(const char *name, int dflt);
@@ -468,6 +477,20 @@ bool luma_cuda_prog_gated(cuda_backend *c, const luma_weight *w, luma_buf *gate,
 /* Queues what the program holds (nothing when empty). */
 void luma_cuda_prog_flush(cuda_backend *c);
 void luma_cuda_prog_free(cuda_backend *c);
+
+/* ---- tall.cu ------------------------------------------------------------- */
+
+/* Whether luma_cuda_tall takes y = W x for m activation rows: a Q8_0
+ * weight of a vocabulary's rows and its x4 copy (luma_cuda_x4), m within
+ * c->tall_lo .. c->tall_hi, outside batch invariance and float
+ * activations. */
+bool luma_cuda_tall_takes(const cuda_backend *c, const luma_weight *w, int64_t m);
+/* c->tall_lo and tall_hi: the rule's, or LUMA_CUDA_TALL's. */
+void luma_cuda_tall_init(cuda_backend *c);
+/* y (m x rows) = W x on the tensor cores from W's x4 copy and xh, the f16
+ * of the activations' 8-bit values (m x cols, as the cuBLAS path makes
+ * them), for a product luma_cuda_tall_takes. */
+void luma_cuda_tall(cuda_backend *c, const luma_weight *w, const __half *xh, int64_t m, float *y);
 
 /* ---- mmq.cu -------------------------------------------------------------- */
 

@@ -3874,6 +3874,7 @@ static bool matmul_ok(cuda_backend *c, const luma_weight *w)
  * 16-byte loads: mmv_fits), which keeps the tensor cores. */
 static bool takes_vec(const cuda_backend *c, const luma_weight *w, const float *x, int64_t m)
 {
+    if (luma_cuda_tall_takes(c, w, m)) return false;
     int64_t max_m = c->invariant ? m : w->type == LUMA_F16 ? MMV_MAX_M_F16 : mmv_max_m();
     /* float activations: mmv_float and the kf types (whole float4 loads of x)
      * up to MMV_FLOAT_MAX_M rows where the weight has a resident f16 copy
@@ -3886,14 +3887,31 @@ static bool takes_vec(const cuda_backend *c, const luma_weight *w, const float *
     return m <= max_m && mmv_fits(w, x) && !luma_cuda_mmq_small(c, w, x, m);
 }
 
+const uint8_t *luma_cuda_x4(const cuda_backend *c, const luma_weight *w)
+{
+    return w->type == LUMA_Q8_0 && has_mmv(c, w) && w->cols % 128 == 0 ? (const uint8_t *)w->dev_mmv : NULL;
+}
+
+/* y = W x by the tall kernel (tall.cu) on the activations as the cuBLAS
+ * path converts them. */
+static void mm_tall(cuda_backend *c, const luma_weight *w, const float *x, int64_t m, float *y)
+{
+    __half *xh = (__half *)luma_cuda_scratch(c, (size_t)m * (size_t)w->cols * sizeof(__half));
+    if (!xh) return;
+    tensor_act(c, w, x, m, xh);
+    if (LUMA_CUDA_OK(c)) luma_cuda_tall(c, w, xh, m, y);
+}
+
 void luma_cuda_matmul(cuda_backend *c, const luma_weight *w, const float *x, int64_t m, float *y)
 {
     if (!LUMA_CUDA_OK(c) || m <= 0 || w->rows <= 0 || !matmul_ok(c, w)) return;
-    const bool vec = takes_vec(c, w, x, m);
+    const bool tall = luma_cuda_tall_takes(c, w, m), vec = takes_vec(c, w, x, m);
     /* a pending norm joins the quantizer of mm_vec (quantize_into); the
      * other paths read x first */
     if (!vec || is_float_type(w->type) || c->float_act) luma_cuda_pending_flush(c);
-    if (vec) {
+    if (tall) {
+        mm_tall(c, w, x, m, y);
+    } else if (vec) {
         if (c->float_act && !is_float_type(w->type)) mm_float(c, w, x, m, y);
         else mm_vec(c, w, x, m, y);
     } else if (!luma_cuda_mmq(c, w, x, m, y)) mm_tensor(c, w, x, m, y);   /* mmq.cu: where it measured faster */
@@ -3903,7 +3921,8 @@ void luma_cuda_matmul(cuda_backend *c, const luma_weight *w, const float *x, int
  * copy (neither the matrix-vector path nor mmq takes it). */
 static bool cublas_on_copy(cuda_backend *c, const luma_weight *w, const float *x, int64_t m)
 {
-    return !takes_vec(c, w, x, m) && resident_f16(c, w) && !luma_cuda_mmq_takes(c, w, x, m) && tensor_fits(c, w, m);
+    return !luma_cuda_tall_takes(c, w, m) && !takes_vec(c, w, x, m) && resident_f16(c, w) &&
+           !luma_cuda_mmq_takes(c, w, x, m) && tensor_fits(c, w, m);
 }
 
 /* quantize_launch of gate = act(gate) * up, act LUMA_ACT_GELU or

@@ -104,16 +104,6 @@ static __device__ __forceinline__ uint2 ld8_a2(const uint8_t *p)
     return make_uint2((uint32_t)h[0] | (uint32_t)h[1] << 16, (uint32_t)h[2] | (uint32_t)h[3] << 16);
 }
 
-/* c += A B for one m16n8k16 tile: a holds the A fragment (rows g, g + 8;
- * k slots 2t, 2t + 1 and 2t + 8, 2t + 9), b0 and b1 the B fragment. */
-static __device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1)
-{
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 /* ---- block formats ----------------------------------------------------------
  *
  * One struct per weight type, describing a k-step's span of a weight row:

@@ -38,9 +38,14 @@
  *     Q6_K, Q5_0 and Q8_0 shapes next to the 8-bit kernels;
  *   - outside quick mode, Gemma 3's output projection (262144 x 640, Q8_0,
  *     Q5_0, Q4_0: the narrow kernel by rule) at m = 1, 3 and 8, each row's
- *     bits the same at every m, and timed at m = 1 and 8 (check_vocab).
+ *     bits the same at every m, and timed at m = 1 and 8 (check_vocab);
+ *   - the tall kernel (Q8_0 weights of a vocabulary's rows on the tensor
+ *     cores, cuda/tall.cu) at m = 2 to 128 on two shapes, against the
+ *     reference, the CPU and the product with it off; outside quick mode
+ *     Gemma 3's output projection timed with it on and off (check_tall).
  * Without a CUDA device it says so and passes. LUMA_CUDA_QUICK=1 keeps to the
  * small shapes and skips the timing (for compute-sanitizer runs);
+ * LUMA_CUDA_ONLY=tall runs the tall kernel's checks (and timing) alone;
  * LUMA_CUDA_TIME_TYPES=Q4_K,Q6_K times only the types it names.
  *
  * The events and the memset go to the legacy default stream, which orders
@@ -928,6 +933,110 @@ static void check_vocab(ctx *cx)
     }
 }
 
+void luma_cuda_tall_range(luma_backend *be, int lo, int hi);
+long long luma_cuda_talls(luma_backend *be);
+
+/* The tall kernel (cuda/tall.cu): Q8_0 weights of a vocabulary's rows on
+ * the tensor cores from their x4 copy, at 2 to 128 activation rows. Two
+ * shapes (3 groups of 128 a row; 9, with a last slab of 9 rows), m from 2
+ * to 128: each launch taken where its activations fit shared memory (at
+ * 1,152 columns up to 64 rows) and nothing else, every output written,
+ * within f16 rounding of the reference and the CPU's product, and within
+ * float rounding of the same product with the kernel off (cuBLAS on the
+ * resident f16 copy past 8 rows: the same f16 operands, other sums). Then,
+ * outside quick mode, Gemma 3's output projection timed with the kernel
+ * on and off at 2 to 128 rows. */
+static void check_tall(ctx *cx)
+{
+    static const struct {
+        int64_t rows, cols;
+    } shs[] = { { 65536, 384 }, { 65545, 1152 } };
+    static const int64_t tall_ms[] = { 2, 5, 8, 13, 16, 24, 40, 64, 100, 128 };
+    const int64_t mmax = 128;
+    for (size_t si = 0; si < sizeof shs / sizeof shs[0]; si++) {
+        const int64_t rows = shs[si].rows, cols = shs[si].cols;
+        size_t row_bytes = luma_row_size(LUMA_Q8_0, cols);
+        luma_weight w;
+        uint8_t *host = load_random_weight(cx->be, LUMA_Q8_0, rows, cols, &w);
+        if (!host) continue;
+        int64_t rows_s[SAMPLE_ROWS];
+        int ns;
+        float *wref = sample_weight_rows(LUMA_Q8_0, host, rows, cols, SAMPLE_ROWS, rows_s, &ns);
+        float *x = xmalloc((size_t)mmax * (size_t)cols * sizeof(float));
+        float *y = xmalloc((size_t)mmax * (size_t)rows * sizeof(float));
+        float *y0 = xmalloc((size_t)mmax * (size_t)rows * sizeof(float));
+        for (int64_t k = 0; k < mmax * cols; k++) x[k] = bell();
+        char line[512];
+        int len = snprintf(line, sizeof line, "Q8_0  %lldx%lld (tall kernel)", (long long)rows, (long long)cols);
+        for (size_t mi = 0; mi < sizeof tall_ms / sizeof tall_ms[0]; mi++) {
+            const int64_t m = tall_ms[mi];
+            int nt = 1;
+            while (8 * nt < m) nt *= 2;
+            /* tall.cu's shared memory: the activations, 8 nt rows of cols + 32 halves */
+            const bool fits = (size_t)8 * (size_t)nt * (size_t)(cols + 32) * 2 <= (size_t)227 * 1024;
+            for (int64_t k = 0; k < m * rows; k++) y[k] = y0[k] = NAN;
+            luma_cuda_tall_range(cx->be, 2, 128);
+            const long long n0 = luma_cuda_talls(cx->be);
+            if (run_matmul(cx, &w, x, m, y) != 0) break;
+            const long long took = luma_cuda_talls(cx->be) - n0;
+            luma_cuda_tall_range(cx->be, 1, 0);
+            if (run_matmul(cx, &w, x, m, y0) != 0) break;
+            CHECKF(took == (fits ? 1 : 0), "Q8_0 %lldx%lld m=%lld: %lld tall launches, expected %d", (long long)rows,
+                   (long long)cols, (long long)m, took, fits ? 1 : 0);
+            double scale = 0.0, diff = 0.0;
+            int64_t unwritten = 0;
+            for (int64_t k = 0; k < m * rows; k++) {
+                if (!isfinite(y[k])) unwritten++;
+                if (fabs(y0[k]) > scale) scale = fabs(y0[k]);
+                if (fabs((double)y[k] - y0[k]) > diff) diff = fabs((double)y[k] - y0[k]);
+            }
+            double e = product_rel_error(wref, rows_s, ns, x, m, cols, y, rows, SAMPLE_ACTS);
+            double ec = cpu_product_rel_error(LUMA_Q8_0, host, row_bytes, wref, rows_s, ns, x, m, cols, y, rows,
+                                              SAMPLE_ACTS);
+            CHECKF(unwritten == 0, "Q8_0 %lldx%lld m=%lld: %lld outputs not finite", (long long)rows,
+                   (long long)cols, (long long)m, (long long)unwritten);
+            CHECKF(e <= TOL_F16 && ec <= TOL_CPU_F16,
+                   "Q8_0 %lldx%lld m=%lld: max relative error %.3g (> %.1g?), against the CPU's product %.3g "
+                   "(> %.1g?)",
+                   (long long)rows, (long long)cols, (long long)m, e, TOL_F16, ec, TOL_CPU_F16);
+            /* m <= 8 with the kernel off is the narrow kernel on int8
+             * activations: f16 rounding apart, not float rounding */
+            const double tol = m <= 8 ? 4e-3 : 1e-4;
+            CHECKF(scale > 0 && diff <= tol * scale,
+                   "Q8_0 %lldx%lld m=%lld: differs from the kernel off by %.3g of the largest output (> %.0e)",
+                   (long long)rows, (long long)cols, (long long)m, scale > 0 ? diff / scale : 0.0, tol);
+            if (len < (int)sizeof line)
+                len += snprintf(line + len, sizeof line - (size_t)len, "  m=%lld%s %.0e", (long long)m,
+                                took ? "" : "(off)", e);
+        }
+        luma_cuda_tall_range(cx->be, -1, -1);
+        printf("%s\n", line);
+        free(x);
+        free(y);
+        free(y0);
+        free(wref);
+        free(host);   /* the backend frees its weights with itself */
+    }
+    if (!cx->graphs || !timed(cx, LUMA_Q8_0)) return;
+    const int64_t rows = 262144, cols = 640;
+    luma_weight w;
+    uint8_t *host = load_random_weight(cx->be, LUMA_Q8_0, rows, cols, &w);
+    if (!host) return;
+    const size_t bytes = luma_row_size(LUMA_Q8_0, cols) * (size_t)rows;
+    static const int64_t tm[] = { 2, 4, 8, 16, 32, 64, 128 };
+    for (size_t mi = 0; mi < sizeof tm / sizeof tm[0]; mi++) {
+        luma_cuda_tall_range(cx->be, 2, 128);
+        double on = time_matmul(cx, &w, bytes, tm[mi], 1);
+        luma_cuda_tall_range(cx->be, 1, 0);
+        double off = time_matmul(cx, &w, bytes, tm[mi], 1);
+        printf("Q8_0  %lldx%lld in a graph, m=%lld: tall kernel %.1f us (%.0f GB/s of Q8_0), off %.1f us\n",
+               (long long)rows, (long long)cols, (long long)tm[mi], on, on > 0 ? (double)bytes / (on * 1e3) : 0.0,
+               off);
+    }
+    luma_cuda_tall_range(cx->be, -1, -1);
+    free(host);
+}
+
 static int run_checks(void)
 {
     luma_err err = { { 0 } };
@@ -944,6 +1053,14 @@ static int run_checks(void)
     cx.graphs = cx.be->ops->step_begin && cx.be->ops->step_run;
     if (!cx.quick && !cuda_ok(cudaMalloc(&cx.queue, QUEUE_BYTES), "cudaMalloc (queue)")) cx.quick = 1;
 
+    const char *only = getenv("LUMA_CUDA_ONLY");
+    if (only && strcmp(only, "tall") == 0) {
+        check_tall(&cx);
+        printf("matmul: the other checks not run (LUMA_CUDA_ONLY=tall)\n");
+        if (cx.queue) cudaFree(cx.queue);
+        cx.be->ops->free(cx.be);
+        return 0;
+    }
     static timing tms[N_TYPES][N_SHAPES];
     int checked = 0;
     for (int ti = 0; ti < N_TYPES; ti++)
@@ -958,6 +1075,7 @@ static int run_checks(void)
     check_gated(&cx);
     check_float(&cx);
     check_vocab(&cx);
+    check_tall(&cx);
 
     if (!cx.quick) {
         printf("\ntiming (per call in a stream of %d, best of %d; weights cold in L2; %% of %.0f GB/s):\n", TIME_CALLS,

@@ -873,10 +873,14 @@ done:
     ops->free(cx.be);
 }
 
+void luma_cuda_tall_range(luma_backend *be, int lo, int hi);
+long long luma_cuda_talls(luma_backend *be);
+
 /* Gemma 3's output projection, 262,144 rows of 640 (its tied embedding),
  * in the block types a Q4_K_M file gives such a matrix: a row shorter than
  * three of a warp's rounds, in so many rows that the matrix-vector path
- * takes the narrow kernel (a group of lanes a row). Checked at m = 1, 3
+ * takes the narrow kernel (a group of lanes a row; the tall kernel, which
+ * takes Q8_0 from 4 rows by its rule, turned off here). Checked at m = 1, 3
  * and 8 against the reference and the CPU's product, the rows of m = 3 and
  * 8 bit for bit those of m = 1 (batch invariance), then timed at m = 1
  * and 8 in a graph. Not in quick mode (178 MB of Q8_0). */
@@ -885,6 +889,7 @@ static void check_vocab(ctx *cx)
     static const enum luma_type vt[] = { LUMA_Q8_0, LUMA_Q5_0, LUMA_Q4_0 };
     const int64_t rows = 262144, cols = 640;
     if (cx->quick) return;
+    luma_cuda_tall_range(cx->be, 1, 0);   /* the narrow kernel at every m (check_tall has the other) */
     for (size_t ti = 0; ti < sizeof vt / sizeof vt[0]; ti++) {
         enum luma_type t = vt[ti];
         size_t row_bytes = luma_row_size(t, cols), bytes = row_bytes * (size_t)rows;
@@ -931,10 +936,8 @@ static void check_vocab(ctx *cx)
         free(wref);
         free(host);
     }
+    luma_cuda_tall_range(cx->be, -1, -1);
 }
-
-void luma_cuda_tall_range(luma_backend *be, int lo, int hi);
-long long luma_cuda_talls(luma_backend *be);
 
 /* The tall kernel (cuda/tall.cu): Q8_0 weights of a vocabulary's rows on
  * the tensor cores from their x4 copy, at 2 to 128 activation rows. Two

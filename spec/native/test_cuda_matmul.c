@@ -873,6 +873,36 @@ done:
     ops->free(cx.be);
 }
 
+/* A random rows x cols weight of type t loaded by the backend into *w,
+ * SAMPLE_ROWS of its rows dequantized for the reference, and m_max x cols
+ * random activations: what check_vocab and check_tall start from. False
+ * after a failed check, with nothing to free. */
+typedef struct sampled {
+    uint8_t *host;             /* the weight's blocks */
+    float *wref;               /* rows_s's rows, dequantized */
+    int64_t rows_s[SAMPLE_ROWS];
+    int ns;
+    float *x;
+} sampled;
+
+static bool sampled_load(ctx *cx, enum luma_type t, int64_t rows, int64_t cols, int64_t m_max, luma_weight *w,
+                         sampled *sm)
+{
+    sm->host = load_random_weight(cx->be, t, rows, cols, w);
+    if (!sm->host) return false;
+    sm->wref = sample_weight_rows(t, sm->host, rows, cols, SAMPLE_ROWS, sm->rows_s, &sm->ns);
+    sm->x = xmalloc((size_t)m_max * (size_t)cols * sizeof(float));
+    for (int64_t k = 0; k < m_max * cols; k++) sm->x[k] = bell();
+    return true;
+}
+
+static void sampled_free(sampled *sm)
+{
+    free(sm->x);
+    free(sm->wref);
+    free(sm->host);   /* the backend frees its weights with itself */
+}
+
 void luma_cuda_tall_range(luma_backend *be, int lo, int hi);
 long long luma_cuda_talls(luma_backend *be);
 
@@ -894,14 +924,13 @@ static void check_vocab(ctx *cx)
         enum luma_type t = vt[ti];
         size_t row_bytes = luma_row_size(t, cols), bytes = row_bytes * (size_t)rows;
         luma_weight w;
-        uint8_t *host = load_random_weight(cx->be, t, rows, cols, &w);
-        if (!host) continue;
-        int64_t rows_s[SAMPLE_ROWS];
-        int ns;
-        float *wref = sample_weight_rows(t, host, rows, cols, SAMPLE_ROWS, rows_s, &ns);
-        float *x = xmalloc((size_t)8 * (size_t)cols * sizeof(float));
+        sampled sm;
+        if (!sampled_load(cx, t, rows, cols, 8, &w, &sm)) continue;
+        const float *x = sm.x, *wref = sm.wref;
+        const uint8_t *host = sm.host;
+        const int64_t *rows_s = sm.rows_s;
+        const int ns = sm.ns;
         float *y1 = xmalloc((size_t)rows * sizeof(float)), *y = xmalloc((size_t)8 * (size_t)rows * sizeof(float));
-        for (int64_t k = 0; k < 8 * cols; k++) x[k] = bell();
         char line[256];
         int len = snprintf(line, sizeof line, "%-5s %lldx%lld (an output projection)", luma_type_name(t),
                            (long long)rows, (long long)cols);
@@ -930,11 +959,9 @@ static void check_vocab(ctx *cx)
                    luma_type_name(t), (long long)rows, (long long)cols, (double)bytes / 1e6, us1,
                    us1 > 0 ? (double)bytes / (us1 * 1e3) : 0.0, us8, us8 > 0 ? (double)bytes / (us8 * 1e3) : 0.0);
         }
-        free(x);
         free(y);
         free(y1);
-        free(wref);
-        free(host);
+        sampled_free(&sm);
     }
     luma_cuda_tall_range(cx->be, -1, -1);
 }
@@ -960,15 +987,14 @@ static void check_tall(ctx *cx)
         const int64_t rows = shs[si].rows, cols = shs[si].cols;
         size_t row_bytes = luma_row_size(LUMA_Q8_0, cols);
         luma_weight w;
-        uint8_t *host = load_random_weight(cx->be, LUMA_Q8_0, rows, cols, &w);
-        if (!host) continue;
-        int64_t rows_s[SAMPLE_ROWS];
-        int ns;
-        float *wref = sample_weight_rows(LUMA_Q8_0, host, rows, cols, SAMPLE_ROWS, rows_s, &ns);
-        float *x = xmalloc((size_t)mmax * (size_t)cols * sizeof(float));
+        sampled sm;
+        if (!sampled_load(cx, LUMA_Q8_0, rows, cols, mmax, &w, &sm)) continue;
+        const float *x = sm.x, *wref = sm.wref;
+        const uint8_t *host = sm.host;
+        const int64_t *rows_s = sm.rows_s;
+        const int ns = sm.ns;
         float *y = xmalloc((size_t)mmax * (size_t)rows * sizeof(float));
         float *y0 = xmalloc((size_t)mmax * (size_t)rows * sizeof(float));
-        for (int64_t k = 0; k < mmax * cols; k++) x[k] = bell();
         char line[512];
         int len = snprintf(line, sizeof line, "Q8_0  %lldx%lld (tall kernel)", (long long)rows, (long long)cols);
         for (size_t mi = 0; mi < sizeof tall_ms / sizeof tall_ms[0]; mi++) {
@@ -1014,11 +1040,9 @@ static void check_tall(ctx *cx)
         }
         luma_cuda_tall_range(cx->be, -1, -1);
         printf("%s\n", line);
-        free(x);
         free(y);
         free(y0);
-        free(wref);
-        free(host);   /* the backend frees its weights with itself */
+        sampled_free(&sm);
     }
     if (!cx->graphs || !timed(cx, LUMA_Q8_0)) return;
     const int64_t rows = 262144, cols = 640;

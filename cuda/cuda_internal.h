@@ -487,10 +487,11 @@ void luma_cuda_prog_free(cuda_backend *c);
 bool luma_cuda_tall_takes(const cuda_backend *c, const luma_weight *w, int64_t m);
 /* c->tall_lo and tall_hi: the rule's, or LUMA_CUDA_TALL's. */
 void luma_cuda_tall_init(cuda_backend *c);
-/* y (m x rows) = W x on the tensor cores from W's x4 copy and xh, the f16
- * of the activations' 8-bit values (m x cols, as the cuBLAS path makes
- * them), for a product luma_cuda_tall_takes. */
-void luma_cuda_tall(cuda_backend *c, const luma_weight *w, const __half *xh, int64_t m, float *y);
+/* y (m x rows) = W x on the tensor cores from W's x4 copy and the
+ * activations' 8-bit values xq (m x cols) and their blocks' (d, d * sum)
+ * xds, as the matrix-vector path's quantizer writes them, for a product
+ * luma_cuda_tall_takes. */
+void luma_cuda_tall(cuda_backend *c, const luma_weight *w, const int8_t *xq, const float2 *xds, int64_t m, float *y);
 
 /* ---- mmq.cu -------------------------------------------------------------- */
 

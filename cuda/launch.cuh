@@ -1,5 +1,6 @@
 /* Kernel launches of a step (every .cu file that queues step work), and the
- * asynchronous copies to shared memory (cp.async) the kernels share.
+ * asynchronous copies to shared memory (cp.async, the bulk copies and their
+ * mbarriers) the kernels share.
  *
  * Programmatic dependent launch (sm_90): every kernel a step queues is
  * launched with cudaLaunchAttributeProgrammaticStreamSerialization, so that
@@ -87,6 +88,47 @@ template <int N>
 static __device__ __forceinline__ void cp_async_wait(void)
 {
     asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+/* mbarriers for the tensor memory accelerator's copies (matmul.cu's staged
+ * kernel, mmq.cu's rings, tall.cu's slabs): a phase completes after
+ * `count` arrivals and the bytes they expect. */
+static __device__ __forceinline__ void mbar_init(uint64_t *b, int count = 1)
+{
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"((uint32_t)__cvta_generic_to_shared(b)), "r"(count)
+                 : "memory");
+}
+
+static __device__ __forceinline__ void mbar_expect(uint64_t *b, uint32_t bytes)
+{
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(
+                     (uint32_t)__cvta_generic_to_shared(b)), "r"(bytes)
+                 : "memory");
+}
+
+static __device__ __forceinline__ void mbar_wait(uint64_t *b, uint32_t parity)
+{
+    asm volatile("{\n.reg .pred p;\nWAIT_%=:\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+                 "@!p bra WAIT_%=;\n}" ::"r"((uint32_t)__cvta_generic_to_shared(b)), "r"(parity)
+                 : "memory");
+}
+
+/* Orders this thread's earlier shared-memory accesses before the bulk
+ * copies that follow (the copy engine is another proxy). */
+static __device__ __forceinline__ void fence_proxy_async()
+{
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+/* bytes (a multiple of 16) from global src to shared dst (both 16-byte
+ * aligned) by one bulk copy, completing on mbarrier bar. */
+static __device__ __forceinline__ void bulk_copy(void *dst, const void *src, uint32_t bytes, uint64_t *bar)
+{
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 ::"r"((uint32_t)__cvta_generic_to_shared(dst)), "l"(src), "r"(bytes),
+                 "r"((uint32_t)__cvta_generic_to_shared(bar))
+                 : "memory");
 }
 
 /* The first statement of a kernel that fetches nothing ahead of the wait;

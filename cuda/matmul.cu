@@ -1639,44 +1639,6 @@ static __device__ __forceinline__ uint32_t smem_addr(const void *p)
     return (uint32_t)__cvta_generic_to_shared(p);
 }
 
-/* An mbarrier whose phase completes after `count` arrivals (and the bytes
- * they expect). */
-static __device__ __forceinline__ void mbar_init(uint64_t *bar, unsigned count = 1)
-{
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count) : "memory");
-}
-
-/* Orders this thread's earlier shared-memory accesses before the bulk
- * copies that follow (the copy engine is another proxy). */
-static __device__ __forceinline__ void fence_proxy_async()
-{
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-}
-
-static __device__ __forceinline__ void mbar_expect(uint64_t *bar, uint32_t bytes)
-{
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes)
-                 : "memory");
-}
-
-static __device__ __forceinline__ void bulk_copy(void *dst, const void *src, uint32_t bytes, uint64_t *bar)
-{
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                 ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar))
-                 : "memory");
-}
-
-static __device__ __forceinline__ void mbar_wait(uint64_t *bar, uint32_t parity)
-{
-    uint32_t done;
-    do {
-        asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-                     : "=r"(done)
-                     : "r"(smem_addr(bar)), "r"(parity)
-                     : "memory");
-    } while (!done);
-}
-
 /* How the staged kernel walks its weight (set by mmv_staged_launch). A CTA
  * has MMV_STAGED_WARPS warps; ks consecutive warps form a team, which owns
  * one row group (ROWS rows) at a time, each warp a slice of `slice` blocks
@@ -3892,23 +3854,24 @@ const uint8_t *luma_cuda_x4(const cuda_backend *c, const luma_weight *w)
     return w->type == LUMA_Q8_0 && has_mmv(c, w) && w->cols % 128 == 0 ? (const uint8_t *)w->dev_mmv : NULL;
 }
 
-/* y = W x by the tall kernel (tall.cu) on the activations as the cuBLAS
- * path converts them. */
+/* y = W x by the tall kernel (tall.cu) on the activations quantized as
+ * for the matrix-vector kernels (a pending norm joins the quantizer). */
 static void mm_tall(cuda_backend *c, const luma_weight *w, const float *x, int64_t m, float *y)
 {
-    __half *xh = (__half *)luma_cuda_scratch(c, (size_t)m * (size_t)w->cols * sizeof(__half));
-    if (!xh) return;
-    tensor_act(c, w, x, m, xh);
-    if (LUMA_CUDA_OK(c)) luma_cuda_tall(c, w, xh, m, y);
+    uint8_t *s = (uint8_t *)luma_cuda_scratch(c, act_q_bytes(m, w->cols));
+    if (!s) return;
+    quantize_into(c, w, x, m, s);
+    const act_rows a = act_rows_at(w, x, m, s);
+    if (LUMA_CUDA_OK(c)) luma_cuda_tall(c, w, (const int8_t *)a.q, a.ds, m, y);
 }
 
 void luma_cuda_matmul(cuda_backend *c, const luma_weight *w, const float *x, int64_t m, float *y)
 {
     if (!LUMA_CUDA_OK(c) || m <= 0 || w->rows <= 0 || !matmul_ok(c, w)) return;
     const bool tall = luma_cuda_tall_takes(c, w, m), vec = takes_vec(c, w, x, m);
-    /* a pending norm joins the quantizer of mm_vec (quantize_into); the
-     * other paths read x first */
-    if (!vec || is_float_type(w->type) || c->float_act) luma_cuda_pending_flush(c);
+    /* a pending norm joins the quantizer of mm_vec and mm_tall
+     * (quantize_into); the other paths read x first */
+    if (!(vec || tall) || is_float_type(w->type) || c->float_act) luma_cuda_pending_flush(c);
     if (tall) {
         mm_tall(c, w, x, m, y);
     } else if (vec) {

@@ -893,28 +893,6 @@ static __device__ __forceinline__ uint64_t wg_desc(const void *p, uint32_t lbo =
     return (uint64_t)((a & 0x3FFFF) >> 4) | (uint64_t)(lbo >> 4) << 16 | (uint64_t)(sbo >> 4) << 32;
 }
 
-/* mbarriers for the tensor-memory-access copies (completion by bytes). */
-static __device__ __forceinline__ void mbar_init(uint64_t *b, int count)
-{
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"((uint32_t)__cvta_generic_to_shared(b)), "r"(count)
-                 : "memory");
-}
-
-static __device__ __forceinline__ void mbar_expect(uint64_t *b, uint32_t bytes)
-{
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(
-                     (uint32_t)__cvta_generic_to_shared(b)), "r"(bytes)
-                 : "memory");
-}
-
-static __device__ __forceinline__ void mbar_wait(uint64_t *b, uint32_t parity)
-{
-    asm volatile("{\n.reg .pred p;\nWAIT_%=:\n"
-                 "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-                 "@!p bra WAIT_%=;\n}" ::"r"((uint32_t)__cvta_generic_to_shared(b)), "r"(parity)
-                 : "memory");
-}
-
 /* A 2-D box of tensor map m at (c0, c1) into shared memory at dst. */
 static __device__ __forceinline__ void tma_2d(void *dst, const CUtensorMap *m, int c0, int c1, uint64_t *bar)
 {

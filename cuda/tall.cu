@@ -1,30 +1,32 @@
-/* Products of tall Q8_0 matrices on the tensor cores: y[i] = W x[i] for a
- * few dozen activation rows (TALL_LO to TALL_HI by the rule; the kernel
- * runs 1 to 128 where its shared memory holds them) where W has a
- * vocabulary's rows of a few hundred to a few thousand columns (the output
- * projections of Gemma 3 and Qwen2, tied to their Q8_0 embeddings). cuBLAS on the resident f16 copy
- * reads twice the Q8_0 bytes (335 MB against 178 for Gemma 3's 262,144 x
- * 640), and the narrow matrix-vector kernel, a group of lanes a row, is
- * bound by its activation loads past a row or two (cuda/NOTES.md, "Tall
- * Q8_0 products on the tensor cores").
+/* Products of tall Q8_0 matrices on the tensor cores: y[i] = W x[i] for 2
+ * to 64 activation rows (TALL_LO to TALL_HI by the rule; the kernel runs
+ * 1 to 64 where shared memory holds its slabs and activations) where W has
+ * a vocabulary's rows of a few hundred to a few thousand columns (the
+ * output projections of Gemma 3 and Qwen2, tied to their Q8_0
+ * embeddings). cuBLAS on the resident f16 copy reads twice the Q8_0 bytes
+ * (335 MB against 178 for Gemma 3's 262,144 x 640), and the narrow
+ * matrix-vector kernel, a group of lanes a row, is bound by its activation
+ * loads past a row or two (cuda/NOTES.md, "Tall Q8_0 products on the
+ * tensor cores").
  *
- * tall_kernel<NT>: a persistent grid of CTAs of TALL_WARPS warps. A CTA
- * first copies the step's activations (the f16 of their 8-bit values,
- * tensor_act's, up to 8 NT rows, zeros past m) into shared memory, where
- * they stay; then each warp takes slabs of 16 weight rows in turn (slab
- * s, s + warps of the grid, ...) and walks a slab's 128-element groups of
- * the x4 copy (matmul.cu's x4_q8_0: four blocks' 128 int8 values, then
- * their four f16 scales). Thread (g, t) of a warp fetches rows g and g + 8
- * of the slab, bytes 8 t .. 8 t + 7 of each block: with mma.sync.m16n8k16's
- * free k order (mmq.cu's note: thread t's k slots 2t, 2t + 1, 2t + 8,
- * 2t + 9 of two chunks are elements 8 t .. 8 t + 7 of the block), those
- * are its A fragments, and its B fragments are 16 contiguous bytes of an
- * activation row in shared memory. A weight is (q + 1152 - 1152) d in f16,
- * q placed under an f16 exponent by one byte permute: exactly the resident
- * copy's f16 of d q, so the product is cuBLAS's on that copy but for the
- * order of the f32 sums. The next group's bytes are fetched (two register
- * sets in turn) while this one is multiplied; the weights of a warp's first
- * group are fetched before the wait for the kernel before.
+ * tall_kernel<NT>: a persistent grid of CTAs of up to 8 warps. A CTA
+ * first writes the step's activations into shared memory as the f16 of
+ * their 8-bit values (from the matrix-vector path's int8 values and
+ * scales, so that a residual norm stays joined to their quantizer; the
+ * f16 of d q, as the cuBLAS path's conversion makes them; up to 8 NT rows,
+ * zeros past m), where they stay; then each warp takes slabs of 16 weight rows in turn (slab
+ * s, s + warps of the grid, ...), each brought into shared memory whole by
+ * one bulk copy, and walks a slab's 128-element groups of the x4 copy
+ * (matmul.cu's x4_q8_0: four blocks' 128 int8 values, then their four f16
+ * scales). Thread (g, t) of a warp reads rows g and g + 8 of the slab,
+ * bytes 8 t .. 8 t + 7 of each block: with mma.sync.m16n8k16's free k
+ * order (mmq.cu's note: thread t's k slots 2t, 2t + 1, 2t + 8, 2t + 9 of
+ * two chunks are elements 8 t .. 8 t + 7 of the block), those are its A
+ * fragments, and its B fragments are 16 contiguous bytes of an activation
+ * row. A weight is (q + 1152 - 1152) d in f16, q placed under an f16
+ * exponent by one byte permute: exactly the resident copy's f16 of d q,
+ * so the product is cuBLAS's on that copy but for the order of the f32
+ * sums.
  *
  * Every launch parameter depends on (m, rows, cols) and the device only:
  * the product can be recorded into a CUDA graph. */
@@ -32,28 +34,31 @@
 #include "blocks.cuh"
 #include "launch.cuh"
 
-#define TALL_WARPS 8
+#define TALL_WARPS_MAX 8         /* warps of a CTA at most */
+#define TALL_NT_MAX 8            /* n8 tiles at most: 64 activation rows */
+#define TALL_BARS 128            /* shared memory before the slab buffers: the mbarriers */
 #define TALL_ROWS_MIN 65536      /* weights of at least this many rows ... */
 #define TALL_COLS_MAX 4096       /* ... and at most this many columns */
-#define TALL_LO 4                /* the rule's activation rows (luma_cuda_tall_takes) */
-#define TALL_HI 32
+#define TALL_LO 2                /* the rule's activation rows (luma_cuda_tall_takes) */
+#define TALL_HI 64
 #define TALL_SMEM_MAX (227 * 1024)
 
-/* A warp's fetch of one group for its rows g and g + 8: per block k the
- * thread's 8 bytes of values, and the group's four scales. */
+/* A thread's bytes of one group for its rows g and g + 8: per block k its
+ * 8 bytes of values, and the group's four scales. */
 struct tall_raw {
     uint2 qa[4], qb[4], da, db;
 };
 
-static __device__ __forceinline__ void tall_fetch(tall_raw &r, const uint8_t *pa, const uint8_t *pb, int t)
+/* The group of rows at pa and pb (in shared memory) that thread t takes. */
+static __device__ __forceinline__ void tall_read(tall_raw &r, const uint8_t *pa, const uint8_t *pb, int t)
 {
 #pragma unroll
     for (int k = 0; k < 4; k++) {
-        r.qa[k] = __ldcs((const uint2 *)(pa + 32 * k + 8 * t));
-        r.qb[k] = __ldcs((const uint2 *)(pb + 32 * k + 8 * t));
+        r.qa[k] = *(const uint2 *)(pa + 32 * k + 8 * t);
+        r.qb[k] = *(const uint2 *)(pb + 32 * k + 8 * t);
     }
-    r.da = __ldcs((const uint2 *)(pa + 128));
-    r.db = __ldcs((const uint2 *)(pb + 128));
+    r.da = *(const uint2 *)(pa + 128);
+    r.db = *(const uint2 *)(pb + 128);
 }
 
 /* The f16 pair d q of the two int8 values of w that sel picks (0x4140:
@@ -94,85 +99,95 @@ static __device__ __forceinline__ void tall_group(const tall_raw &r, const __hal
     }
 }
 
-/* w: the x4 copy (rows x groups x 136 bytes); x: m x cols f16 (cols = 128
- * groups); y: m x rows. Shared memory: 8 NT activation rows of cols + 32
- * halves (a row's stride 16 words off a multiple of 32: the two rows a
- * quarter-warp's 16-byte loads touch fall in distinct banks). */
+/* w: the x4 copy (rows x groups x 136 bytes, rows a multiple of 16, 16-byte
+ * aligned); x: m x cols f16 (cols = 128 groups); y: m x rows. A slab (16
+ * rows, 2,176 groups bytes) is contiguous, so a warp's lane 0 brings each of
+ * its slabs into shared memory with one bulk copy (the tensor memory
+ * accelerator's, off the load path that the lanes' own 8-byte loads of 8
+ * rows at a time kept busy), into two buffers in turn: the next slab comes
+ * while this one is multiplied, the first two before the wait for the
+ * kernel before (weights only). Shared memory: the warps' mbarriers (two a
+ * warp), their buffers, then 8 NT activation rows of cols + 32 halves (a
+ * row's stride 16 words off a multiple of 32: the two rows a quarter-warp's
+ * 16-byte loads touch fall in distinct banks). */
 template <int NT>
-static __global__ void __launch_bounds__(TALL_WARPS * 32, NT >= 16 ? 1 : 2)
-    tall_kernel(const uint8_t *__restrict__ w, int rows, int groups, const __half *__restrict__ x, int m,
-                float *__restrict__ y)
+static __global__ void __launch_bounds__(TALL_WARPS_MAX * 32, 1)
+    tall_kernel(const uint8_t *__restrict__ w, int rows, int groups, const int8_t *__restrict__ xq,
+                const float2 *__restrict__ xds, int m, float *__restrict__ y)
 {
-    extern __shared__ __align__(16) __half tall_xs[];
-    const int cols = 128 * groups, ld = cols + 32;
+    extern __shared__ __align__(128) uint8_t tall_smem_buf[];
+    const int cols = 128 * groups, ld = cols + 32, warps = blockDim.x / 32;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, t = lane % 4;
-    const int slabs = (rows + 15) / 16, step = gridDim.x * TALL_WARPS;
-    const int64_t row_bytes = (int64_t)groups * 136;
-    int s = blockIdx.x * TALL_WARPS + warp, G = 0;
-    /* the weight rows of slab sl for this thread (the last row again past the end) */
-    auto rows_of = [&](int sl, const uint8_t *&pa, const uint8_t *&pb) {
-        const int ra = 16 * sl + g, rb = ra + 8;
-        pa = w + (int64_t)(ra < rows ? ra : rows - 1) * row_bytes;
-        pb = w + (int64_t)(rb < rows ? rb : rows - 1) * row_bytes;
-    };
-    const uint8_t *pa = w, *pb = w;
-    tall_raw r0, r1;
-    if (s < slabs) {
-        rows_of(s, pa, pb);
-        tall_fetch(r0, pa, pb, t);   /* weights only: before the wait */
+    const int slabs = rows / 16, step = gridDim.x * warps, row_bytes = groups * 136, slab_bytes = 16 * row_bytes;
+    uint64_t *bar = (uint64_t *)tall_smem_buf + 2 * warp;
+    uint8_t *buf = tall_smem_buf + TALL_BARS + (size_t)(2 * warp) * slab_bytes;
+    __half *xs = (__half *)(tall_smem_buf + TALL_BARS + (size_t)(2 * warps) * slab_bytes);
+    int s = blockIdx.x * warps + warp;
+    if (lane == 0) {
+        mbar_init(&bar[0], 1);
+        mbar_init(&bar[1], 1);
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        for (int b = 0; b < 2; b++)
+            if (s + b * step < slabs) {
+                mbar_expect(&bar[b], (uint32_t)slab_bytes);
+                bulk_copy(buf + b * slab_bytes, w + (int64_t)(s + b * step) * slab_bytes, (uint32_t)slab_bytes, &bar[b]);
+            }
     }
     wait_for_previous_kernel();
-    const int chunks = cols / 8;   /* 16-byte pieces of a row */
-    for (int i = threadIdx.x; i < 8 * NT * chunks; i += TALL_WARPS * 32) {
+    const int chunks = cols / 8;   /* pieces of 8 values of a row */
+    for (int i = threadIdx.x; i < 8 * NT * chunks; i += blockDim.x) {
         const int n = i / chunks, c = i % chunks;
-        uint4 v = make_uint4(0, 0, 0, 0);
-        if (n < m) v = *(const uint4 *)(x + (int64_t)n * cols + 8 * c);
-        *(uint4 *)(tall_xs + (size_t)n * ld + 8 * c) = v;
+        uint32_t h[4] = { 0, 0, 0, 0 };
+        if (n < m) {
+            const uint2 q = *(const uint2 *)(xq + (int64_t)n * cols + 8 * c);
+            const float d = xds[(int64_t)n * (cols / 32) + c / 4].x;
+            const uint32_t qw[2] = { q.x, q.y };
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                const int q0 = (int)(int8_t)(qw[j / 2] >> (16 * (j % 2))), q1 = (int)(int8_t)(qw[j / 2] >> (16 * (j % 2) + 8));
+                const __half2 v = __halves2half2(__float2half_rn(d * (float)q0), __float2half_rn(d * (float)q1));
+                h[j] = *(const uint32_t *)&v;
+            }
+        }
+        *(uint4 *)(xs + (size_t)n * ld + 8 * c) = make_uint4(h[0], h[1], h[2], h[3]);
     }
     __syncthreads();
     let_next_kernel_start();
-    if (s >= slabs) return;
 
-    float acc[NT][4];
+    const __half *xt = xs + (size_t)g * ld + 8 * t;   /* this thread's activation row g, bytes 16 t */
+    uint32_t phase = 0;                               /* bit b: buffer b's parity */
+    for (int b = 0; s < slabs; s += step, b ^= 1) {
+        mbar_wait(&bar[b], (phase >> b) & 1);
+        phase ^= 1u << b;
+        const uint8_t *pa = buf + b * slab_bytes + g * row_bytes, *pb = pa + 8 * row_bytes;
+        float acc[NT][4];
 #pragma unroll
-    for (int n = 0; n < NT; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
-    const __half *xt = tall_xs + (size_t)g * ld + 8 * t;   /* this thread's activation row g, bytes 16 t */
-    /* one group: fetch the next into nxt, multiply cur, store a finished
-     * slab; false once the warp's last group is done. The two register
-     * sets take turns (the loop below), so that no copy between them waits
-     * for a fetch. */
-    auto advance = [&](tall_raw &cur, tall_raw &nxt) -> bool {
-        int s2 = s, G2 = G + 1;
-        if (G2 == groups) {
-            G2 = 0;
-            s2 = s + step;
+        for (int n = 0; n < NT; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+        for (int G = 0; G < groups; G++) {
+            tall_raw r;
+            tall_read(r, pa + G * 136, pb + G * 136, t);
+            tall_group<NT>(r, xt + 128 * G, ld, acc);
         }
-        const bool more = s2 < slabs;
-        if (more) {
-            if (s2 != s) rows_of(s2, pa, pb);
-            tall_fetch(nxt, pa + (int64_t)G2 * 136, pb + (int64_t)G2 * 136, t);
+        /* the buffer's reads are done (their values went into the
+         * products) before its next copy is issued */
+        __syncwarp();
+        if (lane == 0 && s + 2 * step < slabs) {
+            fence_proxy_async();
+            mbar_expect(&bar[b], (uint32_t)slab_bytes);
+            bulk_copy(buf + b * slab_bytes, w + (int64_t)(s + 2 * step) * slab_bytes, (uint32_t)slab_bytes, &bar[b]);
         }
-        tall_group<NT>(cur, xt + 128 * G, ld, acc);
-        if (G == groups - 1) {
-            const int ra = 16 * s + g, rb = ra + 8;
+        const int ra = 16 * s + g, rb = ra + 8;
 #pragma unroll
-            for (int n = 0; n < NT; n++) {
+        for (int n = 0; n < NT; n++) {
 #pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    const int col = 8 * n + 2 * t + e;
-                    if (col < m) {
-                        if (ra < rows) y[(int64_t)col * rows + ra] = acc[n][e];
-                        if (rb < rows) y[(int64_t)col * rows + rb] = acc[n][2 + e];
-                    }
+            for (int e = 0; e < 2; e++) {
+                const int col = 8 * n + 2 * t + e;
+                if (col < m) {
+                    y[(int64_t)col * rows + ra] = acc[n][e];
+                    y[(int64_t)col * rows + rb] = acc[n][2 + e];
                 }
-                acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
             }
         }
-        s = s2;
-        G = G2;
-        return more;
-    };
-    while (advance(r0, r1) && advance(r1, r0)) {
     }
 }
 
@@ -184,16 +199,30 @@ static int tall_tiles(int64_t m)
     return nt;
 }
 
-static size_t tall_smem(int nt, int64_t cols)
+/* A launch at m rows: its warps a CTA (as many as the shared memory holds
+ * with two slab buffers each, at most TALL_WARPS_MAX) and its shared
+ * memory; false where fewer than two warps fit. */
+static bool tall_plan(int64_t m, int64_t cols, int *warps, size_t *smem)
 {
-    return (size_t)8 * (size_t)nt * (size_t)(cols + 32) * sizeof(__half);
+    const size_t slab = (size_t)16 * (size_t)(cols / 128) * 136;
+    const size_t act = (size_t)8 * (size_t)tall_tiles(m) * (size_t)(cols + 32) * sizeof(__half);
+    if (act + TALL_BARS + 2 * 2 * slab > TALL_SMEM_MAX) return false;
+    size_t n = (TALL_SMEM_MAX - act - TALL_BARS) / (2 * slab);
+    if (n > TALL_WARPS_MAX) n = TALL_WARPS_MAX;
+    *warps = (int)n;
+    *smem = TALL_BARS + 2 * n * slab + act;
+    return true;
 }
 
 bool luma_cuda_tall_takes(const cuda_backend *c, const luma_weight *w, int64_t m)
 {
-    return !c->invariant && !c->float_act && m >= c->tall_lo && m <= c->tall_hi && m <= 128 &&
-           w->type == LUMA_Q8_0 && w->rows >= TALL_ROWS_MIN && w->rows <= INT_MAX / 2 && w->cols <= TALL_COLS_MAX &&
-           w->cols % 128 == 0 && luma_cuda_x4(c, w) != NULL && tall_smem(tall_tiles(m), w->cols) <= TALL_SMEM_MAX;
+    int warps;
+    size_t smem;
+    const uint8_t *x4 = luma_cuda_x4(c, w);
+    return !c->invariant && !c->float_act && m >= c->tall_lo && m <= c->tall_hi && m <= 8 * TALL_NT_MAX &&
+           w->type == LUMA_Q8_0 && w->rows >= TALL_ROWS_MIN && w->rows % 16 == 0 && w->rows <= INT_MAX / 2 &&
+           w->cols <= TALL_COLS_MAX && w->cols % 128 == 0 && x4 != NULL && ((uintptr_t)x4 & 15) == 0 &&
+           tall_plan(m, w->cols, &warps, &smem);
 }
 
 void luma_cuda_tall_init(cuda_backend *c)
@@ -205,12 +234,19 @@ void luma_cuda_tall_init(cuda_backend *c)
 }
 
 template <int NT>
-static void tall_launch(cuda_backend *c, const luma_weight *w, const __half *xh, int64_t m, float *y)
+static void tall_launch(cuda_backend *c, const luma_weight *w, const int8_t *xq, const float2 *xds, int64_t m,
+                        float *y)
 {
     const void *fn = (const void *)tall_kernel<NT>;
     static uint64_t ready;   /* devices whose shared memory limit is set */
     const uint64_t bit = c->device < 64 ? (uint64_t)1 << c->device : 0;
-    const size_t smem = tall_smem(NT, w->cols);
+    int warps;
+    size_t smem;
+    if (!tall_plan(m, w->cols, &warps, &smem)) {
+        luma_cuda_failf(c, "matmul: the tall kernel does not fit %lld rows of %lld", (long long)m,
+                        (long long)w->cols);
+        return;
+    }
     if (!(bit && (ready & bit))) {
         if (luma_cuda_fail(c, cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, TALL_SMEM_MAX),
                            "matmul (tall kernel shared memory limit)"))
@@ -218,28 +254,27 @@ static void tall_launch(cuda_backend *c, const luma_weight *w, const __half *xh,
         ready |= bit;
     }
     int per_sm = 0;
-    if (luma_cuda_fail(c, cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fn, TALL_WARPS * 32, smem),
+    if (luma_cuda_fail(c, cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fn, warps * 32, smem),
                        "matmul (tall kernel occupancy)"))
         return;
     if (per_sm < 1) {
         luma_cuda_failf(c, "matmul: the tall kernel does not fit an SM (%zu bytes of shared memory)", smem);
         return;
     }
-    const int64_t slabs = (w->rows + 15) / 16, need = (slabs + TALL_WARPS - 1) / TALL_WARPS;
+    const int64_t slabs = w->rows / 16, need = (slabs + warps - 1) / warps;
     const int64_t ctas = need < (int64_t)per_sm * c->n_sm ? need : (int64_t)per_sm * c->n_sm;
-    luma_launch(c, c->stream, dim3((unsigned)ctas), dim3(TALL_WARPS * 32), smem, tall_kernel<NT>, luma_cuda_x4(c, w),
-                (int)w->rows, (int)(w->cols / 128), xh, (int)m, y);
+    luma_launch(c, c->stream, dim3((unsigned)ctas), dim3((unsigned)warps * 32), smem, tall_kernel<NT>,
+                luma_cuda_x4(c, w), (int)w->rows, (int)(w->cols / 128), xq, xds, (int)m, y);
     if (!luma_cuda_fail(c, cudaGetLastError(), "matmul (tall kernel)")) c->talls++;
 }
 
-void luma_cuda_tall(cuda_backend *c, const luma_weight *w, const __half *xh, int64_t m, float *y)
+void luma_cuda_tall(cuda_backend *c, const luma_weight *w, const int8_t *xq, const float2 *xds, int64_t m, float *y)
 {
     switch (tall_tiles(m)) {
-    case 1: tall_launch<1>(c, w, xh, m, y); break;
-    case 2: tall_launch<2>(c, w, xh, m, y); break;
-    case 4: tall_launch<4>(c, w, xh, m, y); break;
-    case 8: tall_launch<8>(c, w, xh, m, y); break;
-    default: tall_launch<16>(c, w, xh, m, y); break;   /* where its shared memory fits */
+    case 1: tall_launch<1>(c, w, xq, xds, m, y); break;
+    case 2: tall_launch<2>(c, w, xq, xds, m, y); break;
+    case 4: tall_launch<4>(c, w, xq, xds, m, y); break;
+    default: tall_launch<8>(c, w, xq, xds, m, y); break;   /* TALL_NT_MAX */
     }
 }
 

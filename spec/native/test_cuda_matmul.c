@@ -967,10 +967,12 @@ static void check_vocab(ctx *cx)
 }
 
 /* The tall kernel (cuda/tall.cu): Q8_0 weights of a vocabulary's rows on
- * the tensor cores from their x4 copy, at 2 to 128 activation rows. Two
- * shapes (3 groups of 128 a row; 9, with a last slab of 9 rows), m from 2
- * to 128: each launch taken where its activations fit shared memory (at
- * 1,152 columns up to 64 rows) and nothing else, every output written,
+ * the tensor cores from their x4 copy, at 2 to 64 activation rows. Three
+ * shapes (3, 9 and 5 groups of 128 a row, the last of rows not a multiple
+ * of 16), m from 2 to 128: each launch taken where its slabs and
+ * activations fit shared memory (at 1,152 columns up to 32 rows; never
+ * past 64 rows, nor on rows that do not fill the last slab) and nothing
+ * else, every output written,
  * within f16 rounding of the reference and the CPU's product, and within
  * float rounding of the same product with the kernel off (cuBLAS on the
  * resident f16 copy past 8 rows: the same f16 operands, other sums). Then,
@@ -980,7 +982,7 @@ static void check_tall(ctx *cx)
 {
     static const struct {
         int64_t rows, cols;
-    } shs[] = { { 65536, 384 }, { 65545, 1152 } };
+    } shs[] = { { 65536, 384 }, { 65552, 1152 }, { 65545, 640 } };
     static const int64_t tall_ms[] = { 2, 5, 8, 13, 16, 24, 40, 64, 100, 128 };
     const int64_t mmax = 128;
     for (size_t si = 0; si < sizeof shs / sizeof shs[0]; si++) {
@@ -1001,8 +1003,13 @@ static void check_tall(ctx *cx)
             const int64_t m = tall_ms[mi];
             int nt = 1;
             while (8 * nt < m) nt *= 2;
-            /* tall.cu's shared memory: the activations, 8 nt rows of cols + 32 halves */
-            const bool fits = (size_t)8 * (size_t)nt * (size_t)(cols + 32) * 2 <= (size_t)227 * 1024;
+            /* tall.cu's shared memory: the activations, 8 nt rows of cols +
+             * 32 halves, the mbarriers and two warps' two slab buffers (16
+             * rows of cols / 128 groups of 136 bytes) at least; whole slabs
+             * only, 64 rows at most */
+            const size_t slab = (size_t)16 * (size_t)(cols / 128) * 136;
+            const bool fits = m <= 64 && rows % 16 == 0 &&
+                              (size_t)8 * (size_t)nt * (size_t)(cols + 32) * 2 + 128 + 4 * slab <= (size_t)227 * 1024;
             for (int64_t k = 0; k < m * rows; k++) y[k] = y0[k] = NAN;
             luma_cuda_tall_range(cx->be, 2, 128);
             const long long n0 = luma_cuda_talls(cx->be);

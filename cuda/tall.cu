@@ -100,8 +100,9 @@ static __device__ __forceinline__ void tall_group(const tall_raw &r, const __hal
 }
 
 /* w: the x4 copy (rows x groups x 136 bytes, rows a multiple of 16, 16-byte
- * aligned); x: m x cols f16 (cols = 128 groups); y: m x rows. A slab (16
- * rows, 2,176 groups bytes) is contiguous, so a warp's lane 0 brings each of
+ * aligned); xq, xds: the activations' int8 values (m x cols, cols = 128
+ * groups) and their blocks' (d, d * sum); y: m x rows. A slab (16 rows,
+ * 2,176 groups bytes) is contiguous, so a warp's lane 0 brings each of
  * its slabs into shared memory with one bulk copy (the tensor memory
  * accelerator's, off the load path that the lanes' own 8-byte loads of 8
  * rows at a time kept busy), into two buffers in turn: the next slab comes
@@ -191,7 +192,7 @@ static __global__ void __launch_bounds__(TALL_WARPS_MAX * 32, 1)
     }
 }
 
-/* The n8 tiles a launch of m activation rows takes: 1, 2, 4, 8 or 16. */
+/* The n8 tiles a launch of m activation rows takes: 1, 2, 4 or 8. */
 static int tall_tiles(int64_t m)
 {
     int nt = 1;

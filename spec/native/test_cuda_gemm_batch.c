@@ -47,16 +47,9 @@ static bool run(luma_model *m, int n_seqs, float *out, const char *name)
 
 int main(void)
 {
-    if (!luma_backend_cuda_available()) {
-        printf("test_cuda_gemm_batch: no CUDA device, the GPU checks did not run\n");
-        return 0;
-    }
     static char vocab[1024];
-    if (!luma_test_vocab_path(vocab, sizeof vocab)) {
-        printf("test_cuda_gemm_batch: FAIL: no vocabulary at %s (set LUMA_VOCAB to a GGUF file with a tokenizer)\n",
-               vocab);
-        return 1;
-    }
+    const int start = luma_test_gpu_start("test_cuda_gemm_batch", vocab, sizeof vocab);
+    if (start >= 0) return start;
     const char *env = getenv("LUMA_CUDA_GEMM_BATCH");
     if (env && strcmp(env, "0") == 0) {
         printf("test_cuda_gemm_batch: FAIL: LUMA_CUDA_GEMM_BATCH=0 turns off what this test checks\n");

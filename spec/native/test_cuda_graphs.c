@@ -197,15 +197,9 @@ static void test_model(const char *preset, const char *vocab)
 int main(void)
 {
     rnd_seed(0x9e3779b97f4a7c15ULL);
-    if (!luma_backend_cuda_available()) {
-        printf("test_cuda_graphs: no CUDA device, the GPU checks did not run\n");
-        return 0;
-    }
     static char vocab[1024];
-    if (!luma_test_vocab_path(vocab, sizeof vocab)) {
-        printf("test_cuda_graphs: FAIL: no vocabulary at %s (set LUMA_VOCAB to a GGUF file with a tokenizer)\n", vocab);
-        return 1;
-    }
+    const int start = luma_test_gpu_start("test_cuda_graphs", vocab, sizeof vocab);
+    if (start >= 0) return start;
     test_model("tiny-gemma3", vocab);
     test_model("tiny-llama", vocab);
     if (failures) {

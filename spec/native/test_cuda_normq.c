@@ -122,15 +122,9 @@ static void check_model(const luma_synth_params *sp, const char *label, bool att
 
 int main(void)
 {
-    if (!luma_backend_cuda_available()) {
-        printf("test_cuda_normq: no CUDA device, the GPU checks did not run\n");
-        return 0;
-    }
     static char vocab[1024];
-    if (!luma_test_vocab_path(vocab, sizeof vocab)) {
-        printf("test_cuda_normq: FAIL: no vocabulary at %s (set LUMA_VOCAB to a GGUF file with a tokenizer)\n", vocab);
-        return 1;
-    }
+    const int start = luma_test_gpu_start("test_cuda_normq", vocab, sizeof vocab);
+    if (start >= 0) return start;
     const luma_synth_params models[] = {
         { .arch = "gemma3", .n_layer = 3, .n_embd = 640, .n_head = 4, .n_kv_head = 1, .head_dim = 256, .n_ff = 2048,
           .n_ctx = 4096, .seed = 23, .vocab_path = vocab },

@@ -52,16 +52,9 @@ static bool run(luma_model *m, const int32_t *ids, float *out, const char *name)
 
 int main(void)
 {
-    if (!luma_backend_cuda_available()) {
-        printf("test_cuda_program: no CUDA device, the GPU checks did not run\n");
-        return 0;
-    }
     static char vocab[1024];
-    if (!luma_test_vocab_path(vocab, sizeof vocab)) {
-        printf("test_cuda_program: FAIL: no vocabulary at %s (set LUMA_VOCAB to a GGUF file with a tokenizer)\n",
-               vocab);
-        return 1;
-    }
+    const int start = luma_test_gpu_start("test_cuda_program", vocab, sizeof vocab);
+    if (start >= 0) return start;
     luma_err err = { { 0 } };
     char path[256];
     snprintf(path, sizeof path, "/tmp/luma-program-%d.gguf", (int)getpid());

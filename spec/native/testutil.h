@@ -388,6 +388,24 @@ static inline bool luma_test_vocab_path(char *buf, size_t size)
     snprintf(buf, size, "%s", model);
     return true;
 }
+
+#ifdef LUMA_BACKEND_H
+/* The opening of a GPU test that builds synthetic models, named name: with
+ * no CUDA device it says its checks did not run and the test passes (0);
+ * with no vocabulary it fails (1); else -1, the vocabulary's path in buf. */
+static inline int luma_test_gpu_start(const char *name, char *buf, size_t size)
+{
+    if (!luma_backend_cuda_available()) {
+        printf("%s: no CUDA device, the GPU checks did not run\n", name);
+        return 0;
+    }
+    if (!luma_test_vocab_path(buf, size)) {
+        printf("%s: FAIL: no vocabulary at %s (set LUMA_VOCAB to a GGUF file with a tokenizer)\n", name, buf);
+        return 1;
+    }
+    return -1;
+}
+#endif
 #endif
 
 #endif

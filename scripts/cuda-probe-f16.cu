@@ -19,9 +19,10 @@
  * four 512-byte chunks of quants, lane 4 g + t's 16 bytes at 16 lane) into
  * two buffers by bulk copies; a tile's warps add their sums in shared
  * memory and write one partial product per k range (what a real kernel
- * would add up in a fixed order). The weights' bytes are random: only the
- * time counts. Prints us a launch and the weights' GB/s, the weights cold
- * in L2 (copies rotated). */
+ * would add up in a fixed order); tcf_w instead gives each warp tiles of
+ * its own. The weights' bytes are random: only the time counts. Prints us
+ * a launch and the weights' GB/s, the weights cold in L2 (copies
+ * rotated). */
 #include <cuda_fp16.h>
 #include <cstdint>
 #include <cstdio>
@@ -91,6 +92,53 @@ static __device__ __forceinline__ uint32_t deq(uint32_t n, uint32_t sel, __half2
     return *(const uint32_t *)&r;
 }
 
+/* Superblock i of the staged k range (activations xs, rows ld halves
+ * apart) times the unit's 16 rows (headers h0 and h1 of rows g and g + 8,
+ * the thread's quant words q), added to acc. */
+template <int NT>
+static __device__ __forceinline__ void sb_mul(const int4 &h0, const int4 &h1, const int4 (&q)[4], const __half *xs,
+                                              int ld, int i, int g, int t, float (&acc)[NT][4])
+{
+    const int4 hd[2] = { h0, h1 };
+    uint32_t sc[2][2], mn[2][2];
+    float d[2], dm[2];
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const uint32_t y = hd[r].y, z = hd[r].z, ww = hd[r].w;
+        sc[r][0] = y & 0x3F3F3F3Fu;
+        mn[r][0] = z & 0x3F3F3F3Fu;
+        sc[r][1] = (ww & 0x0F0F0F0Fu) | ((y >> 2) & 0x30303030u);
+        mn[r][1] = ((ww >> 4) & 0x0F0F0F0Fu) | ((z >> 2) & 0x30303030u);
+        d[r] = __half2float(__ushort_as_half((uint16_t)(hd[r].x & 0xffff)));
+        dm[r] = __half2float(__ushort_as_half((uint16_t)((uint32_t)hd[r].x >> 16)));
+    }
+    const __half *xb = xs + (size_t)g * ld + i * 256 + 4 * t;
+#pragma unroll
+    for (int s = 0; s < 8; s++) {
+        __half2 S[2], O[2];
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            const float scv = (float)((sc[r][s / 4] >> (8 * (s % 4))) & 0xFF);
+            const float mnv = (float)((mn[r][s / 4] >> (8 * (s % 4))) & 0xFF);
+            S[r] = __float2half2_rn(d[r] * scv);
+            O[r] = __float2half2_rn(-dm[r] * mnv);
+        }
+        const int j = s / 2, sh = 4 * (s % 2);
+#pragma unroll
+        for (int p = 0; p < 2; p++) {
+            const uint32_t wg = (uint32_t)(p ? q[j].y : q[j].x), wh = (uint32_t)(p ? q[j].w : q[j].z);
+            const uint32_t ng = (wg >> sh) & 0x0F0F0F0Fu, nh = (wh >> sh) & 0x0F0F0F0Fu;
+            const uint32_t a[4] = { deq(ng, 0x4140u, S[0], O[0]), deq(nh, 0x4140u, S[1], O[1]),
+                                    deq(ng, 0x4342u, S[0], O[0]), deq(nh, 0x4342u, S[1], O[1]) };
+#pragma unroll
+            for (int n = 0; n < NT; n++) {
+                const uint2 bv = lds8(xb + (size_t)(8 * n) * ld + 32 * s + 16 * p);
+                mma16816(acc[n], a, bv.x, bv.y);
+            }
+        }
+    }
+}
+
 template <int NT>
 __global__ void __launch_bounds__(W * 32, 1)
     tcf(const uint8_t *__restrict__ w, int tiles, int nb, const __half *__restrict__ x, int m, int kr_sb, int nkr,
@@ -145,45 +193,8 @@ __global__ void __launch_bounds__(W * 32, 1)
                 fetch(b);
             }
             b ^= 1;
-            const int4 hd[2] = { h0, h1 };
-            uint32_t sc[2][2], mn[2][2];
-            float d[2], dm[2];
-#pragma unroll
-            for (int r = 0; r < 2; r++) {
-                const uint32_t y = hd[r].y, z = hd[r].z, ww = hd[r].w;
-                sc[r][0] = y & 0x3F3F3F3Fu;
-                mn[r][0] = z & 0x3F3F3F3Fu;
-                sc[r][1] = (ww & 0x0F0F0F0Fu) | ((y >> 2) & 0x30303030u);
-                mn[r][1] = ((ww >> 4) & 0x0F0F0F0Fu) | ((z >> 2) & 0x30303030u);
-                d[r] = __half2float(__ushort_as_half((uint16_t)(hd[r].x & 0xffff)));
-                dm[r] = __half2float(__ushort_as_half((uint16_t)((uint32_t)hd[r].x >> 16)));
-            }
-            const __half *xb = xs + (size_t)g * ld + i * 256 + 4 * t;
-#pragma unroll
-            for (int s = 0; s < 8; s++) {
-                __half2 S[2], O[2];
-#pragma unroll
-                for (int r = 0; r < 2; r++) {
-                    const float scv = (float)((sc[r][s / 4] >> (8 * (s % 4))) & 0xFF);
-                    const float mnv = (float)((mn[r][s / 4] >> (8 * (s % 4))) & 0xFF);
-                    S[r] = __float2half2_rn(d[r] * scv);
-                    O[r] = __float2half2_rn(-dm[r] * mnv);
-                }
-                const int j = s / 2, sh = 4 * (s % 2);
-#pragma unroll
-                for (int p = 0; p < 2; p++) {
-                    const uint32_t wg = (uint32_t)(p ? q[j].y : q[j].x), wh = (uint32_t)(p ? q[j].w : q[j].z);
-                    const uint32_t ng = (wg >> sh) & 0x0F0F0F0Fu, nh = (wh >> sh) & 0x0F0F0F0Fu;
-                    const uint32_t a[4] = { deq(ng, 0x4140u, S[0], O[0]), deq(nh, 0x4140u, S[1], O[1]),
-                                            deq(ng, 0x4342u, S[0], O[0]), deq(nh, 0x4342u, S[1], O[1]) };
-#pragma unroll
-                    for (int n = 0; n < NT; n++) {
-                        const uint2 bv = lds8(xb + (size_t)(8 * n) * ld + 32 * s + 16 * p);
-                        mma16816(acc[n], a, bv.x, bv.y);
-                    }
-                }
-            }
-        }
+            sb_mul<NT>(h0, h1, q, xs, ld, i, g, t, acc);
+}
 #pragma unroll
         for (int n = 0; n < NT; n++)
 #pragma unroll
@@ -200,6 +211,77 @@ __global__ void __launch_bounds__(W * 32, 1)
     }
 }
 
+/* The same multiply with a warp a tile instead of a CTA a tile: CTA c on
+ * k range c % nkr, its warp w on tiles (c / nkr) 8 + w, + 8 (gridDim.x /
+ * nkr), ..., all of the range's superblocks of a tile in turn, its partial
+ * product written from its registers (no shared sums, no barrier); a
+ * range's activations staged once a CTA as above. Smaller ranges stage
+ * fewer activation bytes a CTA (and more CTAs fit an SM) for more partial
+ * products. */
+template <int NT>
+__global__ void __launch_bounds__(W * 32)
+    tcf_w(const uint8_t *__restrict__ w, int tiles, int nb, const __half *__restrict__ x, int m, int kr_sb, int nkr,
+          float *__restrict__ out, int rows)
+{
+    extern __shared__ __align__(128) uint8_t sm[];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const int ld = kr_sb * 256 + 16;
+    uint64_t *bar = (uint64_t *)sm, *wb = bar + 1 + DEPTH * warp;
+    __half *xs = (__half *)(sm + BARS);
+    uint8_t *buf = (uint8_t *)(xs + 8 * NT * ld) + warp * DEPTH * UNIT;
+    const int kr = blockIdx.x % nkr, c0 = blockIdx.x / nkr, wstep = (gridDim.x / nkr) * W, sb0 = kr * kr_sb;
+    if (threadIdx.x == 0) {
+        for (int i = 0; i < 1 + DEPTH * W; i++) mbar_init(&bar[i]);
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    int iu = c0 * W + warp, ii = 0;
+    auto fetch = [&](int b) {
+        mbar_expect(&wb[b], UNIT);
+        bulk_copy(buf + b * UNIT, w + ((size_t)iu * nb + sb0 + ii) * UNIT, UNIT, &wb[b]);
+        if (++ii == kr_sb) {
+            ii = 0;
+            iu += wstep;
+        }
+    };
+    if (lane == 0)
+        for (int b = 0; b < DEPTH && iu < tiles; b++) fetch(b);
+    if (threadIdx.x == 0) {
+        mbar_expect(&bar[0], (uint32_t)(8 * NT * kr_sb * 512));
+        for (int r = 0; r < 8 * NT; r++)
+            bulk_copy(xs + (size_t)r * ld, x + (size_t)r * nb * 256 + sb0 * 256, kr_sb * 512, &bar[0]);
+    }
+    mbar_wait(&bar[0], 0);
+    uint32_t phase = 0;
+    int b = 0;
+    for (int u = c0 * W + warp; u < tiles; u += wstep) {
+        float acc[NT][4] = {};
+        for (int i = 0; i < kr_sb; i++) {
+            mbar_wait(&wb[b], (phase >> b) & 1);
+            phase ^= 1u << b;
+            const uint8_t *un = buf + b * UNIT;
+            const int4 h0 = lds16(un + 16 * g), h1 = lds16(un + 16 * (g + 8));
+            int4 q[4];
+#pragma unroll
+            for (int j = 0; j < 4; j++) q[j] = lds16(un + 256 + 512 * j + 16 * lane);
+            __syncwarp();
+            if (lane == 0 && iu < tiles) {
+                asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+                fetch(b);
+            }
+            b ^= 1;
+            sb_mul<NT>(h0, h1, q, xs, ld, i, g, t, acc);
+        }
+#pragma unroll
+        for (int n = 0; n < NT; n++)
+#pragma unroll
+            for (int k = 0; k < 4; k++) {
+                const int col = 8 * n + 2 * t + (k & 1), row = 16 * u + g + 8 * (k >> 1);
+                if (col < m) out[((size_t)kr * m + col) * rows + row] = acc[n][k];
+            }
+    }
+}
+
 static bool ok(cudaError_t e, const char *what)
 {
     if (e == cudaSuccess) return true;
@@ -208,7 +290,7 @@ static bool ok(cudaError_t e, const char *what)
 }
 
 template <int NT>
-static void run(int rows, int cols, int m, int kr_sb, int n_sm)
+static void run(int rows, int cols, int m, int kr_sb, int n_sm, bool warp_tiles)
 {
     const int nb = cols / 256, tiles = rows / 16, nkr = nb / kr_sb;
     const size_t wbytes = (size_t)tiles * nb * UNIT;
@@ -235,14 +317,17 @@ static void run(int rows, int cols, int m, int kr_sb, int n_sm)
     ok(cudaMalloc(&x, xh.size() * 2), "cudaMalloc x");
     ok(cudaMemcpy(x, xh.data(), xh.size() * 2, cudaMemcpyHostToDevice), "copy x");
     ok(cudaMalloc(&out, (size_t)nkr * m * rows * sizeof(float)), "cudaMalloc out");
-    const size_t smem = BARS + 2 * sizeof(float) * W * NT * 4 * 32 + (size_t)8 * NT * (kr_sb * 256 + 16) * 2 +
-                        (size_t)W * DEPTH * UNIT;
+    const size_t smem = BARS + (warp_tiles ? 0 : 2 * sizeof(float) * W * NT * 4 * 32) +
+                        (size_t)8 * NT * (kr_sb * 256 + 16) * 2 + (size_t)W * DEPTH * UNIT;
     if (smem > 227 * 1024) {
         printf("%5d x %5d  m=%2d  k range %2d superblocks: does not fit (%zu bytes)\n", rows, cols, m, kr_sb, smem);
         return;
     }
-    ok(cudaFuncSetAttribute(tcf<NT>, cudaFuncAttributeMaxDynamicSharedMemorySize, 227 * 1024), "smem attribute");
-    const int grid = (n_sm / nkr) * nkr;
+    auto *fn = warp_tiles ? tcf_w<NT> : tcf<NT>;
+    ok(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, 227 * 1024), "smem attribute");
+    int per_sm = 1;
+    ok(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fn, W * 32, smem), "occupancy");
+    const int grid = (n_sm * per_sm / nkr) * nkr;
     cudaEvent_t e0, e1;
     cudaEventCreate(&e0);
     cudaEventCreate(&e1);
@@ -251,7 +336,7 @@ static void run(int rows, int cols, int m, int kr_sb, int n_sm)
         cudaEventRecord(e0);
         const int calls = 32;
         for (int c = 0; c < calls; c++)
-            tcf<NT><<<grid, W * 32, smem>>>(ws[c % copies], tiles, nb, x, m, kr_sb, nkr, out, rows);
+            fn<<<grid, W * 32, smem>>>(ws[c % copies], tiles, nb, x, m, kr_sb, nkr, out, rows);
         cudaEventRecord(e1);
         ok(cudaEventSynchronize(e1), "run");
         float ms;
@@ -260,8 +345,10 @@ static void run(int rows, int cols, int m, int kr_sb, int n_sm)
     }
     ok(cudaGetLastError(), "launch");
     const double q4k = (double)rows * cols / 256 * 144;
-    printf("%5d x %5d  m=%2d  k range %2d superblocks (%d ranges): %6.1f us  %5.0f GB/s of Q4_K\n", rows, cols, m,
-           kr_sb, nkr, best * 1e3, q4k / (best * 1e6));
+    printf("%5d x %5d  m=%2d  %s  k range %2d superblocks (%2d ranges, %d CTAs an SM): %6.1f us  %5.0f GB/s of "
+           "Q4_K\n",
+           rows, cols, m, warp_tiles ? "a warp a tile" : "a CTA a tile", kr_sb, nkr, per_sm, best * 1e3,
+           q4k / (best * 1e6));
     for (auto p : ws) cudaFree(p);
     cudaFree(x);
     cudaFree(out);
@@ -275,9 +362,12 @@ int main()
     for (auto &s : shapes) {
         const int nb = s.cols / 256;
         for (int kr : { 8, 16 })
-            if (nb % kr == 0) run<2>(s.rows, s.cols, 16, kr, n_sm);
-        for (int kr : { 4, 8 })
-            if (nb % kr == 0) run<4>(s.rows, s.cols, 32, kr, n_sm);
+            if (nb % kr == 0) run<2>(s.rows, s.cols, 16, kr, n_sm, false);
+        for (int kr : { 2, 4, 8 })
+            if (nb % kr == 0) run<2>(s.rows, s.cols, 16, kr, n_sm, true);
+        run<4>(s.rows, s.cols, 32, 8, n_sm, false);
+        for (int kr : { 2, 4, 8 })
+            if (nb % kr == 0) run<4>(s.rows, s.cols, 32, kr, n_sm, true);
     }
     return 0;
 }

@@ -2,7 +2,8 @@
 # Runs every test, in the normal build (build/) and the sanitizer build
 # (build-asan/, AddressSanitizer + UndefinedBehaviorSanitizer): native tests
 # with ctest, Lua specs with busted run by the luma interpreter of that build.
-# The default model is fetched first (a failed download fails the run).
+# The models are fetched first, the default one and the qwen2 one that
+# spec/qwen2_model_spec.lua checks (a failed download fails the run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 jobs=$(nproc)
@@ -15,6 +16,7 @@ build() {  # dir, extra cmake flags...
 
 build build
 build/luma fetch -q
+build/luma fetch -q qwen2.5-coder-0.5b
 export LUMA_MODEL
 LUMA_MODEL=$(build/luma -e 'print(require("luma.fetch").default_model())')
 if [ -d ../shared/testdata ]; then

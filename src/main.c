@@ -22,7 +22,7 @@ static void usage(FILE *f)
           "       luma chat [options]         talk to a model with its chat template\n"
           "       luma info [FILE]            metadata and tensors of a GGUF file\n"
           "       luma bench [options]        prefill and decode speed\n"
-          "       luma fetch                  download the default model\n"
+          "       luma fetch [MODEL]          download the default model (or another)\n"
           "       luma synth [options]        write a synthetic model of a real shape\n"
           "       luma --version\n",
           f);

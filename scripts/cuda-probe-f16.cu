@@ -139,6 +139,44 @@ static __device__ __forceinline__ void sb_mul(const int4 &h0, const int4 &h1, co
     }
 }
 
+/* The 8 NT activation rows' superblocks sb0 .. sb0 + kr_sb - 1 (x: rows of
+ * nb superblocks) into xs (rows ld halves apart) by thread 0's bulk
+ * copies on mbarrier bar[0]; every thread waits for them. */
+template <int NT>
+static __device__ __forceinline__ void stage_acts(uint64_t *bar, __half *xs, int ld, const __half *x, int nb, int sb0,
+                                                  int kr_sb)
+{
+    if (threadIdx.x == 0) {
+        mbar_expect(&bar[0], (uint32_t)(8 * NT * kr_sb * 512));
+        for (int r = 0; r < 8 * NT; r++)
+            bulk_copy(xs + (size_t)r * ld, x + (size_t)r * nb * 256 + sb0 * 256, kr_sb * 512, &bar[0]);
+    }
+    mbar_wait(&bar[0], 0);
+}
+
+/* Takes a warp's unit in buffer b of its two (their parities in phase):
+ * waits for its copy, reads the thread's share (the headers of rows g and
+ * g + 8, its quant words), and where more units follow hands the buffer to
+ * lane 0's next copy (fetch); b moves to the other buffer. */
+template <class F>
+static __device__ __forceinline__ void take_unit(uint64_t *wb, const uint8_t *buf, int &b, uint32_t &phase, int g,
+                                                 int lane, bool more, F &fetch, int4 &h0, int4 &h1, int4 (&q)[4])
+{
+    mbar_wait(&wb[b], (phase >> b) & 1);
+    phase ^= 1u << b;
+    const uint8_t *un = buf + b * UNIT;
+    h0 = lds16(un + 16 * g);
+    h1 = lds16(un + 16 * (g + 8));
+#pragma unroll
+    for (int j = 0; j < 4; j++) q[j] = lds16(un + 256 + 512 * j + 16 * lane);
+    __syncwarp();
+    if (lane == 0 && more) {
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        fetch(b);
+    }
+    b ^= 1;
+}
+
 template <int NT>
 __global__ void __launch_bounds__(W * 32, 1)
     tcf(const uint8_t *__restrict__ w, int tiles, int nb, const __half *__restrict__ x, int m, int kr_sb, int nkr,
@@ -169,32 +207,16 @@ __global__ void __launch_bounds__(W * 32, 1)
     };
     if (lane == 0 && warp < kr_sb)
         for (int b = 0; b < DEPTH && iu < tiles; b++) fetch(b);
-    if (threadIdx.x == 0) {
-        mbar_expect(&bar[0], (uint32_t)(8 * NT * kr_sb * 512));
-        for (int r = 0; r < 8 * NT; r++)
-            bulk_copy(xs + (size_t)r * ld, x + (size_t)r * nb * 256 + sb0 * 256, kr_sb * 512, &bar[0]);
-    }
-    mbar_wait(&bar[0], 0);
+    stage_acts<NT>(bar, xs, ld, x, nb, sb0, kr_sb);
     uint32_t phase = 0;
     int b = 0, pb = 0;
     for (int u = c0; u < tiles; u += cstep, pb ^= 1) {
         float acc[NT][4] = {};
         for (int i = warp; i < kr_sb; i += W) {
-            mbar_wait(&wb[b], (phase >> b) & 1);
-            phase ^= 1u << b;
-            const uint8_t *un = buf + b * UNIT;
-            const int4 h0 = lds16(un + 16 * g), h1 = lds16(un + 16 * (g + 8));
-            int4 q[4];
-#pragma unroll
-            for (int j = 0; j < 4; j++) q[j] = lds16(un + 256 + 512 * j + 16 * lane);
-            __syncwarp();
-            if (lane == 0 && iu < tiles) {
-                asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-                fetch(b);
-            }
-            b ^= 1;
+            int4 h0, h1, q[4];
+            take_unit(wb, buf, b, phase, g, lane, iu < tiles, fetch, h0, h1, q);
             sb_mul<NT>(h0, h1, q, xs, ld, i, g, t, acc);
-}
+        }
 #pragma unroll
         for (int n = 0; n < NT; n++)
 #pragma unroll
@@ -246,30 +268,14 @@ __global__ void __launch_bounds__(W * 32)
     };
     if (lane == 0)
         for (int b = 0; b < DEPTH && iu < tiles; b++) fetch(b);
-    if (threadIdx.x == 0) {
-        mbar_expect(&bar[0], (uint32_t)(8 * NT * kr_sb * 512));
-        for (int r = 0; r < 8 * NT; r++)
-            bulk_copy(xs + (size_t)r * ld, x + (size_t)r * nb * 256 + sb0 * 256, kr_sb * 512, &bar[0]);
-    }
-    mbar_wait(&bar[0], 0);
+    stage_acts<NT>(bar, xs, ld, x, nb, sb0, kr_sb);
     uint32_t phase = 0;
     int b = 0;
     for (int u = c0 * W + warp; u < tiles; u += wstep) {
         float acc[NT][4] = {};
         for (int i = 0; i < kr_sb; i++) {
-            mbar_wait(&wb[b], (phase >> b) & 1);
-            phase ^= 1u << b;
-            const uint8_t *un = buf + b * UNIT;
-            const int4 h0 = lds16(un + 16 * g), h1 = lds16(un + 16 * (g + 8));
-            int4 q[4];
-#pragma unroll
-            for (int j = 0; j < 4; j++) q[j] = lds16(un + 256 + 512 * j + 16 * lane);
-            __syncwarp();
-            if (lane == 0 && iu < tiles) {
-                asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-                fetch(b);
-            }
-            b ^= 1;
+            int4 h0, h1, q[4];
+            take_unit(wb, buf, b, phase, g, lane, iu < tiles, fetch, h0, h1, q);
             sb_mul<NT>(h0, h1, q, xs, ld, i, g, t, acc);
         }
 #pragma unroll

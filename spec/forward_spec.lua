@@ -12,6 +12,7 @@
 -- at 96%, and every disagreement must be a near tie.
 local luma = require "luma"
 local fetch = require "luma.fetch"
+local H = require "helper"
 
 local golden = dofile("spec/data/gemma3-golden.lua")
 local NEAR_TIE = 0.5    -- logits; largest margin a disagreement may have
@@ -140,27 +141,7 @@ describe("gemma3 forward (CPU) against the exact float64 forward", function()
     if float then float:close() end
   end)
 
-  -- top-1 agreements, positions, max |diff| over the exact top-16, and the
-  -- exact model's largest margin where they differ
-  local function against_exact(model)
-    local agree, total, maxdiff, worst = 0, 0, 0, 0
-    for _, p in ipairs(exact.prompts) do
-      local seq = model:sequence()
-      local all = seq:eval(p.ids, { all = true })
-      for i, lg in ipairs(all) do
-        local ref = p.top[i]
-        total = total + 1
-        local mine = lg:argmax()
-        if mine == ref.ids[1] then agree = agree + 1 end
-        for k = 1, #ref.ids do
-          maxdiff = math.max(maxdiff, math.abs(lg[ref.ids[k]] - ref.vals[k]))
-          if ref.ids[k] == mine and mine ~= ref.ids[1] then worst = math.max(worst, ref.vals[1] - ref.vals[k]) end
-        end
-      end
-      seq:close()
-    end
-    return agree, total, maxdiff, worst
-  end
+  local function against_exact(model) return H.against_exact(model, exact) end
 
   it("with float activations agrees at 99% of positions and more, within 0.05, where 8-bit ones cannot", function()
     local fa, n, fd, fw = against_exact(float)
@@ -189,14 +170,6 @@ describe("gemma3 forward (CPU) against the exact float64 forward", function()
   end)
 
   it("with float activations continues the 5 greedy prompts as the exact model does", function()
-    for _, g in ipairs(exact.greedy) do
-      local seq = float:sequence()
-      local lg = seq:eval(g.ids)
-      for i = 1, #g.gen do
-        assert.are.equal(g.gen[i], lg:argmax())
-        if i < #g.gen then lg = seq:eval(g.gen[i]) end
-      end
-      seq:close()
-    end
+    for _, g in ipairs(exact.greedy) do assert.are.same(g.gen, H.greedy(float, g.ids, #g.gen)) end
   end)
 end)

@@ -129,6 +129,30 @@ function H.quote(s)
   return "'" .. s:gsub("'", "'\\''") .. "'"
 end
 
+-- model against an exact forward's file (scripts/ref-forward.py: prompts
+-- with every position's reference top ids and logits): the top-1
+-- agreements, the positions, the largest |diff| over the reference's top
+-- ids, and the reference's largest margin where the top-1 differs.
+function H.against_exact(model, exact)
+  local agree, total, maxdiff, worst = 0, 0, 0, 0
+  for _, p in ipairs(exact.prompts) do
+    local seq = model:sequence()
+    local all = seq:eval(p.ids, { all = true })
+    for i, lg in ipairs(all) do
+      local ref = p.top[i]
+      total = total + 1
+      local mine = lg:argmax()
+      if mine == ref.ids[1] then agree = agree + 1 end
+      for k = 1, #ref.ids do
+        maxdiff = math.max(maxdiff, math.abs(lg[ref.ids[k]] - ref.vals[k]))
+        if ref.ids[k] == mine and mine ~= ref.ids[1] then worst = math.max(worst, ref.vals[1] - ref.vals[k]) end
+      end
+    end
+    seq:close()
+  end
+  return agree, total, maxdiff, worst
+end
+
 -- Greedy continuation of ids on a fresh sequence: n token ids.
 function H.greedy(model, ids, n)
   local seq = model:sequence()

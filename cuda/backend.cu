@@ -941,6 +941,14 @@ static void cuda_qk_rope(luma_backend *be, luma_buf *q, luma_buf *k, const luma_
     luma_cuda_qk_rope(be, q, k, gq, gk, head_dim, eps, pos, r);
 }
 
+static void cuda_qkv_bias_rope(luma_backend *be, luma_buf *q, luma_buf *k, luma_buf *v, const luma_weight *bq,
+                               const luma_weight *bk, const luma_weight *bv, int32_t head_dim, const int32_t *pos,
+                               const luma_rope *r)
+{
+    flush_all(cu(be));
+    luma_cuda_qkv_bias_rope(be, q, k, v, bq, bk, bv, head_dim, pos, r);
+}
+
 static void cuda_gelu_mul(luma_backend *be, luma_buf *gate, const luma_buf *up)
 {
     flush_all(cu(be));
@@ -1003,6 +1011,7 @@ static const luma_backend_ops cuda_ops = {
     .add_rmsnorm = cuda_add_rmsnorm,
     .rope = cuda_rope,
     .qk_rope = cuda_qk_rope,
+    .qkv_bias_rope = cuda_qkv_bias_rope,
     .qkv_rope = cuda_qkv_rope,
     .attention = cuda_attention,
     .gelu_mul = cuda_gelu_mul,

@@ -545,6 +545,9 @@ void luma_cuda_rope(luma_backend *be, luma_buf *x, int32_t head_dim, const int32
                     const luma_rope *r);
 void luma_cuda_qk_rope(luma_backend *be, luma_buf *q, luma_buf *k, const luma_weight *gq, const luma_weight *gk,
                        int32_t head_dim, float eps, const int32_t *pos, const luma_rope *r);
+void luma_cuda_qkv_bias_rope(luma_backend *be, luma_buf *q, luma_buf *k, luma_buf *v, const luma_weight *bq,
+                             const luma_weight *bk, const luma_weight *bv, int32_t head_dim, const int32_t *pos,
+                             const luma_rope *r);
 void luma_cuda_gelu_mul(luma_backend *be, luma_buf *gate, const luma_buf *up);
 void luma_cuda_silu_mul(luma_backend *be, luma_buf *gate, const luma_buf *up);
 void luma_cuda_add(luma_backend *be, luma_buf *x, const luma_buf *y);

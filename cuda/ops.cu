@@ -609,6 +609,75 @@ void luma_cuda_qk_rope(luma_backend *be, luma_buf *q, luma_buf *k, const luma_we
     luma_cuda_fail(c, cudaGetLastError(), "qk_rope");
 }
 
+/* ---- qwen2's q, k and v: biases and RoPE in one launch ------------------- */
+
+/* Threads (row, head, i) of q's heads, then of k's (a rotation pair each:
+ * both entries plus their biases, then rotated as rope_kernel rotates
+ * them), then v's entries (plus its bias): the bits of add_bias_kernel
+ * and rope_kernel, one launch where they were five (Qwen2.5's heads of
+ * 64 columns, which qk_rope_kernel does not take) or four. Every column
+ * of a head is rotated (n_dims == head_dim). */
+__global__ static void qkv_bias_rope_kernel(float *q, float *k, float *v, const float *bq, const float *bk,
+                                            const float *bv, int64_t q_cols, int64_t k_cols, int64_t v_cols,
+                                            int32_t hq, int32_t hk, int64_t rows, const int32_t *pos,
+                                            const rope_args a)
+{
+    follow_previous_kernel();
+    const int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    const int64_t nq = rows * hq * a.half, nk = rows * hk * a.half;
+    if (t < nq + nk) {
+        const bool is_q = t < nq;
+        const int64_t u = is_q ? t : t - nq;
+        const int32_t heads = is_q ? hq : hk, i = (int32_t)(u % a.half);
+        const int64_t rh = u / a.half, row = rh / heads, h = rh % heads;
+        float *x = (is_q ? q + row * q_cols : k + row * k_cols) + h * a.head_dim;
+        const float *b = is_q ? bq : bk;
+        const int32_t ia = a.neox ? i : 2 * i, ib = a.neox ? i + a.half : 2 * i + 1;
+        float x0 = x[ia], x1 = x[ib];
+        if (b) {
+            x0 = x0 + b[h * a.head_dim + ia];
+            x1 = x1 + b[h * a.head_dim + ib];
+        }
+        const float angle = rope_angle(a, (float)pos[row], i);
+        rope_rotate(x0, x1, sinf(angle), cosf(angle), x[ia], x[ib]);
+    } else if (bv && t < nq + nk + rows * v_cols) {
+        const int64_t u = t - nq - nk;
+        v[u] = v[u] + bv[u % v_cols];
+    }
+}
+
+void luma_cuda_qkv_bias_rope(luma_backend *be, luma_buf *q, luma_buf *k, luma_buf *v, const luma_weight *bq,
+                             const luma_weight *bk, const luma_weight *bv, int32_t head_dim, const int32_t *pos,
+                             const luma_rope *r)
+{
+    cuda_backend *c = cu(be);
+    if (!LUMA_CUDA_OK(c)) return;
+    /* LUMA_CUDA_BIAS_ROPE=0 in the environment: the separate launches, for
+     * measuring (read once) */
+    static const int on = luma_cuda_env_digit("LUMA_CUDA_BIAS_ROPE", 1);
+    const bool fused = on && r->n_dims == head_dim && head_dim >= 2 && head_dim % 2 == 0 && q->rows == k->rows &&
+                       v->rows == q->rows && q->cols % head_dim == 0 && k->cols % head_dim == 0 &&
+                       (!bq || bq->cols == q->cols) && (!bk || bk->cols == k->cols) && (!bv || bv->cols == v->cols);
+    if (!fused) {
+        if (bq) luma_cuda_add_bias(be, q, bq);
+        if (bk) luma_cuda_add_bias(be, k, bk);
+        if (bv) luma_cuda_add_bias(be, v, bv);
+        luma_cuda_qk_rope(be, q, k, NULL, NULL, head_dim, 0.0f, pos, r);
+        return;
+    }
+    if (q->rows == 0) return;
+    rope_args a;
+    if (!luma_cuda_rope_args(c, r, head_dim, q->cols, &a)) return;
+    const int32_t *d_pos = luma_cuda_step_array(c, pos, (int32_t)q->rows, "rope");
+    if (!d_pos) return;
+    const int32_t hq = (int32_t)(q->cols / head_dim), hk = (int32_t)(k->cols / head_dim);
+    const int64_t n = q->rows * (hq + hk) * a.half + (bv ? v->rows * v->cols : 0);
+    luma_launch(c, c->stream, blocks_for(n, THREADS), THREADS, 0, qkv_bias_rope_kernel, q->data, k->data, v->data,
+                bq ? (const float *)bq->dev : NULL, bk ? (const float *)bk->dev : NULL,
+                bv ? (const float *)bv->dev : NULL, q->cols, k->cols, v->cols, hq, hk, q->rows, d_pos, a);
+    luma_cuda_fail(c, cudaGetLastError(), "qkv_bias_rope");
+}
+
 /* ---- elementwise --------------------------------------------------------- */
 
 enum { EW_ADD, EW_GELU_MUL, EW_SILU_MUL };

@@ -203,6 +203,15 @@ typedef struct luma_backend_ops {
      * luma_model_qk_rope, which falls back to rmsnorm and rope). */
     void (*qk_rope)(luma_backend *be, luma_buf *q, luma_buf *k, const luma_weight *gq, const luma_weight *gk,
                     int32_t head_dim, float eps, const int32_t *pos, const luma_rope *r);
+    /* Qwen2's attention inputs: each row of q, k and v plus bias bq, bk, bv
+     * (one row of q's, k's, v's columns; NULL: none), then each head of q
+     * and of k rotated as rope rotates it: the bits of add_bias and rope.
+     * Optional: NULL when a backend does not fuse them (callers use
+     * luma_model_qkv_bias_rope, which falls back to add_bias and
+     * luma_model_qk_rope). */
+    void (*qkv_bias_rope)(luma_backend *be, luma_buf *q, luma_buf *k, luma_buf *v, const luma_weight *bq,
+                          const luma_weight *bk, const luma_weight *bv, int32_t head_dim, const int32_t *pos,
+                          const luma_rope *r);
     /* matmul_many of wq, wk, wv (ws[0..2]) into q, k, v (ys[0..2]), then q
      * and k rotated as rope rotates them (no norms), each with the bits
      * that matmul_many then rope give. Optional: NULL, or false having done

@@ -222,6 +222,22 @@ void luma_model_qk_rope(const luma_model *m, luma_buf *q, luma_buf *k, const lum
     be->rope(b, k, head_dim, pos, r);
 }
 
+void luma_model_qkv_bias_rope(const luma_model *m, luma_buf *q, luma_buf *k, luma_buf *v, const luma_weight *bq,
+                              const luma_weight *bk, const luma_weight *bv, int32_t head_dim, const int32_t *pos,
+                              const luma_rope *r)
+{
+    luma_backend *b = m->be;
+    const luma_backend_ops *be = b->ops;
+    if (be->qkv_bias_rope) {
+        be->qkv_bias_rope(b, q, k, v, bq, bk, bv, head_dim, pos, r);
+        return;
+    }
+    if (bq) be->add_bias(b, q, bq);
+    if (bk) be->add_bias(b, k, bk);
+    if (bv) be->add_bias(b, v, bv);
+    luma_model_qk_rope(m, q, k, NULL, NULL, head_dim, pos, r);
+}
+
 void luma_model_qkv_rope(const luma_model *m, const luma_weight *const *ws, const luma_buf *x, luma_buf *const *ys,
                          int32_t head_dim, const int32_t *pos, const luma_rope *r)
 {

@@ -165,6 +165,12 @@ void luma_model_attn(const luma_model *m, int il, luma_attn *a);
  * separate rmsnorm and rope operations. */
 void luma_model_qk_rope(const luma_model *m, luma_buf *q, luma_buf *k, const luma_weight *gq,
                         const luma_weight *gk, int32_t head_dim, const int32_t *pos, const luma_rope *r);
+/* q, k and v plus their biases bq, bk, bv (NULL: none), then q and k
+ * rotated at pos: through the backend's fused qkv_bias_rope when it has
+ * one, else as add_bias and luma_model_qk_rope; the same bits either way. */
+void luma_model_qkv_bias_rope(const luma_model *m, luma_buf *q, luma_buf *k, luma_buf *v, const luma_weight *bq,
+                              const luma_weight *bk, const luma_weight *bv, int32_t head_dim, const int32_t *pos,
+                              const luma_rope *r);
 /* q, k, v = wq x, wk x, wv x (ws, ys in that order), then q and k rotated
  * at pos: through the backend's qkv_rope when it takes them, else as
  * luma_model_matmuls and luma_model_qk_rope; the same bits either way. */

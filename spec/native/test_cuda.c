@@ -4,7 +4,9 @@
  *     blocks with sane half scales: random_weights of testutil.h), times a
  *     scale;
  *   - rmsnorm (whole rows, per-head groups, in place, unaligned rows), qk_rope
- *     (per-head norms and RoPE of q and k in one launch), rope
+ *     (per-head norms and RoPE of q and k in one launch), qkv_bias_rope
+ *     (qwen2's biases of q, k and v and RoPE of q and k in one launch, also
+ *     bit for bit against the GPU's add_bias and qk_rope), rope
  *     NORM and NEOX (partial rotation, linear position scaling, frequency
  *     factors), add_bias, add, gelu_mul (through half precision, as the
  *     CPU's), silu_mul and gather: the largest error relative to the largest
@@ -584,6 +586,95 @@ static void test_qk_rope(void)
         free(xq);
         free(xk);
         free(gains);
+        free(pos);
+    }
+}
+
+/* ---- qkv_bias_rope: qwen2's biases and RoPE in one launch ----------------- */
+
+/* The three buffers' GPU copies read back into one host array */
+static bool read3(const dual *a, const dual *b, const dual *c, float *out)
+{
+    luma_err err = { { 0 } };
+    const dual *d[3] = { a, b, c };
+    for (int i = 0; i < 3; i++) {
+        if (gpu->ops->buf_read(gpu, &d[i]->g, out, &err) != 0) {
+            CHECKF(0, "buf_read: %s", err.msg);
+            return false;
+        }
+        out += d[i]->g.rows * d[i]->g.cols;
+    }
+    return true;
+}
+
+/* Against the CPU's add_bias (three) and rope (two), and bit for bit
+ * against the GPU's own add_bias and qk_rope (the unfused path): Qwen2.5
+ * 0.5B's heads of 64 at one and at 7 rows, Qwen2.5 7B's heads of 128, NORM
+ * pairs with frequency factors, a missing bias, and half the columns
+ * rotated (which the fused kernel declines). */
+static void test_qkv_bias_rope(void)
+{
+    static const struct {
+        int32_t rows, head_dim, hq, hk, n_dims;
+        enum luma_rope_kind kind;
+        int freq_factors, no_bk;
+        const char *what;
+    } cases[] = {
+        { 1, 64, 14, 2, 64, LUMA_ROPE_NEOX, 0, 0, "qwen2.5-0.5b 14+2 x 64, one row" },
+        { 7, 64, 14, 2, 64, LUMA_ROPE_NEOX, 0, 0, "qwen2.5-0.5b 14+2 x 64" },
+        { 5, 128, 28, 4, 128, LUMA_ROPE_NEOX, 0, 0, "qwen2.5-7b 28+4 x 128" },
+        { 3, 64, 8, 8, 64, LUMA_ROPE_NORM, 1, 1, "NORM 8+8 x 64, freq factors, no k bias" },
+        { 4, 64, 6, 2, 32, LUMA_ROPE_NEOX, 0, 0, "NEOX 32 of 64 (not fused)" },
+    };
+    for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+        const int32_t rows = cases[k].rows, hd = cases[k].head_dim;
+        const int64_t qc = (int64_t)cases[k].hq * hd, kc = (int64_t)cases[k].hk * hd, vc = kc;
+        const size_t n = (size_t)(rows * (qc + kc + vc));
+        float *x = random_floats(n, 2.0f), *bias = random_floats((size_t)(qc + kc + vc), 20.0f), ff[256];
+        for (int i = 0; i < hd / 2; i++) ff[i] = uniform(1.0f, 32.0f);
+        int32_t *pos = xmalloc((size_t)rows * sizeof(int32_t));
+        for (int32_t i = 0; i < rows; i++) pos[i] = (int32_t)(rnd() % 32768);
+        luma_rope r = { cases[k].kind, cases[k].n_dims, 1e6f, 1.0f, cases[k].freq_factors ? ff : NULL };
+        dual b[2][3];   /* [fused, unfused][q, k, v] */
+        const int64_t cols[3] = { qc, kc, vc };
+        for (int f = 0; f < 2; f++)
+            for (int i = 0; i < 3; i++) {
+                dual_new(&b[f][i], rows, cols[i]);
+                dual_set(&b[f][i], x + (i == 0 ? 0 : i == 1 ? rows * qc : rows * (qc + kc)));
+            }
+        dual_w bw[3];
+        tstep t;
+        step_simple(&t, rows, NULL, pos, NULL, 0);
+        if (dual_weight(&bw[0], LUMA_F32, 1, qc, bias) && dual_weight(&bw[1], LUMA_F32, 1, kc, bias + qc) &&
+            dual_weight(&bw[2], LUMA_F32, 1, vc, bias + qc + kc) && step_begin(&t)) {
+            const bool with_bk = !cases[k].no_bk;
+            for (int i = 0; i < 3; i++)
+                if (i != 1 || with_bk) cpu->ops->add_bias(cpu, &b[0][i].c, &bw[i].c);
+            cpu->ops->rope(cpu, &b[0][0].c, hd, t.pos, &r);
+            cpu->ops->rope(cpu, &b[0][1].c, hd, t.pos, &r);
+            gpu->ops->qkv_bias_rope(gpu, &b[0][0].g, &b[0][1].g, &b[0][2].g, &bw[0].g, with_bk ? &bw[1].g : NULL,
+                                    &bw[2].g, hd, t.pos, &r);
+            for (int i = 0; i < 3; i++)
+                if (i != 1 || with_bk) gpu->ops->add_bias(gpu, &b[1][i].g, &bw[i].g);
+            gpu->ops->qk_rope(gpu, &b[1][0].g, &b[1][1].g, NULL, NULL, hd, 1e-6f, t.pos, &r);
+            static const char *const part[3] = { "q", "k", "v" };
+            for (int i = 0; i < 3; i++) {
+                char name[80];
+                snprintf(name, sizeof name, "qkv_bias_rope %s (%s)", cases[k].what, part[i]);
+                report(name, dual_err(&b[0][i]), 1e-5);
+            }
+            float *fused = xmalloc(n * sizeof(float)), *sep = xmalloc(n * sizeof(float));
+            if (read3(&b[0][0], &b[0][1], &b[0][2], fused) && read3(&b[1][0], &b[1][1], &b[1][2], sep))
+                CHECKF(memcmp(fused, sep, n * sizeof(float)) == 0,
+                       "qkv_bias_rope %s: not the bits of add_bias and qk_rope", cases[k].what);
+            free(fused);
+            free(sep);
+        }
+        step_free(&t);
+        for (int f = 0; f < 2; f++)
+            for (int i = 0; i < 3; i++) dual_free(&b[f][i]);
+        free(x);
+        free(bias);
         free(pos);
     }
 }
@@ -1602,6 +1693,7 @@ static int run_checks(void)
         test_embed();
         test_rmsnorm();
         test_qk_rope();
+        test_qkv_bias_rope();
         test_qkv_rope();
         test_add_rmsnorm();
         test_rope();

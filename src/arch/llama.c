@@ -67,10 +67,8 @@ static int llama_forward(luma_model *m, const luma_step *step, luma_err *err)
         luma_buf *const qkv[] = { &a->q, &a->k, &a->v };
         if (l->bq.host || l->bk.host || l->bv.host) {   /* qwen2: the biases go in before the rotation */
             luma_model_matmuls(m, 3, wqkv, &a->h, qkv);
-            if (l->bq.host) be->add_bias(b, &a->q, &l->bq);
-            if (l->bk.host) be->add_bias(b, &a->k, &l->bk);
-            if (l->bv.host) be->add_bias(b, &a->v, &l->bv);
-            luma_model_qk_rope(m, &a->q, &a->k, NULL, NULL, dk, step->pos, &rope);
+            luma_model_qkv_bias_rope(m, &a->q, &a->k, &a->v, l->bq.host ? &l->bq : NULL, l->bk.host ? &l->bk : NULL,
+                                     l->bv.host ? &l->bv : NULL, dk, step->pos, &rope);
         } else {
             luma_model_qkv_rope(m, wqkv, &a->h, qkv, dk, step->pos, &rope);
         }

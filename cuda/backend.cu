@@ -282,6 +282,31 @@ static int keep_mmv(cuda_backend *c, luma_weight *w, cuda_weight_copy *slot, lum
 
 #define WEIGHT_PAD 16
 
+/* A copy of w's bytes with each head's NEOX pairs (i, i + h / 2) at (2i,
+ * 2i + 1) (backend.h, luma_weight.neox_head): rows of row_bytes, or a
+ * vector's floats. NULL where w takes none (no neox_head, a head that does
+ * not divide it, or LUMA_CUDA_NEOX_PAIRS=0 in the environment, for
+ * measuring; read once) or where memory runs out (*oom set). */
+static void *pairs_adjacent_copy(const luma_weight *w, size_t row_bytes, bool *oom)
+{
+    static const int on = luma_cuda_env_digit("LUMA_CUDA_NEOX_PAIRS", 1);
+    const int64_t h = w->neox_head, n = w->rows > 1 ? w->rows : w->cols;
+    const size_t unit = w->rows > 1 ? row_bytes : sizeof(float);
+    *oom = false;
+    if (!on || h < 2 || h % 2 != 0 || n % h != 0 || (w->rows == 1 && w->type != LUMA_F32)) return NULL;
+    uint8_t *p = (uint8_t *)malloc((size_t)n * unit);
+    if (!p) {
+        *oom = true;
+        return NULL;
+    }
+    const uint8_t *src = (const uint8_t *)w->host;
+    for (int64_t r = 0; r < n; r++) {
+        const int64_t head = r / h, i = r % h, to = head * h + (i < h / 2 ? 2 * i : 2 * (i - h / 2) + 1);
+        memcpy(p + (size_t)to * unit, src + (size_t)r * unit, unit);
+    }
+    return p;
+}
+
 static int cuda_weight_load(luma_backend *be, luma_weight *w, luma_err *err)
 {
     cuda_backend *c = cu(be);
@@ -310,8 +335,16 @@ static int cuda_weight_load(luma_backend *be, luma_weight *w, luma_err *err)
     if (e != cudaSuccess)
         return luma_errf(err, "no GPU memory for a %s weight of %zu MiB: %s", luma_type_name(w->type),
                          bytes >> 20, cudaGetErrorString(e));
-    e = cudaMemcpyAsync(d, w->host, bytes, cudaMemcpyHostToDevice, c->stream);
+    bool oom;
+    void *adjacent = pairs_adjacent_copy(w, row, &oom);
+    if (oom) {
+        cudaFree(d);
+        return luma_errf(err, "out of memory");
+    }
+    e = cudaMemcpyAsync(d, adjacent ? adjacent : w->host, bytes, cudaMemcpyHostToDevice, c->stream);
     if (e == cudaSuccess) e = cudaStreamSynchronize(c->stream);
+    free(adjacent);
+    w->pairs_adjacent = adjacent != NULL;
     if (e != cudaSuccess) {
         cudaFree(d);
         return luma_errf(err, "copying a %s weight to the GPU: %s", luma_type_name(w->type),
@@ -862,21 +895,65 @@ static void cuda_gated_matmul(luma_backend *be, const luma_weight *w, luma_buf *
     y->cols = w->rows;
 }
 
-/* q, k, v, with q and k rotated where the direct matrix-vector kernel
- * writes them (RoPE NORM over whole heads, 8-bit activations, decode row
- * counts); what it did not rotate, qk_rope (both) or rope (one) rotates. */
-static bool cuda_qkv_rope(luma_backend *be, const luma_weight *const *ws, const luma_buf *x, luma_buf *const *ys,
-                          int32_t head_dim, const int32_t *pos, const luma_rope *r)
+/* What qkv_rope's products left to do: the bias of each output whose bit
+ * (q 1, k 2, v 4) is clear in done, and the rotation of q and k where
+ * clear; one launch when the products did nothing. */
+static void qkv_rest(luma_backend *be, luma_buf *const *ys, const luma_weight *const *b, int32_t head_dim,
+                     const int32_t *pos, const luma_rope *r, int done)
+{
+    if (done == 0) {
+        if (b[0] || b[1] || b[2])
+            luma_cuda_qkv_bias_rope(be, ys[0], ys[1], ys[2], b[0], b[1], b[2], head_dim, pos, r);
+        else
+            luma_cuda_qk_rope(be, ys[0], ys[1], NULL, NULL, head_dim, 0.0f, pos, r);
+        return;
+    }
+    for (int i = 0; i < 3; i++) {
+        if (done >> i & 1) continue;
+        if (b[i]) luma_cuda_add_bias(be, ys[i], b[i]);
+        if (i < 2) luma_cuda_rope(be, ys[i], head_dim, pos, r);
+    }
+}
+
+/* q, k, v plus their biases, with q and k rotated where the direct
+ * matrix-vector kernel writes them (RoPE NORM over whole heads, 8-bit
+ * activations, decode row counts); what it did not do, qkv_rest does.
+ * Where weight_load stored q's and k's NEOX pairs adjacent, their rotation
+ * is NORM over the stored order, and every call is taken here. */
+static bool cuda_qkv_rope(luma_backend *be, const luma_weight *const *ws, const luma_weight *const *bs,
+                          const luma_buf *x, luma_buf *const *ys, int32_t head_dim, const int32_t *pos,
+                          const luma_rope *r)
 {
     cuda_backend *c = cu(be);
     /* LUMA_CUDA_QKV_ROPE=0 in the environment: separate products and
      * rotation (for measuring); read once */
     static const bool off = env_off("LUMA_CUDA_QKV_ROPE");
-    if (luma_cuda_prog_qkv_rope(c, ws, x, ys, head_dim, pos, r)) return true;
+    const luma_weight *const b[3] = { bs ? bs[0] : NULL, bs ? bs[1] : NULL, bs ? bs[2] : NULL };
+    const bool adjacent = ws[0]->pairs_adjacent || ws[1]->pairs_adjacent;
+    luma_rope norm;
+    if (adjacent) {
+        if (!ws[0]->pairs_adjacent || !ws[1]->pairs_adjacent || r->kind != LUMA_ROPE_NEOX ||
+            r->n_dims != head_dim || ws[0]->neox_head != head_dim || (b[0] && !b[0]->pairs_adjacent) ||
+            (b[1] && !b[1]->pairs_adjacent)) {
+            luma_cuda_failf(c, "qkv_rope: q's and k's weights and biases were not all stored with their RoPE "
+                               "pairs adjacent for heads of %d",
+                            (int)head_dim);
+            return true;
+        }
+        norm = *r;
+        norm.kind = LUMA_ROPE_NORM;
+        r = &norm;
+    }
+    const bool biased = b[0] || b[1] || b[2];
+    if (!biased && luma_cuda_prog_qkv_rope(c, ws, x, ys, head_dim, pos, r)) return true;
     luma_cuda_prog_flush(c);
     if (off || r->kind != LUMA_ROPE_NORM || r->n_dims != head_dim || c->float_act ||
-        x->rows > luma_cuda_qkv_rope_max_m() || !LUMA_CUDA_OK(c))
-        return false;
+        x->rows > luma_cuda_qkv_rope_max_m() || !LUMA_CUDA_OK(c)) {
+        if (!adjacent) return false;
+        cuda_matmul_many(be, 3, ws, x, ys);
+        qkv_rest(be, ys, b, head_dim, pos, r, 0);
+        return true;
+    }
     float *y[3];
     many_outputs(3, ws, x, ys, y);
     rope_args a;
@@ -884,10 +961,10 @@ static bool cuda_qkv_rope(luma_backend *be, const luma_weight *const *ws, const 
     if (!luma_cuda_rope_args(c, r, head_dim, ws[0]->rows, &a) ||
         !(d_pos = luma_cuda_step_array(c, pos, (int32_t)x->rows, "rope")))
         return true;   /* recorded: sync reports it */
-    int done = luma_cuda_matmul_qkv_rope(c, ws, x->data, x->rows, y, head_dim, &a, d_pos);
-    if (done == 0) luma_cuda_qk_rope(be, ys[0], ys[1], NULL, NULL, head_dim, 0.0f, pos, r);   /* one launch */
-    for (int i = 0; i < 2 && done != 0; i++)
-        if (!(done >> i & 1)) luma_cuda_rope(be, ys[i], head_dim, pos, r);
+    const float *bd[3];
+    for (int i = 0; i < 3; i++) bd[i] = b[i] ? (const float *)b[i]->dev : NULL;
+    int done = luma_cuda_matmul_qkv_rope(c, ws, bd, x->data, x->rows, y, head_dim, &a, d_pos);
+    qkv_rest(be, ys, b, head_dim, pos, r, done);
     return true;
 }
 

@@ -381,14 +381,17 @@ static inline bool env_rows_set(env_rows &r, const char *name)
 /* RoPE r's tables for heads of head_dim in rows of cols (cuda/rope.cuh);
  * false, recorded, when they are not supported. */
 bool luma_cuda_rope_args(cuda_backend *c, const luma_rope *r, int32_t head_dim, int64_t cols, struct rope_args *a);
-/* luma_cuda_matmul_many of q, k and v (ys[0..2]) that also rotates q and k
- * (RoPE NORM over heads of every one of their columns, at pos: a device
- * array of m positions; a: luma_cuda_rope_args's tables) where the direct
+/* luma_cuda_matmul_many of q, k and v (ys[0..2]) that also adds the
+ * biases b[0..2] (device vectors, NULL: none) and rotates q and k (RoPE
+ * NORM over heads of every one of their columns, at pos: a device array of
+ * m positions; a: luma_cuda_rope_args's tables) where the direct
  * matrix-vector kernel (one pass of up to MMV_PASS_M rows) or mmv_tc writes
- * them, with rope_kernel's arithmetic. Returns which were rotated (bit 0 q,
- * bit 1 k); the caller rotates the others. */
-int luma_cuda_matmul_qkv_rope(cuda_backend *c, const luma_weight *const *ws, const float *x, int64_t m,
-                              float *const *ys, int32_t head_dim, const struct rope_args *a, const int32_t *pos);
+ * them, with add_bias's and rope_kernel's arithmetic. Returns which outputs
+ * it finished (bit 0 q, bit 1 k: biased and rotated; bit 2 v: biased); the
+ * caller does the rest. */
+int luma_cuda_matmul_qkv_rope(cuda_backend *c, const luma_weight *const *ws, const float *const *b, const float *x,
+                              int64_t m, float *const *ys, int32_t head_dim, const struct rope_args *a,
+                              const int32_t *pos);
 /* The most rows for which luma_cuda_matmul_qkv_rope may rotate anything:
  * MMV_PASS_M, or mmv_tc's range where that is larger */
 int64_t luma_cuda_qkv_rope_max_m(void);

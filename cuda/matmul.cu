@@ -1362,22 +1362,39 @@ struct mmv_segs {
 /* q and k rotated as the direct kernel writes them (luma_cuda_matmul_qkv_rope):
  * the segments in mask (bit i: segment i) hold heads of head_dim rows, whose
  * pairs of rows (2i, 2i + 1) turn by frequency i of their head at pos[j] for
- * activation row j (RoPE NORM). Empty when not ROPE. */
+ * activation row j (RoPE NORM); a segment's bias (q's, k's or v's, NULL:
+ * none) is added to each of its sums first, as add_bias adds it. Empty when
+ * not ROPE. */
 template <bool ROPE> struct mmv_rope {};
 template <> struct mmv_rope<true> {
     const int32_t *pos;
     uint32_t mask;
     int32_t head_dim;
     rope_args a;
+    const float *bias[MMV_SEGS];
 };
 
-/* The pending request of luma_cuda_matmul_qkv_rope: q and k's outputs, and
- * the bits of those a direct launch rotated. */
+/* The pending request of luma_cuda_matmul_qkv_rope: q, k and v's outputs
+ * and biases, and the bits of the outputs a direct launch finished. */
 struct mmv_rope_request {
-    float *y[2];
+    float *y[3];
+    const float *b[3];
     mmv_rope<true> rp;
     int done;
 };
+
+/* Segment seg's bias (constant indices: rp stays a kernel parameter). */
+template <bool ROPE>
+static __device__ __forceinline__ const float *mmv_seg_bias(const mmv_rope<ROPE> &rp, int seg)
+{
+    const float *b = NULL;
+    if constexpr (ROPE) {
+#pragma unroll
+        for (int i = 0; i < MMV_SEGS; i++)
+            if (seg == i) b = rp.bias[i];
+    }
+    return b;
+}
 
 /* The direct kernels' weight fetch: evict-first loads (ld_w) for the types
  * whose fetch takes them (Q4_K, Q5_K, repacked Q6_K), unless built with
@@ -1429,7 +1446,7 @@ static __device__ __forceinline__ void mmv_round(const typename T::raw_t (&cur)[
 template <class T, int MAXM, int ROWS, bool ROPE, bool TWO>
 static __device__ __forceinline__ void mmv_direct_rows(const uint8_t *w, float *y, int64_t rows, int64_t r0,
                                                        size_t row_bytes, int nb, const act_rows &a, int m,
-                                                       const mmv_rope<ROPE> &rp, bool rot)
+                                                       const mmv_rope<ROPE> &rp, bool rot, const float *bias)
 {
     constexpr int stride = 32 / T::lpb;  /* blocks of a row covered by the warp at once */
     const int lane = threadIdx.x % 32, p = lane % T::lpb;
@@ -1480,16 +1497,27 @@ static __device__ __forceinline__ void mmv_direct_rows(const uint8_t *w, float *
         if (rot) {   /* every warp of the CTA (its rows are whole pairs) */
             int32_t e = (int32_t)(r0 % rp.head_dim) & ~1;   /* the pair's first column in its head */
             if constexpr (ROWS == 2) {
-                /* the warp holds rows r0 (even) and r0 + 1 */
+                /* the warp holds rows r0 (even) and r0 + 1; lane j rotates
+                 * activation row j's pair (every lane has every sum) */
+                static_assert(MAXM <= 32, "a lane an activation row");
+                float v0 = 0.0f, v1 = 0.0f;
 #pragma unroll
                 for (int j = 0; j < MAXM; j++) {
-                    float v0 = warp_sum(acc[0][j]), v1 = warp_sum(acc[1][j]);
-                    if (lane == 0 && j < m) {
-                        float ang = rope_angle(rp.a, (float)rp.pos[j], e / 2), y0, y1;
-                        rope_rotate(v0, v1, sinf(ang), cosf(ang), y0, y1);
-                        y[(int64_t)j * rows + r0] = y0;
-                        y[(int64_t)j * rows + r0 + 1] = y1;
+                    const float s0 = warp_sum(acc[0][j]), s1 = warp_sum(acc[1][j]);
+                    if (lane == j) {
+                        v0 = s0;
+                        v1 = s1;
                     }
+                }
+                if (lane < m) {
+                    if (bias) {
+                        v0 = v0 + bias[r0];
+                        v1 = v1 + bias[r0 + 1];
+                    }
+                    float ang = rope_angle(rp.a, (float)rp.pos[lane], e / 2), y0, y1;
+                    rope_rotate(v0, v1, sinf(ang), cosf(ang), y0, y1);
+                    y[(int64_t)lane * rows + r0] = y0;
+                    y[(int64_t)lane * rows + r0 + 1] = y1;
                 }
             } else {
                 /* one row a warp (m = 1): the pair's other row is the next
@@ -1498,6 +1526,7 @@ static __device__ __forceinline__ void mmv_direct_rows(const uint8_t *w, float *
                 __shared__ float pair[MMV_DIRECT_WARPS];
                 int warp = threadIdx.x / 32;
                 float v = warp_sum(acc[0][0]);
+                if (bias) v = v + bias[r0];
                 if (lane == 0) pair[warp] = v;
                 __syncthreads();
                 if (lane == 0) {
@@ -1515,7 +1544,7 @@ static __device__ __forceinline__ void mmv_direct_rows(const uint8_t *w, float *
 #pragma unroll
         for (int j = 0; j < MAXM; j++) {
             float v = warp_sum(acc[r][j]);
-            if (lane == 0 && j < m && r0 + r < rows) y[(int64_t)j * rows + r0 + r] = v;
+            if (lane == 0 && j < m && r0 + r < rows) y[(int64_t)j * rows + r0 + r] = bias ? v + bias[r0 + r] : v;
         }
 }
 
@@ -1559,13 +1588,14 @@ mmv_direct(mmv_segs sg, act_rows a, int m, const mmv_rope<ROPE> rp)
     if (r0 >= s.rows) return;
     bool rot = false;
     if constexpr (ROPE) rot = (rp.mask >> s.seg) & 1;
+    const float *bias = mmv_seg_bias(rp, s.seg);
     if constexpr (std::is_same<TA, TB>::value) {
-        mmv_direct_rows<TA, MAXM, ROWS, ROPE, TWO>(s.w, s.y, s.rows, r0, s.row_bytes, s.nb, a, m, rp, rot);
+        mmv_direct_rows<TA, MAXM, ROWS, ROPE, TWO>(s.w, s.y, s.rows, r0, s.row_bytes, s.nb, a, m, rp, rot, bias);
     } else {
         if (blockIdx.x < sg.cta_b)
-            mmv_direct_rows<TA, MAXM, ROWS, ROPE, TWO>(s.w, s.y, s.rows, r0, s.row_bytes, s.nb, a, m, rp, rot);
+            mmv_direct_rows<TA, MAXM, ROWS, ROPE, TWO>(s.w, s.y, s.rows, r0, s.row_bytes, s.nb, a, m, rp, rot, bias);
         else
-            mmv_direct_rows<TB, MAXM, ROWS, ROPE, TWO>(s.w, s.y, s.rows, r0, s.row_bytes, s.nb, a, m, rp, rot);
+            mmv_direct_rows<TB, MAXM, ROWS, ROPE, TWO>(s.w, s.y, s.rows, r0, s.row_bytes, s.nb, a, m, rp, rot, bias);
     }
 }
 
@@ -1950,22 +1980,34 @@ static bool mmv_two_taken(void)
     return mmv_two_ok<TA, TB, MAXM, ROWS>() && on;
 }
 
-/* The segments (bit i: ws[i]) that rotate q or k of a pending
- * luma_cuda_matmul_qkv_rope as they are written, where their rows are
- * whole heads and whole pair-holding CTAs of `unit` rows; the bits of the
- * request's outputs they cover into *done. */
-static uint32_t mmv_rope_mask(const cuda_backend *c, const luma_weight *const *ws, float *const *ys, int n,
-                              int64_t unit, int *done)
+/* What a launch of the n weights ws does for a pending
+ * luma_cuda_matmul_qkv_rope, into *rp: the segments (bit i: ws[i]) that
+ * add q's or k's bias and rotate them as they are written, where their
+ * rows are whole heads and whole pair-holding CTAs of `unit` rows, and the
+ * segment of v, which adds its bias; the bits of the request's outputs
+ * they finish into *done. False: the launch does nothing of the request. */
+static bool mmv_rope_take(const cuda_backend *c, const luma_weight *const *ws, float *const *ys, int n, int64_t unit,
+                          mmv_rope<true> *rp, int *done)
 {
     const mmv_rope_request *rq = c->qkv_rope;
-    uint32_t mask = 0;
-    for (int i = 0; i < n && i < MMV_SEGS && rq; i++)
-        for (int o = 0; o < 2; o++)
-            if (ys[i] == rq->y[o] && ws[i]->rows % unit == 0 && ws[i]->rows % rq->rp.head_dim == 0) {
-                mask |= 1u << i;
-                *done |= 1 << o;
+    if (!rq) return false;
+    *rp = rq->rp;
+    rp->mask = 0;
+    bool any = false;
+    for (int i = 0; i < MMV_SEGS; i++) rp->bias[i] = NULL;
+    for (int i = 0; i < n && i < MMV_SEGS; i++)
+        for (int o = 0; o < 3; o++) {
+            if (ys[i] != rq->y[o]) continue;
+            if (o < 2 && ws[i]->rows % unit == 0 && ws[i]->rows % rq->rp.head_dim == 0) {
+                rp->mask |= 1u << i;
+            } else if (o < 2 || !rq->b[o]) {
+                continue;
             }
-    return mask;
+            rp->bias[i] = rq->b[o];
+            *done |= 1 << o;
+            any = true;
+        }
+    return any;
 }
 
 /* Segments with none in use (each starts past any grid), no second type. */
@@ -2017,20 +2059,18 @@ static void mmv_direct_launch_rows(cuda_backend *c, const luma_weight *const *ws
     unsigned ctas;
     mmv_segs sg = mmv_segs_of<TA, TB, ROWS>(ws, ys, n, n_a, &ctas);
     int done = 0;
-    const uint32_t mask = mmv_rope_mask(c, ws, ys, n, 2 * MMV_DIRECT_WARPS, &done);
-    mmv_rope_request *rq = c->qkv_rope;
+    mmv_rope<true> rp;
+    const bool rope = mmv_rope_take(c, ws, ys, n, 2 * MMV_DIRECT_WARPS, &rp, &done);
     cudaLaunchAttribute attr;
     cudaLaunchConfig_t cfg = luma_launch_config(c, c->stream, ctas, MMV_DIRECT_WARPS * 32, 0, &attr);
     constexpr bool two = mmv_two_ok<TA, TB, MAXM, ROWS>();
     const bool take_two = mmv_two_taken<TA, TB, MAXM, ROWS>();
-    if (mask) {
-        mmv_rope<true> rp = rq->rp;
-        rp.mask = mask;
+    if (rope) {
         auto *kernel = take_two ? mmv_direct<TA, TB, MAXM, ROWS, true, two> : mmv_direct<TA, TB, MAXM, ROWS, true>;
         if (luma_cuda_fail(c, cudaLaunchKernelEx(&cfg, kernel, sg, a, m, rp),
                            "matmul (matrix-vector kernel, rotating q and k)"))
             return;
-        rq->done |= done;
+        c->qkv_rope->done |= done;
         return;
     }
     auto *kernel = take_two ? mmv_direct<TA, TB, MAXM, ROWS, false, two> : mmv_direct<TA, TB, MAXM, ROWS, false>;
@@ -2517,6 +2557,7 @@ static __device__ __forceinline__ void mmv_tc_cta(const mmv_seg &s, int64_t tile
         return v;
     };
     const int u = threadIdx.x;
+    const float *bias = mmv_seg_bias(rp, s.seg);
     if constexpr (ROPE) {
         if ((rp.mask >> s.seg) & 1) {
             /* pairs of rows (2 p, 2 p + 1), p < 8, as the direct kernel
@@ -2527,8 +2568,12 @@ static __device__ __forceinline__ void mmv_tc_cta(const mmv_seg &s, int64_t tile
                 const int64_t row = r0 + 2 * pr;
                 const int32_t e = (int32_t)(row % rp.head_dim);
                 const float ang = rope_angle(rp.a, (float)rp.pos[j0 + j], e / 2);
-                float y0, y1;
-                rope_rotate(total(2 * pr, j), total(2 * pr + 1, j), sinf(ang), cosf(ang), y0, y1);
+                float y0, y1, v0 = total(2 * pr, j), v1 = total(2 * pr + 1, j);
+                if (bias) {
+                    v0 = v0 + bias[row];
+                    v1 = v1 + bias[row + 1];
+                }
+                rope_rotate(v0, v1, sinf(ang), cosf(ang), y0, y1);
                 s.y[(int64_t)(j0 + j) * s.rows + row] = y0;
                 s.y[(int64_t)(j0 + j) * s.rows + row + 1] = y1;
             }
@@ -2537,7 +2582,10 @@ static __device__ __forceinline__ void mmv_tc_cta(const mmv_seg &s, int64_t tile
     }
     const int rr = u % MMV_TC_ROWS;
     for (int j = u / MMV_TC_ROWS; j < 8 * NT; j += W * 32 / MMV_TC_ROWS)
-        if (j0 + j < m && r0 + rr < s.rows) s.y[(int64_t)(j0 + j) * s.rows + r0 + rr] = total(rr, j);
+        if (j0 + j < m && r0 + rr < s.rows) {
+            const float v = total(rr, j);
+            s.y[(int64_t)(j0 + j) * s.rows + r0 + rr] = bias ? v + bias[r0 + rr] : v;
+        }
 }
 
 /* 24 warps an SM at one n8 tile (80 registers), 16 at two (128): against
@@ -2726,12 +2774,11 @@ static void mmv_tc_launch_t(cuda_backend *c, const luma_weight *const *ws, float
                     (unsigned)(tc_tiles(ws[i]->rows) * mmv_tc_groups(m, NT)), &ctas);
     }
     int done = 0;
-    const uint32_t mask = mmv_rope_mask(c, ws, ys, n, MMV_TC_ROWS, &done);
+    mmv_rope<true> rp;
+    const bool rope = mmv_rope_take(c, ws, ys, n, MMV_TC_ROWS, &rp, &done);
     cudaLaunchAttribute attr;
     cudaLaunchConfig_t cfg = luma_launch_config(c, c->stream, ctas, W * 32, 0, &attr);
-    if (mask) {
-        mmv_rope<true> rp = c->qkv_rope->rp;
-        rp.mask = mask;
+    if (rope) {
         if (luma_cuda_fail(c, cudaLaunchKernelEx(&cfg, mmv_tc<T, NT, true, W>, sg, a, m, rp, mmv_tc_short()),
                            "matmul (tensor-core matrix-vector kernel, rotating q and k)"))
             return;
@@ -3940,16 +3987,19 @@ int64_t luma_cuda_qkv_rope_max_m(void)
     return mmv_tc_hi() > MMV_PASS_M ? mmv_tc_hi() : MMV_PASS_M;
 }
 
-int luma_cuda_matmul_qkv_rope(cuda_backend *c, const luma_weight *const *ws, const float *x, int64_t m,
-                              float *const *ys, int32_t head_dim, const rope_args *a, const int32_t *pos)
+int luma_cuda_matmul_qkv_rope(cuda_backend *c, const luma_weight *const *ws, const float *const *b, const float *x,
+                              int64_t m, float *const *ys, int32_t head_dim, const rope_args *a,
+                              const int32_t *pos)
 {
     if (m > luma_cuda_qkv_rope_max_m() || head_dim <= 0 || head_dim % 2 != 0 || !pos) {
         luma_cuda_matmul_many(c, 3, ws, x, m, ys);
         return 0;
     }
     mmv_rope_request rq;
-    rq.y[0] = ys[0];
-    rq.y[1] = ys[1];
+    for (int i = 0; i < 3; i++) {
+        rq.y[i] = ys[i];
+        rq.b[i] = b[i];
+    }
     rq.rp.pos = pos;
     rq.rp.mask = 0;
     rq.rp.head_dim = head_dim;

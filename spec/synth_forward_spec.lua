@@ -9,8 +9,12 @@
 -- margin between the two is below NEAR_TIE. A wrong sliding window moves
 -- these logits by 0.7 or more and a wrong RoPE variant by 4 or more, so the
 -- bound on |diff| catches real mistakes.
+--
+-- On a machine with a GPU the same checks run on the CUDA backend too
+-- (where qwen2's q and k are stored with their rotation pairs adjacent).
 local luma = require "luma"
 local fetch = require "luma.fetch"
+local H = require "helper"
 
 local MAX_DIFF = 0.3
 local NEAR_TIE = 0.3
@@ -22,14 +26,17 @@ local function build(golden)
   return out
 end
 
-for _, arch in ipairs{ "llama", "qwen2", "gemma3" } do
-  describe("tiny " .. arch .. " forward (CPU) against the exact reference", function()
+local backends = { "cpu" }
+if H.backend == "cuda" then backends[2] = "cuda" end
+
+for _, be in ipairs(backends) do for _, arch in ipairs{ "llama", "qwen2", "gemma3" } do
+  describe("tiny " .. arch .. " forward (" .. be .. ") against the exact reference", function()
     local golden = dofile("spec/data/tiny-" .. arch .. "-golden.lua")
     local path, model
 
     setup(function()
       path = build(golden)
-      model = luma.load(path, { backend = "cpu" })
+      model = luma.load(path, { backend = be })
     end)
 
     teardown(function()
@@ -63,9 +70,9 @@ for _, arch in ipairs{ "llama", "qwen2", "gemma3" } do
         end
         seq:close()
       end
-      print(string.format("\n  tiny-%s: top-1 agreement with the exact model %d/%d (llama.cpp %d/%d), max |diff| %.3f",
-                          arch, agree, total, cpp_agree, total, maxdiff))
+      print(string.format("\n  tiny-%s (%s): top-1 agreement with the exact model %d/%d (llama.cpp %d/%d), max |diff| %.3f",
+                          arch, be, agree, total, cpp_agree, total, maxdiff))
       assert.is_true(maxdiff < MAX_DIFF)
     end)
   end)
-end
+end end

@@ -25,6 +25,15 @@ typedef struct luma_weight {
     void *dev;                 /* the backend's copy, when it keeps one */
     void *dev_f16;             /* the backend's f16 copy for large products, or NULL */
     void *dev_mmv;             /* the backend's own layout for its matrix-vector kernels, or NULL */
+    /* Set before weight_load for q's and k's weights and biases when RoPE
+     * NEOX turns whole heads: the rows (a bias's columns) are heads of
+     * neox_head, whose pairs (i, i + neox_head / 2) rotate together. A
+     * backend may store each such pair at (2i, 2i + 1) and say so in
+     * pairs_adjacent: its products then give q and k in that order, which
+     * RoPE NORM turns as NEOX turned the file's order. Attention's scores
+     * are the same sums in another order. 0: none. */
+    int32_t neox_head;
+    bool pairs_adjacent;
 } luma_weight;
 
 typedef struct luma_buf {
@@ -212,13 +221,17 @@ typedef struct luma_backend_ops {
     void (*qkv_bias_rope)(luma_backend *be, luma_buf *q, luma_buf *k, luma_buf *v, const luma_weight *bq,
                           const luma_weight *bk, const luma_weight *bv, int32_t head_dim, const int32_t *pos,
                           const luma_rope *r);
-    /* matmul_many of wq, wk, wv (ws[0..2]) into q, k, v (ys[0..2]), then q
-     * and k rotated as rope rotates them (no norms), each with the bits
-     * that matmul_many then rope give. Optional: NULL, or false having done
-     * nothing when the backend does not fuse them for this rope (callers
-     * use luma_model_qkv_rope, which falls back). */
-    bool (*qkv_rope)(luma_backend *be, const luma_weight *const *ws, const luma_buf *x, luma_buf *const *ys,
-                     int32_t head_dim, const int32_t *pos, const luma_rope *r);
+    /* matmul_many of wq, wk, wv (ws[0..2]) into q, k, v (ys[0..2]), plus
+     * the biases bs[0..2] (bs NULL, or an entry NULL: none), then q and k
+     * rotated as rope rotates them (no norms), each with the bits that
+     * matmul_many, add_bias then rope give. Optional: NULL, or false
+     * having done nothing when the backend does not fuse them for this
+     * rope (callers use luma_model_qkv_rope, which falls back). A backend
+     * that stored wq's and wk's pairs adjacent (pairs_adjacent) takes
+     * every call for them: it alone knows their order. */
+    bool (*qkv_rope)(luma_backend *be, const luma_weight *const *ws, const luma_weight *const *bs,
+                     const luma_buf *x, luma_buf *const *ys, int32_t head_dim, const int32_t *pos,
+                     const luma_rope *r);
     /* Stores k and v rows in the KV cache at their positions, then writes
      * attention of each q row over its sequence's cached keys into out. */
     void (*attention)(luma_backend *be, const luma_buf *q, const luma_buf *k, const luma_buf *v,

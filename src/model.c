@@ -50,8 +50,9 @@ int luma_model_f32(const luma_model *m, const char *suffix, float def, float *ou
     return luma_gguf_get_f32(m->file, key, def, out, err);
 }
 
-int luma_model_weight(luma_model *m, luma_weight *w, const char *name, int64_t rows, int64_t cols,
-                      bool optional, luma_err *err)
+/* luma_model_weight, the weight given neox_head before the backend loads it */
+static int bind_weight(luma_model *m, luma_weight *w, const char *name, int64_t rows, int64_t cols, bool optional,
+                       int32_t neox_head, luma_err *err)
 {
     memset(w, 0, sizeof *w);
     const luma_gguf_tensor *t = luma_gguf_find_tensor(m->file, name);
@@ -76,6 +77,7 @@ int luma_model_weight(luma_model *m, luma_weight *w, const char *name, int64_t r
     w->rows = rows;
     w->cols = cols;
     w->host = t->data;
+    w->neox_head = neox_head;
     if (m->be->ops->weight_load(m->be, w, err)) return -1;
     const luma_model_params *p = m->loading;
     m->load_done += (int64_t)t->size;
@@ -85,14 +87,32 @@ int luma_model_weight(luma_model *m, luma_weight *w, const char *name, int64_t r
     return 0;
 }
 
-int luma_model_layer_weight(luma_model *m, luma_weight *w, int il, const char *name, int64_t rows,
-                            int64_t cols, bool optional, luma_err *err)
+int luma_model_weight(luma_model *m, luma_weight *w, const char *name, int64_t rows, int64_t cols,
+                      bool optional, luma_err *err)
+{
+    return bind_weight(m, w, name, rows, cols, optional, 0, err);
+}
+
+static int bind_layer_weight(luma_model *m, luma_weight *w, int il, const char *name, int64_t rows, int64_t cols,
+                             bool optional, int32_t neox_head, luma_err *err)
 {
     char full[96];
     size_t len = strlen(name);
     bool bias = len > 5 && strcmp(name + len - 5, ".bias") == 0;
     snprintf(full, sizeof full, bias ? "blk.%d.%s" : "blk.%d.%s.weight", il, name);
-    return luma_model_weight(m, w, full, rows, cols, optional, err);
+    return bind_weight(m, w, full, rows, cols, optional, neox_head, err);
+}
+
+int luma_model_layer_weight(luma_model *m, luma_weight *w, int il, const char *name, int64_t rows,
+                            int64_t cols, bool optional, luma_err *err)
+{
+    return bind_layer_weight(m, w, il, name, rows, cols, optional, 0, err);
+}
+
+int luma_model_layer_weight_rotated(luma_model *m, luma_weight *w, int il, const char *name, int64_t rows,
+                                    int64_t cols, bool optional, luma_err *err)
+{
+    return bind_layer_weight(m, w, il, name, rows, cols, optional, m->rope_pair_head, err);
 }
 
 int luma_model_read_hparams(luma_model *m, float rope_base_default, luma_err *err)
@@ -166,8 +186,8 @@ int luma_model_bind_common(luma_model *m, luma_err *err)
     for (int il = 0; il < hp->n_layer; il++) {
         luma_layer *l = &m->layers[il];
         if (luma_model_layer_weight(m, &l->attn_norm, il, "attn_norm", 1, E, false, err) ||
-            luma_model_layer_weight(m, &l->wq, il, "attn_q", Q, E, false, err) ||
-            luma_model_layer_weight(m, &l->wk, il, "attn_k", K, E, false, err) ||
+            luma_model_layer_weight_rotated(m, &l->wq, il, "attn_q", Q, E, false, err) ||
+            luma_model_layer_weight_rotated(m, &l->wk, il, "attn_k", K, E, false, err) ||
             luma_model_layer_weight(m, &l->wv, il, "attn_v", V, E, false, err) ||
             luma_model_layer_weight(m, &l->wo, il, "attn_output", E, O, false, err) ||
             luma_model_layer_weight(m, &l->ffn_norm, il, "ffn_norm", 1, E, false, err) ||
@@ -238,13 +258,17 @@ void luma_model_qkv_bias_rope(const luma_model *m, luma_buf *q, luma_buf *k, lum
     luma_model_qk_rope(m, q, k, NULL, NULL, head_dim, pos, r);
 }
 
-void luma_model_qkv_rope(const luma_model *m, const luma_weight *const *ws, const luma_buf *x, luma_buf *const *ys,
-                         int32_t head_dim, const int32_t *pos, const luma_rope *r)
+void luma_model_qkv_rope(const luma_model *m, const luma_weight *const *ws, const luma_weight *const *bs,
+                         const luma_buf *x, luma_buf *const *ys, int32_t head_dim, const int32_t *pos,
+                         const luma_rope *r)
 {
     luma_backend *b = m->be;
-    if (b->ops->qkv_rope && b->ops->qkv_rope(b, ws, x, ys, head_dim, pos, r)) return;
+    if (b->ops->qkv_rope && b->ops->qkv_rope(b, ws, bs, x, ys, head_dim, pos, r)) return;
     luma_model_matmuls(m, 3, ws, x, ys);
-    luma_model_qk_rope(m, ys[0], ys[1], NULL, NULL, head_dim, pos, r);
+    if (bs && (bs[0] || bs[1] || bs[2]))
+        luma_model_qkv_bias_rope(m, ys[0], ys[1], ys[2], bs[0], bs[1], bs[2], head_dim, pos, r);
+    else
+        luma_model_qk_rope(m, ys[0], ys[1], NULL, NULL, head_dim, pos, r);
 }
 
 void luma_model_gated_matmul(const luma_model *m, const luma_weight *w, luma_buf *gate, const luma_buf *up,

@@ -104,6 +104,11 @@ struct luma_model {
     const luma_arch *arch;
     luma_weight tok_embd, output, output_norm;
     float *rope_freqs;                 /* Llama 3 frequency factors, or NULL */
+    /* Set by an architecture before binding when its q and k go through
+     * luma_model_qkv_rope under RoPE NEOX over whole heads: the head size,
+     * given to q's and k's weights and biases as luma_weight.neox_head
+     * (luma_model_layer_weight_rotated). 0: none. */
+    int32_t rope_pair_head;
     luma_layer *layers;
     luma_backend *be;
     luma_kv *kv;
@@ -150,6 +155,10 @@ int luma_model_weight(luma_model *m, luma_weight *w, const char *name, int64_t r
 /* Binds "blk.<il>.<name>.weight" (or ".bias" when name ends in ".bias"). */
 int luma_model_layer_weight(luma_model *m, luma_weight *w, int il, const char *name, int64_t rows,
                             int64_t cols, bool optional, luma_err *err);
+/* luma_model_layer_weight for q's and k's weights and biases: given
+ * m->rope_pair_head as neox_head before the backend loads them. */
+int luma_model_layer_weight_rotated(luma_model *m, luma_weight *w, int il, const char *name, int64_t rows,
+                                    int64_t cols, bool optional, luma_err *err);
 /* Reads the hyper-parameters every architecture shares (sizes, heads, norm
  * epsilon, RoPE base and linear scaling, training context) into m->hp and
  * allocates m->layers. Architectures then adjust what differs. */
@@ -171,11 +180,14 @@ void luma_model_qk_rope(const luma_model *m, luma_buf *q, luma_buf *k, const lum
 void luma_model_qkv_bias_rope(const luma_model *m, luma_buf *q, luma_buf *k, luma_buf *v, const luma_weight *bq,
                               const luma_weight *bk, const luma_weight *bv, int32_t head_dim, const int32_t *pos,
                               const luma_rope *r);
-/* q, k, v = wq x, wk x, wv x (ws, ys in that order), then q and k rotated
- * at pos: through the backend's qkv_rope when it takes them, else as
- * luma_model_matmuls and luma_model_qk_rope; the same bits either way. */
-void luma_model_qkv_rope(const luma_model *m, const luma_weight *const *ws, const luma_buf *x, luma_buf *const *ys,
-                         int32_t head_dim, const int32_t *pos, const luma_rope *r);
+/* q, k, v = wq x, wk x, wv x (ws, ys in that order) plus the biases bs
+ * (NULL, or NULL entries: none), then q and k rotated at pos: through the
+ * backend's qkv_rope when it takes them, else as luma_model_matmuls and
+ * luma_model_qkv_bias_rope (or luma_model_qk_rope without biases); the same
+ * bits either way. */
+void luma_model_qkv_rope(const luma_model *m, const luma_weight *const *ws, const luma_weight *const *bs,
+                         const luma_buf *x, luma_buf *const *ys, int32_t head_dim, const int32_t *pos,
+                         const luma_rope *r);
 /* gate = act(gate) * up, then y = w gate: through the backend's fused
  * gated_matmul when it has one, else gelu_mul or silu_mul and matmul. */
 void luma_model_gated_matmul(const luma_model *m, const luma_weight *w, luma_buf *gate, const luma_buf *up,

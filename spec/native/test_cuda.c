@@ -737,7 +737,7 @@ static void test_qkv_rope(void)
             if (step_begin(&t)) {
                 const luma_weight *wg[3] = { &w[0].g, &w[1].g, &w[2].g };
                 luma_buf *yg[3] = { &y[0].g, &y[1].g, &y[2].g }, *yg2[3] = { &y2[0], &y2[1], &y2[2] };
-                bool took = gpu->ops->qkv_rope(gpu, wg, &xb.g, yg, hd, t.pos, &r);
+                bool took = gpu->ops->qkv_rope(gpu, wg, NULL, &xb.g, yg, hd, t.pos, &r);
                 fused += took;
                 /* declined past the kernels' rows (mmv_tc's 32): the
                  * forward then runs matmul_many and the rotations itself */
@@ -782,6 +782,144 @@ static void test_qkv_rope(void)
         for (int i = 0; i < 3; i++) free(host[i]);
     }
     CHECKF(fused > 0, "qkv_rope took the decode row counts");
+}
+
+/* ---- qkv_rope with Qwen2's biases, the pairs stored adjacent -------------- */
+
+/* Rows of h columns (cols of them a row, rows rows) from the file's order
+ * to the order of weights stored with their NEOX pairs adjacent
+ * (luma_weight.pairs_adjacent): column i < h / 2 of a head to 2i, column
+ * i + h / 2 to 2i + 1. */
+static float *pairs_adjacent(const float *x, int64_t rows, int64_t cols, int32_t h)
+{
+    float *y = xmalloc((size_t)(rows * cols) * sizeof(float));
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t c = 0; c < cols; c++) {
+            const int64_t i = c % h, to = c - i + (i < h / 2 ? 2 * i : 2 * (i - h / 2) + 1);
+            y[r * cols + to] = x[r * cols + c];
+        }
+    return y;
+}
+
+/* Qwen2's q, k and v: weights and biases loaded with neox_head, so that the
+ * GPU stores q's and k's NEOX pairs adjacent, then qkv_rope with the
+ * biases at every decode row count and past them. It must take every call
+ * (it alone knows the order); q and k are the CPU's matmul, add_bias and
+ * NEOX rope in that order, v the CPU's; and the bits are the GPU's own
+ * matmul_many then qkv_bias_rope with NORM on the stored order: the biases
+ * and rotation the products add where they write q, k and v are
+ * add_bias's and rope's. Qwen2.5 0.5B's shapes (896 columns of Q5_0 and
+ * Q8_0, heads of 64) and a 7B mix (Q4_K, Q6_K, heads of 128). */
+static void test_qkv_rope_biases(void)
+{
+    static const struct {
+        enum luma_type t[3];
+        int32_t hq, hk, head_dim;
+        int64_t cols;
+    } sets[] = {
+        { { LUMA_Q5_0, LUMA_Q5_0, LUMA_Q8_0 }, 14, 2, 64, 896 },
+        { { LUMA_Q4_K, LUMA_Q4_K, LUMA_Q6_K }, 8, 2, 128, 512 },
+    };
+    static const int32_t ms[] = { 1, 2, 3, 8, 16, 24, 32, 40 };
+    int taken = 0, calls = 0;
+    for (size_t si = 0; si < sizeof sets / sizeof sets[0]; si++) {
+        const int32_t hd = sets[si].head_dim;
+        const int64_t cols = sets[si].cols;
+        const int64_t rows[3] = { (int64_t)sets[si].hq * hd, (int64_t)sets[si].hk * hd, (int64_t)sets[si].hk * hd };
+        luma_weight wc[3], wg[3], bc[3], bg[3];
+        uint8_t *host[3];
+        float *bias[3];
+        luma_err err = { { 0 } };
+        bool ok = true;
+        for (int i = 0; i < 3; i++) {
+            host[i] = xmalloc(luma_row_size(sets[si].t[i], cols) * (size_t)rows[i]);
+            random_weights(sets[si].t[i], rows[i] * cols, host[i]);
+            bias[i] = random_floats((size_t)rows[i], 1.0f);
+            const int32_t h = i < 2 ? hd : 0;
+            wc[i] = (luma_weight){ .type = sets[si].t[i], .rows = rows[i], .cols = cols, .host = host[i] };
+            bc[i] = (luma_weight){ .type = LUMA_F32, .rows = 1, .cols = rows[i], .host = bias[i] };
+            wg[i] = wc[i];
+            bg[i] = bc[i];
+            wg[i].neox_head = bg[i].neox_head = h;
+            ok = ok && cpu->ops->weight_load(cpu, &wc[i], &err) == 0 && cpu->ops->weight_load(cpu, &bc[i], &err) == 0 &&
+                 gpu->ops->weight_load(gpu, &wg[i], &err) == 0 && gpu->ops->weight_load(gpu, &bg[i], &err) == 0;
+            if (!ok) CHECKF(0, "weight_load: %s", err.msg);
+        }
+        CHECKF(!ok || (wg[0].pairs_adjacent && wg[1].pairs_adjacent && bg[0].pairs_adjacent && bg[1].pairs_adjacent &&
+                       !wg[2].pairs_adjacent && !bg[2].pairs_adjacent && !wc[0].pairs_adjacent),
+               "the GPU stores q's and k's pairs adjacent, v's and the CPU's not");
+        for (size_t mi = 0; mi < sizeof ms / sizeof ms[0] && ok; mi++) {
+            const int32_t m = ms[mi];
+            float *x = random_floats((size_t)(m * cols), 1.0f);
+            int32_t *pos = xmalloc((size_t)m * sizeof(int32_t));
+            for (int32_t i = 0; i < m; i++) pos[i] = (int32_t)(rnd() % 32768);
+            luma_rope neox = { LUMA_ROPE_NEOX, hd, 1e6f, 1.0f, NULL }, norm = neox;
+            norm.kind = LUMA_ROPE_NORM;
+            dual xb, y[3];
+            luma_buf y2[3] = { { 0 } };
+            dual_new(&xb, m, cols);
+            dual_set(&xb, x);
+            for (int i = 0; i < 3; i++) {
+                dual_new(&y[i], m, rows[i]);
+                if (gpu->ops->buf_alloc(gpu, &y2[i], m, rows[i], &err) != 0) CHECKF(0, "buf_alloc: %s", err.msg);
+            }
+            tstep t;
+            step_simple(&t, m, NULL, pos, NULL, 0);
+            if (step_begin(&t)) {
+                const luma_weight *ws[3] = { &wg[0], &wg[1], &wg[2] }, *bs[3] = { &bg[0], &bg[1], &bg[2] };
+                luma_buf *yg[3] = { &y[0].g, &y[1].g, &y[2].g };
+                calls++;
+                taken += gpu->ops->qkv_rope(gpu, ws, bs, &xb.g, yg, hd, t.pos, &neox);
+                gpu->ops->matmul_many(gpu, 3, ws, &xb.g, (luma_buf *const[]){ &y2[0], &y2[1], &y2[2] });
+                gpu->ops->qkv_bias_rope(gpu, &y2[0], &y2[1], &y2[2], &bg[0], &bg[1], &bg[2], hd, t.pos, &norm);
+                for (int i = 0; i < 3; i++) {
+                    cpu->ops->matmul(cpu, &wc[i], &xb.c, &y[i].c);
+                    cpu->ops->add_bias(cpu, &y[i].c, &bc[i]);
+                    if (i < 2) cpu->ops->rope(cpu, &y[i].c, hd, t.pos, &neox);
+                }
+                if (gpu_sync("qkv_rope with biases")) {
+                    for (int i = 0; i < 3; i++) {
+                        const size_t n = (size_t)(m * rows[i]);
+                        float *a = xmalloc(n * sizeof(float)), *b = xmalloc(n * sizeof(float));
+                        float *c = xmalloc(n * sizeof(float));
+                        if (gpu->ops->buf_read(gpu, &y[i].g, a, &err) != 0 ||
+                            gpu->ops->buf_read(gpu, &y2[i], b, &err) != 0 ||
+                            cpu->ops->buf_read(cpu, &y[i].c, c, &err) != 0) {
+                            CHECKF(0, "buf_read: %s", err.msg);
+                        } else {
+                            CHECKF(memcmp(a, b, n * sizeof(float)) == 0,
+                                   "qkv_rope with biases, set %zu, output %d at m=%d: not the bits of matmul_many "
+                                   "and qkv_bias_rope",
+                                   si, i, (int)m);
+                            float *ref = i < 2 ? pairs_adjacent(c, m, rows[i], hd) : c;
+                            char name[80];
+                            snprintf(name, sizeof name, "qkv_rope+bias %s/%s/%s m=%d (%c)",
+                                     luma_type_name(sets[si].t[0]), luma_type_name(sets[si].t[1]),
+                                     luma_type_name(sets[si].t[2]), (int)m, "qkv"[i]);
+                            report(name, rel_err(a, ref, n), m <= 8 ? 1e-3 : 4e-3);
+                            if (ref != c) free(ref);
+                        }
+                        free(a);
+                        free(b);
+                        free(c);
+                    }
+                }
+            }
+            step_free(&t);
+            dual_free(&xb);
+            for (int i = 0; i < 3; i++) {
+                dual_free(&y[i]);
+                gpu->ops->buf_free(gpu, &y2[i]);
+            }
+            free(x);
+            free(pos);
+        }
+        for (int i = 0; i < 3; i++) {
+            free(host[i]);
+            free(bias[i]);
+        }
+    }
+    CHECKF(taken == calls, "qkv_rope took every call with its pairs adjacent (%d of %d)", taken, calls);
 }
 
 /* ---- elementwise, bias, gather ------------------------------------------ */
@@ -1695,6 +1833,7 @@ static int run_checks(void)
         test_qk_rope();
         test_qkv_bias_rope();
         test_qkv_rope();
+        test_qkv_rope_biases();
         test_add_rmsnorm();
         test_rope();
         test_elementwise();

@@ -21,6 +21,9 @@ static int load_common(luma_model *m, bool qkv_bias, enum luma_rope_kind rope, l
     luma_hparams *hp = &m->hp;
     if (luma_model_read_hparams(m, 10000.0f, err)) return -1;
     hp->rope_kind = rope;
+    /* Qwen2's q and k, with their biases, go through luma_model_qkv_rope:
+     * a backend may store their NEOX pairs adjacent */
+    if (qkv_bias && rope == LUMA_ROPE_NEOX && hp->rope_dims == hp->head_dim_k) m->rope_pair_head = hp->head_dim_k;
 
     if (luma_model_bind_common(m, err)) return -1;
     int64_t Q = (int64_t)hp->n_head * hp->head_dim_k, K = (int64_t)hp->n_kv_head * hp->head_dim_k;
@@ -35,8 +38,8 @@ static int load_common(luma_model *m, bool qkv_bias, enum luma_rope_kind rope, l
     }
     for (int il = 0; il < hp->n_layer; il++) {
         luma_layer *l = &m->layers[il];
-        if (luma_model_layer_weight(m, &l->bq, il, "attn_q.bias", 1, Q, !qkv_bias, err) ||
-            luma_model_layer_weight(m, &l->bk, il, "attn_k.bias", 1, K, !qkv_bias, err) ||
+        if (luma_model_layer_weight_rotated(m, &l->bq, il, "attn_q.bias", 1, Q, !qkv_bias, err) ||
+            luma_model_layer_weight_rotated(m, &l->bk, il, "attn_k.bias", 1, K, !qkv_bias, err) ||
             luma_model_layer_weight(m, &l->bv, il, "attn_v.bias", 1, V, !qkv_bias, err))
             return -1;
     }
@@ -64,14 +67,11 @@ static int llama_forward(luma_model *m, const luma_step *step, luma_err *err)
 
         /* a->h holds this layer's normalized input */
         const luma_weight *const wqkv[] = { &l->wq, &l->wk, &l->wv };
+        /* qwen2's biases go in before the rotation */
+        const luma_weight *const bqkv[] = { l->bq.host ? &l->bq : NULL, l->bk.host ? &l->bk : NULL,
+                                            l->bv.host ? &l->bv : NULL };
         luma_buf *const qkv[] = { &a->q, &a->k, &a->v };
-        if (l->bq.host || l->bk.host || l->bv.host) {   /* qwen2: the biases go in before the rotation */
-            luma_model_matmuls(m, 3, wqkv, &a->h, qkv);
-            luma_model_qkv_bias_rope(m, &a->q, &a->k, &a->v, l->bq.host ? &l->bq : NULL, l->bk.host ? &l->bk : NULL,
-                                     l->bv.host ? &l->bv : NULL, dk, step->pos, &rope);
-        } else {
-            luma_model_qkv_rope(m, wqkv, &a->h, qkv, dk, step->pos, &rope);
-        }
+        luma_model_qkv_rope(m, wqkv, bqkv, &a->h, qkv, dk, step->pos, &rope);
         be->attention(b, &a->q, &a->k, &a->v, step, &at, &a->attn);
         be->matmul(b, &l->wo, &a->attn, &a->o);
         luma_model_residual_norm(m, &a->x, &a->o, NULL, &l->ffn_norm, &a->h);

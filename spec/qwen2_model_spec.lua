@@ -10,8 +10,10 @@
 -- of the f16 cache's), where no other position moves by 0.02. As with the
 -- default model (forward_spec.lua), float activations compute the model
 -- itself up to f32 rounding; 8-bit activations move the logits as any
--- engine that quantizes them does. On a machine with a GPU the same checks
--- run on the CUDA backend too.
+-- engine that quantizes them does. Loaded batch-invariant, the texts give
+-- the same logits bit for bit batched, alone and one token at a time. On a
+-- machine with a GPU the same checks run on the CUDA backend too (which
+-- stores q's and k's rotation pairs adjacent: cuda/NOTES.md).
 local luma = require "luma"
 local fetch = require "luma.fetch"
 local H = require "helper"
@@ -90,6 +92,32 @@ describe("qwen2.5-coder-0.5b (a real qwen2 model)", function()
 
       it("with float activations continues the greedy prompts as the exact model does", function()
         for _, g in ipairs(exact.greedy) do assert.are.same(g.gen, H.greedy(float, g.ids, #g.gen), g.text) end
+      end)
+
+      it("with batch_invariant, gives the same logits bit for bit batched, alone and one token at a time", function()
+        local inv = luma.load(path, { backend = be, threads = 2, ctx = 512, kv_mb = 64, batch_invariant = true })
+        assert.is_true(inv.info.batch_invariant)
+        local seqs, alone, steps = {}, {}, {}
+        for i, p in ipairs(exact.prompts) do
+          local s = inv:sequence()
+          alone[i] = s:eval(p.ids, { all = true })
+          s:close()
+          s = inv:sequence()
+          steps[i] = {}
+          for j = 1, #p.ids do steps[i][j] = s:eval(p.ids[j]) end
+          s:close()
+          seqs[i] = inv:sequence()
+        end
+        local batch = inv:batch()
+        for i, s in ipairs(seqs) do batch:add(s, exact.prompts[i].ids) end
+        local out = batch:run()
+        for i, s in ipairs(seqs) do
+          local n = #exact.prompts[i].ids
+          for j = 1, n do assert.are.equal(0, H.max_abs_diff(alone[i][j], steps[i][j])) end
+          assert.are.equal(0, H.max_abs_diff(alone[i][n], out[s]))
+          s:close()
+        end
+        inv:close()
       end)
     end)
   end

@@ -951,6 +951,7 @@ static bool cuda_qkv_rope(luma_backend *be, const luma_weight *const *ws, const 
         x->rows > luma_cuda_qkv_rope_max_m() || !LUMA_CUDA_OK(c)) {
         if (!adjacent) return false;
         cuda_matmul_many(be, 3, ws, x, ys);
+        flush_all(c);   /* the products may have gone into a program */
         qkv_rest(be, ys, b, head_dim, pos, r, 0);
         return true;
     }

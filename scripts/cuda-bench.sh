@@ -9,8 +9,10 @@
 #      4096 tokens (--depth), with recorded decode steps (CUDA graphs) and,
 #      for comparison, without (LUMA_CUDA_GRAPHS=0);
 #   4. the same on the default model when it is present ($LUMA_MODEL or
-#      ~/.cache/luma/models/), with the Lua policy chain, and on the qwen2
-#      model (`luma fetch qwen2.5-coder-0.5b`; $QWEN2) when it is present;
+#      ~/.cache/luma/models/), with the Lua policy chain, on the qwen2
+#      model (`luma fetch qwen2.5-coder-0.5b`; $QWEN2) when it is present,
+#      and on a synthetic model of Qwen2.5 7B's shape (`luma synth -p
+#      qwen2-7b`: biases on q, k and v, NEOX rotation, 28 + 4 heads);
 #   5. both models again with float activations (--float-act: prefill of
 #      512, decode at batch 1, 8 and 32 sequences);
 #   6. the 7B shape with every matrix in Q8_0 (`--mix q8_0`, 7.2 GB: the
@@ -28,6 +30,7 @@ PEAK_GBS=${PEAK_GBS:-$(scripts/peak-gbs.sh)}
 VOCAB=${LUMA_VOCAB:-../shared/testdata/tokenizer/ggml-vocab-llama-spm.gguf}
 MODEL7=${MODEL7:-/tmp/luma-llama-7b.gguf}
 MODEL7Q8=${MODEL7Q8:-/tmp/luma-llama-7b-q8_0.gguf}
+MODELQ7=${MODELQ7:-/tmp/luma-qwen2-7b.gguf}
 DEFAULT=${LUMA_MODEL:-$HOME/.cache/luma/models/gemma-3-270m-q4_k_m.gguf}
 QWEN2=${QWEN2:-$HOME/.cache/luma/models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf}
 export PATH="$PATH:/usr/local/cuda/bin"
@@ -63,6 +66,12 @@ if [ -f "$QWEN2" ]; then
 else
     echo "==== the qwen2 model is not at $QWEN2: its benchmark did not run"
 fi
+if [ ! -f "$MODELQ7" ]; then
+    "$BUILD/luma" synth -p qwen2-7b --vocab "$VOCAB" -o "$MODELQ7" >/dev/null || exit 1
+fi
+echo "==== qwen2 7B shape, recorded decode steps"
+"$BUILD/luma" bench -m "$MODELQ7" "${common[@]}" -p 512,4096 --max-rows 4096 --kv-mb 20000 --ctx 8192 |
+    tee "$out/q7"
 fa=(--backend cuda -r 2 -n 64 -b 1,8,32 --batch-prompt 128 --peak-gbs "$PEAK_GBS" -p 512 --max-rows 4096 --ctx 8192)
 echo "==== llama 7B shape, float activations"
 "$BUILD/luma" bench -m "$MODEL7" --float-act "${fa[@]}" --kv-mb 20000 | tee "$out/l7-float"
@@ -81,7 +90,7 @@ LUMA_CUDA_X4_MMV=0 "$BUILD/luma" bench -m "$MODEL7Q8" "${q8[@]}" | tee "$out/l7-
 
 echo
 echo "==== summary"
-for f in l7 l7-eager gemma qwen2 l7-float gemma-float l7-q8_0 l7-q8_0-file; do
+for f in l7 l7-eager gemma qwen2 q7 l7-float gemma-float l7-q8_0 l7-q8_0-file; do
     [ -f "$out/$f" ] || continue
     echo "-- $f"
     grep -E "^(prefill|time to first|decode|fraction|aggregate|Lua policy cost|achieved bandwidth at)" "$out/$f"

@@ -681,6 +681,61 @@ static void test_qkv_bias_rope(void)
 
 /* ---- qkv_rope: q, k, v with q and k rotated as the products write them --- */
 
+/* One check of qkv_rope at m rows: random activations x (m x cols) on both
+ * backends, positions below pos_mod, q, k and v's outputs y (rows[i]
+ * columns) on both, and y2 on the GPU alone for the unfused path; the
+ * step begun. */
+typedef struct qkv_case {
+    int32_t m;
+    float *x;
+    int32_t *pos;
+    dual xb, y[3];
+    luma_buf y2[3];
+    tstep t;
+} qkv_case;
+
+static bool qkv_case_new(qkv_case *k, int32_t m, int64_t cols, const int64_t *rows, int32_t pos_mod)
+{
+    luma_err err = { { 0 } };
+    memset(k, 0, sizeof *k);
+    k->m = m;
+    k->x = random_floats((size_t)(m * cols), 1.0f);
+    k->pos = xmalloc((size_t)m * sizeof(int32_t));
+    for (int32_t i = 0; i < m; i++) k->pos[i] = (int32_t)(rnd() % (uint32_t)pos_mod);
+    dual_new(&k->xb, m, cols);
+    dual_set(&k->xb, k->x);
+    for (int i = 0; i < 3; i++) {
+        dual_new(&k->y[i], m, rows[i]);
+        if (gpu->ops->buf_alloc(gpu, &k->y2[i], m, rows[i], &err) != 0) CHECKF(0, "buf_alloc: %s", err.msg);
+    }
+    step_simple(&k->t, m, NULL, k->pos, NULL, 0);
+    return step_begin(&k->t);
+}
+
+static void qkv_case_free(qkv_case *k)
+{
+    step_free(&k->t);
+    dual_free(&k->xb);
+    for (int i = 0; i < 3; i++) {
+        dual_free(&k->y[i]);
+        gpu->ops->buf_free(gpu, &k->y2[i]);
+    }
+    free(k->x);
+    free(k->pos);
+}
+
+/* Output i from the fused path (a) and the unfused one (b), on the GPU;
+ * false, reported, when they cannot be read. */
+static bool qkv_case_read(const qkv_case *k, int i, float *a, float *b)
+{
+    luma_err err = { { 0 } };
+    if (gpu->ops->buf_read(gpu, &k->y[i].g, a, &err) != 0 || gpu->ops->buf_read(gpu, &k->y2[i], b, &err) != 0) {
+        CHECKF(0, "buf_read: %s", err.msg);
+        return false;
+    }
+    return true;
+}
+
 /* The GPU's qkv_rope against its own matmul_many then qk_rope (no norms):
  * the same bits, for q, k, v in the Q4_K_M mix and in other block types
  * (Q8_0 at one row takes the staged kernel, which leaves the rotation to
@@ -718,46 +773,31 @@ static void test_qkv_rope(void)
             ok = ok && dual_weight(&w[i], sets[si].t[i], rows[i], cols, host[i]);
         }
         for (size_t mi = 0; mi < sizeof ms / sizeof ms[0] && ok; mi++) {
-            int32_t m = ms[mi];
-            float *x = random_floats((size_t)(m * cols), 1.0f);
-            int32_t *pos = xmalloc((size_t)m * sizeof(int32_t));
-            for (int32_t i = 0; i < m; i++) pos[i] = (int32_t)(rnd() % 8192);
+            const int32_t m = ms[mi];
             luma_rope r = { LUMA_ROPE_NORM, hd, 10000.0f, 1.0f, NULL };
-            dual xb, y[3];
-            luma_buf y2[3] = { { 0 } };
-            luma_err err = { { 0 } };
-            dual_new(&xb, m, cols);
-            dual_set(&xb, x);
-            for (int i = 0; i < 3; i++) {
-                dual_new(&y[i], m, rows[i]);
-                if (gpu->ops->buf_alloc(gpu, &y2[i], m, rows[i], &err) != 0) CHECKF(0, "buf_alloc: %s", err.msg);
-            }
-            tstep t;
-            step_simple(&t, m, NULL, pos, NULL, 0);
-            if (step_begin(&t)) {
+            qkv_case k;
+            dual *y = k.y;
+            if (qkv_case_new(&k, m, cols, rows, 8192)) {
                 const luma_weight *wg[3] = { &w[0].g, &w[1].g, &w[2].g };
-                luma_buf *yg[3] = { &y[0].g, &y[1].g, &y[2].g }, *yg2[3] = { &y2[0], &y2[1], &y2[2] };
-                bool took = gpu->ops->qkv_rope(gpu, wg, NULL, &xb.g, yg, hd, t.pos, &r);
+                luma_buf *yg[3] = { &y[0].g, &y[1].g, &y[2].g }, *yg2[3] = { &k.y2[0], &k.y2[1], &k.y2[2] };
+                bool took = gpu->ops->qkv_rope(gpu, wg, NULL, &k.xb.g, yg, hd, k.t.pos, &r);
                 fused += took;
                 /* declined past the kernels' rows (mmv_tc's 32): the
                  * forward then runs matmul_many and the rotations itself */
                 CHECKF(took || m > 32, "qkv_rope declined m=%d", (int)m);
-                if (!took) gpu->ops->matmul_many(gpu, 3, wg, &xb.g, yg);
-                if (!took) gpu->ops->qk_rope(gpu, yg[0], yg[1], NULL, NULL, hd, 1e-6f, t.pos, &r);
-                gpu->ops->matmul_many(gpu, 3, wg, &xb.g, yg2);
-                gpu->ops->qk_rope(gpu, yg2[0], yg2[1], NULL, NULL, hd, 1e-6f, t.pos, &r);
+                if (!took) gpu->ops->matmul_many(gpu, 3, wg, &k.xb.g, yg);
+                if (!took) gpu->ops->qk_rope(gpu, yg[0], yg[1], NULL, NULL, hd, 1e-6f, k.t.pos, &r);
+                gpu->ops->matmul_many(gpu, 3, wg, &k.xb.g, yg2);
+                gpu->ops->qk_rope(gpu, yg2[0], yg2[1], NULL, NULL, hd, 1e-6f, k.t.pos, &r);
                 for (int i = 0; i < 3; i++) {
-                    cpu->ops->matmul(cpu, &w[i].c, &xb.c, &y[i].c);
-                    if (i < 2) cpu->ops->rope(cpu, &y[i].c, hd, t.pos, &r);
+                    cpu->ops->matmul(cpu, &w[i].c, &k.xb.c, &y[i].c);
+                    if (i < 2) cpu->ops->rope(cpu, &y[i].c, hd, k.t.pos, &r);
                 }
                 if (gpu_sync("qkv_rope")) {
                     for (int i = 0; i < 3; i++) {
                         size_t n = (size_t)(m * rows[i]);
                         float *a = xmalloc(n * sizeof(float)), *b = xmalloc(n * sizeof(float));
-                        if (gpu->ops->buf_read(gpu, &y[i].g, a, &err) != 0 ||
-                            gpu->ops->buf_read(gpu, &y2[i], b, &err) != 0)
-                            CHECKF(0, "buf_read: %s", err.msg);
-                        else
+                        if (qkv_case_read(&k, i, a, b))
                             CHECKF(memcmp(a, b, n * sizeof(float)) == 0,
                                    "qkv_rope set %zu, output %d at m=%d: not the bits of matmul_many and qk_rope",
                                    si, i, (int)m);
@@ -770,14 +810,7 @@ static void test_qkv_rope(void)
                     report(name, dual_err(&y[0]), m <= 8 ? 1e-3 : 4e-3);
                 }
             }
-            step_free(&t);
-            dual_free(&xb);
-            for (int i = 0; i < 3; i++) {
-                dual_free(&y[i]);
-                gpu->ops->buf_free(gpu, &y2[i]);
-            }
-            free(x);
-            free(pos);
+            qkv_case_free(&k);
         }
         for (int i = 0; i < 3; i++) free(host[i]);
     }
@@ -850,41 +883,30 @@ static void test_qkv_rope_biases(void)
                "the GPU stores q's and k's pairs adjacent, v's and the CPU's not");
         for (size_t mi = 0; mi < sizeof ms / sizeof ms[0] && ok; mi++) {
             const int32_t m = ms[mi];
-            float *x = random_floats((size_t)(m * cols), 1.0f);
-            int32_t *pos = xmalloc((size_t)m * sizeof(int32_t));
-            for (int32_t i = 0; i < m; i++) pos[i] = (int32_t)(rnd() % 32768);
             luma_rope neox = { LUMA_ROPE_NEOX, hd, 1e6f, 1.0f, NULL }, norm = neox;
             norm.kind = LUMA_ROPE_NORM;
-            dual xb, y[3];
-            luma_buf y2[3] = { { 0 } };
-            dual_new(&xb, m, cols);
-            dual_set(&xb, x);
-            for (int i = 0; i < 3; i++) {
-                dual_new(&y[i], m, rows[i]);
-                if (gpu->ops->buf_alloc(gpu, &y2[i], m, rows[i], &err) != 0) CHECKF(0, "buf_alloc: %s", err.msg);
-            }
-            tstep t;
-            step_simple(&t, m, NULL, pos, NULL, 0);
-            if (step_begin(&t)) {
+            qkv_case k;
+            dual *y = k.y;
+            luma_buf *y2 = k.y2;
+            if (qkv_case_new(&k, m, cols, rows, 32768)) {
                 const luma_weight *ws[3] = { &wg[0], &wg[1], &wg[2] }, *bs[3] = { &bg[0], &bg[1], &bg[2] };
                 luma_buf *yg[3] = { &y[0].g, &y[1].g, &y[2].g };
                 calls++;
-                taken += gpu->ops->qkv_rope(gpu, ws, bs, &xb.g, yg, hd, t.pos, &neox);
-                gpu->ops->matmul_many(gpu, 3, ws, &xb.g, (luma_buf *const[]){ &y2[0], &y2[1], &y2[2] });
-                gpu->ops->qkv_bias_rope(gpu, &y2[0], &y2[1], &y2[2], &bg[0], &bg[1], &bg[2], hd, t.pos, &norm);
+                taken += gpu->ops->qkv_rope(gpu, ws, bs, &k.xb.g, yg, hd, k.t.pos, &neox);
+                gpu->ops->matmul_many(gpu, 3, ws, &k.xb.g, (luma_buf *const[]){ &y2[0], &y2[1], &y2[2] });
+                gpu->ops->qkv_bias_rope(gpu, &y2[0], &y2[1], &y2[2], &bg[0], &bg[1], &bg[2], hd, k.t.pos, &norm);
                 for (int i = 0; i < 3; i++) {
-                    cpu->ops->matmul(cpu, &wc[i], &xb.c, &y[i].c);
+                    cpu->ops->matmul(cpu, &wc[i], &k.xb.c, &y[i].c);
                     cpu->ops->add_bias(cpu, &y[i].c, &bc[i]);
-                    if (i < 2) cpu->ops->rope(cpu, &y[i].c, hd, t.pos, &neox);
+                    if (i < 2) cpu->ops->rope(cpu, &y[i].c, hd, k.t.pos, &neox);
                 }
                 if (gpu_sync("qkv_rope with biases")) {
                     for (int i = 0; i < 3; i++) {
                         const size_t n = (size_t)(m * rows[i]);
                         float *a = xmalloc(n * sizeof(float)), *b = xmalloc(n * sizeof(float));
                         float *c = xmalloc(n * sizeof(float));
-                        if (gpu->ops->buf_read(gpu, &y[i].g, a, &err) != 0 ||
-                            gpu->ops->buf_read(gpu, &y2[i], b, &err) != 0 ||
-                            cpu->ops->buf_read(cpu, &y[i].c, c, &err) != 0) {
+                        if (!qkv_case_read(&k, i, a, b)) {
+                        } else if (cpu->ops->buf_read(cpu, &y[i].c, c, &err) != 0) {
                             CHECKF(0, "buf_read: %s", err.msg);
                         } else {
                             CHECKF(memcmp(a, b, n * sizeof(float)) == 0,
@@ -905,14 +927,7 @@ static void test_qkv_rope_biases(void)
                     }
                 }
             }
-            step_free(&t);
-            dual_free(&xb);
-            for (int i = 0; i < 3; i++) {
-                dual_free(&y[i]);
-                gpu->ops->buf_free(gpu, &y2[i]);
-            }
-            free(x);
-            free(pos);
+            qkv_case_free(&k);
         }
         for (int i = 0; i < 3; i++) {
             free(host[i]);

@@ -896,45 +896,51 @@ static void cuda_gated_matmul(luma_backend *be, const luma_weight *w, luma_buf *
 }
 
 /* What qkv_rope's products left to do: the bias of each output whose bit
- * (q 1, k 2, v 4) is clear in done, and the rotation of q and k where
- * clear; one launch when the products did nothing. */
-static void qkv_rest(luma_backend *be, luma_buf *const *ys, const luma_weight *const *b, int32_t head_dim,
-                     const int32_t *pos, const luma_rope *r, int done)
+ * (q 1, k 2, v 4) is clear in done, and the norms and rotation of q and k
+ * where clear; one launch when the products did nothing. */
+static void qkv_rest(luma_backend *be, luma_buf *const *ys, const luma_qkv *p, int32_t head_dim, const int32_t *pos,
+                     const luma_rope *r, int done)
 {
+    const luma_weight *const *b = p->b, *g[2] = { p->gq, p->gk };
+    if (done == 0 && !p->gq && (b[0] || b[1] || b[2])) {
+        luma_cuda_qkv_bias_rope(be, ys[0], ys[1], ys[2], b[0], b[1], b[2], head_dim, pos, r);
+        return;
+    }
     if (done == 0) {
-        if (b[0] || b[1] || b[2])
-            luma_cuda_qkv_bias_rope(be, ys[0], ys[1], ys[2], b[0], b[1], b[2], head_dim, pos, r);
-        else
-            luma_cuda_qk_rope(be, ys[0], ys[1], NULL, NULL, head_dim, 0.0f, pos, r);
+        for (int i = 0; i < 3; i++)
+            if (b[i]) luma_cuda_add_bias(be, ys[i], b[i]);
+        luma_cuda_qk_rope(be, ys[0], ys[1], p->gq, p->gk, head_dim, p->eps, pos, r);
         return;
     }
     for (int i = 0; i < 3; i++) {
         if (done >> i & 1) continue;
         if (b[i]) luma_cuda_add_bias(be, ys[i], b[i]);
+        if (i < 2 && g[i]) luma_cuda_rmsnorm(be, ys[i], g[i], head_dim, p->eps, ys[i]);
         if (i < 2) luma_cuda_rope(be, ys[i], head_dim, pos, r);
     }
 }
 
 /* q, k, v plus their biases, with q and k rotated where the direct
  * matrix-vector kernel writes them (RoPE NORM over whole heads, 8-bit
- * activations, decode row counts); what it did not do, qkv_rest does.
- * Where weight_load stored q's and k's NEOX pairs adjacent, their rotation
- * is NORM over the stored order, and every call is taken here. */
-static bool cuda_qkv_rope(luma_backend *be, const luma_weight *const *ws, const luma_weight *const *bs,
-                          const luma_buf *x, luma_buf *const *ys, int32_t head_dim, const int32_t *pos,
-                          const luma_rope *r)
+ * activations, decode row counts), or normalized and rotated where a CTA
+ * makes a whole head (Gemma 3's norms at one row: mmv_heads); what the
+ * products did not do, qkv_rest does. Where weight_load stored q's and k's
+ * NEOX pairs adjacent, their rotation is NORM over the stored order, and
+ * every call is taken here. */
+static bool cuda_qkv_rope(luma_backend *be, const luma_qkv *p, const luma_buf *x, luma_buf *const *ys,
+                          int32_t head_dim, const int32_t *pos, const luma_rope *r)
 {
     cuda_backend *c = cu(be);
     /* LUMA_CUDA_QKV_ROPE=0 in the environment: separate products and
      * rotation (for measuring); read once */
     static const bool off = env_off("LUMA_CUDA_QKV_ROPE");
-    const luma_weight *const b[3] = { bs ? bs[0] : NULL, bs ? bs[1] : NULL, bs ? bs[2] : NULL };
+    const luma_weight *const *ws = p->w, *const *b = p->b;
     const bool adjacent = ws[0]->pairs_adjacent || ws[1]->pairs_adjacent;
     luma_rope norm;
     if (adjacent) {
         if (!ws[0]->pairs_adjacent || !ws[1]->pairs_adjacent || r->kind != LUMA_ROPE_NEOX ||
             r->n_dims != head_dim || ws[0]->neox_head != head_dim || (b[0] && !b[0]->pairs_adjacent) ||
-            (b[1] && !b[1]->pairs_adjacent)) {
+            (b[1] && !b[1]->pairs_adjacent) || p->gq) {
             luma_cuda_failf(c, "qkv_rope: q's and k's weights and biases were not all stored with their RoPE "
                                "pairs adjacent for heads of %d",
                             (int)head_dim);
@@ -945,14 +951,16 @@ static bool cuda_qkv_rope(luma_backend *be, const luma_weight *const *ws, const 
         r = &norm;
     }
     const bool biased = b[0] || b[1] || b[2];
-    if (!biased && luma_cuda_prog_qkv_rope(c, ws, x, ys, head_dim, pos, r)) return true;
+    if (!biased && !p->gq && luma_cuda_prog_qkv_rope(c, ws, x, ys, head_dim, pos, r)) return true;
     luma_cuda_prog_flush(c);
-    if (off || r->kind != LUMA_ROPE_NORM || r->n_dims != head_dim || c->float_act ||
-        x->rows > luma_cuda_qkv_rope_max_m() || !LUMA_CUDA_OK(c)) {
+    /* the rotation by the direct kernels needs NORM pairs; the norms need
+     * mmv_heads, which takes one row and either pairing */
+    const bool take = p->gq ? p->gk && x->rows == 1 : r->kind == LUMA_ROPE_NORM && x->rows <= luma_cuda_qkv_rope_max_m();
+    if (off || !take || r->n_dims != head_dim || c->float_act || !LUMA_CUDA_OK(c)) {
         if (!adjacent) return false;
         cuda_matmul_many(be, 3, ws, x, ys);
         flush_all(c);   /* the products may have gone into a program */
-        qkv_rest(be, ys, b, head_dim, pos, r, 0);
+        qkv_rest(be, ys, p, head_dim, pos, r, 0);
         return true;
     }
     float *y[3];
@@ -964,8 +972,10 @@ static bool cuda_qkv_rope(luma_backend *be, const luma_weight *const *ws, const 
         return true;   /* recorded: sync reports it */
     const float *bd[3];
     for (int i = 0; i < 3; i++) bd[i] = b[i] ? (const float *)b[i]->dev : NULL;
-    int done = luma_cuda_matmul_qkv_rope(c, ws, bd, x->data, x->rows, y, head_dim, &a, d_pos);
-    qkv_rest(be, ys, b, head_dim, pos, r, done);
+    int done = luma_cuda_matmul_qkv_rope(c, ws, bd, p->gq ? (const float *)p->gq->dev : NULL,
+                                         p->gk ? (const float *)p->gk->dev : NULL, p->eps, x->data, x->rows, y,
+                                         head_dim, &a, d_pos);
+    qkv_rest(be, ys, p, head_dim, pos, r, done);
     return true;
 }
 

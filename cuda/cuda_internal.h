@@ -281,6 +281,9 @@ typedef struct cuda_backend {
     } pend_norm;
     bool normq_on;
     long long norm_quants;
+    /* q, k and v made by whole heads with Gemma's norms (matmul.cu,
+     * mmv_heads): the launches (recorded ones once). */
+    long long qkv_heads;
     /* Decode attention waiting for the product that reads it (attention.cu,
      * luma_cuda_attn_pend): while in_step, programs off, the attention of
      * a step of one row is not launched but kept here; the activation
@@ -382,16 +385,18 @@ static inline bool env_rows_set(env_rows &r, const char *name)
  * false, recorded, when they are not supported. */
 bool luma_cuda_rope_args(cuda_backend *c, const luma_rope *r, int32_t head_dim, int64_t cols, struct rope_args *a);
 /* luma_cuda_matmul_many of q, k and v (ys[0..2]) that also adds the
- * biases b[0..2] (device vectors, NULL: none) and rotates q and k (RoPE
+ * biases b[0..2] (device vectors, NULL: none), or normalizes q's and k's
+ * heads with gains gq, gk (mmv_heads at one row; then no biases and no
+ * rotation by the other kernels), and rotates q and k (RoPE
  * NORM over heads of every one of their columns, at pos: a device array of
  * m positions; a: luma_cuda_rope_args's tables) where the direct
  * matrix-vector kernel (one pass of up to MMV_PASS_M rows) or mmv_tc writes
  * them, with add_bias's and rope_kernel's arithmetic. Returns which outputs
  * it finished (bit 0 q, bit 1 k: biased and rotated; bit 2 v: biased); the
  * caller does the rest. */
-int luma_cuda_matmul_qkv_rope(cuda_backend *c, const luma_weight *const *ws, const float *const *b, const float *x,
-                              int64_t m, float *const *ys, int32_t head_dim, const struct rope_args *a,
-                              const int32_t *pos);
+int luma_cuda_matmul_qkv_rope(cuda_backend *c, const luma_weight *const *ws, const float *const *b, const float *gq,
+                              const float *gk, float eps, const float *x, int64_t m, float *const *ys,
+                              int32_t head_dim, const struct rope_args *a, const int32_t *pos);
 /* The most rows for which luma_cuda_matmul_qkv_rope may rotate anything:
  * MMV_PASS_M, or mmv_tc's range where that is larger */
 int64_t luma_cuda_qkv_rope_max_m(void);

@@ -57,7 +57,10 @@
 #include "norm.cuh"
 
 #include <limits.h>
+#include <cooperative_groups.h>
 #include <type_traits>
+
+namespace cg = cooperative_groups;
 #include <stdlib.h>
 #include <string.h>
 
@@ -1379,6 +1382,8 @@ template <> struct mmv_rope<true> {
 struct mmv_rope_request {
     float *y[3];
     const float *b[3];
+    const float *gq, *gk;      /* q's and k's norm gains (NULL: none), which only mmv_heads applies */
+    float eps;
     mmv_rope<true> rp;
     int done;
 };
@@ -1990,7 +1995,7 @@ static bool mmv_rope_take(const cuda_backend *c, const luma_weight *const *ws, f
                           mmv_rope<true> *rp, int *done)
 {
     const mmv_rope_request *rq = c->qkv_rope;
-    if (!rq) return false;
+    if (!rq || rq->gq) return false;   /* norms first: mmv_heads alone */
     *rp = rq->rp;
     rp->mask = 0;
     bool any = false;
@@ -2165,6 +2170,154 @@ static void mmv_narrow_launch(cuda_backend *c, const luma_weight *const *ws, flo
                    "matmul (matrix-vector kernel, short rows)");
 }
 
+/* -- q, k and v in clusters of whole heads (Gemma 3 at one row) -------------
+ *
+ * Gemma 3's q and k are normalized per head (q_norm, k_norm) before the
+ * rotation, which needs every row of a head: the direct kernel's CTAs of 4
+ * rows cannot, so qk_rope ran as a launch of its own, about 3 us a layer in
+ * the graph on Gemma 3 270M (cuda/NOTES.md). Here a cluster of HEADS_CTAS
+ * CTAs of HEADS_WARPS warps makes one head of HEADS_D rows at one
+ * activation row, a row a warp exactly as the direct kernel's warp makes
+ * it (a lane's blocks ib0, ib0 + stride, ... summed in that order, then the
+ * butterfly: the same bits), all of a lane's blocks fetched at once; the
+ * row sums meet in the first CTA's shared memory (distributed shared
+ * memory), and one warp there normalizes and rotates them with qk_rope's
+ * code (qk_head, rope.cuh); v's heads are stored as summed. The repacked
+ * Q4_0, Q5_0 and Q8_0 (Gemma 3 270M's and 1B's 640 and 1,152 columns), up
+ * to 3 rounds a row. */
+#define HEADS_D 256
+#define HEADS_CTAS 8
+#define HEADS_WARPS (HEADS_D / HEADS_CTAS)
+
+struct mmv_heads_args {
+    const int32_t *pos;
+    rope_args a;
+    float eps;
+    const float *g[MMV_SEGS];  /* a segment's norm gains (q's, k's); NULL: v, stored as summed */
+};
+
+template <class T>
+static constexpr bool heads_type()
+{
+    return std::is_same<T, type_q4_0_mmv>::value || std::is_same<T, type_q5_0_mmv>::value ||
+           std::is_same<T, type_q8_0_mmv>::value;
+}
+
+/* Row `row` of segment s (R rounds at most), the warp's sum. */
+template <class T, int R>
+static __device__ __forceinline__ float mmv_heads_row(const mmv_seg &s, int64_t row, const act_rows &a)
+{
+    constexpr int stride = 32 / T::lpb;
+    const int lane = threadIdx.x % 32, p = lane % T::lpb, ib0 = lane / T::lpb;
+    const uint8_t *wr = s.w + (size_t)row * s.row_bytes;
+    typename T::raw_t raw[R];
+#pragma unroll
+    for (int k = 0; k < R; k++)
+        if (ib0 + k * stride < s.nb) mmv_fetch<T>(wr + (size_t)(ib0 + k * stride) * T::bytes, p, raw[k]);
+    wait_for_previous_kernel();
+    let_next_kernel_start();
+    float acc = 0.0f;
+#pragma unroll
+    for (int k = 0; k < R; k++) {
+        const int ib = ib0 + k * stride;
+        if (ib < s.nb) {
+            typename T::w_t wv;
+            typename T::x_t xv;
+            T::decode(raw[k], p, wv);
+            T::loadx(a, 0, ib, p, xv);
+            acc += T::dot(wv, xv);
+        }
+    }
+    return warp_sum(acc);
+}
+
+template <class TA, class TB, int R>
+static __global__ void __launch_bounds__(HEADS_WARPS * 32, 1)
+mmv_heads(mmv_segs sg, act_rows a, const mmv_heads_args h)
+{
+    __shared__ __align__(16) float head[HEADS_D];
+    cg::cluster_group cl = cg::this_cluster();
+    /* the first CTA's shared memory takes writes only once it has started:
+     * every CTA arrives here and waits before its write, long after */
+    cl.barrier_arrive();
+    const mmv_seg s = mmv_seg_of(sg, blockIdx.x);
+    const int warp = threadIdx.x / 32;
+    const int64_t row = ((int64_t)blockIdx.x - s.cta0) * HEADS_WARPS + warp, r0 = row - row % HEADS_D;
+    const float *g = NULL;
+#pragma unroll
+    for (int i = 0; i < MMV_SEGS; i++)
+        if (s.seg == i) g = h.g[i];
+    /* the gains and the angles before the wait (weights and the step's
+     * positions: nothing the step's kernels write) */
+    const bool rotates = g && warp == 0 && cl.block_rank() == 0;
+    qk_prep<HEADS_D> q;
+    if (rotates) qk_head_prep<HEADS_D>(q, (const float4 *)g, (float)h.pos[0], h.a);
+    const float v = std::is_same<TA, TB>::value || blockIdx.x < sg.cta_b ? mmv_heads_row<TA, R>(s, row, a)
+                                                                         : mmv_heads_row<TB, R>(s, row, a);
+    cl.barrier_wait();
+    if (threadIdx.x % 32 == 0) cl.map_shared_rank(head, 0)[row % HEADS_D] = v;
+    cl.sync();
+    if (cl.block_rank() != 0) return;
+    if (g) {
+        if (rotates) qk_head_apply<HEADS_D>((float4 *)(s.y + r0), (const float4 *)head, q, true, h.eps, h.a);
+    } else {
+        for (int t = threadIdx.x; t < HEADS_D; t += blockDim.x) s.y[r0 + t] = head[t];
+    }
+}
+
+/* mmv_heads for the n weights ws of a pending norm request at one row,
+ * where it covers them: q's and k's heads of HEADS_D rows with their gains,
+ * v's whole heads, no biases, types heads_type, rows of at most 3 rounds.
+ * LUMA_CUDA_QKV_HEADS=0 in the environment: never (for measuring; read
+ * once). False: nothing launched. */
+template <class TA, class TB>
+static bool mmv_heads_launch(cuda_backend *c, const luma_weight *const *ws, float *const *ys, int n, int n_a,
+                             const act_rows &a)
+{
+    if constexpr (!heads_type<TA>() || !heads_type<TB>()) {
+        (void)c, (void)ws, (void)ys, (void)n, (void)n_a, (void)a;
+        return false;
+    } else {
+        static const bool on = luma_cuda_env_digit("LUMA_CUDA_QKV_HEADS", 1) != 0;
+        mmv_rope_request *rq = c->qkv_rope;
+        if (!on || !rq || !rq->gq || !rq->gk || rq->rp.head_dim != HEADS_D || n > MMV_SEGS) return false;
+        mmv_heads_args h;
+        h.pos = rq->rp.pos;
+        h.a = rq->rp.a;
+        h.eps = rq->eps;
+        mmv_segs sg = mmv_segs_none();
+        unsigned ctas = 0;
+        int done = 0, rounds = 1;
+        for (int i = 0; i < n; i++) {
+            int o = 0;
+            while (o < 3 && ys[i] != rq->y[o]) o++;
+            const bool b = i >= n_a;
+            const int nb = (int)(ws[i]->cols / (b ? TB::qk : TA::qk)), stride = 32 / (b ? TB::lpb : TA::lpb);
+            const int r = (nb + stride - 1) / stride;
+            if (o == 3 || rq->b[o] || ws[i]->rows % HEADS_D != 0 || r > 3) return false;
+            rounds = r > rounds ? r : rounds;
+            if (b && sg.cta_b == UINT_MAX) sg.cta_b = ctas;
+            mmv_seg_put(sg, i, b ? mmv_bytes<TB>(ws[i]) : mmv_bytes<TA>(ws[i]), ys[i], ws[i]->rows, nb,
+                        (size_t)nb * (size_t)(b ? TB::bytes : TA::bytes), (unsigned)(ws[i]->rows / HEADS_WARPS),
+                        &ctas);
+            h.g[i] = o == 0 ? rq->gq : o == 1 ? rq->gk : NULL;
+            done |= 1 << o;
+        }
+        cudaLaunchAttribute attr[2];
+        cudaLaunchConfig_t cfg = luma_launch_config(c, c->stream, ctas, HEADS_WARPS * 32, 0, &attr[0]);
+        attr[1].id = cudaLaunchAttributeClusterDimension;
+        attr[1].val.clusterDim.x = HEADS_CTAS;
+        attr[1].val.clusterDim.y = attr[1].val.clusterDim.z = 1;
+        cfg.numAttrs = 2;
+        auto *kernel = rounds == 1 ? mmv_heads<TA, TB, 1> : rounds == 2 ? mmv_heads<TA, TB, 2> : mmv_heads<TA, TB, 3>;
+        if (!luma_cuda_fail(c, cudaLaunchKernelEx(&cfg, kernel, sg, a, h), "matmul (q, k and v by whole heads)")) {
+            rq->done |= done;
+            c->qkv_heads++;
+        }
+        return true;
+    }
+}
+
 /* Matrices of many short rows take the narrow kernel (mmv_narrow_taken).
  * Otherwise, at one activation row a warp takes a row. Where that makes a launch a
  * little more than the CTAs the GPU holds at once (the 7B's q, k and v
@@ -2176,6 +2329,9 @@ template <class TA, class TB, int MAXM>
 static void mmv_direct_launch(cuda_backend *c, const luma_weight *const *ws, float *const *ys, int n, int n_a,
                               const act_rows &a, int m)
 {
+    if constexpr (MAXM == 1) {
+        if (mmv_heads_launch<TA, TB>(c, ws, ys, n, n_a, a)) return;
+    }
     if constexpr (mmv_narrow_ok<TA, TB>()) {
         if (mmv_narrow_taken<TA, TB>(c, ws, n, n_a)) {
             mmv_narrow_launch<TA, TB, MAXM>(c, ws, ys, n, n_a, a, m);
@@ -3987,9 +4143,9 @@ int64_t luma_cuda_qkv_rope_max_m(void)
     return mmv_tc_hi() > MMV_PASS_M ? mmv_tc_hi() : MMV_PASS_M;
 }
 
-int luma_cuda_matmul_qkv_rope(cuda_backend *c, const luma_weight *const *ws, const float *const *b, const float *x,
-                              int64_t m, float *const *ys, int32_t head_dim, const rope_args *a,
-                              const int32_t *pos)
+int luma_cuda_matmul_qkv_rope(cuda_backend *c, const luma_weight *const *ws, const float *const *b, const float *gq,
+                              const float *gk, float eps, const float *x, int64_t m, float *const *ys,
+                              int32_t head_dim, const rope_args *a, const int32_t *pos)
 {
     if (m > luma_cuda_qkv_rope_max_m() || head_dim <= 0 || head_dim % 2 != 0 || !pos) {
         luma_cuda_matmul_many(c, 3, ws, x, m, ys);
@@ -4000,6 +4156,9 @@ int luma_cuda_matmul_qkv_rope(cuda_backend *c, const luma_weight *const *ws, con
         rq.y[i] = ys[i];
         rq.b[i] = b[i];
     }
+    rq.gq = gq;
+    rq.gk = gk;
+    rq.eps = eps;
     rq.rp.pos = pos;
     rq.rp.mask = 0;
     rq.rp.head_dim = head_dim;
@@ -4256,6 +4415,12 @@ void luma_cuda_matmul_many(cuda_backend *c, int n, const luma_weight *const *ws,
 extern "C" long long luma_cuda_norm_quants(luma_backend *be)
 {
     return ((cuda_backend *)be)->norm_quants;
+}
+
+/* How many launches made q, k and v by whole heads (for the tests). */
+extern "C" long long luma_cuda_qkv_heads(luma_backend *be)
+{
+    return ((cuda_backend *)be)->qkv_heads;
 }
 
 /* How many batched GEMMs have been queued (for the tests). */

@@ -509,79 +509,20 @@ void luma_cuda_rope(luma_backend *be, luma_buf *x, int32_t head_dim, const int32
 
 /* ---- q and k: per-head norm and RoPE in one launch ---------------------- */
 
-/* A warp per head of a row of q or of k (heads of D = 128 or 256 columns,
- * all rotated): lane l holds the float4s l, l + 32, ... of the head, as
- * rmsnorm_kernel<32> reads them, and normalizes them with the same sums in
- * the same order (so the same bits); then each pair rotates as rope_kernel
- * rotates it (the same angle expression): NORM pairs (2i, 2i + 1) sit in one
- * float4, NEOX pairs (i, i + D/2) in the lane's two float4s (D = 256) or in
- * lanes l and l ^ 16 (D = 128). */
+/* A warp per head of a row of q or of k: qk_head (rope.cuh). */
 template <int D>
 __global__ static void qk_rope_kernel(float *q, float *k, int64_t q_cols, int64_t k_cols, int32_t hq, int32_t hk,
                                       int64_t items, const float *gq, const float *gk, float eps,
                                       const int32_t *pos, const rope_args a)
 {
     follow_previous_kernel();
-    constexpr int F = D / 128;
     int64_t w = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32;
-    int lane = threadIdx.x % 32;
     if (w >= items) return;   /* the whole warp */
     int64_t row = w / (hq + hk);
     int32_t h = (int32_t)(w % (hq + hk));
     bool is_q = h < hq;
     float4 *x = (float4 *)(is_q ? q + row * q_cols + (int64_t)h * D : k + row * k_cols + (int64_t)(h - hq) * D);
-    const float4 *g = (const float4 *)(is_q ? gq : gk);
-    /* every load first: the head, its gains, the position */
-    float4 v[F], gw[F];
-#pragma unroll
-    for (int f = 0; f < F; f++) {
-        v[f] = x[lane + 32 * f];
-        if (g) gw[f] = g[lane + 32 * f];
-    }
-    float p = (float)pos[row];
-    if (g) {
-        float ss = 0.0f;
-#pragma unroll
-        for (int f = 0; f < F; f++) ss += v[f].x * v[f].x + v[f].y * v[f].y + v[f].z * v[f].z + v[f].w * v[f].w;
-        for (int o = 16; o > 0; o /= 2) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-        float s = 1.0f / sqrtf(ss / (float)D + eps);
-#pragma unroll
-        for (int f = 0; f < F; f++)
-            v[f] = make_float4(v[f].x * s * gw[f].x, v[f].y * s * gw[f].y, v[f].z * s * gw[f].z, v[f].w * s * gw[f].w);
-    }
-    if (!a.neox) {
-#pragma unroll
-        for (int f = 0; f < F; f++) {
-            int i = 2 * (lane + 32 * f);
-            float a0 = rope_angle(a, p, i), a1 = rope_angle(a, p, i + 1);
-            float s0 = sinf(a0), c0 = cosf(a0), s1 = sinf(a1), c1 = cosf(a1);
-            float4 u = v[f];
-            rope_rotate(u.x, u.y, s0, c0, v[f].x, v[f].y);
-            rope_rotate(u.z, u.w, s1, c1, v[f].z, v[f].w);
-        }
-    } else if (F == 2) {
-        float *lo = (float *)&v[0], *hi = (float *)&v[F - 1];
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-            int i = 4 * lane + e;
-            float ang = rope_angle(a, p, i), sn = sinf(ang), cs = cosf(ang);
-            rope_rotate(lo[e], hi[e], sn, cs, lo[e], hi[e]);
-        }
-    } else {
-        float *u = (float *)&v[0];
-        bool first = lane < 16;
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-            float other = __shfl_xor_sync(0xffffffffu, u[e], 16);
-            int i = 4 * (lane % 16) + e;
-            float ang = rope_angle(a, p, i), sn = sinf(ang), cs = cosf(ang);
-            float x0 = first ? u[e] : other, x1 = first ? other : u[e], y0, y1;
-            rope_rotate(x0, x1, sn, cs, y0, y1);
-            u[e] = first ? y0 : y1;
-        }
-    }
-#pragma unroll
-    for (int f = 0; f < F; f++) x[lane + 32 * f] = v[f];
+    qk_head<D>(x, x, (const float4 *)(is_q ? gq : gk), eps, (float)pos[row], a);
 }
 
 void luma_cuda_qk_rope(luma_backend *be, luma_buf *q, luma_buf *k, const luma_weight *gq, const luma_weight *gk,

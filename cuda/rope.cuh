@@ -34,4 +34,103 @@ static __device__ __forceinline__ void rope_rotate(float x0, float x1, float sn,
     y1 = fmaf(x0, sn, x1 * cs);
 }
 
+/* One warp's head of q or of k (D = 128 or 256 columns, all rotated), read
+ * from in (device or shared memory) and written to out: lane l holds the
+ * float4s l, l + 32, ... of the head, as rmsnorm_kernel<32> reads them, and
+ * normalizes them with gains g (NULL: no norm) with the same sums in the same
+ * order (so the same bits); then each pair rotates as rope_kernel rotates it
+ * at position p (the same angle expression): NORM pairs (2i, 2i + 1) sit in
+ * one float4, NEOX pairs (i, i + D/2) in the lane's two float4s (D = 256) or
+ * in lanes l and l ^ 16 (D = 128). In two parts: qk_head_prep (the gains
+ * and the lane's sines and cosines, which do not depend on the head) and
+ * qk_head_apply. qk_rope_kernel's, and the q/k/v products' that make whole
+ * heads (matmul.cu, mmv_heads), which prepare before their wait. */
+template <int D>
+struct qk_prep {
+    float4 gw[D / 128];
+    float sn[4], cs[4];        /* the lane's angles, in the order apply takes them */
+};
+
+template <int D>
+static __device__ __forceinline__ void qk_head_prep(qk_prep<D> &q, const float4 *g, float p, const rope_args &a)
+{
+    constexpr int F = D / 128;
+    const int lane = threadIdx.x % 32;
+#pragma unroll
+    for (int f = 0; f < F; f++)
+        if (g) q.gw[f] = g[lane + 32 * f];
+    if (!a.neox) {
+#pragma unroll
+        for (int f = 0; f < F; f++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                const float ang = rope_angle(a, p, 2 * (lane + 32 * f) + e);
+                q.sn[2 * f + e] = sinf(ang);
+                q.cs[2 * f + e] = cosf(ang);
+            }
+    } else {
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const float ang = rope_angle(a, p, F == 2 ? 4 * lane + e : 4 * (lane % 16) + e);
+            q.sn[e] = sinf(ang);
+            q.cs[e] = cosf(ang);
+        }
+    }
+}
+
+template <int D>
+static __device__ __forceinline__ void qk_head_apply(float4 *out, const float4 *in, const qk_prep<D> &q, bool norm,
+                                                     float eps, const rope_args &a)
+{
+    constexpr int F = D / 128;
+    const int lane = threadIdx.x % 32;
+    float4 v[F];
+#pragma unroll
+    for (int f = 0; f < F; f++) v[f] = in[lane + 32 * f];
+    if (norm) {
+        float ss = 0.0f;
+#pragma unroll
+        for (int f = 0; f < F; f++) ss += v[f].x * v[f].x + v[f].y * v[f].y + v[f].z * v[f].z + v[f].w * v[f].w;
+        for (int o = 16; o > 0; o /= 2) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+        float s = 1.0f / sqrtf(ss / (float)D + eps);
+#pragma unroll
+        for (int f = 0; f < F; f++)
+            v[f] = make_float4(v[f].x * s * q.gw[f].x, v[f].y * s * q.gw[f].y, v[f].z * s * q.gw[f].z,
+                               v[f].w * s * q.gw[f].w);
+    }
+    if (!a.neox) {
+#pragma unroll
+        for (int f = 0; f < F; f++) {
+            float4 u = v[f];
+            rope_rotate(u.x, u.y, q.sn[2 * f], q.cs[2 * f], v[f].x, v[f].y);
+            rope_rotate(u.z, u.w, q.sn[2 * f + 1], q.cs[2 * f + 1], v[f].z, v[f].w);
+        }
+    } else if (F == 2) {
+        float *lo = (float *)&v[0], *hi = (float *)&v[F - 1];
+#pragma unroll
+        for (int e = 0; e < 4; e++) rope_rotate(lo[e], hi[e], q.sn[e], q.cs[e], lo[e], hi[e]);
+    } else {
+        float *u = (float *)&v[0];
+        bool first = lane < 16;
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            float other = __shfl_xor_sync(0xffffffffu, u[e], 16);
+            float x0 = first ? u[e] : other, x1 = first ? other : u[e], y0, y1;
+            rope_rotate(x0, x1, q.sn[e], q.cs[e], y0, y1);
+            u[e] = first ? y0 : y1;
+        }
+    }
+#pragma unroll
+    for (int f = 0; f < F; f++) out[lane + 32 * f] = v[f];
+}
+
+template <int D>
+static __device__ __forceinline__ void qk_head(float4 *out, const float4 *in, const float4 *g, float eps, float p,
+                                               const rope_args &a)
+{
+    qk_prep<D> q;
+    qk_head_prep<D>(q, g, p, a);
+    qk_head_apply<D>(out, in, q, g != NULL, eps, a);
+}
+
 #endif

@@ -109,6 +109,14 @@ typedef struct luma_rope {
     const float *freq_factors; /* [n_dims/2] or NULL (Llama 3 long-context) */
 } luma_rope;
 
+/* q, k and v's weights of a layer, for qkv_rope. */
+typedef struct luma_qkv {
+    const luma_weight *w[3];   /* wq, wk, wv */
+    const luma_weight *b[3];   /* their biases (qwen2), NULL: none */
+    const luma_weight *gq, *gk;   /* each head's norm gains of q and k (Gemma 3), both or neither */
+    float eps;                 /* the norms' epsilon */
+} luma_qkv;
+
 typedef struct luma_attn {
     int pool;                  /* KV pool of this layer */
     int32_t layer;             /* index of the layer inside its pool */
@@ -221,17 +229,17 @@ typedef struct luma_backend_ops {
     void (*qkv_bias_rope)(luma_backend *be, luma_buf *q, luma_buf *k, luma_buf *v, const luma_weight *bq,
                           const luma_weight *bk, const luma_weight *bv, int32_t head_dim, const int32_t *pos,
                           const luma_rope *r);
-    /* matmul_many of wq, wk, wv (ws[0..2]) into q, k, v (ys[0..2]), plus
-     * the biases bs[0..2] (bs NULL, or an entry NULL: none), then q and k
-     * rotated as rope rotates them (no norms), each with the bits that
-     * matmul_many, add_bias then rope give. Optional: NULL, or false
+    /* matmul_many of p->w[0..2] (wq, wk, wv) into q, k, v (ys[0..2]), plus
+     * the biases p->b[0..2] (NULL: none), then each head of q and of k
+     * normalized with gains p->gq, p->gk when given (as qk_rope), then q
+     * and k rotated as rope rotates them: each with the bits that
+     * matmul_many, add_bias and qk_rope give. Optional: NULL, or false
      * having done nothing when the backend does not fuse them for this
-     * rope (callers use luma_model_qkv_rope, which falls back). A backend
+     * step (callers use luma_model_qkv_rope, which falls back). A backend
      * that stored wq's and wk's pairs adjacent (pairs_adjacent) takes
      * every call for them: it alone knows their order. */
-    bool (*qkv_rope)(luma_backend *be, const luma_weight *const *ws, const luma_weight *const *bs,
-                     const luma_buf *x, luma_buf *const *ys, int32_t head_dim, const int32_t *pos,
-                     const luma_rope *r);
+    bool (*qkv_rope)(luma_backend *be, const luma_qkv *p, const luma_buf *x, luma_buf *const *ys, int32_t head_dim,
+                     const int32_t *pos, const luma_rope *r);
     /* Stores k and v rows in the KV cache at their positions, then writes
      * attention of each q row over its sequence's cached keys into out. */
     void (*attention)(luma_backend *be, const luma_buf *q, const luma_buf *k, const luma_buf *v,

@@ -258,17 +258,21 @@ void luma_model_qkv_bias_rope(const luma_model *m, luma_buf *q, luma_buf *k, lum
     luma_model_qk_rope(m, q, k, NULL, NULL, head_dim, pos, r);
 }
 
-void luma_model_qkv_rope(const luma_model *m, const luma_weight *const *ws, const luma_weight *const *bs,
-                         const luma_buf *x, luma_buf *const *ys, int32_t head_dim, const int32_t *pos,
-                         const luma_rope *r)
+void luma_model_qkv_rope(const luma_model *m, const luma_qkv *p, const luma_buf *x, luma_buf *const *ys,
+                         int32_t head_dim, const int32_t *pos, const luma_rope *r)
 {
     luma_backend *b = m->be;
-    if (b->ops->qkv_rope && b->ops->qkv_rope(b, ws, bs, x, ys, head_dim, pos, r)) return;
-    luma_model_matmuls(m, 3, ws, x, ys);
-    if (bs && (bs[0] || bs[1] || bs[2]))
-        luma_model_qkv_bias_rope(m, ys[0], ys[1], ys[2], bs[0], bs[1], bs[2], head_dim, pos, r);
-    else
+    if (b->ops->qkv_rope && b->ops->qkv_rope(b, p, x, ys, head_dim, pos, r)) return;
+    luma_model_matmuls(m, 3, p->w, x, ys);
+    if (p->gq) {
+        for (int i = 0; i < 3; i++)
+            if (p->b[i]) b->ops->add_bias(b, ys[i], p->b[i]);
+        luma_model_qk_rope(m, ys[0], ys[1], p->gq, p->gk, head_dim, pos, r);
+    } else if (p->b[0] || p->b[1] || p->b[2]) {
+        luma_model_qkv_bias_rope(m, ys[0], ys[1], ys[2], p->b[0], p->b[1], p->b[2], head_dim, pos, r);
+    } else {
         luma_model_qk_rope(m, ys[0], ys[1], NULL, NULL, head_dim, pos, r);
+    }
 }
 
 void luma_model_gated_matmul(const luma_model *m, const luma_weight *w, luma_buf *gate, const luma_buf *up,

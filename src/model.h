@@ -180,14 +180,13 @@ void luma_model_qk_rope(const luma_model *m, luma_buf *q, luma_buf *k, const lum
 void luma_model_qkv_bias_rope(const luma_model *m, luma_buf *q, luma_buf *k, luma_buf *v, const luma_weight *bq,
                               const luma_weight *bk, const luma_weight *bv, int32_t head_dim, const int32_t *pos,
                               const luma_rope *r);
-/* q, k, v = wq x, wk x, wv x (ws, ys in that order) plus the biases bs
- * (NULL, or NULL entries: none), then q and k rotated at pos: through the
- * backend's qkv_rope when it takes them, else as luma_model_matmuls and
- * luma_model_qkv_bias_rope (or luma_model_qk_rope without biases); the same
- * bits either way. */
-void luma_model_qkv_rope(const luma_model *m, const luma_weight *const *ws, const luma_weight *const *bs,
-                         const luma_buf *x, luma_buf *const *ys, int32_t head_dim, const int32_t *pos,
-                         const luma_rope *r);
+/* q, k, v = wq x, wk x, wv x (p->w, ys in that order) plus the biases
+ * p->b (NULL entries: none), then q's and k's heads normalized with
+ * p->gq, p->gk when given and rotated at pos: through the backend's
+ * qkv_rope when it takes them, else as luma_model_matmuls, add_bias and
+ * luma_model_qk_rope; the same bits either way. */
+void luma_model_qkv_rope(const luma_model *m, const luma_qkv *p, const luma_buf *x, luma_buf *const *ys,
+                         int32_t head_dim, const int32_t *pos, const luma_rope *r);
 /* gate = act(gate) * up, then y = w gate: through the backend's fused
  * gated_matmul when it has one, else gelu_mul or silu_mul and matmul. */
 void luma_model_gated_matmul(const luma_model *m, const luma_weight *w, luma_buf *gate, const luma_buf *up,

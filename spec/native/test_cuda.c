@@ -780,7 +780,8 @@ static void test_qkv_rope(void)
             if (qkv_case_new(&k, m, cols, rows, 8192)) {
                 const luma_weight *wg[3] = { &w[0].g, &w[1].g, &w[2].g };
                 luma_buf *yg[3] = { &y[0].g, &y[1].g, &y[2].g }, *yg2[3] = { &k.y2[0], &k.y2[1], &k.y2[2] };
-                bool took = gpu->ops->qkv_rope(gpu, wg, NULL, &k.xb.g, yg, hd, k.t.pos, &r);
+                const luma_qkv qp = { { wg[0], wg[1], wg[2] }, { NULL, NULL, NULL }, NULL, NULL, 1e-6f };
+                bool took = gpu->ops->qkv_rope(gpu, &qp, &k.xb.g, yg, hd, k.t.pos, &r);
                 fused += took;
                 /* declined past the kernels' rows (mmv_tc's 32): the
                  * forward then runs matmul_many and the rotations itself */
@@ -892,7 +893,8 @@ static void test_qkv_rope_biases(void)
                 const luma_weight *ws[3] = { &wg[0], &wg[1], &wg[2] }, *bs[3] = { &bg[0], &bg[1], &bg[2] };
                 luma_buf *yg[3] = { &y[0].g, &y[1].g, &y[2].g };
                 calls++;
-                taken += gpu->ops->qkv_rope(gpu, ws, bs, &k.xb.g, yg, hd, k.t.pos, &neox);
+                const luma_qkv qp = { { ws[0], ws[1], ws[2] }, { bs[0], bs[1], bs[2] }, NULL, NULL, 1e-6f };
+                taken += gpu->ops->qkv_rope(gpu, &qp, &k.xb.g, yg, hd, k.t.pos, &neox);
                 gpu->ops->matmul_many(gpu, 3, ws, &k.xb.g, (luma_buf *const[]){ &y2[0], &y2[1], &y2[2] });
                 gpu->ops->qkv_bias_rope(gpu, &y2[0], &y2[1], &y2[2], &bg[0], &bg[1], &bg[2], hd, k.t.pos, &norm);
                 for (int i = 0; i < 3; i++) {
@@ -935,6 +937,97 @@ static void test_qkv_rope_biases(void)
         }
     }
     CHECKF(taken == calls, "qkv_rope took every call with its pairs adjacent (%d of %d)", taken, calls);
+}
+
+/* ---- qkv_rope with Gemma 3's norms: q, k and v by whole heads ------------ */
+
+long long luma_cuda_qkv_heads(luma_backend *be);
+
+/* Gemma 3's q, k and v (heads of 256, q_norm and k_norm, NEOX) through
+ * qkv_rope: at one row the products make whole heads and normalize and
+ * rotate q and k themselves (mmv_heads), which must give the bits of the
+ * GPU's matmul_many then qk_rope, and the CPU's matmul, rmsnorm and rope
+ * within the 8-bit products' bound; at 3 rows the same through the
+ * fallback. Gemma 3 270M's shapes (640 columns: Q5_0 q and k, Q8_0 v; all
+ * Q8_0) and 1B's (1,152 columns of Q5_0, three rounds a row). */
+static void test_qkv_heads(void)
+{
+    static const struct {
+        enum luma_type t[3];
+        int64_t cols;
+    } sets[] = {
+        { { LUMA_Q5_0, LUMA_Q5_0, LUMA_Q8_0 }, 640 },
+        { { LUMA_Q8_0, LUMA_Q8_0, LUMA_Q8_0 }, 640 },
+        { { LUMA_Q5_0, LUMA_Q5_0, LUMA_Q5_0 }, 1152 },
+    };
+    static const int32_t ms[] = { 1, 3 };
+    const int32_t hd = 256;
+    const int64_t rows[3] = { 4 * 256, 256, 256 };
+    const long long heads0 = luma_cuda_qkv_heads(gpu);
+    int ones = 0;
+    for (size_t si = 0; si < sizeof sets / sizeof sets[0]; si++) {
+        const int64_t cols = sets[si].cols;
+        dual_w w[3], g[2];
+        uint8_t *host[3];
+        float *gains = random_floats(2 * (size_t)hd, 1.0f);
+        bool ok = dual_weight(&g[0], LUMA_F32, 1, hd, gains) && dual_weight(&g[1], LUMA_F32, 1, hd, gains + hd);
+        for (int i = 0; i < 3; i++) {
+            host[i] = xmalloc(luma_row_size(sets[si].t[i], cols) * (size_t)rows[i]);
+            random_weights(sets[si].t[i], rows[i] * cols, host[i]);
+            ok = ok && dual_weight(&w[i], sets[si].t[i], rows[i], cols, host[i]);
+        }
+        for (size_t mi = 0; mi < sizeof ms / sizeof ms[0] && ok; mi++) {
+            const int32_t m = ms[mi];
+            const luma_rope r = { LUMA_ROPE_NEOX, hd, 1e6f, 1.0f, NULL };
+            qkv_case k;
+            dual *y = k.y;
+            if (qkv_case_new(&k, m, cols, rows, 32768)) {
+                const luma_weight *wg[3] = { &w[0].g, &w[1].g, &w[2].g };
+                const luma_qkv qp = { { wg[0], wg[1], wg[2] }, { NULL, NULL, NULL }, &g[0].g, &g[1].g, 1e-6f };
+                luma_buf *yg[3] = { &y[0].g, &y[1].g, &y[2].g }, *yg2[3] = { &k.y2[0], &k.y2[1], &k.y2[2] };
+                const long long before = luma_cuda_qkv_heads(gpu);
+                const bool took = gpu->ops->qkv_rope(gpu, &qp, &k.xb.g, yg, hd, k.t.pos, &r);
+                CHECKF(took == (m == 1), "qkv_rope with norms %s one row at m=%d", took ? "took more than" : "declined",
+                       (int)m);
+                if (!took) {
+                    gpu->ops->matmul_many(gpu, 3, wg, &k.xb.g, yg);
+                    gpu->ops->qk_rope(gpu, yg[0], yg[1], &g[0].g, &g[1].g, hd, 1e-6f, k.t.pos, &r);
+                }
+                ones += m == 1 && luma_cuda_qkv_heads(gpu) > before;
+                gpu->ops->matmul_many(gpu, 3, wg, &k.xb.g, yg2);
+                gpu->ops->qk_rope(gpu, yg2[0], yg2[1], &g[0].g, &g[1].g, hd, 1e-6f, k.t.pos, &r);
+                for (int i = 0; i < 3; i++) cpu->ops->matmul(cpu, &w[i].c, &k.xb.c, &y[i].c);
+                for (int i = 0; i < 2; i++) {
+                    cpu->ops->rmsnorm(cpu, &y[i].c, &g[i].c, hd, 1e-6f, &y[i].c);
+                    cpu->ops->rope(cpu, &y[i].c, hd, k.t.pos, &r);
+                }
+                if (gpu_sync("qkv_rope with norms")) {
+                    for (int i = 0; i < 3; i++) {
+                        const size_t n = (size_t)(m * rows[i]);
+                        float *a = xmalloc(n * sizeof(float)), *b = xmalloc(n * sizeof(float));
+                        if (qkv_case_read(&k, i, a, b))
+                            CHECKF(memcmp(a, b, n * sizeof(float)) == 0,
+                                   "qkv_rope with norms, set %zu, output %d at m=%d: not the bits of matmul_many and "
+                                   "qk_rope",
+                                   si, i, (int)m);
+                        free(a);
+                        free(b);
+                        char name[80];
+                        snprintf(name, sizeof name, "qkv_rope+norms %s/%s/%s x %d m=%d (%c)",
+                                 luma_type_name(sets[si].t[0]), luma_type_name(sets[si].t[1]),
+                                 luma_type_name(sets[si].t[2]), (int)cols, (int)m, "qkv"[i]);
+                        report(name, dual_err(&y[i]), 1e-4);
+                    }
+                }
+            }
+            qkv_case_free(&k);
+        }
+        for (int i = 0; i < 3; i++) free(host[i]);
+        free(gains);
+    }
+    CHECKF(ones == (int)(sizeof sets / sizeof sets[0]), "q, k and v by whole heads at one row: %d of %d sets", ones,
+           (int)(sizeof sets / sizeof sets[0]));
+    CHECKF(luma_cuda_qkv_heads(gpu) > heads0, "q, k and v by whole heads ran");
 }
 
 /* ---- elementwise, bias, gather ------------------------------------------ */
@@ -1849,6 +1942,7 @@ static int run_checks(void)
         test_qkv_bias_rope();
         test_qkv_rope();
         test_qkv_rope_biases();
+        test_qkv_heads();
         test_add_rmsnorm();
         test_rope();
         test_elementwise();

@@ -68,9 +68,8 @@ static int gemma3_forward(luma_model *m, const luma_step *step, luma_err *err)
                            hp->layer_swa[il] ? 1.0f : hp->rope_pos_scale, NULL };
 
         /* a->h holds this layer's normalized input */
-        luma_model_matmuls(m, 3, (const luma_weight *const[]){ &l->wq, &l->wk, &l->wv }, &a->h,
-                           (luma_buf *const[]){ &a->q, &a->k, &a->v });
-        luma_model_qk_rope(m, &a->q, &a->k, &l->q_norm, &l->k_norm, dk, step->pos, &rope);
+        const luma_qkv p = { { &l->wq, &l->wk, &l->wv }, { NULL, NULL, NULL }, &l->q_norm, &l->k_norm, hp->eps };
+        luma_model_qkv_rope(m, &p, &a->h, (luma_buf *const[]){ &a->q, &a->k, &a->v }, dk, step->pos, &rope);
         be->attention(b, &a->q, &a->k, &a->v, step, &at, &a->attn);
         be->matmul(b, &l->wo, &a->attn, &a->o);
         luma_model_residual_norm(m, &a->x, &a->o, &l->post_attn_norm, &l->ffn_norm, &a->h);

@@ -66,12 +66,12 @@ static int llama_forward(luma_model *m, const luma_step *step, luma_err *err)
         luma_model_attn(m, il, &at);
 
         /* a->h holds this layer's normalized input */
-        const luma_weight *const wqkv[] = { &l->wq, &l->wk, &l->wv };
         /* qwen2's biases go in before the rotation */
-        const luma_weight *const bqkv[] = { l->bq.host ? &l->bq : NULL, l->bk.host ? &l->bk : NULL,
-                                            l->bv.host ? &l->bv : NULL };
+        const luma_qkv p = { { &l->wq, &l->wk, &l->wv },
+                             { l->bq.host ? &l->bq : NULL, l->bk.host ? &l->bk : NULL, l->bv.host ? &l->bv : NULL },
+                             NULL, NULL, hp->eps };
         luma_buf *const qkv[] = { &a->q, &a->k, &a->v };
-        luma_model_qkv_rope(m, wqkv, bqkv, &a->h, qkv, dk, step->pos, &rope);
+        luma_model_qkv_rope(m, &p, &a->h, qkv, dk, step->pos, &rope);
         be->attention(b, &a->q, &a->k, &a->v, step, &at, &a->attn);
         be->matmul(b, &l->wo, &a->attn, &a->o);
         luma_model_residual_norm(m, &a->x, &a->o, NULL, &l->ffn_norm, &a->h);

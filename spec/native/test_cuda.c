@@ -724,6 +724,19 @@ static void qkv_case_free(qkv_case *k)
     free(k->pos);
 }
 
+/* q's, k's and v's weights of types t and rows[i] x cols, random, on both
+ * backends (host[i]: their bytes, for the caller to free). */
+static bool qkv_weights(dual_w *w, uint8_t **host, const enum luma_type *t, const int64_t *rows, int64_t cols)
+{
+    bool ok = true;
+    for (int i = 0; i < 3; i++) {
+        host[i] = xmalloc(luma_row_size(t[i], cols) * (size_t)rows[i]);
+        random_weights(t[i], rows[i] * cols, host[i]);
+        ok = ok && dual_weight(&w[i], t[i], rows[i], cols, host[i]);
+    }
+    return ok;
+}
+
 /* Output i from the fused path (a) and the unfused one (b), on the GPU;
  * false, reported, when they cannot be read. */
 static bool qkv_case_read(const qkv_case *k, int i, float *a, float *b)
@@ -766,12 +779,7 @@ static void test_qkv_rope(void)
         int64_t rows[3] = { (int64_t)sets[si].hq * hd, (int64_t)sets[si].hk * hd, (int64_t)sets[si].hk * hd };
         dual_w w[3];
         uint8_t *host[3];
-        bool ok = true;
-        for (int i = 0; i < 3; i++) {
-            host[i] = xmalloc(luma_row_size(sets[si].t[i], cols) * (size_t)rows[i]);
-            random_weights(sets[si].t[i], rows[i] * cols, host[i]);
-            ok = ok && dual_weight(&w[i], sets[si].t[i], rows[i], cols, host[i]);
-        }
+        bool ok = qkv_weights(w, host, sets[si].t, rows, cols);
         for (size_t mi = 0; mi < sizeof ms / sizeof ms[0] && ok; mi++) {
             const int32_t m = ms[mi];
             luma_rope r = { LUMA_ROPE_NORM, hd, 10000.0f, 1.0f, NULL };
@@ -970,12 +978,8 @@ static void test_qkv_heads(void)
         dual_w w[3], g[2];
         uint8_t *host[3];
         float *gains = random_floats(2 * (size_t)hd, 1.0f);
-        bool ok = dual_weight(&g[0], LUMA_F32, 1, hd, gains) && dual_weight(&g[1], LUMA_F32, 1, hd, gains + hd);
-        for (int i = 0; i < 3; i++) {
-            host[i] = xmalloc(luma_row_size(sets[si].t[i], cols) * (size_t)rows[i]);
-            random_weights(sets[si].t[i], rows[i] * cols, host[i]);
-            ok = ok && dual_weight(&w[i], sets[si].t[i], rows[i], cols, host[i]);
-        }
+        bool ok = qkv_weights(w, host, sets[si].t, rows, cols) && dual_weight(&g[0], LUMA_F32, 1, hd, gains) &&
+                  dual_weight(&g[1], LUMA_F32, 1, hd, gains + hd);
         for (size_t mi = 0; mi < sizeof ms / sizeof ms[0] && ok; mi++) {
             const int32_t m = ms[mi];
             const luma_rope r = { LUMA_ROPE_NEOX, hd, 1e6f, 1.0f, NULL };

@@ -132,25 +132,30 @@ end
 -- model against an exact forward's file (scripts/ref-forward.py: prompts
 -- with every position's reference top ids and logits): the top-1
 -- agreements, the positions, the largest |diff| over the reference's top
--- ids, and the reference's largest margin where the top-1 differs.
+-- ids, the reference's largest margin where the top-1 differs, and the
+-- positions whose top-1 is not among the reference's top ids at all.
 function H.against_exact(model, exact)
-  local agree, total, maxdiff, worst = 0, 0, 0, 0
+  local agree, total, maxdiff, worst, unlisted = 0, 0, 0, 0, 0
   for _, p in ipairs(exact.prompts) do
     local seq = model:sequence()
     local all = seq:eval(p.ids, { all = true })
     for i, lg in ipairs(all) do
       local ref = p.top[i]
       total = total + 1
-      local mine = lg:argmax()
+      local mine, listed = lg:argmax(), false
       if mine == ref.ids[1] then agree = agree + 1 end
       for k = 1, #ref.ids do
         maxdiff = math.max(maxdiff, math.abs(lg[ref.ids[k]] - ref.vals[k]))
-        if ref.ids[k] == mine and mine ~= ref.ids[1] then worst = math.max(worst, ref.vals[1] - ref.vals[k]) end
+        if ref.ids[k] == mine then
+          listed = true
+          if mine ~= ref.ids[1] then worst = math.max(worst, ref.vals[1] - ref.vals[k]) end
+        end
       end
+      if not listed then unlisted = unlisted + 1 end
     end
     seq:close()
   end
-  return agree, total, maxdiff, worst
+  return agree, total, maxdiff, worst, unlisted
 end
 
 -- Greedy continuation of ids on a fresh sequence: n token ids.

@@ -895,6 +895,24 @@ static void cuda_gated_matmul(luma_backend *be, const luma_weight *w, luma_buf *
     y->cols = w->rows;
 }
 
+/* gate and up, then the down of act(gate) * up, where luma_cuda_ffn fuses
+ * them (one row); false, doing nothing, elsewhere: the forward then runs
+ * matmul_many and gated_matmul. Programs take those calls themselves. */
+static bool cuda_ffn(luma_backend *be, const luma_weight *const *w, int act, const luma_buf *x, luma_buf *gate,
+                     luma_buf *up, luma_buf *y)
+{
+    cuda_backend *c = cu(be);
+    if (luma_cuda_prog_active(c) || !LUMA_CUDA_OK(c) || x->rows != 1 || w[0]->cols != x->cols ||
+        w[1]->cols != x->cols || w[0]->rows != w[1]->rows || w[2]->cols != w[0]->rows)
+        return false;
+    luma_cuda_prog_flush(c);
+    if (!luma_cuda_ffn(c, w, act, x->data, x->rows, gate->data, up->data, y->data)) return false;
+    gate->rows = up->rows = y->rows = x->rows;
+    gate->cols = up->cols = w[0]->rows;
+    y->cols = w[2]->rows;
+    return true;
+}
+
 /* What qkv_rope's products left to do: the bias of each output whose bit
  * (q 1, k 2, v 4) is clear in done, and the norms and rotation of q and k
  * where clear; one launch when the products did nothing. */
@@ -1105,6 +1123,7 @@ static const luma_backend_ops cuda_ops = {
     .gelu_mul = cuda_gelu_mul,
     .silu_mul = cuda_silu_mul,
     .gated_matmul = cuda_gated_matmul,
+    .ffn = cuda_ffn,
     .add = cuda_add,
     .logits_alloc = luma_cuda_logits_alloc,
     .logits_free = luma_cuda_logits_free,

@@ -284,6 +284,10 @@ typedef struct cuda_backend {
     /* q, k and v made by whole heads with Gemma's norms (matmul.cu,
      * mmv_heads): the launches (recorded ones once). */
     long long qkv_heads;
+    /* Feed-forwards whose gate and up launch made act(gate) * up and its
+     * quantization for the down product (matmul.cu, mmv_gated): the
+     * launches (recorded ones once). */
+    long long ffn_gated;
     /* Decode attention waiting for the product that reads it (attention.cu,
      * luma_cuda_attn_pend): while in_step, programs off, the attention of
      * a step of one row is not launched but kept here; the activation
@@ -353,6 +357,15 @@ void luma_cuda_matmul(cuda_backend *c, const luma_weight *w, const float *x, int
  * other paths, float weights); the caller then runs the two operations. */
 bool luma_cuda_gated_matmul(cuda_backend *c, const luma_weight *w, float *gate, const float *up, int act,
                             int64_t m, float *y);
+/* The feed-forward at one row where gate and up (w[0], w[1]) are the
+ * repacked Q4_0, Q5_0 or Q8_0 of at most 3 rounds a row and the down (w[2])
+ * takes the matrix-vector path: gate and up in clusters that also make
+ * act(gate) * up and its quantization for the down (mmv_gated), then the
+ * down; gate and up hold what matmul_many and gated_matmul leave there
+ * (act(gate) * up and up). The bits of luma_cuda_matmul_many and
+ * luma_cuda_gated_matmul. False, queuing nothing, elsewhere. */
+bool luma_cuda_ffn(cuda_backend *c, const luma_weight *const *w, int act, const float *x, int64_t m, float *gate,
+                   float *up, float *y);
 /* W's x4 copy for the matrix-vector kernels (matmul.cu's x4_q8_0: 136
  * bytes a 128 elements of a row) where W is Q8_0 and the copy is there to
  * read, else NULL. */

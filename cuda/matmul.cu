@@ -2203,24 +2203,33 @@ static constexpr bool heads_type()
            std::is_same<T, type_q8_0_mmv>::value;
 }
 
-/* Row `row` of segment s (R rounds at most), the warp's sum. */
+/* A lane's blocks of row `row` of a weight at w (nb blocks a row of
+ * row_bytes, R rounds at most) fetched into raw, all at once, as the direct
+ * kernel's warp fetches them; mmv_heads_sum then makes the warp's sum with
+ * the direct kernel's order and butterfly (the same bits). The caller waits
+ * for the kernel before between the two. */
 template <class T, int R>
-static __device__ __forceinline__ float mmv_heads_row(const mmv_seg &s, int64_t row, const act_rows &a)
+static __device__ __forceinline__ void mmv_heads_fetch(const uint8_t *w, size_t row_bytes, int nb, int64_t row,
+                                                       typename T::raw_t (&raw)[R])
 {
     constexpr int stride = 32 / T::lpb;
     const int lane = threadIdx.x % 32, p = lane % T::lpb, ib0 = lane / T::lpb;
-    const uint8_t *wr = s.w + (size_t)row * s.row_bytes;
-    typename T::raw_t raw[R];
+    const uint8_t *wr = w + (size_t)row * row_bytes;
 #pragma unroll
     for (int k = 0; k < R; k++)
-        if (ib0 + k * stride < s.nb) mmv_fetch<T>(wr + (size_t)(ib0 + k * stride) * T::bytes, p, raw[k]);
-    wait_for_previous_kernel();
-    let_next_kernel_start();
+        if (ib0 + k * stride < nb) mmv_fetch<T>(wr + (size_t)(ib0 + k * stride) * T::bytes, p, raw[k]);
+}
+
+template <class T, int R>
+static __device__ __forceinline__ float mmv_heads_sum(int nb, const typename T::raw_t (&raw)[R], const act_rows &a)
+{
+    constexpr int stride = 32 / T::lpb;
+    const int lane = threadIdx.x % 32, p = lane % T::lpb, ib0 = lane / T::lpb;
     float acc = 0.0f;
 #pragma unroll
     for (int k = 0; k < R; k++) {
         const int ib = ib0 + k * stride;
-        if (ib < s.nb) {
+        if (ib < nb) {
             typename T::w_t wv;
             typename T::x_t xv;
             T::decode(raw[k], p, wv);
@@ -2229,6 +2238,17 @@ static __device__ __forceinline__ float mmv_heads_row(const mmv_seg &s, int64_t 
         }
     }
     return warp_sum(acc);
+}
+
+/* Row `row` of segment s (R rounds at most), the warp's sum. */
+template <class T, int R>
+static __device__ __forceinline__ float mmv_heads_row(const mmv_seg &s, int64_t row, const act_rows &a)
+{
+    typename T::raw_t raw[R];
+    mmv_heads_fetch<T, R>(s.w, s.row_bytes, s.nb, row, raw);
+    wait_for_previous_kernel();
+    let_next_kernel_start();
+    return mmv_heads_sum<T, R>(s.nb, raw, a);
 }
 
 template <class TA, class TB, int R>
@@ -2263,6 +2283,19 @@ mmv_heads(mmv_segs sg, act_rows a, const mmv_heads_args h)
     } else {
         for (int t = threadIdx.x; t < HEADS_D; t += blockDim.x) s.y[r0 + t] = head[t];
     }
+}
+
+/* The launch of ctas CTAs of HEADS_WARPS warps in clusters of HEADS_CTAS,
+ * a programmatic dependent of the kernel before (launch.cuh); attr: room
+ * for two attributes. */
+static cudaLaunchConfig_t heads_config(const cuda_backend *c, unsigned ctas, cudaLaunchAttribute *attr)
+{
+    cudaLaunchConfig_t cfg = luma_launch_config(c, c->stream, ctas, HEADS_WARPS * 32, 0, &attr[0]);
+    attr[1].id = cudaLaunchAttributeClusterDimension;
+    attr[1].val.clusterDim.x = HEADS_CTAS;
+    attr[1].val.clusterDim.y = attr[1].val.clusterDim.z = 1;
+    cfg.numAttrs = 2;
+    return cfg;
 }
 
 /* mmv_heads for the n weights ws of a pending norm request at one row,
@@ -2304,11 +2337,7 @@ static bool mmv_heads_launch(cuda_backend *c, const luma_weight *const *ws, floa
             done |= 1 << o;
         }
         cudaLaunchAttribute attr[2];
-        cudaLaunchConfig_t cfg = luma_launch_config(c, c->stream, ctas, HEADS_WARPS * 32, 0, &attr[0]);
-        attr[1].id = cudaLaunchAttributeClusterDimension;
-        attr[1].val.clusterDim.x = HEADS_CTAS;
-        attr[1].val.clusterDim.y = attr[1].val.clusterDim.z = 1;
-        cfg.numAttrs = 2;
+        const cudaLaunchConfig_t cfg = heads_config(c, ctas, attr);
         auto *kernel = rounds == 1 ? mmv_heads<TA, TB, 1> : rounds == 2 ? mmv_heads<TA, TB, 2> : mmv_heads<TA, TB, 3>;
         if (!luma_cuda_fail(c, cudaLaunchKernelEx(&cfg, kernel, sg, a, h), "matmul (q, k and v by whole heads)")) {
             rq->done |= done;
@@ -2316,6 +2345,126 @@ static bool mmv_heads_launch(cuda_backend *c, const luma_weight *const *ws, floa
         }
         return true;
     }
+}
+
+/* -- gate and up in clusters that also make the down's input (mmv_gated) ---
+ *
+ * Between gate and up's launch and the down, the gated quantizer
+ * (quantize_act with ACT: act(gate) * up, quantized for the down product)
+ * was a launch of its own: 3.4% of Gemma 3 270M's decode step and 6.5% of
+ * Qwen2.5 0.5B's when left out (cuda/NOTES.md). At one activation row,
+ * where gate and up are one type of heads_type (Gemma 3's and Qwen2's 640
+ * to 1,152 columns, at most 3 rounds a row) and the feed-forward is whole
+ * super-blocks of 256, a cluster of HEADS_CTAS CTAs of HEADS_WARPS warps
+ * makes GATED_E * P consecutive entries: warp w of the cluster makes
+ * entries w, w + GATED_E, ... (P of them), each entry's gate row and up row
+ * as the direct kernel's warp makes them (mmv_heads_fetch / _sum, every
+ * block fetched before the wait), then act(gate) * up as quantize_act makes
+ * it; it stores up and act(gate) * up where matmul_many and gated_matmul
+ * leave them, and puts act(gate) * up into the first CTA's shared memory.
+ * After the cluster's barrier, P warps there quantize a super-block of 256
+ * each as quantize_act does (q8_scale and q8_store over the same lanes, so
+ * the same shuffles) into the down's activations. The bits of matmul_many
+ * then gated_matmul. */
+#define GATED_E (HEADS_CTAS * HEADS_WARPS)   /* entries a cluster makes per pair of rows a warp */
+
+struct mmv_gated_args {
+    const uint8_t *wg, *wu;    /* gate's and up's repacked blocks */
+    size_t row_bytes;
+    int nb;                    /* blocks of a row */
+    int act;                   /* LUMA_ACT_GELU or LUMA_ACT_SILU */
+    bool k;                    /* the down's activations ACT_Q8_K, else ACT_Q8_0 */
+    int64_t n;                 /* entries: gate's and up's rows, a multiple of 256 */
+    float *gate, *up;
+    int8_t *q;                 /* the down's activations: int8 values and blocks' (d, d * sum) */
+    float2 *ds;
+};
+
+template <class T, int R, int P>
+static __global__ void __launch_bounds__(HEADS_WARPS * 32, 1)
+mmv_gated(act_rows a, const mmv_gated_args g)
+{
+    __shared__ __align__(16) float vals[GATED_E * P];
+    cg::cluster_group cl = cg::this_cluster();
+    cl.barrier_arrive();   /* as in mmv_heads: the first CTA takes writes once started */
+    const int w = (int)cl.block_rank() * HEADS_WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int64_t e0 = (int64_t)(blockIdx.x / HEADS_CTAS) * (GATED_E * P);
+    typename T::raw_t rg[P][R], ru[P][R];
+#pragma unroll
+    for (int p = 0; p < P; p++)
+        if (e0 + w + GATED_E * p < g.n) {
+            mmv_heads_fetch<T, R>(g.wg, g.row_bytes, g.nb, e0 + w + GATED_E * p, rg[p]);
+            mmv_heads_fetch<T, R>(g.wu, g.row_bytes, g.nb, e0 + w + GATED_E * p, ru[p]);
+        }
+    wait_for_previous_kernel();
+    let_next_kernel_start();
+    float v[P];
+#pragma unroll
+    for (int p = 0; p < P; p++) {
+        const int64_t e = e0 + w + GATED_E * p;
+        v[p] = 0.0f;
+        if (e < g.n) {
+            const float gs = mmv_heads_sum<T, R>(g.nb, rg[p], a), us = mmv_heads_sum<T, R>(g.nb, ru[p], a);
+            v[p] = g.act == LUMA_ACT_GELU ? act_gated<LUMA_ACT_GELU>(gs, us) : act_gated<LUMA_ACT_SILU>(gs, us);
+            if (lane == 0) {
+                g.gate[e] = v[p];
+                g.up[e] = us;
+            }
+        }
+    }
+    cl.barrier_wait();
+    if (lane == 0) {
+        float *first = cl.map_shared_rank(vals, 0);
+#pragma unroll
+        for (int p = 0; p < P; p++) first[w + GATED_E * p] = v[p];
+    }
+    cl.sync();
+    const int sb = threadIdx.x / 32;   /* the super-block of 256 this warp quantizes */
+    if (cl.block_rank() != 0 || sb >= GATED_E * P / 256 || e0 + 256 * sb >= g.n) return;
+    float x[8];
+    const float4 *u = (const float4 *)vals + (256 * sb + 8 * lane) / 4, lo = u[0], hi = u[1];
+    x[0] = lo.x; x[1] = lo.y; x[2] = lo.z; x[3] = lo.w;
+    x[4] = hi.x; x[5] = hi.y; x[6] = hi.z; x[7] = hi.w;
+    int iq[8];
+    const float d = g.k ? q8_scale<ACT_Q8_K>(x, lane, iq) : q8_scale<ACT_Q8_0>(x, lane, iq);
+    q8_store(iq, d, (e0 + 256 * sb) / 8 + lane, true, lane, g.q, g.ds, NULL, 0, 1);
+}
+
+/* The most clusters of mmv_gated<T, R, P> the GPU holds at once (0: unknown). */
+template <class T, int R, int P>
+static int mmv_gated_clusters(cuda_backend *c)
+{
+    static int most = -1;   /* the same for every backend on one kind of GPU */
+    if (most < 0) {
+        cudaLaunchAttribute attr[2];
+        const cudaLaunchConfig_t cfg = heads_config(c, HEADS_CTAS, attr);
+        int n = 0;
+        most = cudaOccupancyMaxActiveClusters(&n, mmv_gated<T, R, P>, &cfg) == cudaSuccess ? n : 0;
+        (void)cudaGetLastError();
+    }
+    return most;
+}
+
+/* Whether the clusters of mmv_gated<T, R, P> for n entries fit on the GPU
+ * at once; with go, launched (a: gate's and up's activations). */
+template <class T, int R, int P>
+static bool mmv_gated_go(cuda_backend *c, const act_rows &a, const mmv_gated_args &g, bool go)
+{
+    const int64_t clusters = (g.n + GATED_E * P - 1) / (GATED_E * P);
+    if (clusters > mmv_gated_clusters<T, R, P>(c)) return false;
+    if (!go) return true;
+    cudaLaunchAttribute attr[2];
+    const cudaLaunchConfig_t cfg = heads_config(c, (unsigned)(clusters * HEADS_CTAS), attr);
+    if (!luma_cuda_fail(c, cudaLaunchKernelEx(&cfg, mmv_gated<T, R, P>, a, g), "matmul (gate and up, gated)"))
+        c->ffn_gated++;
+    return true;
+}
+
+/* The fewest pairs a warp (1 or 2) whose clusters fit at once. */
+template <class T, int R>
+static bool mmv_gated_launch(cuda_backend *c, const act_rows &a, const mmv_gated_args &g, bool go)
+{
+    return mmv_gated_go<T, R, 1>(c, a, g, go) || mmv_gated_go<T, R, 2>(c, a, g, go);
 }
 
 /* Matrices of many short rows take the narrow kernel (mmv_narrow_taken).
@@ -4138,6 +4287,68 @@ bool luma_cuda_gated_matmul(cuda_backend *c, const luma_weight *w, float *gate, 
     return true;
 }
 
+/* mmv_gated for gate and up (w, type T, repacked), where their rows are at
+ * most 3 rounds and its clusters fit (with go, launched); false where not. */
+template <class T>
+static bool ffn_gated_launch(cuda_backend *c, const luma_weight *w, const act_rows &a, mmv_gated_args &g, bool go)
+{
+    constexpr int stride = 32 / T::lpb;
+    if (w->cols % T::qk != 0) return false;
+    g.nb = (int)(w->cols / T::qk);
+    g.row_bytes = (size_t)g.nb * T::bytes;
+    switch ((g.nb + stride - 1) / stride) {
+    case 1: return mmv_gated_launch<T, 1>(c, a, g, go);
+    case 2: return mmv_gated_launch<T, 2>(c, a, g, go);
+    case 3: return mmv_gated_launch<T, 3>(c, a, g, go);
+    default: return false;
+    }
+}
+
+static bool ffn_gated_type(cuda_backend *c, const luma_weight *w, const act_rows &a, mmv_gated_args &g, bool go)
+{
+    switch (w->type) {
+    case LUMA_Q4_0: return ffn_gated_launch<type_q4_0_mmv>(c, w, a, g, go);
+    case LUMA_Q5_0: return ffn_gated_launch<type_q5_0_mmv>(c, w, a, g, go);
+    case LUMA_Q8_0: return ffn_gated_launch<type_q8_0_mmv>(c, w, a, g, go);
+    default: return false;
+    }
+}
+
+bool luma_cuda_ffn(cuda_backend *c, const luma_weight *const *w, int act, const float *x, int64_t m, float *gate,
+                   float *up, float *y)
+{
+    /* LUMA_CUDA_FFN_GATED=0 in the environment: never (for measuring; read once) */
+    static const bool on = luma_cuda_env_digit("LUMA_CUDA_FFN_GATED", 1) != 0;
+    const luma_weight *wg = w[0], *wu = w[1], *wd = w[2];
+    if (!on || m != 1 || !LUMA_CUDA_OK(c) || c->float_act || mmv_forced() || wg->type != wu->type ||
+        wg->cols != wu->cols || wg->rows != wu->rows || wg->rows % 256 != 0 || wd->cols != wg->rows ||
+        !has_mmv(c, wg) || !has_mmv(c, wu) || !wd->dev || !luma_cuda_matmul_supports(wd->type) ||
+        is_float_type(wd->type) || !takes_vec(c, wg, x, m) || !takes_vec(c, wu, x, m) || !takes_vec(c, wd, gate, m) ||
+        ((uintptr_t)gate & 15) || ((uintptr_t)up & 15) || (act != LUMA_ACT_GELU && act != LUMA_ACT_SILU))
+        return false;
+    mmv_gated_args g;
+    g.wg = (const uint8_t *)wg->dev_mmv;
+    g.wu = (const uint8_t *)wu->dev_mmv;
+    g.act = act;
+    g.k = luma_type_get(wd->type)->act_type == LUMA_Q8_K;
+    g.n = wg->rows;
+    g.gate = gate;
+    g.up = up;
+    act_rows ax = act_rows_at(wg, x, m, NULL);
+    if (!ffn_gated_type(c, wg, ax, g, false)) return false;
+    const size_t in_bytes = act_q_bytes(m, wg->cols);
+    uint8_t *s = (uint8_t *)luma_cuda_scratch(c, in_bytes + act_q_bytes(m, wd->cols));
+    if (!s) return true;   /* the failure is the backend's now */
+    ax = act_rows_at(wg, x, m, s);
+    const act_rows ad = act_rows_at(wd, gate, m, s + in_bytes);
+    g.q = (int8_t *)ad.q;
+    g.ds = (float2 *)ad.ds;
+    quantize_into(c, wg, x, m, s);   /* a pending norm joins it, as in matmul_many */
+    if (LUMA_CUDA_OK(c)) ffn_gated_type(c, wg, ax, g, true);
+    if (LUMA_CUDA_OK(c)) mm_vec_run(c, wd, ad, m, y);
+    return true;
+}
+
 int64_t luma_cuda_qkv_rope_max_m(void)
 {
     return mmv_tc_hi() > MMV_PASS_M ? mmv_tc_hi() : MMV_PASS_M;
@@ -4421,6 +4632,12 @@ extern "C" long long luma_cuda_norm_quants(luma_backend *be)
 extern "C" long long luma_cuda_qkv_heads(luma_backend *be)
 {
     return ((cuda_backend *)be)->qkv_heads;
+}
+
+/* How many launches made gate and up with the down's input (for the tests). */
+extern "C" long long luma_cuda_ffn_gated(luma_backend *be)
+{
+    return ((cuda_backend *)be)->ffn_gated;
 }
 
 /* How many batched GEMMs have been queued (for the tests). */

@@ -254,6 +254,14 @@ typedef struct luma_backend_ops {
      * which falls back). */
     void (*gated_matmul)(luma_backend *be, const luma_weight *w, luma_buf *gate, const luma_buf *up, int act,
                          luma_buf *y);
+    /* A layer's feed-forward: gate = W_gate x and up = W_up x (w[0], w[1],
+     * as matmul_many), then y = W_down (act(gate) * up) (w[2], as
+     * gated_matmul, which leaves act(gate) * up in gate), with the bits of
+     * those two calls. Optional: NULL, or false having done nothing when
+     * the backend does not fuse them for this step (callers use
+     * luma_model_ffn, which falls back). */
+    bool (*ffn)(luma_backend *be, const luma_weight *const *w, int act, const luma_buf *x, luma_buf *gate,
+                luma_buf *up, luma_buf *y);
     /* x += y */
     void (*add)(luma_backend *be, luma_buf *x, const luma_buf *y);
 

@@ -289,6 +289,16 @@ void luma_model_gated_matmul(const luma_model *m, const luma_weight *w, luma_buf
     be->matmul(b, w, gate, y);
 }
 
+void luma_model_ffn(const luma_model *m, const luma_weight *gate_w, const luma_weight *up_w, const luma_weight *down_w,
+                    int act, const luma_buf *x, luma_buf *gate, luma_buf *up, luma_buf *y)
+{
+    luma_backend *b = m->be;
+    const luma_weight *const w[3] = { gate_w, up_w, down_w };
+    if (b->ops->ffn && b->ops->ffn(b, w, act, x, gate, up, y)) return;
+    luma_model_matmuls(m, 2, w, x, (luma_buf *const[]){ gate, up });
+    luma_model_gated_matmul(m, down_w, gate, up, act, y);
+}
+
 void luma_model_residual_norm(const luma_model *m, luma_buf *x, luma_buf *y, const luma_weight *yg,
                               const luma_weight *g, luma_buf *out)
 {

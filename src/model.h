@@ -191,6 +191,12 @@ void luma_model_qkv_rope(const luma_model *m, const luma_qkv *p, const luma_buf 
  * gated_matmul when it has one, else gelu_mul or silu_mul and matmul. */
 void luma_model_gated_matmul(const luma_model *m, const luma_weight *w, luma_buf *gate, const luma_buf *up,
                              int act, luma_buf *y);
+/* The feed-forward: gate = gate_w x, up = up_w x, then y = down_w (act(gate)
+ * * up), act(gate) * up left in gate: through the backend's ffn when it
+ * takes them, else as luma_model_matmuls and luma_model_gated_matmul; the
+ * same bits either way. */
+void luma_model_ffn(const luma_model *m, const luma_weight *gate_w, const luma_weight *up_w, const luma_weight *down_w,
+                    int act, const luma_buf *x, luma_buf *gate, luma_buf *up, luma_buf *y);
 /* ys[i] = ws[i] x for the n weights: through the backend's matmul_many when
  * it has one, else one matmul each; the same bits either way. */
 void luma_model_matmuls(const luma_model *m, int n, const luma_weight *const *ws, const luma_buf *x,

@@ -1034,6 +1034,114 @@ static void test_qkv_heads(void)
     CHECKF(luma_cuda_qkv_heads(gpu) > heads0, "q, k and v by whole heads ran");
 }
 
+/* ---- ffn: gate and up making the down's input (mmv_gated) ---------------- */
+
+long long luma_cuda_ffn_gated(luma_backend *be);
+
+/* The GPU's ffn against its own matmul_many then gated_matmul: the same
+ * bits in y, gate (act(gate) * up) and up, at one row taken by the
+ * clusters of mmv_gated (counted) and at 3 rows declined; y against the
+ * CPU's matmul, gelu_mul / silu_mul and matmul. Gemma 3 270M's, Qwen2.5
+ * 0.5B's and Gemma 3 1B's shapes (Q5_0 gate and up of 640, 896 and 1,152
+ * columns, 1 to 3 rounds a row, one or two pairs of rows a warp, Q6_K
+ * down: 8-bit activations of super-blocks of 256), and Q8_0 and Q4_0 with
+ * a Q8_0 down (blocks of 32). */
+static void test_ffn_gated(void)
+{
+    static const struct {
+        enum luma_type t, down;
+        int64_t cols, ffn;
+        int act;
+    } sets[] = {
+        { LUMA_Q5_0, LUMA_Q6_K, 640, 2048, LUMA_ACT_GELU },
+        { LUMA_Q5_0, LUMA_Q6_K, 896, 4864, LUMA_ACT_SILU },
+        { LUMA_Q5_0, LUMA_Q6_K, 1152, 6912, LUMA_ACT_GELU },
+        { LUMA_Q8_0, LUMA_Q8_0, 640, 2048, LUMA_ACT_SILU },
+        { LUMA_Q4_0, LUMA_Q8_0, 512, 768, LUMA_ACT_GELU },
+    };
+    static const int32_t ms[] = { 1, 3 };
+    if (!gpu->ops->ffn) {
+        CHECKF(0, "the CUDA backend has ffn");
+        return;
+    }
+    const long long gated0 = luma_cuda_ffn_gated(gpu);
+    int ones = 0;
+    for (size_t si = 0; si < sizeof sets / sizeof sets[0]; si++) {
+        const int64_t cols = sets[si].cols, ffn = sets[si].ffn;
+        const enum luma_type t[3] = { sets[si].t, sets[si].t, sets[si].down };
+        const int64_t rows[3] = { ffn, ffn, cols }, wcols[3] = { cols, cols, ffn };
+        dual_w w[3];
+        uint8_t *host[3];
+        bool ok = true;
+        for (int i = 0; i < 3; i++) {
+            host[i] = xmalloc(luma_row_size(t[i], wcols[i]) * (size_t)rows[i]);
+            random_weights(t[i], rows[i] * wcols[i], host[i]);
+            ok = ok && dual_weight(&w[i], t[i], rows[i], wcols[i], host[i]);
+        }
+        for (size_t mi = 0; mi < sizeof ms / sizeof ms[0] && ok; mi++) {
+            const int32_t m = ms[mi];
+            float *x = random_floats((size_t)(m * cols), 1.0f);
+            dual xb, gate, up, y;
+            luma_buf g2[3];   /* gate, up and y of the unfused path */
+            luma_err err = { { 0 } };
+            dual_new(&xb, m, cols);
+            dual_set(&xb, x);
+            dual_new(&gate, m, ffn);
+            dual_new(&up, m, ffn);
+            dual_new(&y, m, cols);
+            for (int i = 0; i < 3; i++)
+                if (gpu->ops->buf_alloc(gpu, &g2[i], m, i < 2 ? ffn : cols, &err) != 0)
+                    CHECKF(0, "buf_alloc: %s", err.msg);
+            const luma_weight *wg[3] = { &w[0].g, &w[1].g, &w[2].g };
+            const long long before = luma_cuda_ffn_gated(gpu);
+            const bool took = gpu->ops->ffn(gpu, wg, sets[si].act, &xb.g, &gate.g, &up.g, &y.g);
+            CHECKF(took == (m == 1), "ffn %s one row at m=%d", took ? "took more than" : "declined", (int)m);
+            ones += m == 1 && luma_cuda_ffn_gated(gpu) > before;
+            if (!took) {
+                gpu->ops->matmul_many(gpu, 2, wg, &xb.g, (luma_buf *const[]){ &gate.g, &up.g });
+                gpu->ops->gated_matmul(gpu, wg[2], &gate.g, &up.g, sets[si].act, &y.g);
+            }
+            gpu->ops->matmul_many(gpu, 2, wg, &xb.g, (luma_buf *const[]){ &g2[0], &g2[1] });
+            gpu->ops->gated_matmul(gpu, wg[2], &g2[0], &g2[1], sets[si].act, &g2[2]);
+            cpu->ops->matmul(cpu, &w[0].c, &xb.c, &gate.c);
+            cpu->ops->matmul(cpu, &w[1].c, &xb.c, &up.c);
+            if (sets[si].act == LUMA_ACT_GELU) cpu->ops->gelu_mul(cpu, &gate.c, &up.c);
+            else cpu->ops->silu_mul(cpu, &gate.c, &up.c);
+            cpu->ops->matmul(cpu, &w[2].c, &gate.c, &y.c);
+            if (gpu_sync("ffn")) {
+                const dual *got[3] = { &gate, &up, &y };
+                for (int i = 0; i < 3; i++) {
+                    const size_t n = (size_t)(m * (i < 2 ? ffn : cols));
+                    float *a = xmalloc(n * sizeof(float)), *b = xmalloc(n * sizeof(float));
+                    if (gpu->ops->buf_read(gpu, &got[i]->g, a, &err) == 0 &&
+                        gpu->ops->buf_read(gpu, &g2[i], b, &err) == 0)
+                        CHECKF(memcmp(a, b, n * sizeof(float)) == 0,
+                               "ffn set %zu, %s at m=%d: not the bits of matmul_many and gated_matmul", si,
+                               i == 0 ? "gate" : i == 1 ? "up" : "y", (int)m);
+                    else
+                        CHECKF(0, "buf_read: %s", err.msg);
+                    free(a);
+                    free(b);
+                }
+                char name[80];
+                snprintf(name, sizeof name, "ffn %s x %d, %d, %s m=%d (y)", luma_type_name(t[0]), (int)cols, (int)ffn,
+                         luma_type_name(t[2]), (int)m);
+                report(name, dual_err(&y), 2e-3);
+            }
+            for (int i = 0; i < 3; i++) gpu->ops->buf_free(gpu, &g2[i]);
+            dual_free(&xb);
+            dual_free(&gate);
+            dual_free(&up);
+            dual_free(&y);
+            free(x);
+        }
+        for (int i = 0; i < 3; i++) free(host[i]);
+    }
+    CHECKF(ones == (int)(sizeof sets / sizeof sets[0]), "gate and up with the down's input at one row: %d of %d sets",
+           ones, (int)(sizeof sets / sizeof sets[0]));
+    CHECKF(luma_cuda_ffn_gated(gpu) > gated0, "gate and up with the down's input ran");
+}
+
 /* ---- elementwise, bias, gather ------------------------------------------ */
 
 enum { OP_ADD, OP_GELU, OP_SILU };
@@ -1947,6 +2055,7 @@ static int run_checks(void)
         test_qkv_rope();
         test_qkv_rope_biases();
         test_qkv_heads();
+        test_ffn_gated();
         test_add_rmsnorm();
         test_rope();
         test_elementwise();

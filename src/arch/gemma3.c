@@ -74,9 +74,7 @@ static int gemma3_forward(luma_model *m, const luma_step *step, luma_err *err)
         be->matmul(b, &l->wo, &a->attn, &a->o);
         luma_model_residual_norm(m, &a->x, &a->o, &l->post_attn_norm, &l->ffn_norm, &a->h);
 
-        luma_model_matmuls(m, 2, (const luma_weight *const[]){ &l->gate, &l->up }, &a->h,
-                           (luma_buf *const[]){ &a->gate, &a->up });
-        luma_model_gated_matmul(m, &l->down, &a->gate, &a->up, LUMA_ACT_GELU, &a->o);
+        luma_model_ffn(m, &l->gate, &l->up, &l->down, LUMA_ACT_GELU, &a->h, &a->gate, &a->up, &a->o);
         const luma_weight *next = il + 1 < hp->n_layer ? &m->layers[il + 1].attn_norm : &m->output_norm;
         luma_model_residual_norm(m, &a->x, &a->o, &l->post_ffn_norm, next, luma_model_norm_out(m, step, il));
     }

@@ -3431,6 +3431,12 @@ static act_rows act_rows_at(const luma_weight *w, const float *x, int64_t m, uin
     return a;
 }
 
+/* The widest row of one activation row whose joined norm lets the product
+ * after it be placed before its wait: measured on the synths (cuda/NOTES.md,
+ * "The residual norms placed early at one row"), 640 to 1,152 columns gain
+ * 4.7 to 7.7%, 2,048 to 4,096 lose 1 to 2%. */
+#define NORM_EARLY_COLS 1536
+
 /* The pending norm (cuda_backend.pend_norm) and the quantization of its
  * out for w into a, as one launch (norm_quantize), where x is that out;
  * false, launching nothing, otherwise. */
@@ -3451,8 +3457,10 @@ static bool norm_quant_into(cuda_backend *c, const luma_weight *w, const float *
     uint32_t *qi = (uint32_t *)a.qi;
     /* as the norm, not as the quantizer: the kernel before it is a product
      * or the attention, whose later CTAs the next product's, placed early
-     * and waiting, would keep off the SMs */
-    const bool early = c->early >= 2;
+     * and waiting, would keep off the SMs (the 7B, 1.5-2% slower early);
+     * at one row of at most NORM_EARLY_COLS the launches about it are a few
+     * SMs' (a small model's) and early placing gains (cuda/NOTES.md) */
+    const bool early = c->early >= 2 || (c->early == 1 && m == 1 && w->cols <= NORM_EARLY_COLS);
     const unsigned grid = (unsigned)m;
 #define NQ_LAUNCH(F, S)                                                                                            \
     luma_launch(c, c->stream, grid, NORM_THREADS, 0, norm_quantize<F, S>, nx, ny, yg, g, w->cols, eps, out, early, q, \

@@ -59,10 +59,10 @@
 #include <limits.h>
 #include <cooperative_groups.h>
 #include <type_traits>
-
-namespace cg = cooperative_groups;
 #include <stdlib.h>
 #include <string.h>
+
+namespace cg = cooperative_groups;
 
 /* The largest m that takes the matrix-vector path; above it the GEMM over f16
  * weights (2 bytes per element read, and first written when there is no

@@ -62,6 +62,8 @@
 #include "launch.cuh"
 #include "quant8.cuh"
 
+LUMA_TRACE_TU(attention)
+
 #define HEAD_MAX 256          /* largest head_dim_k / head_dim_v handled */
 #define DEC_MAX_WARPS 8       /* warps of a decode CTA at most */
 #define DEC_MAX_STAGES 4      /* stages of a decode warp's ring at most */

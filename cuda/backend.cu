@@ -811,8 +811,64 @@ static int cuda_sync(luma_backend *be, luma_err *err)
     return LUMA_CUDA_OK(c) ? 0 : luma_cuda_report(c, err);
 }
 
+#ifdef LUMA_CUDA_TRACE
+#include "launch.cuh"   /* LUMA_TRACE_MAX */
+
+extern "C" {
+void luma_cuda_trace_bind_attention(unsigned long long *p);
+void luma_cuda_trace_bind_logits(unsigned long long *p);
+void luma_cuda_trace_bind_matmul(unsigned long long *p);
+void luma_cuda_trace_bind_mmq(unsigned long long *p);
+void luma_cuda_trace_bind_ops(unsigned long long *p);
+void luma_cuda_trace_bind_tall(unsigned long long *p);
+}
+static unsigned long long *trace_dev;
+
+static void trace_bind(unsigned long long *p)
+{
+    luma_cuda_trace_bind_attention(p);
+    luma_cuda_trace_bind_logits(p);
+    luma_cuda_trace_bind_matmul(p);
+    luma_cuda_trace_bind_mmq(p);
+    luma_cuda_trace_bind_ops(p);
+    luma_cuda_trace_bind_tall(p);
+}
+
+static void trace_start(void)
+{
+    const size_t bytes = (1 + 4 * (size_t)LUMA_TRACE_MAX) * sizeof(unsigned long long);
+    if (trace_dev || cudaMalloc((void **)&trace_dev, bytes) != cudaSuccess) return;
+    cudaMemset(trace_dev, 0, bytes);
+    trace_bind(trace_dev);
+}
+
+static void trace_write(void)
+{
+    const char *path = getenv("LUMA_CUDA_TRACE_FILE");
+    unsigned long long n = 0;
+    if (!trace_dev || cudaDeviceSynchronize() != cudaSuccess ||
+        cudaMemcpy(&n, trace_dev, sizeof n, cudaMemcpyDeviceToHost) != cudaSuccess)
+        return;
+    n = n < LUMA_TRACE_MAX ? n : LUMA_TRACE_MAX;
+    unsigned long long *h = (unsigned long long *)malloc((size_t)(4 * n + 1) * sizeof *h);
+    FILE *f = path ? fopen(path, "a") : NULL;
+    if (h && f && cudaMemcpy(h, trace_dev + 1, (size_t)(4 * n) * sizeof *h, cudaMemcpyDeviceToHost) == cudaSuccess)
+        for (unsigned long long i = 0; i < n; i++) {
+            const unsigned long long *r = h + 4 * i;
+            fprintf(f, "@T %llu %llu %llu %llu %llu %llu\n", r[0], r[1], r[2] >> 32, r[2] & 0xffffffffu, r[3] >> 32,
+                    r[3] & 0xffffffffu);
+        }
+    if (f) fclose(f);
+    free(h);
+    cudaMemset(trace_dev, 0, sizeof n);
+}
+#endif
+
 static void cuda_free(luma_backend *be)
 {
+#ifdef LUMA_CUDA_TRACE
+    trace_write();
+#endif
     cuda_backend *c = cu(be);
     if (!c) return;
     cudaSetDevice(c->device);
@@ -1239,6 +1295,9 @@ luma_backend *luma_backend_cuda_new(int device, luma_err *err)
         cuda_free(&c->base);
         return NULL;
     }
+#ifdef LUMA_CUDA_TRACE
+    trace_start();
+#endif
     c->wgmma = !env_off("LUMA_CUDA_WGMMA") && luma_cuda_wgmma_probe(c);
     if (cudaMalloc(&c->cublas_ws, CUBLAS_WORKSPACE) != cudaSuccess ||
         cudaMalloc(&c->side_ws, CUBLAS_WORKSPACE) != cudaSuccess ||

@@ -40,10 +40,51 @@
 
 #include "cuda_internal.h"
 
+/* LUMA_CUDA_TRACE (a measuring build: -DLUMA_CUDA_TRACE=1 in the CUDA
+ * flags): the first and last CTA of every kernel record, at their wait, the
+ * global timer when they reached it and when it returned, with the
+ * launch's shape (all its CTAs, its threads) and the SM, in a device buffer that the backend made
+ * (trace_buf: a record count, then 4 words a record) and writes out when
+ * freed, as "@T t0 t1 grid block cta sm" lines to $LUMA_CUDA_TRACE_FILE
+ * (scripts/cuda-trace.py reads them). Each file of kernels binds its own
+ * copy of the pointer (LUMA_TRACE_TU). */
+#define LUMA_TRACE_MAX (1u << 22)
+#ifdef LUMA_CUDA_TRACE
+static __device__ unsigned long long *trace_buf;
+#define LUMA_TRACE_TU(name)                                                                                        \
+    extern "C" void luma_cuda_trace_bind_##name(unsigned long long *p)                                            \
+    {                                                                                                              \
+        cudaMemcpyToSymbol(trace_buf, &p, sizeof p);                                                               \
+    }
+#else
+#define LUMA_TRACE_TU(name)
+#endif
+
 static __device__ __forceinline__ void wait_for_previous_kernel()
 {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#ifdef LUMA_CUDA_TRACE
+    unsigned long long t0, t1;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+#endif
     asm volatile("griddepcontrol.wait;" ::: "memory");
+#ifdef LUMA_CUDA_TRACE
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t1));
+    const unsigned ctas = gridDim.x * gridDim.y * gridDim.z,
+                   cta = (blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
+    if (trace_buf && threadIdx.x == 0 && threadIdx.y == 0 && (cta == 0 || cta == ctas - 1)) {
+        unsigned sm;
+        asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+        const unsigned long long i = atomicAdd(trace_buf, 1ull);
+        if (i < LUMA_TRACE_MAX) {
+            unsigned long long *r = trace_buf + 1 + 4 * i;
+            r[0] = t0;
+            r[1] = t1;
+            r[2] = (unsigned long long)ctas << 32 | blockDim.x * blockDim.y;
+            r[3] = (unsigned long long)cta << 32 | sm;
+        }
+    }
+#endif
 #endif
 }
 

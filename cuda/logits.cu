@@ -32,6 +32,8 @@
 #include "cuda_internal.h"
 #include "launch.cuh"
 
+LUMA_TRACE_TU(logits)
+
 #define WORK_ALIGN 256
 #define WORK_MIN ((size_t)64 << 10)
 

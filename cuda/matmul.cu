@@ -62,6 +62,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+LUMA_TRACE_TU(matmul)
+
 namespace cg = cooperative_groups;
 
 /* The largest m that takes the matrix-vector path; above it the GEMM over f16

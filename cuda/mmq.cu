@@ -70,6 +70,8 @@
 #include <cuda.h>
 #include <cudaTypedefs.h>
 
+LUMA_TRACE_TU(mmq)
+
 namespace cg = cooperative_groups;
 
 #define MMQ_THREADS 256         /* 8 warps */

@@ -23,6 +23,8 @@
 #include "rope.cuh"
 #include "norm.cuh"
 
+LUMA_TRACE_TU(ops)
+
 #define THREADS NORM_THREADS
 
 static cuda_backend *cu(luma_backend *be) { return (cuda_backend *)be; }

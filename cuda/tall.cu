@@ -34,6 +34,8 @@
 #include "blocks.cuh"
 #include "launch.cuh"
 
+LUMA_TRACE_TU(tall)
+
 #define TALL_WARPS_MAX 8         /* warps of a CTA at most */
 #define TALL_NT_MAX 8            /* n8 tiles at most: 64 activation rows */
 #define TALL_BARS 128            /* shared memory before the slab buffers: the mbarriers */

@@ -2302,6 +2302,21 @@ static int64_t lean_units(const cuda_backend *c, const attn_args *a)
  * 1, where a bound of two warps an SM gave 2 / 1 / 1 / 1 / 1; 8 beat 4 at
  * 1, 4 and 8 sequences, not at 16 (cuda/NOTES.md). */
 #define LEAN_WARPS_SM 6
+
+/* One decode row of heads of 128 within LEAN_PAIRS_KEYS keys: 4 parts of
+ * two warps a unit (decode_lean_kernel<128, 4, 2>) instead of 8 parts of
+ * one. Measured on the H200 (the 7B synth at batch 1, up to 144 keys):
+ * 549.7-549.9 against 539.0-539.4 tokens/s, where 4 parts of one warp gave
+ * 528.7 (cuda/NOTES.md, "A decode step's chain, traced"). Within 256 keys
+ * neither takes splits over CTAs (lean_splits: 16 keys x 4 parts x 512 /
+ * 128), so past them the rule keeps the 8 one-warp parts and their splits. */
+#define LEAN_PAIRS_KEYS 256
+static bool lean_row_pairs(const cuda_backend *c, const attn_args *a, const dec_tuning &tu)
+{
+    return a->dk > 64 && a->dk <= 128 && !c->invariant && tu.lean_split == 0 && tu.lean_ds == 0 &&
+           c->step.n_dec == 1 && dec_keys(c, a) <= LEAN_PAIRS_KEYS;
+}
+
 static int lean_split_for(const cuda_backend *c, const attn_args *a, const dec_tuning &tu)
 {
     /* heads of 256: 4 at most (8 warps' rings of 2 stages of 16 keys are
@@ -2319,6 +2334,7 @@ static int lean_split_for(const cuda_backend *c, const attn_args *a, const dec_t
      * at 2; Gemma 3 270M 6,544 / 0.54 at 4 against 7,260 / 0.54 at 2
      * (decode_kernel before: 999 / 2.08 / 2.31 and 7,751 / 0.62) */
     if (c->invariant) return a->dk > 128 ? 2 : 4;
+    if (lean_row_pairs(c, a, tu)) return 4;
     const int64_t units = lean_units(c, a);
     int sp = most;
     while (sp > 1 && units * sp > LEAN_WARPS_SM * (int64_t)c->n_sm) sp /= 2;
@@ -2328,10 +2344,12 @@ static int lean_split_for(const cuda_backend *c, const attn_args *a, const dec_t
 /* The warps of a part: 2 (each taking half of the values, both the
  * scores; the part's ring shared, a named barrier of the two a tile) for
  * heads of 256 at up to 4 parts a unit, or for heads of 128 when the
- * tuning's lean_ds asks; else 1 (lean_ds 1: always). Measured for heads of
+ * tuning's lean_ds asks or at one short row (lean_row_pairs, which the
+ * launch asks apart); else 1 (lean_ds 1: always). Measured for heads of
  * 256 (Gemma 3 270M: batch 1 0.61 to 0.55 ms, 4 to 128 sequences 16 to
- * 23% more tokens/s); for heads of 128 (the 7B) level or slower, so not
- * taken there by default (cuda/NOTES.md, "Two warps a part"). */
+ * 23% more tokens/s); for heads of 128 (the 7B) level or slower at 8 to
+ * 128 rows, so not taken there by default (cuda/NOTES.md, "Two warps a
+ * part"). */
 static int lean_ds_for(const attn_args *a, const dec_tuning &tu, int sp)
 {
     const int ds = tu.lean_ds > 0 ? tu.lean_ds : a->dk >= 256 ? 2 : 1;
@@ -2501,7 +2519,7 @@ static void decode_lean_launch(cuda_backend *c, attn_args *a, const dec_tuning &
 {
     const int sp = lean_split_for(c, a, tu);
     if constexpr (D >= 128) {
-        if (lean_ds_for(a, tu, sp) == 2) {
+        if (lean_ds_for(a, tu, sp) == 2 || lean_row_pairs(c, a, tu)) {
             decode_lean_parts<D, 2>(c, a, tu, sp);
             return;
         }

@@ -2305,12 +2305,14 @@ static int64_t lean_units(const cuda_backend *c, const attn_args *a)
 
 /* One decode row of heads of 128 within LEAN_PAIRS_KEYS keys: 4 parts of
  * two warps a unit (decode_lean_kernel<128, 4, 2>) instead of 8 parts of
- * one. Measured on the H200 (the 7B synth at batch 1, up to 144 keys):
- * 549.7-549.9 against 539.0-539.4 tokens/s, where 4 parts of one warp gave
- * 528.7 (cuda/NOTES.md, "A decode step's chain, traced"). Within 256 keys
- * neither takes splits over CTAs (lean_splits: 16 keys x 4 parts x 512 /
- * 128), so past them the rule keeps the 8 one-warp parts and their splits. */
-#define LEAN_PAIRS_KEYS 256
+ * one. Measured on the H200, the 7B synth at batch 1: up to 144 keys
+ * 549.7-549.9 against 539.0-539.4 tokens/s (4 parts of one warp: 528.7);
+ * after 300 / 600 / 1,000 tokens 525.7-526.3 / 520.6-522.6 / 494.7-508.3
+ * against 511.9-512.8 / 514.7-515.1 / 468.5-484.5 (past 256 keys both
+ * split over CTAs, lean_splits); at 2 and 4 rows level, at 8 rows 1.5%
+ * slower, so one row only (cuda/NOTES.md, "A decode step's chain,
+ * traced"). Longer rows were not measured. */
+#define LEAN_PAIRS_KEYS 1024
 static bool lean_row_pairs(const cuda_backend *c, const attn_args *a, const dec_tuning &tu)
 {
     return a->dk > 64 && a->dk <= 128 && !c->invariant && tu.lean_split == 0 && tu.lean_ds == 0 &&

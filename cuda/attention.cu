@@ -2066,7 +2066,7 @@ typedef struct dec_tuning {
                                 * many tiles of a split (0: one CTA a unit, and lean_keys its reach at few
                                 * units too; -1: lean_tiles_for) */
     int lean_solo;             /* ... once its parts would take more than this many tiles each in one CTA
-                                * (-1: 512 / the head's dimensions: lean_splits) */
+                                * (-1: lean_solo_for) */
     int lean_many;             /* below this many units (half for heads of 256) the lean kernel takes rows
                                 * of any length, split past its reach (lean_long_rows; -1: at any number) */
 } dec_tuning;
@@ -2418,6 +2418,20 @@ static bool lean_long_rows(const cuda_backend *c, const attn_args *a, const dec_
     return lean_ds_for(a, tu, 1) == 2 && (tu.lean_many < 0 || units < tu.lean_many / 2);
 }
 
+/* The tiles each part of a unit takes in one CTA before a row splits over
+ * CTAs (lean_splits), by default: 512 / the head's dimensions, where a
+ * split's merge stopped paying; heads of 64 at one decode row 2, measured
+ * on the H200 at batch 1 (Qwen2 0.5B and llama-1b synths, 8 parts a unit):
+ * after 300 / 600 / 1,000 tokens 1,717 / 1,695-1,698 / 1,657-1,660 tokens/s
+ * against 1,679-1,682 / 1,538-1,542 / 1,601-1,606 (Qwen2 0.5B), 1,860 /
+ * 1,856-1,858 / 1,798-1,800 against 1,820 / 1,678-1,680 / 1,743-1,748
+ * (llama-1b), level within 144 keys; the 7B's heads of 128 gained under
+ * 0.5% at 2, so keep 4 (cuda/NOTES.md, "A decode step's chain, traced"). */
+static int lean_solo_for(const cuda_backend *c, int d)
+{
+    return d <= 64 && c->step.n_dec == 1 ? 2 : 512 / d;
+}
+
 /* Splits of a decode_lean_kernel row over CTAs (grid z), planned as
  * plan_splits plans decode_kernel's: for the step's dec_keys_bound (capped
  * at the window) so that a recorded graph replays for its bucket, each
@@ -2425,12 +2439,12 @@ static bool lean_long_rows(const cuda_backend *c, const attn_args *a, const dec_
  * unit's sp parts (16 keys a part), about `tiles` such rounds a split; no
  * more than `fit` a row (the resident CTAs' one wave over the step's
  * rows). No splits while each part would take at most `solo` tiles in
- * one CTA: 512 / d by default, where the split's merge (a partial result
- * written, a counter, one CTA reading them all back: about 2 us) stopped
- * paying (heads of 128 split from a bound of 1,024 keys at batch 1, of
- * 256 from 256: measured on the H200, cuda/NOTES.md). Sets the args'
- * split fields; 1: no splits (the kernel without SPLIT, which reads
- * none of them). */
+ * one CTA (lean_solo_for: 512 / d by default, where the split's merge, a
+ * partial result written, a counter, one CTA reading them all back: about
+ * 2 us, stopped paying; heads of 128 split from a bound of 1,024 keys at
+ * batch 1, of 256 from 256: measured on the H200, cuda/NOTES.md; heads of
+ * 64 at one row sooner). Sets the args' split fields; 1: no splits (the
+ * kernel without SPLIT, which reads none of them). */
 static int32_t lean_splits(const cuda_backend *c, attn_args *a, const dec_tuning &tu, int d, int sp, int64_t fit)
 {
     /* under invariance a split length for every step (decode_lean_go then
@@ -2439,7 +2453,7 @@ static int32_t lean_splits(const cuda_backend *c, attn_args *a, const dec_tuning
     if (c->invariant) return invariant_splits(c, a, tu, (int64_t)16 * sp);
     const int64_t keys = dec_keys(c, a);
     int64_t ns = 1;
-    const int tiles = lean_tiles_for(tu), solo = tu.lean_solo >= 0 ? tu.lean_solo : 512 / d;
+    const int tiles = lean_tiles_for(tu), solo = tu.lean_solo >= 0 ? tu.lean_solo : lean_solo_for(c, d);
     /* past the reach of a CTA a unit, and within it at one or two rows
      * (more, the splits' merges cost more than they save: Gemma 3 270M at 8
      * rows of up to 256 keys 4% slower, the 7B at 32 rows 10%) */

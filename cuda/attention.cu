@@ -2315,8 +2315,8 @@ static int64_t lean_units(const cuda_backend *c, const attn_args *a)
 #define LEAN_PAIRS_KEYS 1024
 static bool lean_row_pairs(const cuda_backend *c, const attn_args *a, const dec_tuning &tu)
 {
-    return a->dk > 64 && a->dk <= 128 && !c->invariant && tu.lean_split == 0 && tu.lean_ds == 0 &&
-           c->step.n_dec == 1 && dec_keys(c, a) <= LEAN_PAIRS_KEYS;
+    return a->dk == 128 && !c->invariant && tu.lean_split == 0 && tu.lean_ds == 0 && c->step.n_dec == 1 &&
+           dec_keys(c, a) <= LEAN_PAIRS_KEYS;
 }
 
 static int lean_split_for(const cuda_backend *c, const attn_args *a, const dec_tuning &tu)
@@ -2346,15 +2346,15 @@ static int lean_split_for(const cuda_backend *c, const attn_args *a, const dec_t
 /* The warps of a part: 2 (each taking half of the values, both the
  * scores; the part's ring shared, a named barrier of the two a tile) for
  * heads of 256 at up to 4 parts a unit, or for heads of 128 when the
- * tuning's lean_ds asks or at one short row (lean_row_pairs, which the
- * launch asks apart); else 1 (lean_ds 1: always). Measured for heads of
+ * tuning's lean_ds asks or at one short row (lean_row_pairs); else 1
+ * (lean_ds 1: always). Measured for heads of
  * 256 (Gemma 3 270M: batch 1 0.61 to 0.55 ms, 4 to 128 sequences 16 to
  * 23% more tokens/s); for heads of 128 (the 7B) level or slower at 8 to
  * 128 rows, so not taken there by default (cuda/NOTES.md, "Two warps a
  * part"). */
-static int lean_ds_for(const attn_args *a, const dec_tuning &tu, int sp)
+static int lean_ds_for(const cuda_backend *c, const attn_args *a, const dec_tuning &tu, int sp)
 {
-    const int ds = tu.lean_ds > 0 ? tu.lean_ds : a->dk >= 256 ? 2 : 1;
+    const int ds = tu.lean_ds > 0 ? tu.lean_ds : a->dk >= 256 || lean_row_pairs(c, a, tu) ? 2 : 1;
     return ds >= 2 && a->dk >= 128 && sp <= 4 ? 2 : 1;
 }
 
@@ -2392,7 +2392,7 @@ static int64_t lean_reach(const cuda_backend *c, const attn_args *a, const dec_t
         return units >= tu.lean_long ? 2 * (int64_t)tu.lean_keys
                : units >= 2 * tu.lean_wide ? tu.lean_keys
                                            : tu.lean_keys / 4;
-    if (lean_ds_for(a, tu, 1) == 2)   /* heads of 256 split at most 4 ways: the split does not decide */
+    if (lean_ds_for(c, a, tu, 1) == 2)   /* heads of 256 split at most 4 ways: the split does not decide */
         return units >= tu.lean_long / 2 ? tu.lean_keys : tu.lean_keys / 4;
     return units >= tu.lean_long ? tu.lean_keys : units >= tu.lean_wide ? tu.lean_keys / 4 : tu.lean_keys / 8;
 }
@@ -2415,7 +2415,7 @@ static bool lean_long_rows(const cuda_backend *c, const attn_args *a, const dec_
     const int64_t units = lean_units(c, a);
     if (lean_tiles_for(tu) <= 0) return false;
     if (a->dk <= 128) return tu.lean_many < 0 || units < tu.lean_many;
-    return lean_ds_for(a, tu, 1) == 2 && (tu.lean_many < 0 || units < tu.lean_many / 2);
+    return lean_ds_for(c, a, tu, 1) == 2 && (tu.lean_many < 0 || units < tu.lean_many / 2);
 }
 
 /* The tiles each part of a unit takes in one CTA before a row splits over
@@ -2535,7 +2535,7 @@ static void decode_lean_launch(cuda_backend *c, attn_args *a, const dec_tuning &
 {
     const int sp = lean_split_for(c, a, tu);
     if constexpr (D >= 128) {
-        if (lean_ds_for(a, tu, sp) == 2 || lean_row_pairs(c, a, tu)) {
+        if (lean_ds_for(c, a, tu, sp) == 2) {
             decode_lean_parts<D, 2>(c, a, tu, sp);
             return;
         }

@@ -1272,18 +1272,27 @@ norm_quantize(float *x, const float *y, const float *yg, const float *g, int64_t
     const int64_t n8 = cols / 8;
     const float *row = out + (size_t)blockIdx.x * (size_t)cols;
     int lane = threadIdx.x % 32;
-    for (int64_t u0 = 0; u0 < n8; u0 += NORM_THREADS) {
-        const int64_t u = u0 + threadIdx.x;
-        const bool live = u < n8;
-        float v[8] = { 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f };
-        if (live) {
-            float4 a = ((const float4 *)row)[2 * u], b = ((const float4 *)row)[2 * u + 1];
-            v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
-            v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+    /* every round's units loaded before any is quantized: the stores of
+     * one round's values could alias the next round's loads, so the
+     * compiler would not move those above them */
+    constexpr int R = (F + 1) / 2;   /* rounds of NORM_THREADS units: F x 4 x NORM_THREADS columns at most */
+    float4 lo[R], hi[R];
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        const int64_t u = (int64_t)r * NORM_THREADS + threadIdx.x;
+        lo[r] = hi[r] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (u < n8) {
+            lo[r] = ((const float4 *)row)[2 * u];
+            hi[r] = ((const float4 *)row)[2 * u + 1];
         }
+    }
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        const int64_t u = (int64_t)r * NORM_THREADS + threadIdx.x;
+        float v[8] = { lo[r].x, lo[r].y, lo[r].z, lo[r].w, hi[r].x, hi[r].y, hi[r].z, hi[r].w };
         int iq[8];
         float d = q8_scale<SCHEME>(v, lane, iq);
-        q8_store(iq, d, (int64_t)blockIdx.x * n8 + u, live, lane, q, ds, qi, cols, m);
+        q8_store(iq, d, (int64_t)blockIdx.x * n8 + u, u < n8, lane, q, ds, qi, cols, m);
     }
 }
 

@@ -116,6 +116,21 @@ static __global__ void __launch_bounds__(NORM_THREADS) k_norm(bufs b, int k)
     add_rmsnorm_row<4>(b.x, b.out[(k + 1) % 2], NULL, b.g, COLS, 1e-6f, b.out[k % 2], partial);
 }
 
+/* norm_quantize's quantizer as it was: per round of NORM_THREADS units,
+ * the normalized row out read back and quantized (q8k_shuffles) */
+static __device__ void quantize_rounds(const float *out, const bufs &b)
+{
+    const int lane = threadIdx.x % 32;
+    for (int u0 = 0; u0 < COLS / 8; u0 += NORM_THREADS) {
+        const int u = u0 + threadIdx.x;
+        float4 p = ((const float4 *)out)[2 * u], q = ((const float4 *)out)[2 * u + 1];
+        float v[8] = { p.x, p.y, p.z, p.w, q.x, q.y, q.z, q.w };
+        int iq[8];
+        float d = q8k_shuffles(v, lane, iq);
+        q8_put(iq, d, u, true, lane, b.q, b.ds);
+    }
+}
+
 static __global__ void __launch_bounds__(NORM_THREADS) k_engine(bufs b, int k)
 {
     handoff();
@@ -123,15 +138,7 @@ static __global__ void __launch_bounds__(NORM_THREADS) k_engine(bufs b, int k)
     float *out = b.out[k % 2];
     add_rmsnorm_row<4>(b.x, b.out[(k + 1) % 2], NULL, b.g, COLS, 1e-6f, out, partial);
     __syncthreads();
-    const int lane = threadIdx.x % 32;
-    for (int u0 = 0; u0 < COLS / 8; u0 += NORM_THREADS) {
-        const int u = u0 + threadIdx.x;
-        float4 a = ((const float4 *)out)[2 * u], c = ((const float4 *)out)[2 * u + 1];
-        float v[8] = { a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w };
-        int iq[8];
-        float d = q8k_shuffles(v, lane, iq);
-        q8_put(iq, d, u, true, lane, b.q, b.ds);
-    }
+    quantize_rounds(out, b);
 }
 
 /* A thread owns units t + T f (8 consecutive values each) for the norm
@@ -261,15 +268,7 @@ static __global__ void __launch_bounds__(NORM_THREADS) k_prewait(bufs b, int k)
         ((float4 *)out)[threadIdx.x + NORM_THREADS * f] =
             make_float4(a[f].x * s * w[f].x, a[f].y * s * w[f].y, a[f].z * s * w[f].z, a[f].w * s * w[f].w);
     __syncthreads();
-    const int lane = threadIdx.x % 32;
-    for (int u0 = 0; u0 < COLS / 8; u0 += NORM_THREADS) {
-        const int u = u0 + threadIdx.x;
-        float4 p = ((const float4 *)out)[2 * u], q = ((const float4 *)out)[2 * u + 1];
-        float v[8] = { p.x, p.y, p.z, p.w, q.x, q.y, q.z, q.w };
-        int iq[8];
-        float d = q8k_shuffles(v, lane, iq);
-        q8_put(iq, d, u, true, lane, b.q, b.ds);
-    }
+    quantize_rounds(out, b);
 }
 
 /* A cluster of CL CTAs, each owning COLS / CL columns as whole units of 8

@@ -1253,21 +1253,105 @@ static __global__ void quantize_act(const float *__restrict__ x, int64_t n8, int
     q8_store(iq, d, i, live, lane, q, ds, qi, cols, m);
 }
 
+/* The 8-bit quantization of a normalized row as add_rmsnorm_row leaves it
+ * in registers (a float4 a thread and round: float4 k = threadIdx.x + f
+ * NORM_THREADS, elements 4 k .. 4 k + 3), making quantize_act's values
+ * without storing the row and reading it back in units of 8: a block of
+ * 32 is 8 lanes; a super-block of 256 (ACT_Q8_K) two warps, each finding
+ * its half's first element of largest magnitude by warp reductions and
+ * the pair meeting in shared memory (hm: a float2 a warp and round, the
+ * magnitude and the signed value; the lower half wins a tie, so the first
+ * element wins, as in q8k_warp). The same int8 values and scales as
+ * quantize_act on the stored row: a block's values, its largest magnitude
+ * and its first element of it, whatever lane holds what. */
+template <int F, int SCHEME>
+static __device__ __forceinline__ void quantize_regs(const float4 (&o)[F], int64_t cols, int8_t *__restrict__ q,
+                                                     float2 *__restrict__ ds, float2 (*hm)[NORM_THREADS / 32])
+{
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int64_t n4 = cols / 4, row4 = (int64_t)blockIdx.x * n4;
+    if (SCHEME == ACT_Q8_K) {
+#pragma unroll
+        for (int f = 0; f < F; f++) {
+            const float v[4] = { o[f].x, o[f].y, o[f].z, o[f].w };
+            float amax = 0.0f, vmax = 0.0f;
+#pragma unroll
+            for (int j = 0; j < 4; j++)
+                if (fabsf(v[j]) > amax) {
+                    amax = fabsf(v[j]);
+                    vmax = v[j];
+                }
+            const unsigned top = __reduce_max_sync(0xffffffffu, __float_as_uint(amax));
+            const unsigned from = __reduce_min_sync(0xffffffffu, __float_as_uint(amax) == top ? (unsigned)lane : 32u);
+            vmax = __shfl_sync(0xffffffffu, vmax, (int)from);
+            if (lane == 0) hm[f][warp] = make_float2(__uint_as_float(top), vmax);
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int f = 0; f < F; f++) {
+        const int64_t k = threadIdx.x + (int64_t)f * NORM_THREADS;
+        const float v[4] = { o[f].x, o[f].y, o[f].z, o[f].w };
+        int iq[4];
+        float d;
+        if (SCHEME == ACT_Q8_K) {
+            const float2 h0 = hm[f][warp & ~1], h1 = hm[f][warp | 1], h = h1.x > h0.x ? h1 : h0;
+            const float iscale = h.x == 0.0f ? 0.0f : -127.0f / h.y;
+#pragma unroll
+            for (int j = 0; j < 4; j++) iq[j] = min(127, __float2int_rn(__fmul_rn(iscale, v[j])));
+            d = h.x == 0.0f ? 0.0f : 1.0f / iscale;
+        } else {
+            float amax = 0.0f;
+#pragma unroll
+            for (int j = 0; j < 4; j++) amax = fmaxf(amax, fabsf(v[j]));
+            amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+            amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+            amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 4));
+            const float dq = amax / 127.0f, id = dq != 0.0f ? 1.0f / dq : 0.0f;
+#pragma unroll
+            for (int j = 0; j < 4; j++) iq[j] = max(-127, min(127, (int)roundf(__fmul_rn(v[j], id))));
+            d = __half2float(__float2half_rn(dq));
+        }
+        int sum = iq[0] + iq[1] + iq[2] + iq[3];
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 4);
+        if (k < n4) {
+            ((uint32_t *)q)[row4 + k] = (uint32_t)(iq[0] & 255) | (uint32_t)(iq[1] & 255) << 8 |
+                                        (uint32_t)(iq[2] & 255) << 16 | (uint32_t)(iq[3] & 255) << 24;
+            if (lane % 8 == 0) ds[(row4 + k) / 8] = make_float2(d, d * (float)sum);
+        }
+    }
+}
+
 /* A residual add and RMSNorm (norm.cuh, add_rmsnorm_row) of row blockIdx.x
  * into out, then out's quantization for a product, as quantize_act<SCHEME,
  * false> makes it (the int8 values into q, ds and, where not NULL, qi):
- * the same bits as add_rmsnorm_regs<F> followed by quantize_act. The CTA's
- * threads take the row's units of 8 in turn; a row is whole blocks (32 or
- * 256), so the lanes of a block (4, or the warp) are all in the row or all
- * past it. */
+ * the same bits as add_rmsnorm_regs<F> followed by quantize_act. A row of
+ * one float4 a thread is quantized from the registers (quantize_regs,
+ * unless regs is false or qi is asked for); else the CTA's threads take
+ * the stored row's units of 8 in turn. A row is whole blocks (32 or 256),
+ * so the lanes of a block are all in the row or all past it. */
 template <int F, int SCHEME>
 static __global__ void __launch_bounds__(NORM_THREADS)
 norm_quantize(float *x, const float *y, const float *yg, const float *g, int64_t cols, float eps, float *out,
-              bool early, int8_t *__restrict__ q, float2 *__restrict__ ds, uint32_t *__restrict__ qi, int m)
+              bool early, int8_t *__restrict__ q, float2 *__restrict__ ds, uint32_t *__restrict__ qi, int m, bool regs)
 {
     follow_previous_kernel(early);
     __shared__ float partial[NORM_THREADS / 32];
-    add_rmsnorm_row<F>(x, y, yg, g, cols, eps, out, partial);
+    float4 o[F];
+    add_rmsnorm_row<F>(x, y, yg, g, cols, eps, out, partial, o);
+    if constexpr (F == 1) {
+        if (!qi && regs) {
+            __shared__ float2 hm[F][NORM_THREADS / 32];
+            quantize_regs<F, SCHEME>(o, cols, q, ds, hm);
+            return;
+        }
+    }
+    /* the interleaved copy (put_qi) takes units of 8; rows past NORM_THREADS
+     * float4s quantize faster so too (two to eight rounds of the
+     * registers' quantizer cost more shuffles than the read-back saves:
+     * cuda/NOTES.md) */
     __syncthreads();   /* the row's out, written by every thread, is read by others below */
     const int64_t n8 = cols / 8;
     const float *row = out + (size_t)blockIdx.x * (size_t)cols;
@@ -3448,6 +3532,16 @@ static act_rows act_rows_at(const luma_weight *w, const float *x, int64_t m, uin
  * 4.7 to 7.7%, 2,048 to 4,096 lose 1 to 2%. */
 #define NORM_EARLY_COLS 1536
 
+/* Whether norm_quantize quantizes a row of at most NORM_THREADS float4s
+ * from its registers (quantize_regs); LUMA_CUDA_NORMQ_REGS=0 in the
+ * environment: from the stored row, in units of 8 (read once, for
+ * measuring). */
+static bool normq_regs_on(void)
+{
+    static const bool on = luma_cuda_env_digit("LUMA_CUDA_NORMQ_REGS", 1) != 0;
+    return on;
+}
+
 /* The pending norm (cuda_backend.pend_norm) and the quantization of its
  * out for w into a, as one launch (norm_quantize), where x is that out;
  * false, launching nothing, otherwise. */
@@ -3475,7 +3569,7 @@ static bool norm_quant_into(cuda_backend *c, const luma_weight *w, const float *
     const unsigned grid = (unsigned)m;
 #define NQ_LAUNCH(F, S)                                                                                            \
     luma_launch(c, c->stream, grid, NORM_THREADS, 0, norm_quantize<F, S>, nx, ny, yg, g, w->cols, eps, out, early, q, \
-                ds, qi, (int)m)
+                ds, qi, (int)m, normq_regs_on())
     switch (f * 2 + k) {
     case 2: NQ_LAUNCH(1, ACT_Q8_0); break;
     case 3: NQ_LAUNCH(1, ACT_Q8_K); break;

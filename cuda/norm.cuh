@@ -48,12 +48,14 @@ static inline int norm_regs_f(int64_t cols)
 }
 
 /* Row blockIdx.x (cols floats, all pointers 16-byte aligned): x += (yg ?
- * y * rms(y) * yg : y), out = x * rms(x) * g. Every load of the row (x, y
- * and both gains) is issued at once; the caller has waited for the kernel
- * before. */
+ * y * rms(y) * yg : y), out = x * rms(x) * g, and the thread's float4s of
+ * out (threadIdx.x + f NORM_THREADS; zeros past the row) left in o. Every
+ * load of the row (x, y and both gains) is issued at once; the caller has
+ * waited for the kernel before. */
 template <int F>
 static __device__ __forceinline__ void add_rmsnorm_row(float *x, const float *y, const float *yg, const float *g,
-                                                       int64_t cols, float eps, float *out, float *partial)
+                                                       int64_t cols, float eps, float *out, float *partial,
+                                                       float4 (&o)[F])
 {
     size_t off = (size_t)blockIdx.x * (size_t)cols;
     float4 *xr = (float4 *)(x + off), *dst = (float4 *)(out + off);
@@ -96,9 +98,12 @@ static __device__ __forceinline__ void add_rmsnorm_row(float *x, const float *y,
 #pragma unroll
     for (int f = 0; f < F; f++) {
         int64_t k = threadIdx.x + (int64_t)f * NORM_THREADS;
-        if (k < n4)
-            dst[k] = make_float4(a[f].x * sx * gw[f].x, a[f].y * sx * gw[f].y, a[f].z * sx * gw[f].z,
-                                 a[f].w * sx * gw[f].w);
+        o[f] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (k < n4) {
+            o[f] = make_float4(a[f].x * sx * gw[f].x, a[f].y * sx * gw[f].y, a[f].z * sx * gw[f].z,
+                               a[f].w * sx * gw[f].w);
+            dst[k] = o[f];
+        }
     }
 }
 

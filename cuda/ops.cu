@@ -301,7 +301,8 @@ __global__ static void add_rmsnorm_regs(float *x, const float *y, const float *y
 {
     follow_previous_kernel(early);
     __shared__ float partial[THREADS / 32];
-    add_rmsnorm_row<F>(x, y, yg, g, cols, eps, out, partial);
+    float4 o[F];
+    add_rmsnorm_row<F>(x, y, yg, g, cols, eps, out, partial, o);
 }
 
 /* A block per row: x += (yg ? y * rms(y) * yg : y), out = x * rms(x) * g.

@@ -1274,17 +1274,9 @@ static __device__ __forceinline__ void quantize_regs(const float4 (&o)[F], int64
 #pragma unroll
         for (int f = 0; f < F; f++) {
             const float v[4] = { o[f].x, o[f].y, o[f].z, o[f].w };
-            float amax = 0.0f, vmax = 0.0f;
-#pragma unroll
-            for (int j = 0; j < 4; j++)
-                if (fabsf(v[j]) > amax) {
-                    amax = fabsf(v[j]);
-                    vmax = v[j];
-                }
-            const unsigned top = __reduce_max_sync(0xffffffffu, __float_as_uint(amax));
-            const unsigned from = __reduce_min_sync(0xffffffffu, __float_as_uint(amax) == top ? (unsigned)lane : 32u);
-            vmax = __shfl_sync(0xffffffffu, vmax, (int)from);
-            if (lane == 0) hm[f][warp] = make_float2(__uint_as_float(top), vmax);
+            float vmax;
+            const float amax = warp_first_max<4>(v, lane, vmax);
+            if (lane == 0) hm[f][warp] = make_float2(amax, vmax);
         }
         __syncthreads();
     }
@@ -1296,10 +1288,7 @@ static __device__ __forceinline__ void quantize_regs(const float4 (&o)[F], int64
         float d;
         if (SCHEME == ACT_Q8_K) {
             const float2 h0 = hm[f][warp & ~1], h1 = hm[f][warp | 1], h = h1.x > h0.x ? h1 : h0;
-            const float iscale = h.x == 0.0f ? 0.0f : -127.0f / h.y;
-#pragma unroll
-            for (int j = 0; j < 4; j++) iq[j] = min(127, __float2int_rn(__fmul_rn(iscale, v[j])));
-            d = h.x == 0.0f ? 0.0f : 1.0f / iscale;
+            d = q8k_values<4>(v, h.x, h.y, iq);
         } else {
             float amax = 0.0f;
 #pragma unroll
@@ -1307,10 +1296,7 @@ static __device__ __forceinline__ void quantize_regs(const float4 (&o)[F], int64
             amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
             amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
             amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 4));
-            const float dq = amax / 127.0f, id = dq != 0.0f ? 1.0f / dq : 0.0f;
-#pragma unroll
-            for (int j = 0; j < 4; j++) iq[j] = max(-127, min(127, (int)roundf(__fmul_rn(v[j], id))));
-            d = __half2float(__float2half_rn(dq));
+            d = q8_0_values<4>(v, amax, iq);
         }
         int sum = iq[0] + iq[1] + iq[2] + iq[3];
         sum += __shfl_xor_sync(0xffffffffu, sum, 1);

@@ -24,20 +24,21 @@
  * multiplies the same values. */
 enum act_scheme { ACT_Q8_0, ACT_Q8_K };
 
-/* ACT_Q8_K for the super-block a warp holds, 8 consecutive values a lane:
- * the lane's int8 values into iq, and the super-block's d. The first
- * element of largest magnitude: this lane's, then the warp's (the larger
- * magnitude, on a tie the lower lane). A lane's largest magnitude is never
- * negative nor NaN, so its bits order as the floats do: the warp's is the
- * largest of the lanes' bit patterns and its lane the lowest holding it,
- * two warp reductions (redux.sync) where a butterfly of shuffles took five
- * dependent rounds of three (cuda/NOTES.md: 0.3 us of a 4,096-wide norm's
- * chain). */
-static __device__ __forceinline__ float q8k_warp(const float v[8], int lane, int iq[8])
+/* The first element of largest magnitude of the warp's N values a lane
+ * (lanes in order, then each lane's values): its magnitude, returned, and
+ * its signed value into vmax, in every lane. A lane's largest magnitude
+ * is never negative nor NaN, so its bits order as the floats do: the
+ * warp's is the largest of the lanes' bit patterns and its lane the lowest
+ * holding it, two warp reductions (redux.sync) where a butterfly of
+ * shuffles took five dependent rounds of three (cuda/NOTES.md: 0.3 us of
+ * a 4,096-wide norm's chain). */
+template <int N>
+static __device__ __forceinline__ float warp_first_max(const float *v, int lane, float &vmax)
 {
-    float amax = 0.0f, vmax = 0.0f;
+    float amax = 0.0f;
+    vmax = 0.0f;
 #pragma unroll
-    for (int j = 0; j < 8; j++)
+    for (int j = 0; j < N; j++)
         if (fabsf(v[j]) > amax) {
             amax = fabsf(v[j]);
             vmax = v[j];
@@ -45,11 +46,39 @@ static __device__ __forceinline__ float q8k_warp(const float v[8], int lane, int
     const unsigned top = __reduce_max_sync(0xffffffffu, __float_as_uint(amax));
     const unsigned from = __reduce_min_sync(0xffffffffu, __float_as_uint(amax) == top ? (unsigned)lane : 32u);
     vmax = __shfl_sync(0xffffffffu, vmax, (int)from);
-    amax = __uint_as_float(top);
-    float iscale = amax == 0.0f ? 0.0f : -127.0f / vmax;
+    return __uint_as_float(top);
+}
+
+/* ACT_Q8_K's int8 values of N of a super-block's values, given its
+ * largest magnitude amax and the value vmax of its first element of it;
+ * the super-block's d. */
+template <int N>
+static __device__ __forceinline__ float q8k_values(const float *v, float amax, float vmax, int *iq)
+{
+    const float iscale = amax == 0.0f ? 0.0f : -127.0f / vmax;
 #pragma unroll
-    for (int j = 0; j < 8; j++) iq[j] = min(127, __float2int_rn(__fmul_rn(iscale, v[j])));
+    for (int j = 0; j < N; j++) iq[j] = min(127, __float2int_rn(__fmul_rn(iscale, v[j])));
     return amax == 0.0f ? 0.0f : 1.0f / iscale;
+}
+
+/* ACT_Q8_0's int8 values of N of a block's values, given its largest
+ * magnitude; the block's d (rounded to f16, as Q8_0 stores it). */
+template <int N>
+static __device__ __forceinline__ float q8_0_values(const float *v, float amax, int *iq)
+{
+    const float dq = amax / 127.0f, id = dq != 0.0f ? 1.0f / dq : 0.0f;
+#pragma unroll
+    for (int j = 0; j < N; j++) iq[j] = max(-127, min(127, (int)roundf(__fmul_rn(v[j], id))));
+    return __half2float(__float2half_rn(dq));
+}
+
+/* ACT_Q8_K for the super-block a warp holds, 8 consecutive values a lane:
+ * the lane's int8 values into iq, and the super-block's d. */
+static __device__ __forceinline__ float q8k_warp(const float v[8], int lane, int iq[8])
+{
+    float vmax;
+    const float amax = warp_first_max<8>(v, lane, vmax);
+    return q8k_values<8>(v, amax, vmax, iq);
 }
 
 /* The int8 values of a unit of 8 as quantize_act stores them (two words),
@@ -82,10 +111,7 @@ static __device__ __forceinline__ float q8_scale(const float v[8], int lane, int
         for (int j = 0; j < 8; j++) amax = fmaxf(amax, fabsf(v[j]));
         amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
         amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-        float dq = amax / 127.0f, id = dq != 0.0f ? 1.0f / dq : 0.0f;
-#pragma unroll
-        for (int j = 0; j < 8; j++) iq[j] = max(-127, min(127, (int)roundf(__fmul_rn(v[j], id))));
-        return __half2float(__float2half_rn(dq));
+        return q8_0_values<8>(v, amax, iq);
     }
     return q8k_warp(v, lane, iq);
 }

@@ -113,7 +113,8 @@ static __global__ void __launch_bounds__(NORM_THREADS) k_norm(bufs b, int k)
 {
     handoff();
     __shared__ float partial[NORM_THREADS / 32];
-    add_rmsnorm_row<4>(b.x, b.out[(k + 1) % 2], NULL, b.g, COLS, 1e-6f, b.out[k % 2], partial);
+    float4 o[4];
+    add_rmsnorm_row<4>(b.x, b.out[(k + 1) % 2], NULL, b.g, COLS, 1e-6f, b.out[k % 2], partial, o);
 }
 
 /* norm_quantize's quantizer as it was: per round of NORM_THREADS units,
@@ -136,7 +137,8 @@ static __global__ void __launch_bounds__(NORM_THREADS) k_engine(bufs b, int k)
     handoff();
     __shared__ float partial[NORM_THREADS / 32];
     float *out = b.out[k % 2];
-    add_rmsnorm_row<4>(b.x, b.out[(k + 1) % 2], NULL, b.g, COLS, 1e-6f, out, partial);
+    float4 o[4];
+    add_rmsnorm_row<4>(b.x, b.out[(k + 1) % 2], NULL, b.g, COLS, 1e-6f, out, partial, o);
     __syncthreads();
     quantize_rounds(out, b);
 }
@@ -218,7 +220,8 @@ static __global__ void __launch_bounds__(NORM_THREADS) k_engine2(bufs b, int k)
     handoff();
     __shared__ float partial[NORM_THREADS / 32];
     float *out = b.out[k % 2];
-    add_rmsnorm_row<4>(b.x, b.out[(k + 1) % 2], NULL, b.g, COLS, 1e-6f, out, partial);
+    float4 o[4];
+    add_rmsnorm_row<4>(b.x, b.out[(k + 1) % 2], NULL, b.g, COLS, 1e-6f, out, partial, o);
     __syncthreads();
     const int lane = threadIdx.x % 32;
     constexpr int R = COLS / 8 / NORM_THREADS;

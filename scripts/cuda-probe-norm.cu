@@ -132,17 +132,6 @@ static __device__ void quantize_rounds(const float *out, const bufs &b)
     }
 }
 
-static __global__ void __launch_bounds__(NORM_THREADS) k_engine(bufs b, int k)
-{
-    handoff();
-    __shared__ float partial[NORM_THREADS / 32];
-    float *out = b.out[k % 2];
-    float4 o[4];
-    add_rmsnorm_row<4>(b.x, b.out[(k + 1) % 2], NULL, b.g, COLS, 1e-6f, out, partial, o);
-    __syncthreads();
-    quantize_rounds(out, b);
-}
-
 /* A thread owns units t + T f (8 consecutive values each) for the norm
  * and the quantizer alike. */
 template <int T, int MODE, int PAT = 0, int RED = 0>
@@ -210,12 +199,13 @@ static __global__ void __launch_bounds__(T) k_units(bufs b, int k)
     }
 }
 
-/* engine with both rounds' units loaded before either is quantized (the
- * stores of the first round's values may not alias the second round's
- * loads); REDUX: q8k_warp's warp reductions (cuda/quant8.cuh), else
- * the shuffles it had before */
-template <bool REDUX>
-static __global__ void __launch_bounds__(NORM_THREADS) k_engine2(bufs b, int k)
+/* norm_quantize: !HOIST as it was (quantize_rounds); HOIST with both
+ * rounds' units loaded before either is quantized (the stores of the first
+ * round's values may not alias the second round's loads); REDUX:
+ * q8k_warp's warp reductions (cuda/quant8.cuh), else the shuffles it had
+ * before */
+template <bool HOIST, bool REDUX>
+static __global__ void __launch_bounds__(NORM_THREADS) k_engine(bufs b, int k)
 {
     handoff();
     __shared__ float partial[NORM_THREADS / 32];
@@ -223,6 +213,10 @@ static __global__ void __launch_bounds__(NORM_THREADS) k_engine2(bufs b, int k)
     float4 o[4];
     add_rmsnorm_row<4>(b.x, b.out[(k + 1) % 2], NULL, b.g, COLS, 1e-6f, out, partial, o);
     __syncthreads();
+    if (!HOIST) {
+        quantize_rounds(out, b);
+        return;
+    }
     const int lane = threadIdx.x % 32;
     constexpr int R = COLS / 8 / NORM_THREADS;
     float4 p[R][2];
@@ -394,7 +388,7 @@ static float run(int v, const bufs &b)
         switch (v) {
         case COPY: CHECK(cudaLaunchKernelEx(&cfg, k_copy, b, k)); break;
         case NORM: CHECK(cudaLaunchKernelEx(&cfg, k_norm, b, k)); break;
-        case ENGINE: CHECK(cudaLaunchKernelEx(&cfg, k_engine, b, k)); break;
+        case ENGINE: CHECK(cudaLaunchKernelEx(&cfg, k_engine<false, false>, b, k)); break;
         case UNITS256: CHECK(cudaLaunchKernelEx(&cfg, k_units<256, 0>, b, k)); break;
         case UNITS512: CHECK(cudaLaunchKernelEx(&cfg, k_units<512, 0>, b, k)); break;
         case U512_NORM: CHECK(cudaLaunchKernelEx(&cfg, k_units<512, 1>, b, k)); break;
@@ -413,8 +407,8 @@ static float run(int v, const bufs &b)
         case CL4_G: CHECK(cudaLaunchKernelEx(&cfg, k_cluster<4, 2>, b, k)); break;
         case CL4_SPLIT: CHECK(cudaLaunchKernelEx(&cfg, k_cluster<4, 3>, b, k)); break;
         case CL2: CHECK(cudaLaunchKernelEx(&cfg, k_cluster<2, 1>, b, k)); break;
-        case ENGINE2: CHECK(cudaLaunchKernelEx(&cfg, k_engine2<false>, b, k)); break;
-        default: CHECK(cudaLaunchKernelEx(&cfg, k_engine2<true>, b, k)); break;
+        case ENGINE2: CHECK(cudaLaunchKernelEx(&cfg, k_engine<true, false>, b, k)); break;
+        default: CHECK(cudaLaunchKernelEx(&cfg, k_engine<true, true>, b, k)); break;
         }
     }
     CHECK(cudaStreamEndCapture(s, &g));

@@ -27,15 +27,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 
+#include "cuda-probe.cuh"
+
 #define N 512
-#define CHECK(x)                                                                                                    \
-    do {                                                                                                           \
-        cudaError_t e_ = (x);                                                                                      \
-        if (e_ != cudaSuccess) {                                                                                   \
-            fprintf(stderr, "%s: %s\n", #x, cudaGetErrorString(e_));                                               \
-            exit(1);                                                                                               \
-        }                                                                                                          \
-    } while (0)
 
 enum { PLAIN, PDL, FLAG };
 
@@ -105,32 +99,18 @@ static float run(int mode, unsigned ctas, int work)
     CHECK(cudaMemset(bufs[0], 0, 4096 * sizeof(unsigned)));
     CHECK(cudaMemset(bufs[1], 0, 4096 * sizeof(unsigned)));
     cudaGraph_t g;
-    cudaGraphExec_t ge;
     CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
     CHECK(cudaMemsetAsync(counts, 0, N * sizeof(unsigned), s));
     if (mode == PLAIN) record<PLAIN>(s, bufs, counts, ctas, work);
     else if (mode == PDL) record<PDL>(s, bufs, counts, ctas, work);
     else record<FLAG>(s, bufs, counts, ctas, work);
     CHECK(cudaStreamEndCapture(s, &g));
-    CHECK(cudaGraphInstantiate(&ge, g, 0));
-    cudaEvent_t a, b;
-    CHECK(cudaEventCreate(&a));
-    CHECK(cudaEventCreate(&b));
-    for (int i = 0; i < 3; i++) CHECK(cudaGraphLaunch(ge, s));
-    CHECK(cudaEventRecord(a, s));
-    const int reps = 10;
-    for (int i = 0; i < reps; i++) CHECK(cudaGraphLaunch(ge, s));
-    CHECK(cudaEventRecord(b, s));
-    CHECK(cudaEventSynchronize(b));
-    float ms = 0;
-    CHECK(cudaEventElapsedTime(&ms, a, b));
-    CHECK(cudaGraphExecDestroy(ge));
-    CHECK(cudaGraphDestroy(g));
+    const float us = graph_us(s, g, 10, N);
     cudaFree(bufs[0]);
     cudaFree(bufs[1]);
     cudaFree(counts);
     cudaStreamDestroy(s);
-    return ms * 1000.0f / (float)(reps * N);
+    return us;
 }
 
 int main(void)

@@ -44,17 +44,10 @@ namespace cg = cooperative_groups;
 
 #include "../cuda/norm.cuh"
 #include "../cuda/quant8.cuh"
+#include "cuda-probe.cuh"
 
 #define N 512
 #define COLS 4096
-#define CHECK(x)                                                                                                    \
-    do {                                                                                                           \
-        cudaError_t e_ = (x);                                                                                      \
-        if (e_ != cudaSuccess) {                                                                                   \
-            fprintf(stderr, "%s: %s\n", #x, cudaGetErrorString(e_));                                               \
-            exit(1);                                                                                               \
-        }                                                                                                          \
-    } while (0)
 
 static __device__ __forceinline__ void handoff()
 {
@@ -361,18 +354,15 @@ static float run(int v, const bufs &b)
     cudaStream_t s;
     CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
     cudaGraph_t g;
-    cudaGraphExec_t ge;
     CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
     for (int k = 0; k < N; k++) {
         cudaLaunchConfig_t cfg = {};
-        cudaLaunchAttribute attr;
         cfg.gridDim = 1;
         cfg.blockDim = v == UNITS512 || v == U512_NORM || v == U512_REDUX || v == U512_NOSTORE ? 512 : 256;
         cfg.stream = s;
-        attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-        attr.val.programmaticStreamSerializationAllowed = 1;
         cudaLaunchAttribute attrs[2];
-        attrs[0] = attr;
+        attrs[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        attrs[0].val.programmaticStreamSerializationAllowed = 1;
         cfg.attrs = attrs;
         cfg.numAttrs = 1;
         const int cl = v == CL4 || v == CL4_G || v == CL4_SPLIT ? 4 : v == CL2 ? 2 : v == CL8 || v == CL8_POST ? 8 : v == CL16 ? 16 : 0;
@@ -412,22 +402,9 @@ static float run(int v, const bufs &b)
         }
     }
     CHECK(cudaStreamEndCapture(s, &g));
-    CHECK(cudaGraphInstantiate(&ge, g, 0));
-    cudaEvent_t e0, e1;
-    CHECK(cudaEventCreate(&e0));
-    CHECK(cudaEventCreate(&e1));
-    for (int i = 0; i < 3; i++) CHECK(cudaGraphLaunch(ge, s));
-    CHECK(cudaEventRecord(e0, s));
-    const int reps = 20;
-    for (int i = 0; i < reps; i++) CHECK(cudaGraphLaunch(ge, s));
-    CHECK(cudaEventRecord(e1, s));
-    CHECK(cudaEventSynchronize(e1));
-    float ms = 0;
-    CHECK(cudaEventElapsedTime(&ms, e0, e1));
-    CHECK(cudaGraphExecDestroy(ge));
-    CHECK(cudaGraphDestroy(g));
+    const float us = graph_us(s, g, 20, N);
     cudaStreamDestroy(s);
-    return ms * 1000.0f / (float)(reps * N);
+    return us;
 }
 
 int main(void)

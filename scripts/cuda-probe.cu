@@ -24,18 +24,12 @@
 #include <stdio.h>
 #include <stdlib.h>
 
+#include "cuda-probe.cuh"
+
 #define WARPS 4
 #define BLOCK_BYTES 144
 #define COPIES 8
 
-#define CHECK(x)                                                                                   \
-    do {                                                                                           \
-        cudaError_t e_ = (x);                                                                      \
-        if (e_ != cudaSuccess) {                                                                   \
-            fprintf(stderr, "cuda-probe: %s: %s (line %d)\n", #x, cudaGetErrorString(e_), __LINE__); \
-            exit(1);                                                                               \
-        }                                                                                          \
-    } while (0)
 
 /* A round's work beside its weight loads, on x (the loaded words folded):
  * with ACT the activations as k_act32::load reads them (values at ib * 64

@@ -455,6 +455,51 @@ static void cuda_kv_copy_block(luma_backend *be, int pool, int32_t src, int32_t 
                    "copying a KV block");
 }
 
+/* The device-to-device copy rate (luma_backend_ops.copy_rate): cudaMemcpy
+ * between two buffers of its own, timed by events on the stream. An
+ * allocation that fails is reported and leaves the backend as it was. */
+static int cuda_copy_rate(luma_backend *be, size_t bytes, int reps, double *rate, luma_err *err)
+{
+    cuda_backend *c = cu(be);
+    if (bytes < 1 || reps < 1) return luma_errf(err, "copy rate: %zu bytes, %d copies", bytes, reps);
+    if (c->capturing) return luma_errf(err, "copy rate: a step is being recorded");
+    flush_all(c);
+    if (!LUMA_CUDA_OK(c)) return luma_cuda_report(c, err);
+    void *a = NULL, *b = NULL;
+    cudaEvent_t e0 = NULL, e1 = NULL;
+    cudaError_t e = cudaMalloc(&a, bytes);
+    if (e == cudaSuccess) e = cudaMalloc(&b, bytes);
+    if (e != cudaSuccess) {
+        cudaGetLastError();   /* an allocation's failure is not the stream's */
+        cudaFree(a);
+        return luma_errf(err, "copy rate: two buffers of %zu bytes: %s", bytes, cudaGetErrorString(e));
+    }
+    double best = 0.0;
+    e = cudaEventCreate(&e0);
+    if (e == cudaSuccess) e = cudaEventCreate(&e1);
+    /* both written once, so no page is first touched by a timed copy */
+    if (e == cudaSuccess) e = cudaMemsetAsync(a, 1, bytes, c->stream);
+    if (e == cudaSuccess) e = cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice, c->stream);
+    for (int i = 0; i < reps && e == cudaSuccess; i++) {
+        e = cudaEventRecord(e0, c->stream);
+        if (e == cudaSuccess) e = cudaMemcpyAsync(i % 2 ? a : b, i % 2 ? b : a, bytes, cudaMemcpyDeviceToDevice,
+                                                  c->stream);
+        if (e == cudaSuccess) e = cudaEventRecord(e1, c->stream);
+        if (e == cudaSuccess) e = cudaEventSynchronize(e1);
+        float ms = 0.0f;
+        if (e == cudaSuccess) e = cudaEventElapsedTime(&ms, e0, e1);
+        if (e == cudaSuccess && ms > 0.0f && 2.0 * (double)bytes / (ms * 1e-3) > best)
+            best = 2.0 * (double)bytes / (ms * 1e-3);
+    }
+    if (e0) cudaEventDestroy(e0);
+    if (e1) cudaEventDestroy(e1);
+    free_after_stream(c, a);
+    cudaFree(b);
+    if (e != cudaSuccess) return luma_errf(err, "copy rate: %s", cudaGetErrorString(e));
+    *rate = best;
+    return 0;
+}
+
 /* ---- the step upload ---------------------------------------------------- */
 
 /* Offsets, in int32 entries, of the step's arrays inside the upload. */
@@ -1200,6 +1245,7 @@ static const luma_backend_ops cuda_ops = {
     .sync = cuda_sync,
     .set_batch_invariant = cuda_set_batch_invariant,
     .set_float_act = cuda_set_float_act,
+    .copy_rate = cuda_copy_rate,
 };
 
 /* Device 0 exists and can run this build's sm_90 code. */
@@ -1250,6 +1296,7 @@ luma_backend *luma_backend_cuda_new(int device, luma_err *err)
     c->pdl = !env_off("LUMA_CUDA_PDL");
     c->early = luma_cuda_env_digit("LUMA_CUDA_EARLY", 1);
     c->attn_early = luma_cuda_env_digit("LUMA_CUDA_ATTN_EARLY", 1);
+    c->carveout = env_int("LUMA_CUDA_CARVEOUT", -1, -1, 100);
     /* programs are measured slower than the kernels at batch 1 (cuda/NOTES.md,
      * "Decode-step programs"): LUMA_CUDA_PROGRAM=1 turns them on */
     const char *prog = getenv("LUMA_CUDA_PROGRAM");

@@ -169,6 +169,11 @@ typedef struct cuda_backend {
      * earlier steps' keys before its wait (LUMA_CUDA_ATTN_EARLY=0 in the
      * environment: after it, as every other kernel). */
     int attn_early;
+    /* The shared memory / L1 split every kernel of a step asks for
+     * (cudaLaunchAttributePreferredSharedMemoryCarveout, percent of the
+     * largest shared memory; -1: none asked, the driver's choice per
+     * kernel). LUMA_CUDA_CARVEOUT in the environment. */
+    int carveout;
     /* Q6_K matrices, and Q4_0, Q5_0 and Q8_0 ones, get a repacked copy for
      * the matrix-vector kernels (luma_weight.dev_mmv; LUMA_CUDA_Q6K_MMV=0,
      * LUMA_CUDA_X4_MMV=0 in the environment: not), Q4_K, Q5_K and Q6_K one

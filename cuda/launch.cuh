@@ -181,10 +181,15 @@ static __device__ __forceinline__ void follow_previous_kernel(bool early = false
     if (!early) let_next_kernel_start();
 }
 
+/* Attributes a launch configuration holds at most: luma_launch_config's
+ * and one more a caller adds (a cluster shape). */
+#define LUMA_LAUNCH_ATTRS 3
+
 /* A launch configuration on stream s, a programmatic dependent of the
- * kernel before it when c->pdl. attr must outlive the launch call; a
- * caller may put more attributes after it in its array and raise
- * cfg.numAttrs (mmq's cluster shape). */
+ * kernel before it when c->pdl, asking for c->carveout's split of shared
+ * memory and L1 when set. attr (LUMA_LAUNCH_ATTRS of them) must outlive
+ * the launch call; a caller may add one more at attr[cfg.numAttrs++]
+ * (mmq's and the clusters' shapes). */
 static inline cudaLaunchConfig_t luma_launch_config(const cuda_backend *c, cudaStream_t s, dim3 grid, dim3 block,
                                                     size_t smem, cudaLaunchAttribute *attr)
 {
@@ -193,10 +198,15 @@ static inline cudaLaunchConfig_t luma_launch_config(const cuda_backend *c, cudaS
     cfg.blockDim = block;
     cfg.dynamicSmemBytes = smem;
     cfg.stream = s;
-    attr->id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr->val.programmaticStreamSerializationAllowed = c->pdl ? 1 : 0;
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = c->pdl ? 1 : 0;
     cfg.attrs = attr;
     cfg.numAttrs = 1;
+    if (c->carveout >= 0) {
+        attr[1].id = cudaLaunchAttributePreferredSharedMemoryCarveout;
+        attr[1].val.sharedMemCarveout = (unsigned)c->carveout;
+        cfg.numAttrs = 2;
+    }
     return cfg;
 }
 
@@ -206,8 +216,8 @@ template <typename... P, typename... A>
 static inline cudaError_t luma_launch(const cuda_backend *c, cudaStream_t s, dim3 grid, dim3 block, size_t smem,
                                       void (*kernel)(P...), A &&...args)
 {
-    cudaLaunchAttribute attr;
-    cudaLaunchConfig_t cfg = luma_launch_config(c, s, grid, block, smem, &attr);
+    cudaLaunchAttribute attr[LUMA_LAUNCH_ATTRS];
+    cudaLaunchConfig_t cfg = luma_launch_config(c, s, grid, block, smem, attr);
     return cudaLaunchKernelEx(&cfg, kernel, std::forward<A>(args)...);
 }
 

@@ -2016,9 +2016,9 @@ static void mmv_staged_launch(cuda_backend *c, const luma_weight *w, const act_r
     }
     int64_t teams = MMV_STAGED_WARPS / pl.ks, want = (pl.groups + teams - 1) / teams, most = (int64_t)c->n_sm * occ;
 
-    cudaLaunchAttribute at;
+    cudaLaunchAttribute at[LUMA_LAUNCH_ATTRS];
     cudaLaunchConfig_t cfg = luma_launch_config(c, c->stream, (unsigned)(want < most ? want : most),
-                                                MMV_STAGED_WARPS * 32, smem, &at);
+                                                MMV_STAGED_WARPS * 32, smem, at);
     luma_cuda_fail(c, cudaLaunchKernelEx(&cfg, mmv_staged<T, MAXM>, pl, a, m, y), "matmul (matrix-vector kernel)");
 }
 
@@ -2147,8 +2147,8 @@ static void mmv_direct_launch_rows(cuda_backend *c, const luma_weight *const *ws
     int done = 0;
     mmv_rope<true> rp;
     const bool rope = mmv_rope_take(c, ws, ys, n, 2 * MMV_DIRECT_WARPS, &rp, &done);
-    cudaLaunchAttribute attr;
-    cudaLaunchConfig_t cfg = luma_launch_config(c, c->stream, ctas, MMV_DIRECT_WARPS * 32, 0, &attr);
+    cudaLaunchAttribute attr[LUMA_LAUNCH_ATTRS];
+    cudaLaunchConfig_t cfg = luma_launch_config(c, c->stream, ctas, MMV_DIRECT_WARPS * 32, 0, attr);
     constexpr bool two = mmv_two_ok<TA, TB, MAXM, ROWS>();
     const bool take_two = mmv_two_taken<TA, TB, MAXM, ROWS>();
     if (rope) {
@@ -2245,8 +2245,8 @@ static void mmv_narrow_launch(cuda_backend *c, const luma_weight *const *ws, flo
 {
     unsigned ctas;
     mmv_segs sg = mmv_segs_of<TA, TB, 32 / TA::lpb * mmv_rows(MAXM)>(ws, ys, n, n_a, &ctas);
-    cudaLaunchAttribute attr;
-    cudaLaunchConfig_t cfg = luma_launch_config(c, c->stream, ctas, MMV_DIRECT_WARPS * 32, 0, &attr);
+    cudaLaunchAttribute attr[LUMA_LAUNCH_ATTRS];
+    cudaLaunchConfig_t cfg = luma_launch_config(c, c->stream, ctas, MMV_DIRECT_WARPS * 32, 0, attr);
     luma_cuda_fail(c, cudaLaunchKernelEx(&cfg, mmv_narrow<TA, TB, MAXM>, sg, a, m),
                    "matmul (matrix-vector kernel, short rows)");
 }
@@ -2367,15 +2367,15 @@ mmv_heads(mmv_segs sg, act_rows a, const mmv_heads_args h)
 }
 
 /* The launch of ctas CTAs of HEADS_WARPS warps in clusters of HEADS_CTAS,
- * a programmatic dependent of the kernel before (launch.cuh); attr: room
- * for two attributes. */
+ * a programmatic dependent of the kernel before (launch.cuh); attr:
+ * LUMA_LAUNCH_ATTRS of them. */
 static cudaLaunchConfig_t heads_config(const cuda_backend *c, unsigned ctas, cudaLaunchAttribute *attr)
 {
-    cudaLaunchConfig_t cfg = luma_launch_config(c, c->stream, ctas, HEADS_WARPS * 32, 0, &attr[0]);
-    attr[1].id = cudaLaunchAttributeClusterDimension;
-    attr[1].val.clusterDim.x = HEADS_CTAS;
-    attr[1].val.clusterDim.y = attr[1].val.clusterDim.z = 1;
-    cfg.numAttrs = 2;
+    cudaLaunchConfig_t cfg = luma_launch_config(c, c->stream, ctas, HEADS_WARPS * 32, 0, attr);
+    cudaLaunchAttribute &cl = attr[cfg.numAttrs++];
+    cl.id = cudaLaunchAttributeClusterDimension;
+    cl.val.clusterDim.x = HEADS_CTAS;
+    cl.val.clusterDim.y = cl.val.clusterDim.z = 1;
     return cfg;
 }
 
@@ -2417,7 +2417,7 @@ static bool mmv_heads_launch(cuda_backend *c, const luma_weight *const *ws, floa
             h.g[i] = o == 0 ? rq->gq : o == 1 ? rq->gk : NULL;
             done |= 1 << o;
         }
-        cudaLaunchAttribute attr[2];
+        cudaLaunchAttribute attr[LUMA_LAUNCH_ATTRS];
         const cudaLaunchConfig_t cfg = heads_config(c, ctas, attr);
         auto *kernel = rounds == 1 ? mmv_heads<TA, TB, 1> : rounds == 2 ? mmv_heads<TA, TB, 2> : mmv_heads<TA, TB, 3>;
         if (!luma_cuda_fail(c, cudaLaunchKernelEx(&cfg, kernel, sg, a, h), "matmul (q, k and v by whole heads)")) {
@@ -2517,7 +2517,7 @@ static int mmv_gated_clusters(cuda_backend *c)
 {
     static int most = -1;   /* the same for every backend on one kind of GPU */
     if (most < 0) {
-        cudaLaunchAttribute attr[2];
+        cudaLaunchAttribute attr[LUMA_LAUNCH_ATTRS];
         const cudaLaunchConfig_t cfg = heads_config(c, HEADS_CTAS, attr);
         int n = 0;
         most = cudaOccupancyMaxActiveClusters(&n, mmv_gated<T, R, P>, &cfg) == cudaSuccess ? n : 0;
@@ -2534,7 +2534,7 @@ static bool mmv_gated_go(cuda_backend *c, const act_rows &a, const mmv_gated_arg
     const int64_t clusters = (g.n + GATED_E * P - 1) / (GATED_E * P);
     if (clusters > mmv_gated_clusters<T, R, P>(c)) return false;
     if (!go) return true;
-    cudaLaunchAttribute attr[2];
+    cudaLaunchAttribute attr[LUMA_LAUNCH_ATTRS];
     const cudaLaunchConfig_t cfg = heads_config(c, (unsigned)(clusters * HEADS_CTAS), attr);
     if (!luma_cuda_fail(c, cudaLaunchKernelEx(&cfg, mmv_gated<T, R, P>, a, g), "matmul (gate and up, gated)"))
         c->ffn_gated++;
@@ -3162,8 +3162,8 @@ static void mmv_tc_launch_t(cuda_backend *c, const luma_weight *const *ws, float
     int done = 0;
     mmv_rope<true> rp;
     const bool rope = mmv_rope_take(c, ws, ys, n, MMV_TC_ROWS, &rp, &done);
-    cudaLaunchAttribute attr;
-    cudaLaunchConfig_t cfg = luma_launch_config(c, c->stream, ctas, W * 32, 0, &attr);
+    cudaLaunchAttribute attr[LUMA_LAUNCH_ATTRS];
+    cudaLaunchConfig_t cfg = luma_launch_config(c, c->stream, ctas, W * 32, 0, attr);
     if (rope) {
         if (luma_cuda_fail(c, cudaLaunchKernelEx(&cfg, mmv_tc<T, NT, true, W>, sg, a, m, rp, mmv_tc_short()),
                            "matmul (tensor-core matrix-vector kernel, rotating q and k)"))

@@ -1221,13 +1221,15 @@ static void mmq_queue(cuda_backend *c, void (*fn)(mmq_args, A...), const mmq_fit
 {
     int splits = p.sk ? 1 : mmq_splits(fit, n_tiles * row_tiles, p.nkb);
     dim3 grid = p.sk ? dim3((unsigned)p.sk) : dim3((unsigned)n_tiles, (unsigned)row_tiles, (unsigned)splits);
-    cudaLaunchAttribute attr[2];
+    cudaLaunchAttribute attr[LUMA_LAUNCH_ATTRS];
     cudaLaunchConfig_t cfg = luma_launch_config(c, c->stream, grid, (unsigned)threads, smem, attr);
-    attr[1].id = cudaLaunchAttributeClusterDimension;
-    attr[1].val.clusterDim.x = 1;
-    attr[1].val.clusterDim.y = 1;
-    attr[1].val.clusterDim.z = (unsigned)splits;
-    cfg.numAttrs = splits > 1 ? 2 : 1;
+    if (splits > 1) {
+        cudaLaunchAttribute &cl = attr[cfg.numAttrs++];
+        cl.id = cudaLaunchAttributeClusterDimension;
+        cl.val.clusterDim.x = 1;
+        cl.val.clusterDim.y = 1;
+        cl.val.clusterDim.z = (unsigned)splits;
+    }
     luma_cuda_fail(c, cudaLaunchKernelEx(&cfg, fn, p, more...), "matmul (mmq kernel)");
 }
 

@@ -10,14 +10,15 @@
 #      16-token prompt, 128 tokens), once for each value of $VALUES set in
 #      the environment variable $VAR;
 # then a table: one line per run, the value, ms a decode token, tokens/s,
-# the fraction of the roofline ($PEAK_GBS, default scripts/peak-gbs.sh's) and any aggregate
+# the fraction of the roofline ($PEAK_GBS GB/s; default `copy`: the GPU's
+# device-to-device copy rate, measured by luma bench) and any aggregate
 # rates the arguments asked for.
 #   VAR=LUMA_CUDA_MMV_PAIRS VALUES="0 1" scripts/cuda-ab.sh -b 1,8
 set -u
 cd "$(dirname "$0")/.."
 BUILD=${BUILD:-build-cuda}
 JOBS=${JOBS:-$(nproc)}
-PEAK_GBS=${PEAK_GBS:-$(scripts/peak-gbs.sh)}
+PEAK_GBS=${PEAK_GBS:-copy}
 ROUNDS=${ROUNDS:-2}
 VAR=${VAR:?VAR names the environment variable to vary}
 VALUES=${VALUES:?VALUES lists its settings, separated by spaces}

@@ -19,14 +19,14 @@
 #      repacked copies of the matrix-vector kernels): decode at batch 1
 #      and 8 sequences, with the copies and without (LUMA_CUDA_X4_MMV=0);
 # then every table, and a summary of the lines that matter last.
-# PEAK_GBS sets the roofline (default: the measured device-to-device copy
-# bandwidth of the GPU that nvidia-smi names, scripts/peak-gbs.sh);
+# PEAK_GBS sets the roofline in GB/s (default `copy`: the GPU's device-to-
+# device copy bandwidth, read plus written, measured by luma bench);
 # LUMA_CMAKE_ARGS passes extra arguments to cmake (where Lua is).
 set -u
 cd "$(dirname "$0")/.."
 BUILD=${BUILD:-build-cuda}
 JOBS=${JOBS:-$(nproc)}
-PEAK_GBS=${PEAK_GBS:-$(scripts/peak-gbs.sh)}
+PEAK_GBS=${PEAK_GBS:-copy}
 VOCAB=${LUMA_VOCAB:-../shared/testdata/tokenizer/ggml-vocab-llama-spm.gguf}
 MODEL7=${MODEL7:-/tmp/luma-llama-7b.gguf}
 MODEL7Q8=${MODEL7Q8:-/tmp/luma-llama-7b-q8_0.gguf}

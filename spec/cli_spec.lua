@@ -170,6 +170,14 @@ describe("the luma command", function()
       assert.matches("bench: %-%-%a+ expects positive integers separated by commas, got '", err)
       assert.is_nil(err:find("traceback"))
     end
+    for bad, msg in pairs{ ["--peak-gbs copy"] = "bench: --peak-gbs copy: the cpu backend has no device copy to measure",
+                           ["--peak-gbs fast"] = "bench: --peak-gbs expects GB/s (a positive number) or 'copy', got 'fast'",
+                           ["--peak-gbs -3"] = "bench: --peak-gbs expects GB/s (a positive number) or 'copy', got '-3'" } do
+      _, err, code = H.run(bin .. " bench -m " .. H.quote(model_path) .. " -t 2 -p 8 -n 2 " .. bad)
+      assert.are.equal(1, code, bad)
+      assert.matches(msg, err, 1, true)
+      assert.is_nil(err:find("traceback"))
+    end
     _, err, code = H.run(bin .. " bench -m " .. H.quote(model_path) .. " --ctx 64 -n 2 -d 63")
     assert.are.equal(1, code)
     assert.matches("bench: --depth 63 and -n 2 need a context of 65 tokens, the model has 64", err, 1, true)

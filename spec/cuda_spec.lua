@@ -95,6 +95,15 @@ describe("CUDA backend against the CPU backend", function()
     assert.are.equal("cuda", gpu.info.backend)
   end)
 
+  it("measures its device-to-device copy rate (copy_bandwidth), and the CPU has none", function()
+    local gbs = gpu:copy_bandwidth(256, 3)
+    print(string.format("\n  device copy of 256 MiB: %.0f GB/s (read + written)", gbs))
+    -- HBM of any GPU the kernels run on (sm_90 and newer) copies at more
+    -- than 500 GB/s and less than 20 TB/s
+    assert.is_true(gbs > 500 and gbs < 20000)
+    assert.is_nil(cpu:copy_bandwidth())
+  end)
+
   -- Both backends multiply the same int8 activations (test_cuda_matmul: the
   -- products agree to 1e-5), but their other sums run in other orders, and
   -- one activation that rounds the other way in 8 bits moves the logits by

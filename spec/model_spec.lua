@@ -121,6 +121,16 @@ describe("a loaded model", function()
     assert.matches("luma.Model %(gemma3, 262144 tokens%)", tostring(model))
   end)
 
+  it("has no device copy to measure on the CPU (copy_bandwidth is nil) and checks its arguments", function()
+    assert.is_nil(model:copy_bandwidth())
+    assert.is_nil(model:copy_bandwidth(1, 1))
+    assert.matches("MiB must be in %[1, 1048576%]", select(2, pcall(model.copy_bandwidth, model, 0)))
+    assert.matches("copies must be in %[1, 1000%]", select(2, pcall(model.copy_bandwidth, model, 1, 0)))
+    local vocab = luma.load(H.model_path(), { vocab_only = true })
+    assert.matches("vocab_only: it has no backend", select(2, pcall(vocab.copy_bandwidth, vocab)))
+    vocab:close()
+  end)
+
   it("counts the free blocks of each KV pool with kv_free", function()
     -- ctx 1024 is longer than the window of 512: a second pool for the
     -- sliding-window layers. The default budget holds one sequence: 64

@@ -374,6 +374,14 @@ typedef struct luma_backend_ops {
      * activations"). Float weights are multiplied as floats either way.
      * Called once, before weight_load; required of every backend. */
     int (*set_float_act)(luma_backend *be, bool on, luma_err *err);
+
+    /* The rate, in bytes a second read plus written, at which the device
+     * copies `bytes` from one of its buffers to another (two buffers of
+     * that size made for it and freed after), the best of reps copies after
+     * one untimed: the bandwidth a decode step's weight reads are measured
+     * against (luma bench --peak-gbs copy). Optional: NULL for a backend
+     * whose memory is the host's (the CPU). */
+    int (*copy_rate)(luma_backend *be, size_t bytes, int reps, double *rate, luma_err *err);
 } luma_backend_ops;
 
 struct luma_backend {

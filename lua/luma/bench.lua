@@ -230,6 +230,26 @@ function M.run(o, load_model, usage_error)
   end
   local rows = {}
   local function row(name, value, unit) rows[#rows + 1] = { name, value, unit } end
+  -- --peak-gbs: GB/s, or "copy": the backend's device-to-device copy rate
+  -- (read plus written), measured here, where it has one
+  local peak = o["peak-gbs"]
+  if peak == "copy" then
+    peak = model:copy_bandwidth()
+    if not peak then
+      model:close()
+      usage_error("bench: --peak-gbs copy: the " .. info.backend .. " backend has no device copy to measure; " ..
+                  "give the bandwidth in GB/s")
+    end
+    o["peak-gbs"] = math.floor(peak + 0.5)
+    row("copy bandwidth (measured, read + written)", string.format("%.0f", peak), "GB/s")
+  elseif peak then
+    local n = tonumber(peak)
+    if not n or n <= 0 then
+      model:close()
+      usage_error("bench: --peak-gbs expects GB/s (a positive number) or 'copy', got '" .. peak .. "'")
+    end
+    o["peak-gbs"] = n
+  end
 
   -- A first pass pays one-time costs (library handles, scratch growth).
   do

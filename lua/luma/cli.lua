@@ -282,7 +282,8 @@ local bench_spec = with{
   depth = { kind = "string", short = "d", help = "decode after prompts of these lengths too (a list: 4096,8192)" },
   ["max-rows"] = { kind = "integer", help = "rows per forward pass (0: the default)", default = 0 },
   ["kv-mb"] = { kind = "integer", help = "KV cache budget in MiB (0: one full context)", default = 0 },
-  ["peak-gbs"] = { kind = "number", help = "memory bandwidth to report decode against, GB/s" },
+  ["peak-gbs"] = { kind = "string", help = "memory bandwidth to report decode against, GB/s, or 'copy': the device's " ..
+                  "copy rate, measured (GPU backends)" },
   gen = { kind = "integer", short = "n", help = "tokens to decode", default = 128 },
   reps = { kind = "integer", short = "r", help = "repetitions (the best is reported)", default = 1 },
   policy = { kind = "flag", help = "also time decode with a Lua sampling chain instead of C argmax" },

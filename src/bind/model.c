@@ -414,6 +414,29 @@ static int model_kv_free(lua_State *L)
     return 2;
 }
 
+/* model:copy_bandwidth([mib [, reps]]) -> GB/s (bytes read plus written,
+ * 1e9 a GB) of the backend's device-to-device copy of mib MiB (default
+ * 1024), the best of reps (default 5); nil for a backend whose memory is
+ * the host's (the CPU). */
+static int model_copy_bandwidth(lua_State *L)
+{
+    luma_model *m = luma_bind_model(L, 1);
+    const lua_Integer mib = luaL_optinteger(L, 2, 1024), reps = luaL_optinteger(L, 3, 5);
+    luaL_argcheck(L, mib >= 1 && mib <= (1 << 20), 2, "MiB must be in [1, 1048576]");
+    luaL_argcheck(L, reps >= 1 && reps <= 1000, 3, "copies must be in [1, 1000]");
+    if (m->vocab_only) return luaL_error(L, "model was loaded with vocab_only: it has no backend");
+    luma_bind_idle(L, m);
+    if (!m->be->ops->copy_rate) {
+        lua_pushnil(L);
+        return 1;
+    }
+    double rate = 0.0;
+    luma_err err;
+    if (m->be->ops->copy_rate(m->be, (size_t)mib << 20, (int)reps, &rate, &err)) return luma_bind_error(L, &err);
+    lua_pushnumber(L, rate / 1e9);
+    return 1;
+}
+
 static const luaL_Reg meta[] = {
     { "__gc", model_gc },
     { "__close", model_close },
@@ -432,6 +455,7 @@ static const luaL_Reg methods[] = {
     { "meta_keys", model_meta_keys },
     { "tensors", model_tensors },
     { "kv_free", model_kv_free },
+    { "copy_bandwidth", model_copy_bandwidth },
     { "close", model_close },
     { NULL, NULL },
 };

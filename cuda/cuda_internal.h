@@ -123,12 +123,16 @@ typedef struct cuda_backend {
     void *step_mem;            /* device arena holding the step's arrays */
     size_t step_cap;
     void *host_stage;          /* pinned host staging for the step upload */
+    void *host_stage_dev;      /* the same as the device addresses it (NULL: uploaded by cudaMemcpy) */
     size_t stage_cap;
     cudaEvent_t staged;        /* the last upload out of host_stage has completed */
     void *host_results;        /* pinned host memory for the logits operations' results (logits.cu) */
+    void *host_results_dev;    /* the same as the device addresses it (zero_copy; NULL until asked for) */
     unsigned long long *chain_key;      /* chained decoding's token (the argmax's or the sampler's key) on
                                          * the device (read by embed), */
     unsigned long long *chain_host;     /* its pinned copy (made at the first use), */
+    unsigned long long *chain_host_dev; /* the copy as the device addresses it (NULL: copied by cudaMemcpy), */
+    unsigned long long *chain_parts;    /* the chained argmax's blocks' keys (CHAIN_PARTS), */
     cudaEvent_t chain_ev;               /* recorded after the copy */
     void *chain_hist;                   /* the history of chained draws (logits.cu's chain_hist) */
     void *topk_mem;            /* top-k's device work (logits.cu, topk_work): */
@@ -174,6 +178,12 @@ typedef struct cuda_backend {
      * largest shared memory; -1: none asked, the driver's choice per
      * kernel). LUMA_CUDA_CARVEOUT in the environment. */
     int carveout;
+    /* The step's arrays go up, and chained decoding's token comes back,
+     * through kernels that read and write pinned host memory, where the
+     * device addresses it, instead of copies on the copy engine between two
+     * steps' kernels (LUMA_CUDA_ZERO_COPY=0 in the environment: the
+     * copies). */
+    bool zero_copy;
     /* Q6_K matrices, and Q4_0, Q5_0 and Q8_0 ones, get a repacked copy for
      * the matrix-vector kernels (luma_weight.dev_mmv; LUMA_CUDA_Q6K_MMV=0,
      * LUMA_CUDA_X4_MMV=0 in the environment: not), Q4_K, Q5_K and Q6_K one

@@ -243,6 +243,61 @@ argmax_kernel(const float *__restrict__ x, int64_t cols, int64_t chunk, unsigned
     if (threadIdx.x == 0 && m) atomicMax(&best[blockIdx.y], m);
 }
 
+/* Argmax without a zeroed key: block (blockIdx.x, blockIdx.y)'s best key
+ * of row blockIdx.y (0 where nothing is live) to parts[blockIdx.y *
+ * gridDim.x + blockIdx.x], as argmax_kernel finds it; keys_publish_kernel
+ * then takes each row's largest. */
+__global__ void __launch_bounds__(ARGMAX_THREADS)
+argmax_parts_kernel(const float *__restrict__ x, int64_t cols, int64_t chunk, unsigned long long *parts)
+{
+    follow_previous_kernel();
+    __shared__ unsigned long long sh[32];
+    const float *row = x + (int64_t)blockIdx.y * cols;
+    int64_t lo = (int64_t)blockIdx.x * chunk, hi = lo + chunk < cols ? lo + chunk : cols;
+    unsigned long long m = 0;
+    for (int64_t i0 = lo + threadIdx.x; i0 < hi; i0 += 4 * ARGMAX_THREADS) {
+        float v[4];
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            int64_t i = i0 + j * ARGMAX_THREADS;
+            v[j] = i < hi ? row[i] : -INFINITY;
+        }
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+            if (is_live(v[j])) {
+                unsigned long long k = rank_key(v[j], i0 + j * ARGMAX_THREADS);
+                m = k > m ? k : m;
+            }
+    }
+    m = block_max_u64(m, sh);
+    if (threadIdx.x == 0) parts[(int64_t)blockIdx.y * gridDim.x + blockIdx.x] = m;
+}
+
+/* Keys published, a warp a row: the largest of row j's parts[j per, +per)
+ * (per = 1: the key as it is) to host[j], pinned host memory the device
+ * addresses, read by the host once the stream (or an event after this
+ * kernel) has passed; and where key is not NULL also to key[j] on the
+ * device (chained decoding's, which the next step's embed reads). */
+__global__ void keys_publish_kernel(const unsigned long long *parts, int per, int64_t n, unsigned long long *key,
+                                    volatile unsigned long long *host)
+{
+    follow_previous_kernel();
+    const int64_t j = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32;
+    const int lane = threadIdx.x % 32;
+    if (j >= n) return;
+    unsigned long long m = 0;
+    for (int i = lane; i < per; i += 32) m = parts[j * per + i] > m ? parts[j * per + i] : m;
+    for (int o = 16; o > 0; o /= 2) {
+        const unsigned long long v = __shfl_xor_sync(0xffffffffu, m, o);
+        m = v > m ? v : m;
+    }
+    if (lane == 0) {
+        if (key && key + j != parts + j * per) key[j] = m;
+        host[j] = m;
+        __threadfence_system();
+    }
+}
+
 /* ---- top-k of one row ---------------------------------------------------- */
 
 #define TOPK_THREADS 1024
@@ -1172,6 +1227,43 @@ static cudaError_t queue_argmax(cuda_backend *c, const luma_buf *b, int64_t row0
     return e;
 }
 
+/* The pinned results buffer as the device addresses it (zero_copy), NULL
+ * where host is another buffer or the device cannot write it. */
+static unsigned long long *results_dev(cuda_backend *c, const void *host)
+{
+    if (!c->zero_copy || !host || host != c->host_results) return NULL;
+    if (!c->host_results_dev && cudaHostGetDevicePointer(&c->host_results_dev, c->host_results, 0) != cudaSuccess) {
+        cudaGetLastError();
+        c->host_results_dev = NULL;
+    }
+    return (unsigned long long *)c->host_results_dev;
+}
+
+/* queue_argmax's blocks of rows [row0, +n), each block's key to its part
+ * of parts (no key to zero first), then each row's largest published to
+ * host (the device's address of pinned memory) and where key is not NULL
+ * to key on the device: no memset before the argmax nor copy after it
+ * between the kernels of the stream (zero_copy). false, queuing nothing,
+ * where parts (n_parts keys) cannot hold the blocks' keys. */
+static bool queue_argmax_parts(cuda_backend *c, const luma_buf *b, int64_t row0, int64_t n,
+                               unsigned long long *parts, int64_t n_parts, unsigned long long *key,
+                               unsigned long long *host, cudaError_t *e)
+{
+    const int64_t cols = b->cols, want = 4 * (int64_t)c->n_sm, most = (cols + ARGMAX_MIN_CHUNK - 1) / ARGMAX_MIN_CHUNK;
+    int64_t per_row = (want + n - 1) / n;
+    if (per_row > most) per_row = most;
+    if (per_row < 1) per_row = 1;
+    if (n > 65535 || per_row * n > n_parts) return false;
+    const int64_t chunk = (cols + per_row - 1) / per_row;
+    luma_launch(c, c->stream, dim3((unsigned)per_row, (unsigned)n), ARGMAX_THREADS, 0, argmax_parts_kernel,
+                b->data + row0 * cols, cols, chunk, parts);
+    const unsigned threads = n == 1 ? 32 : 256;
+    luma_launch(c, c->stream, (unsigned)((n * 32 + threads - 1) / threads), threads, 0, keys_publish_kernel,
+                (const unsigned long long *)parts, (int)per_row, n, key, host);
+    *e = cudaGetLastError();
+    return true;
+}
+
 int luma_cuda_logits_argmax(luma_backend *be, const luma_buf *b, int64_t row0, int64_t n, int32_t *ids,
                             luma_err *err)
 {
@@ -1183,8 +1275,13 @@ int luma_cuda_logits_argmax(luma_backend *be, const luma_buf *b, int64_t row0, i
     unsigned long long *keys = (unsigned long long *)work(b);
     unsigned long long *host = (unsigned long long *)results_get(c, (size_t)n * sizeof *host);
     if (!host) return luma_errf(err, "argmax: out of memory for %lld rows", (long long)n);
-    cudaError_t e = queue_argmax(c, b, row0, n, keys);
-    if (e == cudaSuccess) e = cudaMemcpyAsync(host, keys, (size_t)n * sizeof *host, cudaMemcpyDeviceToHost, c->stream);
+    cudaError_t e = cudaSuccess;
+    unsigned long long *hdev = results_dev(c, host);
+    if (!hdev || !queue_argmax_parts(c, b, row0, n, keys, (int64_t)(work_size(b) / sizeof *keys), NULL, hdev, &e)) {
+        e = queue_argmax(c, b, row0, n, keys);
+        if (e == cudaSuccess)
+            e = cudaMemcpyAsync(host, keys, (size_t)n * sizeof *host, cudaMemcpyDeviceToHost, c->stream);
+    }
     int rc = op_end(c, "argmax", e, err);
     if (rc == 0)
         for (int64_t i = 0; i < n; i++) ids[i] = luma_cuda_key_id(host[i]);
@@ -1481,24 +1578,38 @@ int32_t luma_cuda_logits_sample(luma_backend *be, const luma_buf *b, int64_t row
  * recorded: the host waits for that event only, while the step queued
  * after the choice runs. */
 
-/* The pinned copy and its event, made at the first use. */
+/* The most blocks of the chained argmax (argmax_parts_kernel): queue_argmax's
+ * 4 a streaming multiprocessor at one row, at most. */
+static int64_t chain_parts_max(const cuda_backend *c) { return 4 * (int64_t)c->n_sm; }
+
+/* The pinned copy, its event and the argmax's block keys, made at the first
+ * use; with zero_copy the copy's device address (NULL: the copy engine's). */
 static cudaError_t chain_ready(cuda_backend *c)
 {
     cudaError_t e = cudaSuccess;
     if (!c->chain_host) {
         e = cudaMallocHost((void **)&c->chain_host, sizeof *c->chain_host);
         if (e != cudaSuccess) c->chain_host = NULL;
+        c->chain_host_dev = NULL;
+        if (e == cudaSuccess && c->zero_copy &&
+            cudaHostGetDevicePointer((void **)&c->chain_host_dev, c->chain_host, 0) != cudaSuccess) {
+            cudaGetLastError();
+            c->chain_host_dev = NULL;
+        }
     }
+    if (e == cudaSuccess && !c->chain_parts && c->chain_host_dev)
+        e = cudaMalloc((void **)&c->chain_parts, (size_t)chain_parts_max(c) * sizeof *c->chain_parts);
     if (e == cudaSuccess && !c->chain_ev) e = cudaEventCreateWithFlags(&c->chain_ev, cudaEventDisableTiming);
     return e;
 }
 
-/* After the key's kernels (e: how queuing them went): its copy back and
- * the event chain_read waits for. */
-static int chain_queued(cuda_backend *c, const char *op, cudaError_t e, luma_err *err)
+/* After the key's kernels (e: how queuing them went; published: the host
+ * copy made by them): the key copied back by the copy engine where it was
+ * not, then the event chain_read waits for. */
+static int chain_queued(cuda_backend *c, const char *op, cudaError_t e, bool published, luma_err *err)
 {
     if (e == cudaSuccess) e = cudaGetLastError();
-    if (e == cudaSuccess)
+    if (e == cudaSuccess && !published)
         e = cudaMemcpyAsync(c->chain_host, c->chain_key, sizeof *c->chain_host, cudaMemcpyDeviceToHost, c->stream);
     if (e == cudaSuccess) e = cudaEventRecord(c->chain_ev, c->stream);
     return op_queued(op, e, err);
@@ -1509,8 +1620,11 @@ int luma_cuda_chain_argmax(luma_backend *be, const luma_buf *b, int64_t row, lum
     cuda_backend *c = cu(be);
     if (op_begin(c, "greedy's argmax", b, row, err)) return -1;
     cudaError_t e = chain_ready(c);
+    if (e == cudaSuccess && c->chain_host_dev &&
+        queue_argmax_parts(c, b, row, 1, c->chain_parts, chain_parts_max(c), c->chain_key, c->chain_host_dev, &e))
+        return chain_queued(c, "greedy's argmax", e, true, err);
     if (e == cudaSuccess) e = queue_argmax(c, b, row, 1, c->chain_key);
-    return chain_queued(c, "greedy's argmax", e, err);
+    return chain_queued(c, "greedy's argmax", e, false, err);
 }
 
 /* The sampler's draw goes where the argmax's would: the penalties over
@@ -1528,7 +1642,7 @@ int luma_cuda_chain_sample(luma_backend *be, const luma_buf *b, int64_t row, con
     const int32_t k = s->top_k < b->cols ? s->top_k : (int32_t)b->cols;
     int32_t *res;
     cudaError_t e = chain_ready(c);
-    if (e != cudaSuccess) return chain_queued(c, "the sampler's draw", e, err);
+    if (e != cudaSuccess) return chain_queued(c, "the sampler's draw", e, false, err);
     chain_hist *h = (chain_hist *)c->chain_hist;
     if (penalizes)
         luma_launch(c, c->stream, 1, WINDOW, 0, chain_penalty_kernel, b->data + row * b->cols, (const chain_hist *)h,
@@ -1536,7 +1650,10 @@ int luma_cuda_chain_sample(luma_backend *be, const luma_buf *b, int64_t row, con
     if (queue_topk(c, b, row, 1, k, &res, err)) return -1;
     luma_launch(c, c->stream, 1, 32, 0, chain_sample_kernel, res, k, s->top_p, s->min_p, s->temp, u, c->chain_key,
                 penalizes ? h : (chain_hist *)NULL);
-    return chain_queued(c, "the sampler's draw", cudaSuccess, err);
+    if (c->chain_host_dev)
+        luma_launch(c, c->stream, 1, 32, 0, keys_publish_kernel, (const unsigned long long *)c->chain_key, 1,
+                    (int64_t)1, (unsigned long long *)NULL, c->chain_host_dev);
+    return chain_queued(c, "the sampler's draw", cudaSuccess, c->chain_host_dev != NULL, err);
 }
 
 int luma_cuda_chain_history(luma_backend *be, const int32_t *ids, int32_t n, luma_err *err)

@@ -7,9 +7,8 @@
  * that the tensor-core path of matmul reads instead of dequantizing per
  * call. A step's metadata (tokens, positions, out rows, the row -> sequence
  * map, per-sequence ranges, block tables and the attention work lists) is
- * packed on the host into a pinned buffer and sent by one small kernel that
- * reads it where the device addresses it (or, without that, one copy), so a
- * decode step pays for a single small transfer. Operations never return errors:
+ * packed on the host into a pinned buffer and sent in one copy, so a decode
+ * step pays for a single small transfer. Operations never return errors:
  * the first failure is kept in c->failure, later operations are skipped,
  * and sync (or buf_read) reports it. */
 #include <stdarg.h>
@@ -18,7 +17,6 @@
 #include <string.h>
 
 #include "cuda_internal.h"
-#include "launch.cuh"
 #include "rope.cuh"
 
 static cuda_backend *cu(luma_backend *be) { return (cuda_backend *)be; }
@@ -556,29 +554,6 @@ static int plan_step(const cuda_backend *c, const luma_step *s, step_plan *p, in
     return 0;
 }
 
-/* The step's arrays, n4 words of 16 bytes (the staging buffer and the
- * arena are both at least that long: reserve_step rounds up), from the
- * pinned staging buffer to the device arena (cuda_backend.zero_copy). */
-#define UPLOAD_AHEAD 4   /* words a thread reads before the wait */
-static __global__ void step_upload_kernel(int4 *__restrict__ d, const int4 *__restrict__ h, int64_t n4)
-{
-    /* The pinned buffer is written by the host before the launch and by no
-     * kernel, so a thread's first words are read before the wait for the
-     * kernel before (the previous step's, which may still read the arena):
-     * the trip to host memory overlaps it. */
-    const int64_t stride = (int64_t)gridDim.x * blockDim.x, i0 = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    int4 v[UPLOAD_AHEAD];
-#pragma unroll
-    for (int k = 0; k < UPLOAD_AHEAD; k++)
-        if (i0 + k * stride < n4) v[k] = h[i0 + k * stride];
-    wait_for_previous_kernel();
-    let_next_kernel_start();
-#pragma unroll
-    for (int k = 0; k < UPLOAD_AHEAD; k++)
-        if (i0 + k * stride < n4) d[i0 + k * stride] = v[k];
-    for (int64_t i = i0 + UPLOAD_AHEAD * stride; i < n4; i += stride) d[i] = h[i];
-}
-
 /* Grows the pinned staging buffer and the device arena to hold bytes. */
 static int reserve_step(cuda_backend *c, size_t bytes, luma_err *err)
 {
@@ -587,19 +562,13 @@ static int reserve_step(cuda_backend *c, size_t bytes, luma_err *err)
         cudaFreeHost(c->host_stage);
         c->host_stage = NULL;
         c->stage_cap = 0;
-        /* whole words of 16 bytes (step_upload_kernel's) */
-        const size_t cap = (bytes < 65536 ? 65536 : 2 * bytes + 15) / 16 * 16;
+        size_t cap = bytes < 65536 ? 65536 : 2 * bytes;
         cudaError_t e = cudaMallocHost(&c->host_stage, cap);
         if (e != cudaSuccess) {
             c->host_stage = NULL;
             return luma_errf(err, "no pinned host memory for the step upload: %s", cudaGetErrorString(e));
         }
         c->stage_cap = cap;
-        c->host_stage_dev = NULL;
-        if (c->zero_copy && cudaHostGetDevicePointer(&c->host_stage_dev, c->host_stage, 0) != cudaSuccess) {
-            cudaGetLastError();
-            c->host_stage_dev = NULL;
-        }
     }
     if (bytes > c->step_cap) {
         free_after_stream(c, c->step_mem);
@@ -675,17 +644,8 @@ static int cuda_step_begin(luma_backend *be, const luma_step *s, luma_err *err)
         }
     }
     int32_t *d = (int32_t *)c->step_mem;
-    if (c->host_stage_dev) {
-        /* by a kernel (zero_copy), a programmatic dependent of the
-         * previous step's last kernel */
-        const int64_t n4 = (int64_t)(p.total + 3) / 4;
-        const unsigned grid = (unsigned)(n4 < 256 * 32 ? (n4 + 255) / 256 : 32);
-        luma_launch(c, c->stream, grid, 256, 0, step_upload_kernel, (int4 *)d, (const int4 *)c->host_stage_dev, n4);
-    }
-    if ((!c->host_stage_dev &&
-         luma_cuda_fail(c, cudaMemcpyAsync(d, h, p.total * sizeof(int32_t), cudaMemcpyHostToDevice, c->stream),
-                        "uploading the step")) ||
-        luma_cuda_fail(c, cudaGetLastError(), "uploading the step") ||
+    if (luma_cuda_fail(c, cudaMemcpyAsync(d, h, p.total * sizeof(int32_t), cudaMemcpyHostToDevice, c->stream),
+                       "uploading the step") ||
         luma_cuda_fail(c, cudaEventRecord(c->staged, c->stream), "uploading the step"))
         return luma_cuda_report(c, err);
     cuda_step *cs = &c->step;
@@ -897,6 +857,7 @@ static int cuda_sync(luma_backend *be, luma_err *err)
 }
 
 #ifdef LUMA_CUDA_TRACE
+#include "launch.cuh"   /* LUMA_TRACE_MAX */
 
 extern "C" {
 void luma_cuda_trace_bind_attention(unsigned long long *p);

@@ -123,11 +123,9 @@ typedef struct cuda_backend {
     void *step_mem;            /* device arena holding the step's arrays */
     size_t step_cap;
     void *host_stage;          /* pinned host staging for the step upload */
-    void *host_stage_dev;      /* the same as the device addresses it (NULL: uploaded by cudaMemcpy) */
     size_t stage_cap;
     cudaEvent_t staged;        /* the last upload out of host_stage has completed */
     void *host_results;        /* pinned host memory for the logits operations' results (logits.cu) */
-    void *host_results_dev;    /* the same as the device addresses it (zero_copy; NULL until asked for) */
     unsigned long long *chain_key;      /* chained decoding's token (the argmax's or the sampler's key) on
                                          * the device (read by embed), */
     unsigned long long *chain_host;     /* its pinned copy (made at the first use), */
@@ -178,11 +176,11 @@ typedef struct cuda_backend {
      * largest shared memory; -1: none asked, the driver's choice per
      * kernel). LUMA_CUDA_CARVEOUT in the environment. */
     int carveout;
-    /* The step's arrays go up, and chained decoding's token comes back,
-     * through kernels that read and write pinned host memory, where the
-     * device addresses it, instead of copies on the copy engine between two
-     * steps' kernels (LUMA_CUDA_ZERO_COPY=0 in the environment: the
-     * copies). */
+    /* Chained decoding's token comes back through a kernel that writes
+     * pinned host memory where the device addresses it, and the chained
+     * argmax needs no zeroed key: no copy and no memset on the stream
+     * between the logits and the next step (LUMA_CUDA_ZERO_COPY=0 in the
+     * environment: the memset, the atomic argmax and the copy). */
     bool zero_copy;
     /* Q6_K matrices, and Q4_0, Q5_0 and Q8_0 ones, get a repacked copy for
      * the matrix-vector kernels (luma_weight.dev_mmv; LUMA_CUDA_Q6K_MMV=0,

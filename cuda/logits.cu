@@ -215,62 +215,42 @@ __device__ __forceinline__ void block_sort_padded_desc(unsigned long long *keys,
 #define ARGMAX_THREADS 256
 #define ARGMAX_MIN_CHUNK 4096   /* entries a block reads at least */
 
+/* The block's best key of row[lo, hi) (0 where nothing is live). */
+__device__ __forceinline__ unsigned long long block_best_key(const float *__restrict__ row, int64_t lo, int64_t hi,
+                                                             unsigned long long *sh)
+{
+    unsigned long long m = 0;
+    for (int64_t i0 = lo + threadIdx.x; i0 < hi; i0 += 4 * ARGMAX_THREADS) {
+        float v[4];
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            int64_t i = i0 + j * ARGMAX_THREADS;
+            v[j] = i < hi ? row[i] : -INFINITY;
+        }
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+            if (is_live(v[j])) {
+                unsigned long long k = rank_key(v[j], i0 + j * ARGMAX_THREADS);
+                m = k > m ? k : m;
+            }
+    }
+    return block_max_u64(m, sh);
+}
+
 /* Row blockIdx.y, entries [blockIdx.x * chunk, +chunk): the block's best key
- * joins best[row] (zeroed before). */
+ * joins best[row] (zeroed before); with PARTS it goes to best[blockIdx.y *
+ * gridDim.x + blockIdx.x] instead (nothing to zero first), and
+ * keys_publish_kernel takes each row's largest. */
+template <bool PARTS>
 __global__ void __launch_bounds__(ARGMAX_THREADS)
 argmax_kernel(const float *__restrict__ x, int64_t cols, int64_t chunk, unsigned long long *best)
 {
     follow_previous_kernel();
     __shared__ unsigned long long sh[32];
-    const float *row = x + (int64_t)blockIdx.y * cols;
-    int64_t lo = (int64_t)blockIdx.x * chunk, hi = lo + chunk < cols ? lo + chunk : cols;
-    unsigned long long m = 0;
-    for (int64_t i0 = lo + threadIdx.x; i0 < hi; i0 += 4 * ARGMAX_THREADS) {
-        float v[4];
-#pragma unroll
-        for (int j = 0; j < 4; j++) {
-            int64_t i = i0 + j * ARGMAX_THREADS;
-            v[j] = i < hi ? row[i] : -INFINITY;
-        }
-#pragma unroll
-        for (int j = 0; j < 4; j++)
-            if (is_live(v[j])) {
-                unsigned long long k = rank_key(v[j], i0 + j * ARGMAX_THREADS);
-                m = k > m ? k : m;
-            }
-    }
-    m = block_max_u64(m, sh);
-    if (threadIdx.x == 0 && m) atomicMax(&best[blockIdx.y], m);
-}
-
-/* Argmax without a zeroed key: block (blockIdx.x, blockIdx.y)'s best key
- * of row blockIdx.y (0 where nothing is live) to parts[blockIdx.y *
- * gridDim.x + blockIdx.x], as argmax_kernel finds it; keys_publish_kernel
- * then takes each row's largest. */
-__global__ void __launch_bounds__(ARGMAX_THREADS)
-argmax_parts_kernel(const float *__restrict__ x, int64_t cols, int64_t chunk, unsigned long long *parts)
-{
-    follow_previous_kernel();
-    __shared__ unsigned long long sh[32];
-    const float *row = x + (int64_t)blockIdx.y * cols;
-    int64_t lo = (int64_t)blockIdx.x * chunk, hi = lo + chunk < cols ? lo + chunk : cols;
-    unsigned long long m = 0;
-    for (int64_t i0 = lo + threadIdx.x; i0 < hi; i0 += 4 * ARGMAX_THREADS) {
-        float v[4];
-#pragma unroll
-        for (int j = 0; j < 4; j++) {
-            int64_t i = i0 + j * ARGMAX_THREADS;
-            v[j] = i < hi ? row[i] : -INFINITY;
-        }
-#pragma unroll
-        for (int j = 0; j < 4; j++)
-            if (is_live(v[j])) {
-                unsigned long long k = rank_key(v[j], i0 + j * ARGMAX_THREADS);
-                m = k > m ? k : m;
-            }
-    }
-    m = block_max_u64(m, sh);
-    if (threadIdx.x == 0) parts[(int64_t)blockIdx.y * gridDim.x + blockIdx.x] = m;
+    const int64_t lo = (int64_t)blockIdx.x * chunk, hi = lo + chunk < cols ? lo + chunk : cols;
+    const unsigned long long m = block_best_key(x + (int64_t)blockIdx.y * cols, lo, hi, sh);
+    if (PARTS && threadIdx.x == 0) best[(int64_t)blockIdx.y * gridDim.x + blockIdx.x] = m;
+    else if (threadIdx.x == 0 && m) atomicMax(&best[blockIdx.y], m);
 }
 
 /* Keys published, a warp a row: the largest of row j's parts[j per, +per)
@@ -1208,35 +1188,29 @@ void luma_cuda_logits_free(luma_backend *be, luma_buf *b)
 /* Queues the best key of each of n rows from row0 into keys (zeroed
  * first): enough blocks to fill the device, each reading
  * ARGMAX_MIN_CHUNK entries at least. */
+/* argmax_kernel's blocks a row, for n rows of cols: about 4 a streaming
+ * multiprocessor in all, each reading ARGMAX_MIN_CHUNK entries at least. */
+static int64_t argmax_blocks(const cuda_backend *c, int64_t cols, int64_t n)
+{
+    const int64_t want = 4 * (int64_t)c->n_sm, most = (cols + ARGMAX_MIN_CHUNK - 1) / ARGMAX_MIN_CHUNK;
+    int64_t per_row = (want + n - 1) / n;
+    if (per_row > most) per_row = most;
+    return per_row < 1 ? 1 : per_row;
+}
+
 static cudaError_t queue_argmax(cuda_backend *c, const luma_buf *b, int64_t row0, int64_t n,
                                 unsigned long long *keys)
 {
-    int64_t cols = b->cols, want = 4 * (int64_t)c->n_sm;
-    int64_t per_row = (want + n - 1) / n, most = (cols + ARGMAX_MIN_CHUNK - 1) / ARGMAX_MIN_CHUNK;
-    if (per_row > most) per_row = most;
-    if (per_row < 1) per_row = 1;
-    int64_t chunk = (cols + per_row - 1) / per_row;
+    const int64_t cols = b->cols, per_row = argmax_blocks(c, cols, n), chunk = (cols + per_row - 1) / per_row;
     cudaError_t e = cudaMemsetAsync(keys, 0, (size_t)n * sizeof *keys, c->stream);
     for (int64_t r0 = 0; r0 < n && e == cudaSuccess; r0 += 65535) {
         int64_t rows = n - r0 < 65535 ? n - r0 : 65535;
         dim3 grid((unsigned)per_row, (unsigned)rows);
-        luma_launch(c, c->stream, grid, ARGMAX_THREADS, 0, argmax_kernel, b->data + (row0 + r0) * cols, cols, chunk,
-                    keys + r0);
+        luma_launch(c, c->stream, grid, ARGMAX_THREADS, 0, argmax_kernel<false>, b->data + (row0 + r0) * cols, cols,
+                    chunk, keys + r0);
         e = cudaGetLastError();
     }
     return e;
-}
-
-/* The pinned results buffer as the device addresses it (zero_copy), NULL
- * where host is another buffer or the device cannot write it. */
-static unsigned long long *results_dev(cuda_backend *c, const void *host)
-{
-    if (!c->zero_copy || !host || host != c->host_results) return NULL;
-    if (!c->host_results_dev && cudaHostGetDevicePointer(&c->host_results_dev, c->host_results, 0) != cudaSuccess) {
-        cudaGetLastError();
-        c->host_results_dev = NULL;
-    }
-    return (unsigned long long *)c->host_results_dev;
 }
 
 /* queue_argmax's blocks of rows [row0, +n), each block's key to its part
@@ -1249,13 +1223,9 @@ static bool queue_argmax_parts(cuda_backend *c, const luma_buf *b, int64_t row0,
                                unsigned long long *parts, int64_t n_parts, unsigned long long *key,
                                unsigned long long *host, cudaError_t *e)
 {
-    const int64_t cols = b->cols, want = 4 * (int64_t)c->n_sm, most = (cols + ARGMAX_MIN_CHUNK - 1) / ARGMAX_MIN_CHUNK;
-    int64_t per_row = (want + n - 1) / n;
-    if (per_row > most) per_row = most;
-    if (per_row < 1) per_row = 1;
+    const int64_t cols = b->cols, per_row = argmax_blocks(c, cols, n), chunk = (cols + per_row - 1) / per_row;
     if (n > 65535 || per_row * n > n_parts) return false;
-    const int64_t chunk = (cols + per_row - 1) / per_row;
-    luma_launch(c, c->stream, dim3((unsigned)per_row, (unsigned)n), ARGMAX_THREADS, 0, argmax_parts_kernel,
+    luma_launch(c, c->stream, dim3((unsigned)per_row, (unsigned)n), ARGMAX_THREADS, 0, argmax_kernel<true>,
                 b->data + row0 * cols, cols, chunk, parts);
     const unsigned threads = n == 1 ? 32 : 256;
     luma_launch(c, c->stream, (unsigned)((n * 32 + threads - 1) / threads), threads, 0, keys_publish_kernel,
@@ -1275,13 +1245,8 @@ int luma_cuda_logits_argmax(luma_backend *be, const luma_buf *b, int64_t row0, i
     unsigned long long *keys = (unsigned long long *)work(b);
     unsigned long long *host = (unsigned long long *)results_get(c, (size_t)n * sizeof *host);
     if (!host) return luma_errf(err, "argmax: out of memory for %lld rows", (long long)n);
-    cudaError_t e = cudaSuccess;
-    unsigned long long *hdev = results_dev(c, host);
-    if (!hdev || !queue_argmax_parts(c, b, row0, n, keys, (int64_t)(work_size(b) / sizeof *keys), NULL, hdev, &e)) {
-        e = queue_argmax(c, b, row0, n, keys);
-        if (e == cudaSuccess)
-            e = cudaMemcpyAsync(host, keys, (size_t)n * sizeof *host, cudaMemcpyDeviceToHost, c->stream);
-    }
+    cudaError_t e = queue_argmax(c, b, row0, n, keys);
+    if (e == cudaSuccess) e = cudaMemcpyAsync(host, keys, (size_t)n * sizeof *host, cudaMemcpyDeviceToHost, c->stream);
     int rc = op_end(c, "argmax", e, err);
     if (rc == 0)
         for (int64_t i = 0; i < n; i++) ids[i] = luma_cuda_key_id(host[i]);
@@ -1578,7 +1543,7 @@ int32_t luma_cuda_logits_sample(luma_backend *be, const luma_buf *b, int64_t row
  * recorded: the host waits for that event only, while the step queued
  * after the choice runs. */
 
-/* The most blocks of the chained argmax (argmax_parts_kernel): queue_argmax's
+/* The most blocks of the chained argmax (argmax_kernel<true>): queue_argmax's
  * 4 a streaming multiprocessor at one row, at most. */
 static int64_t chain_parts_max(const cuda_backend *c) { return 4 * (int64_t)c->n_sm; }
 

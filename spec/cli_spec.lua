@@ -173,7 +173,7 @@ describe("the luma command", function()
     for bad, msg in pairs{ ["--peak-gbs copy"] = "bench: --peak-gbs copy: the cpu backend has no device copy to measure",
                            ["--peak-gbs fast"] = "bench: --peak-gbs expects GB/s (a positive number) or 'copy', got 'fast'",
                            ["--peak-gbs -3"] = "bench: --peak-gbs expects GB/s (a positive number) or 'copy', got '-3'" } do
-      _, err, code = H.run(bin .. " bench -m " .. H.quote(model_path) .. " -t 2 -p 8 -n 2 " .. bad)
+      _, err, code = H.run(bin .. " bench -m " .. H.quote(model_path) .. " --backend cpu -t 2 -p 8 -n 2 " .. bad)
       assert.are.equal(1, code, bad)
       assert.matches(msg, err, 1, true)
       assert.is_nil(err:find("traceback"))

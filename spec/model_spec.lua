@@ -122,8 +122,10 @@ describe("a loaded model", function()
   end)
 
   it("has no device copy to measure on the CPU (copy_bandwidth is nil) and checks its arguments", function()
-    assert.is_nil(model:copy_bandwidth())
-    assert.is_nil(model:copy_bandwidth(1, 1))
+    local cpu = H.load{ backend = "cpu", ctx = 64 }
+    assert.is_nil(cpu:copy_bandwidth())
+    assert.is_nil(cpu:copy_bandwidth(1, 1))
+    cpu:close()
     assert.matches("MiB must be in %[1, 1048576%]", select(2, pcall(model.copy_bandwidth, model, 0)))
     assert.matches("copies must be in %[1, 1000%]", select(2, pcall(model.copy_bandwidth, model, 1, 0)))
     local vocab = luma.load(H.model_path(), { vocab_only = true })

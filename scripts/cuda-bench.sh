@@ -93,6 +93,6 @@ echo "==== summary"
 for f in l7 l7-eager gemma qwen2 q7 l7-float gemma-float l7-q8_0 l7-q8_0-file; do
     [ -f "$out/$f" ] || continue
     echo "-- $f"
-    grep -E "^(prefill|time to first|decode|fraction|aggregate|Lua policy cost|achieved bandwidth at)" "$out/$f"
+    grep -E "^(copy bandwidth|prefill|time to first|decode|fraction|aggregate|Lua policy cost|achieved bandwidth at)" "$out/$f"
 done
 rm -rf "$out"

@@ -245,7 +245,7 @@ __device__ __forceinline__ unsigned long long block_best_key(const float *__rest
 /* Row blockIdx.y, entries [blockIdx.x * chunk, +chunk): the block's best key
  * joins best[row] (zeroed before); with PARTS it goes to best[blockIdx.y *
  * gridDim.x + blockIdx.x] instead (nothing to zero first), and
- * keys_publish_kernel takes each row's largest. */
+ * chain_publish_kernel takes the largest. */
 template <bool PARTS>
 __global__ void __launch_bounds__(ARGMAX_THREADS)
 argmax_kernel(const float *__restrict__ x, int64_t cols, int64_t chunk, unsigned long long *best)
@@ -258,27 +258,24 @@ argmax_kernel(const float *__restrict__ x, int64_t cols, int64_t chunk, unsigned
     else if (threadIdx.x == 0 && m) atomicMax(&best[blockIdx.y], m);
 }
 
-/* Keys published, a warp a row: the largest of row j's parts[j per, +per)
- * (per = 1: the key as it is) to host[j], pinned host memory the device
- * addresses, read by the host once the stream (or an event after this
- * kernel) has passed; and where key is not NULL also to key[j] on the
- * device (chained decoding's, which the next step's embed reads). */
-__global__ void keys_publish_kernel(const unsigned long long *parts, int per, int64_t n, unsigned long long *key,
-                                    volatile unsigned long long *host)
+/* Chained decoding's key published (one warp): the largest of parts[0, n)
+ * (n = 1: the key as it is) to *host, pinned host memory the device
+ * addresses, read by the host once an event after this kernel has passed;
+ * and where key is not NULL also to *key on the device, where the next
+ * step's embed reads it. */
+__global__ void chain_publish_kernel(const unsigned long long *parts, int n, unsigned long long *key,
+                                     volatile unsigned long long *host)
 {
     follow_previous_kernel();
-    const int64_t j = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32;
-    const int lane = threadIdx.x % 32;
-    if (j >= n) return;
     unsigned long long m = 0;
-    for (int i = lane; i < per; i += 32) m = parts[j * per + i] > m ? parts[j * per + i] : m;
+    for (int i = threadIdx.x; i < n; i += 32) m = parts[i] > m ? parts[i] : m;
     for (int o = 16; o > 0; o /= 2) {
         const unsigned long long v = __shfl_xor_sync(0xffffffffu, m, o);
         m = v > m ? v : m;
     }
-    if (lane == 0) {
-        if (key && key + j != parts + j * per) key[j] = m;
-        host[j] = m;
+    if (threadIdx.x == 0) {
+        if (key) *key = m;
+        *host = m;
         __threadfence_system();
     }
 }
@@ -1190,9 +1187,6 @@ void luma_cuda_logits_free(luma_backend *be, luma_buf *b)
     memset(b, 0, sizeof *b);
 }
 
-/* Queues the best key of each of n rows from row0 into keys (zeroed
- * first): enough blocks to fill the device, each reading
- * ARGMAX_MIN_CHUNK entries at least. */
 /* argmax_kernel's blocks a row, for n rows of cols: about 4 a streaming
  * multiprocessor in all, each reading min_chunk entries at least. */
 static int64_t argmax_blocks(const cuda_backend *c, int64_t cols, int64_t n, int64_t min_chunk = ARGMAX_MIN_CHUNK)
@@ -1203,6 +1197,9 @@ static int64_t argmax_blocks(const cuda_backend *c, int64_t cols, int64_t n, int
     return per_row < 1 ? 1 : per_row;
 }
 
+/* Queues the best key of each of n rows from row0 into keys (zeroed
+ * first): enough blocks to fill the device, each reading
+ * ARGMAX_MIN_CHUNK entries at least. */
 static cudaError_t queue_argmax(cuda_backend *c, const luma_buf *b, int64_t row0, int64_t n,
                                 unsigned long long *keys)
 {
@@ -1216,29 +1213,6 @@ static cudaError_t queue_argmax(cuda_backend *c, const luma_buf *b, int64_t row0
         e = cudaGetLastError();
     }
     return e;
-}
-
-/* argmax_kernel's blocks of rows [row0, +n) (CHAIN_MIN_CHUNK entries at
- * least), each block's key to its part
- * of parts (no key to zero first), then each row's largest published to
- * host (the device's address of pinned memory) and where key is not NULL
- * to key on the device: no memset before the argmax nor copy after it
- * between the kernels of the stream (zero_copy). false, queuing nothing,
- * where parts (n_parts keys) cannot hold the blocks' keys. */
-static bool queue_argmax_parts(cuda_backend *c, const luma_buf *b, int64_t row0, int64_t n,
-                               unsigned long long *parts, int64_t n_parts, unsigned long long *key,
-                               unsigned long long *host, cudaError_t *e)
-{
-    const int64_t cols = b->cols, per_row = argmax_blocks(c, cols, n, CHAIN_MIN_CHUNK),
-                  chunk = (cols + per_row - 1) / per_row;
-    if (n > 65535 || per_row * n > n_parts) return false;
-    luma_launch(c, c->stream, dim3((unsigned)per_row, (unsigned)n), ARGMAX_THREADS, 0, argmax_kernel<true>,
-                b->data + row0 * cols, cols, chunk, parts);
-    const unsigned threads = n == 1 ? 32 : 256;
-    luma_launch(c, c->stream, (unsigned)((n * 32 + threads - 1) / threads), threads, 0, keys_publish_kernel,
-                (const unsigned long long *)parts, (int)per_row, n, key, host);
-    *e = cudaGetLastError();
-    return true;
 }
 
 int luma_cuda_logits_argmax(luma_backend *be, const luma_buf *b, int64_t row0, int64_t n, int32_t *ids,
@@ -1550,8 +1524,8 @@ int32_t luma_cuda_logits_sample(luma_backend *be, const luma_buf *b, int64_t row
  * recorded: the host waits for that event only, while the step queued
  * after the choice runs. */
 
-/* The most blocks of the chained argmax (argmax_kernel<true>): queue_argmax's
- * 4 a streaming multiprocessor at one row, at most. */
+/* The most blocks of the chained argmax (argmax_kernel<true> over one row):
+ * argmax_blocks' 4 a streaming multiprocessor. */
 static int64_t chain_parts_max(const cuda_backend *c) { return 4 * (int64_t)c->n_sm; }
 
 /* The pinned copy, its event and the argmax's block keys, made at the first
@@ -1592,9 +1566,18 @@ int luma_cuda_chain_argmax(luma_backend *be, const luma_buf *b, int64_t row, lum
     cuda_backend *c = cu(be);
     if (op_begin(c, "greedy's argmax", b, row, err)) return -1;
     cudaError_t e = chain_ready(c);
-    if (e == cudaSuccess && c->chain_host_dev &&
-        queue_argmax_parts(c, b, row, 1, c->chain_parts, chain_parts_max(c), c->chain_key, c->chain_host_dev, &e))
-        return chain_queued(c, "greedy's argmax", e, true, err);
+    if (e == cudaSuccess && c->chain_host_dev) {
+        /* each block's key to its part (CHAIN_MIN_CHUNK entries at least:
+         * nothing to zero first), then the largest published: no memset
+         * before the argmax nor copy after it on the stream (zero_copy) */
+        const int64_t cols = b->cols, parts = argmax_blocks(c, cols, 1, CHAIN_MIN_CHUNK),
+                      chunk = (cols + parts - 1) / parts;
+        luma_launch(c, c->stream, (unsigned)parts, ARGMAX_THREADS, 0, argmax_kernel<true>, b->data + row * cols, cols,
+                    chunk, c->chain_parts);
+        luma_launch(c, c->stream, 1, 32, 0, chain_publish_kernel, (const unsigned long long *)c->chain_parts,
+                    (int)parts, c->chain_key, c->chain_host_dev);
+        return chain_queued(c, "greedy's argmax", cudaSuccess, true, err);
+    }
     if (e == cudaSuccess) e = queue_argmax(c, b, row, 1, c->chain_key);
     return chain_queued(c, "greedy's argmax", e, false, err);
 }
@@ -1623,8 +1606,8 @@ int luma_cuda_chain_sample(luma_backend *be, const luma_buf *b, int64_t row, con
     luma_launch(c, c->stream, 1, 32, 0, chain_sample_kernel, res, k, s->top_p, s->min_p, s->temp, u, c->chain_key,
                 penalizes ? h : (chain_hist *)NULL);
     if (c->chain_host_dev)
-        luma_launch(c, c->stream, 1, 32, 0, keys_publish_kernel, (const unsigned long long *)c->chain_key, 1,
-                    (int64_t)1, (unsigned long long *)NULL, c->chain_host_dev);
+        luma_launch(c, c->stream, 1, 32, 0, chain_publish_kernel, (const unsigned long long *)c->chain_key, 1,
+                    (unsigned long long *)NULL, c->chain_host_dev);
     return chain_queued(c, "the sampler's draw", cudaSuccess, c->chain_host_dev != NULL, err);
 }
 

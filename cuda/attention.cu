@@ -1142,16 +1142,21 @@ __global__ static void __launch_bounds__(SP * DS > DEC_LEAN_CTA_WARPS ? SP * DS 
      * loads to a tile's address is the longest wait of a unit). q, the
      * step's k and v rows and the stores come after the wait. */
     const int32_t own_b = blocks.of(p);   /* every lane: the shuffle */
-    int pre = 0;
-    for (; pre < S - 1 && pre < nt && k0 + 16 * (part + pre * SP + 1) <= spos0; pre++) {
-        issue(part + pre * SP, pre);
-        cp_async_commit();
-    }
-    wait_for_previous_kernel();
-    let_next_kernel_start();
-    for (int i = pre; i < S - 1; i++) {
+    /* one loop for the ring's first S - 1 tiles, waiting at the first
+     * that holds a key of the step (one place of issue's code, not two) */
+    bool waited = false;
+    for (int i = 0; i < S - 1; i++) {
+        if (!waited && !(i < nt && k0 + 16 * (part + i * SP + 1) <= spos0)) {
+            wait_for_previous_kernel();
+            let_next_kernel_start();
+            waited = true;
+        }
         if (i < nt) issue(part + i * SP, i);
         cp_async_commit();
+    }
+    if (!waited) {
+        wait_for_previous_kernel();
+        let_next_kernel_start();
     }
 
     /* q of the unit's heads (rows g < nh of the A fragments) and the row's

@@ -1113,8 +1113,12 @@ __global__ static void __launch_bounds__(SP * DS > DEC_LEAN_CTA_WARPS ? SP * DS 
                 return;
             }
         }
+        /* not unrolled: of a decode row's tile only the row's own key
+         * waits for its loads (the step's k and v), the others are
+         * copies, so the passes cost no trips to memory one after
+         * another, and the code stays short (cuda/NOTES.md) */
         const int row0 = lane / PPR, col = lane % PPR;
-#pragma unroll
+#pragma unroll 1
         for (int ii = 0; ii < PASSES / DS; ii++) {
             const int rr = row0 + (ii * DS + dh) * RPP;
             const int32_t key = kt + rr;

@@ -2321,12 +2321,15 @@ static __device__ __forceinline__ float mmv_heads_sum(int nb, const typename T::
     return warp_sum(acc);
 }
 
-/* Row `row` of segment s (R rounds at most), the warp's sum. */
-template <class T, int R>
-static __device__ __forceinline__ float mmv_heads_row(const mmv_seg &s, int64_t row, const act_rows &a)
+/* Row `row` of segment s (R rounds at most), the warp's sum; before(),
+ * between the weight fetches and the wait, is work that reads nothing the
+ * step's kernels write. */
+template <class T, int R, class Before>
+static __device__ __forceinline__ float mmv_heads_row(const mmv_seg &s, int64_t row, const act_rows &a, Before before)
 {
     typename T::raw_t raw[R];
     mmv_heads_fetch<T, R>(s.w, s.row_bytes, s.nb, row, raw);
+    before();
     wait_for_previous_kernel();
     let_next_kernel_start();
     return mmv_heads_sum<T, R>(s.nb, raw, a);
@@ -2349,12 +2352,17 @@ mmv_heads(mmv_segs sg, act_rows a, const mmv_heads_args h)
     for (int i = 0; i < MMV_SEGS; i++)
         if (s.seg == i) g = h.g[i];
     /* the gains and the angles before the wait (weights and the step's
-     * positions: nothing the step's kernels write) */
+     * positions: nothing the step's kernels write), once the row's weights
+     * are on their way: the warp that makes them (the head's first) also
+     * makes a row, which would otherwise be fetched only after them and
+     * reach the wait late (cuda/NOTES.md) */
     const bool rotates = g && warp == 0 && cl.block_rank() == 0;
     qk_prep<HEADS_D> q;
-    if (rotates) qk_head_prep<HEADS_D>(q, (const float4 *)g, (float)h.pos[0], h.a);
-    const float v = std::is_same<TA, TB>::value || blockIdx.x < sg.cta_b ? mmv_heads_row<TA, R>(s, row, a)
-                                                                         : mmv_heads_row<TB, R>(s, row, a);
+    auto prep = [&]() {
+        if (rotates) qk_head_prep<HEADS_D>(q, (const float4 *)g, (float)h.pos[0], h.a);
+    };
+    const float v = std::is_same<TA, TB>::value || blockIdx.x < sg.cta_b ? mmv_heads_row<TA, R>(s, row, a, prep)
+                                                                         : mmv_heads_row<TB, R>(s, row, a, prep);
     cl.barrier_wait();
     if (threadIdx.x % 32 == 0) cl.map_shared_rank(head, 0)[row % HEADS_D] = v;
     cl.sync();

@@ -1033,8 +1033,7 @@ static __host__ __device__ constexpr int lean_merge_floats(int D, int DS)
  * query heads of it that decode_kernel's CTA would take (H <= 8: the rows
  * of the scores' m16 tiles), over all of the row's keys or (SPLIT) over
  * split blockIdx.z of them. F16 caches with dk = dv = D (64, 128 or 256:
- * heads of 256 take 4 warps a unit at most, load q at their first tile
- * and spill). With one
+ * heads of 256 take 4 warps a unit at most). With one
  * warp a unit (many rows) nothing is shared between warps: no q staging, no
  * barrier, no merge. With 2, 4 or 8 (few rows: batch 1's 8 units would
  * leave a warp going through all the row's tiles alone), the unit's warps
@@ -1176,10 +1175,11 @@ __global__ static void __launch_bounds__(SP * DS > DEC_LEAN_CTA_WARPS ? SP * DS 
             for (int hf = 0; hf < 2; hf++)
                 qf[kc][hf] = g < nh ? *(const float2 *)(q + kc * 16 + 8 * hf) : make_float2(0.0f, 0.0f);
     };
-    /* heads of 256: q's 64 registers a lane are loaded at the first tile,
-     * as measured (at 255 registers the kernel spills about as much when
-     * they are loaded here, cuda/NOTES.md) */
-    if (D <= 128) load_q();
+    /* heads of 256 too (q's 64 registers a lane): they were loaded at the
+     * first tile while the kernel's code was longer and spilled at 255
+     * registers; at 245 here, without spills, they gain a little
+     * (cuda/NOTES.md) */
+    load_q();
     /* the row's own k and v, columns OWN lane + [0, OWN) */
     constexpr int OWN = D / 32;
     float k_own[OWN], v_own[OWN];
@@ -1199,7 +1199,6 @@ __global__ static void __launch_bounds__(SP * DS > DEC_LEAN_CTA_WARPS ? SP * DS 
     }
     uint32_t qh[KC][2], ql[KC][2];   /* q as f16 hi + lo A fragments */
     auto first_tile = [&]() {
-        if (D > 128) load_q();
 #pragma unroll
         for (int kc = 0; kc < KC; kc++)
 #pragma unroll

@@ -130,7 +130,7 @@ typedef struct cuda_backend {
                                          * the device (read by embed), */
     unsigned long long *chain_host;     /* its pinned copy (made at the first use), */
     unsigned long long *chain_host_dev; /* the copy as the device addresses it (NULL: copied by cudaMemcpy), */
-    unsigned long long *chain_parts;    /* the chained argmax's blocks' keys (chain_parts_max of them), */
+    unsigned long long *chain_parts;    /* the chained argmax's blocks' keys (argmax_grid of them), */
     cudaEvent_t chain_ev;               /* recorded after the copy */
     void *chain_hist;                   /* the history of chained draws (logits.cu's chain_hist) */
     void *topk_mem;            /* top-k's device work (logits.cu, topk_work): */

@@ -1187,11 +1187,15 @@ void luma_cuda_logits_free(luma_backend *be, luma_buf *b)
     memset(b, 0, sizeof *b);
 }
 
-/* argmax_kernel's blocks a row, for n rows of cols: about 4 a streaming
- * multiprocessor in all, each reading min_chunk entries at least. */
+/* argmax_kernel's blocks in all: about 4 a streaming multiprocessor (also
+ * the size of chained decoding's parts, which one row's blocks fill). */
+static int64_t argmax_grid(const cuda_backend *c) { return 4 * (int64_t)c->n_sm; }
+
+/* argmax_kernel's blocks a row, for n rows of cols: argmax_grid in all,
+ * each reading min_chunk entries at least. */
 static int64_t argmax_blocks(const cuda_backend *c, int64_t cols, int64_t n, int64_t min_chunk = ARGMAX_MIN_CHUNK)
 {
-    const int64_t want = 4 * (int64_t)c->n_sm, most = (cols + min_chunk - 1) / min_chunk;
+    const int64_t want = argmax_grid(c), most = (cols + min_chunk - 1) / min_chunk;
     int64_t per_row = (want + n - 1) / n;
     if (per_row > most) per_row = most;
     return per_row < 1 ? 1 : per_row;
@@ -1524,10 +1528,6 @@ int32_t luma_cuda_logits_sample(luma_backend *be, const luma_buf *b, int64_t row
  * recorded: the host waits for that event only, while the step queued
  * after the choice runs. */
 
-/* The most blocks of the chained argmax (argmax_kernel<true> over one row):
- * argmax_blocks' 4 a streaming multiprocessor. */
-static int64_t chain_parts_max(const cuda_backend *c) { return 4 * (int64_t)c->n_sm; }
-
 /* The pinned copy, its event and the argmax's block keys, made at the first
  * use; with zero_copy the copy's device address (NULL: the copy engine's). */
 static cudaError_t chain_ready(cuda_backend *c)
@@ -1544,7 +1544,7 @@ static cudaError_t chain_ready(cuda_backend *c)
         }
     }
     if (e == cudaSuccess && !c->chain_parts && c->chain_host_dev)
-        e = cudaMalloc((void **)&c->chain_parts, (size_t)chain_parts_max(c) * sizeof *c->chain_parts);
+        e = cudaMalloc((void **)&c->chain_parts, (size_t)argmax_grid(c) * sizeof *c->chain_parts);
     if (e == cudaSuccess && !c->chain_ev) e = cudaEventCreateWithFlags(&c->chain_ev, cudaEventDisableTiming);
     return e;
 }

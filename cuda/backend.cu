@@ -595,6 +595,7 @@ static int cuda_step_begin(luma_backend *be, const luma_step *s, luma_err *err)
     /* The previous upload must be out of the staging buffer before it is rewritten. */
     if (luma_cuda_fail(c, cudaEventSynchronize(c->staged), "waiting for the last step upload"))
         return luma_cuda_report(c, err);
+    c->n_angles = 0;   /* a new step's positions: mmv_heads makes its angles again (and each forward) */
     int32_t *h = (int32_t *)c->host_stage;
     int32_t R = s->n_rows, S = s->n_seqs, np = c->kvl.n_pools;
     int32_t max_pos = 0, dec_max_pos = 0;
@@ -746,6 +747,10 @@ static cuda_graph *graph_slot(cuda_backend *c, uint64_t key)
  * programs (program.cu), the last one queued before it returns. */
 static int run_forward(cuda_backend *c, int (*forward)(void *, luma_err *), void *ctx, luma_err *err)
 {
+    /* every forward makes its rotations' angles at its own first launches
+     * (mmv_heads): a recording that failed part way ran none of its own,
+     * and the eager run or the recording after it must not read them */
+    c->n_angles = 0;
     c->in_step = true;
     int rc = forward(ctx, err);
     flush_all(c);
@@ -941,6 +946,8 @@ static void cuda_free(luma_backend *be)
     cudaFree(c->draw_mem);
     cudaFree(c->chain_key);
     cudaFree(c->chain_parts);
+    cudaFree(c->angles);
+    free(c->angle_args);
     cudaFree(c->chain_hist);
     if (c->staged) cudaEventSynchronize(c->staged);
     cudaFreeHost(c->host_stage);
@@ -1353,10 +1360,12 @@ luma_backend *luma_backend_cuda_new(int device, luma_err *err)
         cudaMalloc((void **)&c->prog_bar, 2 * sizeof(unsigned)) != cudaSuccess ||
         cudaMemset(c->prog_bar, 0, 2 * sizeof(unsigned)) != cudaSuccess ||
         cudaMalloc((void **)&c->chain_key, sizeof *c->chain_key) != cudaSuccess ||
-        cudaMemset(c->chain_key, 0, sizeof *c->chain_key) != cudaSuccess) {
+        cudaMemset(c->chain_key, 0, sizeof *c->chain_key) != cudaSuccess ||
+        cudaMalloc((void **)&c->angles, (size_t)LUMA_ANGLE_SLOTS * 256 * sizeof(float)) != cudaSuccess ||
+        !(c->angle_args = (struct rope_args *)calloc(LUMA_ANGLE_SLOTS, sizeof *c->angle_args))) {
         cudaGetLastError();
-        luma_errf(err, "CUDA backend: no GPU memory for the cuBLAS workspace, the programs' barrier and "
-                       "chained decoding's token");
+        luma_errf(err, "CUDA backend: no memory for the cuBLAS workspace, the programs' barrier, "
+                       "chained decoding's token and the rotations' angles");
         cuda_free(&c->base);
         return NULL;
     }

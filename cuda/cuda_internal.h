@@ -16,6 +16,8 @@
 
 extern "C" {
 #include "backend.h"
+
+#define LUMA_ANGLE_SLOTS 4   /* rotations whose angles mmv_heads keeps a step (Gemma 3: local and global) */
 }
 
 /* The step's metadata on the device, uploaded by step_begin in one copy. */
@@ -270,6 +272,16 @@ typedef struct cuda_backend {
     /* While luma_cuda_matmul_qkv_rope runs: the outputs the direct
      * matrix-vector kernel rotates as it writes them (matmul.cu). */
     struct mmv_rope_request *qkv_rope;
+    /* mmv_heads' sines and cosines (matmul.cu, heads_angles): made once a
+     * step for each rotation (its rope_args and positions) by the step's
+     * first launch of it, read by the later ones; LUMA_ANGLE_SLOTS tables
+     * of 32 lanes x 8 floats on the device, and the rotations they hold in
+     * this forward (n_angles, reset by step_begin and at the start of each
+     * forward, eager or recorded; angle_args: host memory) */
+    float *angles;
+    int n_angles;
+    const int32_t *angle_pos[LUMA_ANGLE_SLOTS];
+    struct rope_args *angle_args;
     /* Decode-step programs (program.cu): while in_step (the forward of
      * step_run), operations of one row are collected into prog and run as
      * one persistent kernel; prog_on from LUMA_CUDA_PROGRAM (1: on; off

@@ -2275,6 +2275,9 @@ struct mmv_heads_args {
     rope_args a;
     float eps;
     const float *g[MMV_SEGS];  /* a segment's norm gains (q's, k's); NULL: v, stored as summed */
+    float4 *tab;               /* the step's table of this rotation's angles (heads_angles; NULL: none), */
+    bool make;                 /* made by this launch (else read from it), */
+    unsigned writer;           /* by the head warp of this CTA */
 };
 
 template <class T>
@@ -2323,15 +2326,18 @@ static __device__ __forceinline__ float mmv_heads_sum(int nb, const typename T::
 
 /* Row `row` of segment s (R rounds at most), the warp's sum; before(),
  * between the weight fetches and the wait, is work that reads nothing the
- * step's kernels write. */
-template <class T, int R, class Before>
-static __device__ __forceinline__ float mmv_heads_row(const mmv_seg &s, int64_t row, const act_rows &a, Before before)
+ * step's kernels write; after(), right after the wait, work whose loads
+ * go out beside the activations'. */
+template <class T, int R, class Before, class After>
+static __device__ __forceinline__ float mmv_heads_row(const mmv_seg &s, int64_t row, const act_rows &a, Before before,
+                                                      After after)
 {
     typename T::raw_t raw[R];
     mmv_heads_fetch<T, R>(s.w, s.row_bytes, s.nb, row, raw);
     before();
     wait_for_previous_kernel();
     let_next_kernel_start();
+    after();
     return mmv_heads_sum<T, R>(s.nb, raw, a);
 }
 
@@ -2351,18 +2357,35 @@ mmv_heads(mmv_segs sg, act_rows a, const mmv_heads_args h)
 #pragma unroll
     for (int i = 0; i < MMV_SEGS; i++)
         if (s.seg == i) g = h.g[i];
-    /* the gains and the angles before the wait (weights and the step's
-     * positions: nothing the step's kernels write), once the row's weights
-     * are on their way: the warp that makes them (the head's first) also
-     * makes a row, which would otherwise be fetched only after them and
-     * reach the wait late (cuda/NOTES.md) */
-    const bool rotates = g && warp == 0 && cl.block_rank() == 0;
+    /* The head warp's gains and angles (the head's first warp, which also
+     * makes a row). The angles are the same for every head of a rotation
+     * in the step: the step's first launch of it makes them before its
+     * wait (the step's positions and the gains: nothing the step's kernels
+     * write), once the row's weights are on their way, and its writer
+     * stores them in the step's table after the wait; the later launches
+     * load them from there after theirs, beside the activations. Made at
+     * every layer, they kept the head warp from its wait: 3.4% of Gemma 3
+     * 270M's step (cuda/NOTES.md). */
+    const bool rotates = g && warp == 0 && cl.block_rank() == 0, reads = rotates && h.tab && !h.make;
+    const int lane = threadIdx.x % 32;
     qk_prep<HEADS_D> q;
     auto prep = [&]() {
-        if (rotates) qk_head_prep<HEADS_D>(q, (const float4 *)g, (float)h.pos[0], h.a);
+        if (reads) qk_head_gains<HEADS_D>(q, (const float4 *)g);
+        else if (rotates) qk_head_prep<HEADS_D>(q, (const float4 *)g, (float)h.pos[0], h.a);
     };
-    const float v = std::is_same<TA, TB>::value || blockIdx.x < sg.cta_b ? mmv_heads_row<TA, R>(s, row, a, prep)
-                                                                         : mmv_heads_row<TB, R>(s, row, a, prep);
+    auto after = [&]() {
+        if (reads) {
+            const float4 sn = h.tab[2 * lane], cs = h.tab[2 * lane + 1];
+            q.sn[0] = sn.x, q.sn[1] = sn.y, q.sn[2] = sn.z, q.sn[3] = sn.w;
+            q.cs[0] = cs.x, q.cs[1] = cs.y, q.cs[2] = cs.z, q.cs[3] = cs.w;
+        } else if (rotates && h.tab && blockIdx.x == h.writer) {
+            h.tab[2 * lane] = make_float4(q.sn[0], q.sn[1], q.sn[2], q.sn[3]);
+            h.tab[2 * lane + 1] = make_float4(q.cs[0], q.cs[1], q.cs[2], q.cs[3]);
+        }
+    };
+    const float v = std::is_same<TA, TB>::value || blockIdx.x < sg.cta_b
+                        ? mmv_heads_row<TA, R>(s, row, a, prep, after)
+                        : mmv_heads_row<TB, R>(s, row, a, prep, after);
     cl.barrier_wait();
     if (threadIdx.x % 32 == 0) cl.map_shared_rank(head, 0)[row % HEADS_D] = v;
     cl.sync();
@@ -2387,6 +2410,37 @@ static cudaLaunchConfig_t heads_config(const cuda_backend *c, unsigned ctas, cud
     return cfg;
 }
 
+/* Whether two rotations turn by the same angles at the same positions. */
+static bool same_rotation(const rope_args &x, const rope_args &y)
+{
+    if (x.pos_scale != y.pos_scale || x.half != y.half || x.head_dim != y.head_dim || x.heads != y.heads ||
+        x.neox != y.neox || x.half < 0 || x.half > ROPE_MAX_HALF)
+        return false;
+    const size_t n = (size_t)x.half * sizeof(float);
+    return memcmp(x.pw, y.pw, n) == 0 && memcmp(x.ff, y.ff, n) == 0;
+}
+
+/* The step's table of h's angles (mmv_heads): made by this launch when it
+ * is the step's first of its rotation and positions, else read; none
+ * (each launch makes its own) past LUMA_ANGLE_SLOTS rotations a step. */
+static void heads_angles(cuda_backend *c, mmv_heads_args &h)
+{
+    h.tab = NULL;
+    h.make = true;
+    if (!c->angles || !c->angle_args || h.writer == UINT_MAX) return;
+    for (int i = 0; i < c->n_angles; i++)
+        if (c->angle_pos[i] == h.pos && same_rotation(c->angle_args[i], h.a)) {
+            h.tab = (float4 *)c->angles + (size_t)i * 64;
+            h.make = false;
+            return;
+        }
+    if (c->n_angles == LUMA_ANGLE_SLOTS) return;
+    const int i = c->n_angles++;
+    c->angle_args[i] = h.a;
+    c->angle_pos[i] = h.pos;
+    h.tab = (float4 *)c->angles + (size_t)i * 64;
+}
+
 /* mmv_heads for the n weights ws of a pending norm request at one row,
  * where it covers them: q's and k's heads of HEADS_D rows with their gains,
  * v's whole heads, no biases, types heads_type, rows of at most 3 rounds.
@@ -2407,6 +2461,7 @@ static bool mmv_heads_launch(cuda_backend *c, const luma_weight *const *ws, floa
         h.pos = rq->rp.pos;
         h.a = rq->rp.a;
         h.eps = rq->eps;
+        h.writer = UINT_MAX;
         mmv_segs sg = mmv_segs_none();
         unsigned ctas = 0;
         int done = 0, rounds = 1;
@@ -2423,8 +2478,10 @@ static bool mmv_heads_launch(cuda_backend *c, const luma_weight *const *ws, floa
                         (size_t)nb * (size_t)(b ? TB::bytes : TA::bytes), (unsigned)(ws[i]->rows / HEADS_WARPS),
                         &ctas);
             h.g[i] = o == 0 ? rq->gq : o == 1 ? rq->gk : NULL;
+            if (h.g[i] && h.writer == UINT_MAX) h.writer = (unsigned)sg.cta0[i];   /* its first CTA */
             done |= 1 << o;
         }
+        heads_angles(c, h);
         cudaLaunchAttribute attr[LUMA_LAUNCH_ATTRS];
         const cudaLaunchConfig_t cfg = heads_config(c, ctas, attr);
         auto *kernel = rounds == 1 ? mmv_heads<TA, TB, 1> : rounds == 2 ? mmv_heads<TA, TB, 2> : mmv_heads<TA, TB, 3>;

@@ -51,14 +51,23 @@ struct qk_prep {
     float sn[4], cs[4];        /* the lane's angles, in the order apply takes them */
 };
 
+/* The lane's gains (g: NULL, none). */
 template <int D>
-static __device__ __forceinline__ void qk_head_prep(qk_prep<D> &q, const float4 *g, float p, const rope_args &a)
+static __device__ __forceinline__ void qk_head_gains(qk_prep<D> &q, const float4 *g)
 {
     constexpr int F = D / 128;
     const int lane = threadIdx.x % 32;
 #pragma unroll
     for (int f = 0; f < F; f++)
         if (g) q.gw[f] = g[lane + 32 * f];
+}
+
+template <int D>
+static __device__ __forceinline__ void qk_head_prep(qk_prep<D> &q, const float4 *g, float p, const rope_args &a)
+{
+    constexpr int F = D / 128;
+    const int lane = threadIdx.x % 32;
+    qk_head_gains<D>(q, g);
     if (!a.neox) {
 #pragma unroll
         for (int f = 0; f < F; f++)

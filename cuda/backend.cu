@@ -780,6 +780,7 @@ static bool graph_record(cuda_backend *c, cuda_graph *g, int (*forward)(void *, 
     if (!ok) {
         cudaGetLastError();
         c->failure[0] = 0;   /* nothing ran; the eager run reports real failures */
+        c->n_rec_failed++;
         return false;
     }
     if (g->exec) cudaGraphExecDestroy(g->exec);
@@ -829,6 +830,12 @@ extern "C" void luma_cuda_graph_counts(luma_backend *be, long long *recorded, lo
 {
     *recorded = (long long)cu(be)->n_recorded;
     *replays = (long long)cu(be)->n_replays;
+}
+
+/* How many recordings were given up and the step run eagerly (for the tests). */
+extern "C" long long luma_cuda_graph_failures(luma_backend *be)
+{
+    return (long long)cu(be)->n_rec_failed;
 }
 
 /* ---- operations kept here ----------------------------------------------- */

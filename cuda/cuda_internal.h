@@ -218,7 +218,7 @@ typedef struct cuda_backend {
     bool gemm_batch;
     long long gemm_batches;    /* batched GEMMs queued (recorded ones once) */
     /* counters for model.info and the benchmarks */
-    uint64_t n_replays, n_recorded;
+    uint64_t n_replays, n_recorded, n_rec_failed;   /* n_rec_failed: recordings given up (a buffer grew) */
     /* luma_cuda_mmq's choice: 0 its measured rule, 1 every product it can
      * take (f16 route), 2 the same with the int8 route for the K formats,
      * 3 the same with the wgmma route where it runs, 4 Q4_K by q8g_kernel

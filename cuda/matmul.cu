@@ -2427,7 +2427,7 @@ static void heads_angles(cuda_backend *c, mmv_heads_args &h)
 {
     h.tab = NULL;
     h.make = true;
-    if (!c->angles || !c->angle_args || h.writer == UINT_MAX) return;
+    if (!c->in_step || !c->angles || !c->angle_args || h.writer == UINT_MAX) return;
     for (int i = 0; i < c->n_angles; i++)
         if (c->angle_pos[i] == h.pos && same_rotation(c->angle_args[i], h.a)) {
             h.tab = (float4 *)c->angles + (size_t)i * 64;

@@ -1138,6 +1138,9 @@ static void cuda_rmsnorm(luma_backend *be, const luma_buf *x, const luma_weight 
 {
     if (luma_cuda_prog_rmsnorm(cu(be), x, g, group, eps, out)) return;
     flush_all(cu(be));
+    /* a whole row's norm waits for the next product's quantizer, as the
+     * residual norms do (the first layer's, after the embedding) */
+    if (group == x->cols && luma_cuda_norm_pend(cu(be), (luma_buf *)x, NULL, NULL, g, eps, out)) return;
     luma_cuda_rmsnorm(be, x, g, group, eps, out);
 }
 

@@ -290,7 +290,7 @@ typedef struct cuda_backend {
     bool in_step, prog_on;
     /* A residual norm waiting for the product that reads it (ops.cu,
      * luma_cuda_norm_pend): while in_step, with no program open, an
-     * add_rmsnorm of at most 8 rows (ops.cu, normq_max_rows) whose rows fit
+     * add_rmsnorm (or a whole row's rmsnorm: y.data NULL) of at most 8 rows (ops.cu, normq_max_rows) whose rows fit
      * norm_regs_f (norm.cuh) is not launched but kept here; the activation
      * quantizer of the next product, when that product reads its out
      * (matmul.cu, quantize_into), runs the norm and
@@ -585,6 +585,8 @@ void luma_cuda_gather(luma_backend *be, const luma_buf *x, const int32_t *rows, 
 void luma_cuda_add_bias(luma_backend *be, luma_buf *x, const luma_weight *b);
 void luma_cuda_rmsnorm(luma_backend *be, const luma_buf *x, const luma_weight *g, int64_t group,
                        float eps, luma_buf *out);
+/* y NULL (and yg NULL): the norm of x's whole rows alone, x unchanged
+ * (luma_cuda_rmsnorm of group x->cols takes it, whatever the row count). */
 void luma_cuda_add_rmsnorm(luma_backend *be, luma_buf *x, const luma_buf *y, const luma_weight *yg,
                            const luma_weight *g, float eps, luma_buf *out);
 void luma_cuda_rope(luma_backend *be, luma_buf *x, int32_t head_dim, const int32_t *pos,
@@ -597,9 +599,10 @@ void luma_cuda_qkv_bias_rope(luma_backend *be, luma_buf *q, luma_buf *k, luma_bu
 void luma_cuda_gelu_mul(luma_backend *be, luma_buf *gate, const luma_buf *up);
 void luma_cuda_silu_mul(luma_backend *be, luma_buf *gate, const luma_buf *up);
 void luma_cuda_add(luma_backend *be, luma_buf *x, const luma_buf *y);
-/* add_rmsnorm kept pending (cuda_backend.pend_norm) instead of launched:
- * false, keeping nothing, where it cannot be (then the caller launches
- * it). Any pending norm must have been flushed before. */
+/* add_rmsnorm kept pending (cuda_backend.pend_norm) instead of launched
+ * (y NULL: the norm of whole rows alone, x unchanged): false, keeping
+ * nothing, where it cannot be (then the caller launches it). Any pending
+ * norm must have been flushed before. */
 bool luma_cuda_norm_pend(cuda_backend *c, luma_buf *x, const luma_buf *y, const luma_weight *yg,
                          const luma_weight *g, float eps, luma_buf *out);
 /* Launches what waits for the product that reads it, alone: the pending

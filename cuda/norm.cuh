@@ -49,9 +49,10 @@ static inline int norm_regs_f(int64_t cols)
 
 /* Row blockIdx.x (cols floats, all pointers 16-byte aligned): x += (yg ?
  * y * rms(y) * yg : y), out = x * rms(x) * g, and the thread's float4s of
- * out (threadIdx.x + f NORM_THREADS; zeros past the row) left in o. Every
- * load of the row (x, y and both gains) is issued at once; the caller has
- * waited for the kernel before. */
+ * out (threadIdx.x + f NORM_THREADS; zeros past the row) left in o. y NULL:
+ * the norm alone, out = x * rms(x) * g, x left as it is (yg NULL then).
+ * Every load of the row (x, y and both gains) is issued at once; the
+ * caller has waited for the kernel before. */
 template <int F>
 static __device__ __forceinline__ void add_rmsnorm_row(float *x, const float *y, const float *yg, const float *g,
                                                        int64_t cols, float eps, float *out, float *partial,
@@ -59,7 +60,7 @@ static __device__ __forceinline__ void add_rmsnorm_row(float *x, const float *y,
 {
     size_t off = (size_t)blockIdx.x * (size_t)cols;
     float4 *xr = (float4 *)(x + off), *dst = (float4 *)(out + off);
-    const float4 *yr = (const float4 *)(y + off), *ygr = (const float4 *)yg, *gr = (const float4 *)g;
+    const float4 *yr = y ? (const float4 *)(y + off) : NULL, *ygr = (const float4 *)yg, *gr = (const float4 *)g;
     int64_t n4 = cols / 4;
     float4 a[F], b[F], w[F], gw[F];
 #pragma unroll
@@ -68,7 +69,7 @@ static __device__ __forceinline__ void add_rmsnorm_row(float *x, const float *y,
         a[f] = b[f] = w[f] = gw[f] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         if (k < n4) {
             a[f] = xr[k];
-            b[f] = yr[k];
+            if (yr) b[f] = yr[k];
             gw[f] = gr[k];
             if (yg) w[f] = ygr[k];
         }
@@ -81,7 +82,7 @@ static __device__ __forceinline__ void add_rmsnorm_row(float *x, const float *y,
         float sy = block_inv_rms(ss, cols, eps, partial);
 #pragma unroll
         for (int f = 0; f < F; f++) a[f] = add_scaled(a[f], b[f], sy, w[f]);
-    } else {
+    } else if (yr) {
 #pragma unroll
         for (int f = 0; f < F; f++) a[f] = make_float4(a[f].x + b[f].x, a[f].y + b[f].y, a[f].z + b[f].z, a[f].w + b[f].w);
     }
@@ -90,7 +91,7 @@ static __device__ __forceinline__ void add_rmsnorm_row(float *x, const float *y,
     for (int f = 0; f < F; f++) {
         int64_t k = threadIdx.x + (int64_t)f * NORM_THREADS;
         if (k < n4) {
-            xr[k] = a[f];
+            if (yr) xr[k] = a[f];
             ss += sq4(a[f]);
         }
     }

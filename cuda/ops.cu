@@ -274,6 +274,13 @@ void luma_cuda_rmsnorm(luma_backend *be, const luma_buf *x, const luma_weight *g
                         (long long)x->cols, (long long)g->cols);
         return;
     }
+    if (group == x->cols) {
+        /* a whole row's norm as add_rmsnorm's without the add (the row in
+         * registers where it fits): the bits of the norm joined to the next
+         * product's quantizer (luma_cuda_norm_pend), at any row count */
+        luma_cuda_add_rmsnorm(be, (luma_buf *)x, NULL, NULL, g, eps, out);
+        return;
+    }
     int64_t n_groups = x->rows * (x->cols / group);
     /* a warp per head-sized group, a block per model-width row */
     if (group <= 1024) rmsnorm_launch<32>(c, x, (const float *)g->dev, group, n_groups, eps, out);
@@ -338,12 +345,13 @@ __global__ static void add_rmsnorm_kernel(float *x, const float *y, const float 
     }
 }
 
-/* Whether add_rmsnorm's rows may be read as float4s (the VEC kernels). */
+/* Whether add_rmsnorm's rows may be read as float4s (the VEC kernels; y
+ * NULL: none). */
 static bool add_rmsnorm_vec(const luma_buf *x, const luma_buf *y, const float *ygd, const float *gd,
                             const luma_buf *out)
 {
-    return x->cols % 4 == 0 && aligned16(x->data) && aligned16(y->data) && aligned16(out->data) && aligned16(gd) &&
-           (!ygd || aligned16(ygd));
+    return x->cols % 4 == 0 && aligned16(x->data) && (!y || aligned16(y->data)) && aligned16(out->data) &&
+           aligned16(gd) && (!ygd || aligned16(ygd));
 }
 
 /* add_rmsnorm_regs' F for a row of cols, 0 for the loops: past 8 float4s a
@@ -362,9 +370,11 @@ void luma_cuda_add_rmsnorm(luma_backend *be, luma_buf *x, const luma_buf *y, con
     out->rows = x->rows;
     out->cols = x->cols;
     if (!LUMA_CUDA_OK(c) || x->rows * x->cols == 0) return;
-    if (y->rows != x->rows || y->cols != x->cols || g->cols != x->cols || (yg && yg->cols != x->cols)) {
+    if ((y && (y->rows != x->rows || y->cols != x->cols)) || g->cols != x->cols ||
+        (yg && (!y || yg->cols != x->cols))) {
         luma_cuda_failf(c, "add_rmsnorm: %lld x %lld plus %lld x %lld with gains of %lld", (long long)x->rows,
-                        (long long)x->cols, (long long)y->rows, (long long)y->cols, (long long)g->cols);
+                        (long long)x->cols, (long long)(y ? y->rows : 0), (long long)(y ? y->cols : 0),
+                        (long long)g->cols);
         return;
     }
     const float *ygd = yg ? (const float *)yg->dev : NULL, *gd = (const float *)g->dev;
@@ -372,17 +382,22 @@ void luma_cuda_add_rmsnorm(luma_backend *be, luma_buf *x, const luma_buf *y, con
     const int f = add_rmsnorm_f(x->cols);   /* float4s a thread of the row in registers */
     unsigned grid = (unsigned)x->rows;
     const bool early = c->early >= 2;
-    if (vec && f == 1)
-        luma_launch(c, c->stream, grid, THREADS, 0, add_rmsnorm_regs<1>, x->data, y->data, ygd, gd, x->cols, eps,
+    float *yd = y ? y->data : NULL;
+    if (!yd && !(vec && f)) {
+        /* the norm alone, past the register kernel: a row's loops */
+        if (x->cols <= 1024) rmsnorm_launch<32>(c, x, gd, x->cols, x->rows, eps, out);
+        else rmsnorm_launch<THREADS>(c, x, gd, x->cols, x->rows, eps, out);
+    } else if (vec && f == 1)
+        luma_launch(c, c->stream, grid, THREADS, 0, add_rmsnorm_regs<1>, x->data, yd, ygd, gd, x->cols, eps,
                     out->data, early);
     else if (vec && f == 2)
-        luma_launch(c, c->stream, grid, THREADS, 0, add_rmsnorm_regs<2>, x->data, y->data, ygd, gd, x->cols, eps,
+        luma_launch(c, c->stream, grid, THREADS, 0, add_rmsnorm_regs<2>, x->data, yd, ygd, gd, x->cols, eps,
                     out->data, early);
     else if (vec && f == 4)
-        luma_launch(c, c->stream, grid, THREADS, 0, add_rmsnorm_regs<4>, x->data, y->data, ygd, gd, x->cols, eps,
+        luma_launch(c, c->stream, grid, THREADS, 0, add_rmsnorm_regs<4>, x->data, yd, ygd, gd, x->cols, eps,
                     out->data, early);
     else if (vec && f == 8)
-        luma_launch(c, c->stream, grid, THREADS, 0, add_rmsnorm_regs<8>, x->data, y->data, ygd, gd, x->cols, eps,
+        luma_launch(c, c->stream, grid, THREADS, 0, add_rmsnorm_regs<8>, x->data, yd, ygd, gd, x->cols, eps,
                     out->data, early);
     else if (vec)
         luma_launch(c, c->stream, grid, THREADS, 0, add_rmsnorm_kernel<true>, x->data, y->data, ygd, gd,
@@ -414,16 +429,17 @@ bool luma_cuda_norm_pend(cuda_backend *c, luma_buf *x, const luma_buf *y, const 
      * launched as they are), of valid shapes (luma_cuda_add_rmsnorm reports
      * the others), not in place */
     if (!c->normq_on || !c->in_step || c->float_act || luma_cuda_prog_active(c) || !LUMA_CUDA_OK(c) ||
-        c->pend_norm.on || x->rows < 1 || x->rows > normq_max_rows() || x->cols < 1 || y->rows != x->rows ||
-        y->cols != x->cols || g->cols != x->cols || (yg && yg->cols != x->cols) ||
+        c->pend_norm.on || x->rows < 1 || x->rows > normq_max_rows() || x->cols < 1 ||
+        (y && (y->rows != x->rows || y->cols != x->cols)) || g->cols != x->cols ||
+        (yg && (!y || yg->cols != x->cols)) ||
         !add_rmsnorm_vec(x, y, yg ? (const float *)yg->dev : NULL, (const float *)g->dev, out) ||
-        add_rmsnorm_f(x->cols) == 0 || out->data == x->data || out->data == y->data)
+        add_rmsnorm_f(x->cols) == 0 || out->data == x->data || (y && out->data == y->data))
         return false;
     out->rows = x->rows;
     out->cols = x->cols;
     c->pend_norm.on = true;
     c->pend_norm.x = *x;
-    c->pend_norm.y = *y;
+    c->pend_norm.y = y ? *y : luma_buf{};
     c->pend_norm.out = *out;
     c->pend_norm.yg = yg;
     c->pend_norm.g = g;
@@ -440,8 +456,8 @@ void luma_cuda_pending_flush(cuda_backend *c)
     }
     if (!c->pend_norm.on) return;
     c->pend_norm.on = false;
-    luma_cuda_add_rmsnorm(&c->base, &c->pend_norm.x, &c->pend_norm.y, c->pend_norm.yg, c->pend_norm.g,
-                          c->pend_norm.eps, &c->pend_norm.out);
+    luma_cuda_add_rmsnorm(&c->base, &c->pend_norm.x, c->pend_norm.y.data ? &c->pend_norm.y : NULL,
+                          c->pend_norm.yg, c->pend_norm.g, c->pend_norm.eps, &c->pend_norm.out);
 }
 
 /* ---- RoPE ---------------------------------------------------------------- */

@@ -350,6 +350,9 @@ static void test_rmsnorm(void)
         { 5, 4096, 128, 0, 0, 0, "heads of 128" },
         { 3, 2560, 2560, 0, 0, 0, "rows of 2560" },
         { 6, 90, 45, 0, 1, 0, "groups of 45, unaligned" },
+        { 1, 640, 640, 1, 0, 0, "a row of 640, in place" },
+        { 3, 1152, 1152, 1, 0, 0, "rows of 1152, in place" },
+        { 4, 90, 90, 0, 1, 0, "rows of 90, unaligned" },
         { 512, 4096, 4096, 1, 0, 1, "512 rows of 4096" },
         { 512, 4096, 128, 1, 0, 1, "512 x 32 heads of 128" },
     };

@@ -595,7 +595,6 @@ static int cuda_step_begin(luma_backend *be, const luma_step *s, luma_err *err)
     /* The previous upload must be out of the staging buffer before it is rewritten. */
     if (luma_cuda_fail(c, cudaEventSynchronize(c->staged), "waiting for the last step upload"))
         return luma_cuda_report(c, err);
-    c->n_angles = 0;   /* a new step's positions: mmv_heads makes its angles again (and each forward) */
     int32_t *h = (int32_t *)c->host_stage;
     int32_t R = s->n_rows, S = s->n_seqs, np = c->kvl.n_pools;
     int32_t max_pos = 0, dec_max_pos = 0;
@@ -1371,7 +1370,7 @@ luma_backend *luma_backend_cuda_new(int device, luma_err *err)
         cudaMemset(c->prog_bar, 0, 2 * sizeof(unsigned)) != cudaSuccess ||
         cudaMalloc((void **)&c->chain_key, sizeof *c->chain_key) != cudaSuccess ||
         cudaMemset(c->chain_key, 0, sizeof *c->chain_key) != cudaSuccess ||
-        cudaMalloc((void **)&c->angles, (size_t)LUMA_ANGLE_SLOTS * 256 * sizeof(float)) != cudaSuccess ||
+        cudaMalloc((void **)&c->angles, (size_t)LUMA_ANGLE_SLOTS * LUMA_ANGLE_SLOT_FLOATS * sizeof(float)) != cudaSuccess ||
         !(c->angle_args = (struct rope_args *)calloc(LUMA_ANGLE_SLOTS, sizeof *c->angle_args))) {
         cudaGetLastError();
         luma_errf(err, "CUDA backend: no memory for the cuBLAS workspace, the programs' barrier, "

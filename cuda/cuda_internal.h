@@ -17,7 +17,8 @@
 extern "C" {
 #include "backend.h"
 
-#define LUMA_ANGLE_SLOTS 4   /* rotations whose angles mmv_heads keeps a step (Gemma 3: local and global) */
+#define LUMA_ANGLE_SLOTS 4          /* rotations whose angles mmv_heads keeps a step (Gemma 3: local and global) */
+#define LUMA_ANGLE_SLOT_FLOATS 256   /* a rotation's table: 32 lanes x 4 sines and 4 cosines */
 }
 
 /* The step's metadata on the device, uploaded by step_begin in one copy. */
@@ -275,9 +276,10 @@ typedef struct cuda_backend {
     /* mmv_heads' sines and cosines (matmul.cu, heads_angles): made once a
      * step for each rotation (its rope_args and positions) by the step's
      * first launch of it, read by the later ones; LUMA_ANGLE_SLOTS tables
-     * of 32 lanes x 8 floats on the device, and the rotations they hold in
-     * this forward (n_angles, reset by step_begin and at the start of each
-     * forward, eager or recorded; angle_args: host memory) */
+     * of LUMA_ANGLE_SLOT_FLOATS on the device, and the rotations they hold
+     * in this forward (n_angles, reset at the start of each forward, eager
+     * or recorded: the table is used only inside one; angle_args: host
+     * memory) */
     float *angles;
     int n_angles;
     const int32_t *angle_pos[LUMA_ANGLE_SLOTS];
@@ -290,8 +292,9 @@ typedef struct cuda_backend {
     bool in_step, prog_on;
     /* A residual norm waiting for the product that reads it (ops.cu,
      * luma_cuda_norm_pend): while in_step, with no program open, an
-     * add_rmsnorm (or a whole row's rmsnorm: y.data NULL) of at most 8 rows (ops.cu, normq_max_rows) whose rows fit
-     * norm_regs_f (norm.cuh) is not launched but kept here; the activation
+     * add_rmsnorm (or a whole row's rmsnorm: y.data NULL) of at most 8
+     * rows (ops.cu, normq_max_rows) whose rows fit norm_regs_f (norm.cuh)
+     * is not launched but kept here; the activation
      * quantizer of the next product, when that product reads its out
      * (matmul.cu, quantize_into), runs the norm and
      * the quantization as one kernel (norm_quantize), and every other

@@ -2430,7 +2430,7 @@ static void heads_angles(cuda_backend *c, mmv_heads_args &h)
     if (!c->in_step || !c->angles || !c->angle_args || h.writer == UINT_MAX) return;
     for (int i = 0; i < c->n_angles; i++)
         if (c->angle_pos[i] == h.pos && same_rotation(c->angle_args[i], h.a)) {
-            h.tab = (float4 *)c->angles + (size_t)i * 64;
+            h.tab = (float4 *)(c->angles + (size_t)i * LUMA_ANGLE_SLOT_FLOATS);
             h.make = false;
             return;
         }
@@ -2438,7 +2438,7 @@ static void heads_angles(cuda_backend *c, mmv_heads_args &h)
     const int i = c->n_angles++;
     c->angle_args[i] = h.a;
     c->angle_pos[i] = h.pos;
-    h.tab = (float4 *)c->angles + (size_t)i * 64;
+    h.tab = (float4 *)(c->angles + (size_t)i * LUMA_ANGLE_SLOT_FLOATS);
 }
 
 /* mmv_heads for the n weights ws of a pending norm request at one row,

@@ -262,6 +262,16 @@ static void rmsnorm_launch(cuda_backend *c, const luma_buf *x, const float *g, i
                     out->data);
 }
 
+/* rmsnorm_kernel over x's rows in groups of `group`: a warp per head-sized
+ * group, a block per model-width row. */
+static void rmsnorm_groups(cuda_backend *c, const luma_buf *x, const float *g, int64_t group, float eps,
+                           luma_buf *out)
+{
+    const int64_t n_groups = x->rows * (x->cols / group);
+    if (group <= 1024) rmsnorm_launch<32>(c, x, g, group, n_groups, eps, out);
+    else rmsnorm_launch<THREADS>(c, x, g, group, n_groups, eps, out);
+}
+
 void luma_cuda_rmsnorm(luma_backend *be, const luma_buf *x, const luma_weight *g, int64_t group, float eps,
                        luma_buf *out)
 {
@@ -281,10 +291,7 @@ void luma_cuda_rmsnorm(luma_backend *be, const luma_buf *x, const luma_weight *g
         luma_cuda_add_rmsnorm(be, (luma_buf *)x, NULL, NULL, g, eps, out);
         return;
     }
-    int64_t n_groups = x->rows * (x->cols / group);
-    /* a warp per head-sized group, a block per model-width row */
-    if (group <= 1024) rmsnorm_launch<32>(c, x, (const float *)g->dev, group, n_groups, eps, out);
-    else rmsnorm_launch<THREADS>(c, x, (const float *)g->dev, group, n_groups, eps, out);
+    rmsnorm_groups(c, x, (const float *)g->dev, group, eps, out);
     luma_cuda_fail(c, cudaGetLastError(), "rmsnorm");
 }
 
@@ -383,11 +390,9 @@ void luma_cuda_add_rmsnorm(luma_backend *be, luma_buf *x, const luma_buf *y, con
     unsigned grid = (unsigned)x->rows;
     const bool early = c->early >= 2;
     float *yd = y ? y->data : NULL;
-    if (!yd && !(vec && f)) {
-        /* the norm alone, past the register kernel: a row's loops */
-        if (x->cols <= 1024) rmsnorm_launch<32>(c, x, gd, x->cols, x->rows, eps, out);
-        else rmsnorm_launch<THREADS>(c, x, gd, x->cols, x->rows, eps, out);
-    } else if (vec && f == 1)
+    if (!yd && !(vec && f))
+        rmsnorm_groups(c, x, gd, x->cols, eps, out);   /* the norm alone, past the register kernel */
+    else if (vec && f == 1)
         luma_launch(c, c->stream, grid, THREADS, 0, add_rmsnorm_regs<1>, x->data, yd, ygd, gd, x->cols, eps,
                     out->data, early);
     else if (vec && f == 2)

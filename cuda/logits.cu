@@ -262,21 +262,23 @@ argmax_kernel(const float *__restrict__ x, int64_t cols, int64_t chunk, unsigned
  * (n = 1: the key as it is) to *host, pinned host memory the device
  * addresses, read by the host once an event after this kernel has passed;
  * and where key is not NULL also to *key on the device, where the next
- * step's embed reads it. */
+ * step's embed reads it. No system fence after the host copy: the host
+ * reads it only after that event, when the kernel's writes are visible to
+ * it (a fence matters to a host that polls while the kernel runs), and the
+ * fence kept the kernel from completing until the write had crossed the
+ * bus: without it the real Gemma 3 270M's seq:greedy ran +0.2-0.4%
+ * (cuda/NOTES.md, "Tried and not kept: the output projection's argmax
+ * keys"). */
 __global__ void chain_publish_kernel(const unsigned long long *parts, int n, unsigned long long *key,
                                      volatile unsigned long long *host)
 {
     follow_previous_kernel();
     unsigned long long m = 0;
     for (int i = threadIdx.x; i < n; i += 32) m = parts[i] > m ? parts[i] : m;
-    for (int o = 16; o > 0; o /= 2) {
-        const unsigned long long v = __shfl_xor_sync(0xffffffffu, m, o);
-        m = v > m ? v : m;
-    }
+    m = warp_max_u64(m);
     if (threadIdx.x == 0) {
         if (key) *key = m;
         *host = m;
-        __threadfence_system();
     }
 }
 

@@ -352,6 +352,14 @@ __global__ static void add_rmsnorm_kernel(float *x, const float *y, const float 
     }
 }
 
+/* Whether add_rmsnorm's operands fit x: y (NULL: none) of x's shape, the
+ * gains of its width, and yg only beside a y. */
+static bool add_rmsnorm_shapes(const luma_buf *x, const luma_buf *y, const luma_weight *yg, const luma_weight *g)
+{
+    return (!y || (y->rows == x->rows && y->cols == x->cols)) && g->cols == x->cols &&
+           (!yg || (y && yg->cols == x->cols));
+}
+
 /* Whether add_rmsnorm's rows may be read as float4s (the VEC kernels; y
  * NULL: none). */
 static bool add_rmsnorm_vec(const luma_buf *x, const luma_buf *y, const float *ygd, const float *gd,
@@ -377,8 +385,7 @@ void luma_cuda_add_rmsnorm(luma_backend *be, luma_buf *x, const luma_buf *y, con
     out->rows = x->rows;
     out->cols = x->cols;
     if (!LUMA_CUDA_OK(c) || x->rows * x->cols == 0) return;
-    if ((y && (y->rows != x->rows || y->cols != x->cols)) || g->cols != x->cols ||
-        (yg && (!y || yg->cols != x->cols))) {
+    if (!add_rmsnorm_shapes(x, y, yg, g)) {
         luma_cuda_failf(c, "add_rmsnorm: %lld x %lld plus %lld x %lld with gains of %lld", (long long)x->rows,
                         (long long)x->cols, (long long)(y ? y->rows : 0), (long long)(y ? y->cols : 0),
                         (long long)g->cols);
@@ -435,8 +442,7 @@ bool luma_cuda_norm_pend(cuda_backend *c, luma_buf *x, const luma_buf *y, const 
      * the others), not in place */
     if (!c->normq_on || !c->in_step || c->float_act || luma_cuda_prog_active(c) || !LUMA_CUDA_OK(c) ||
         c->pend_norm.on || x->rows < 1 || x->rows > normq_max_rows() || x->cols < 1 ||
-        (y && (y->rows != x->rows || y->cols != x->cols)) || g->cols != x->cols ||
-        (yg && (!y || yg->cols != x->cols)) ||
+        !add_rmsnorm_shapes(x, y, yg, g) ||
         !add_rmsnorm_vec(x, y, yg ? (const float *)yg->dev : NULL, (const float *)g->dev, out) ||
         add_rmsnorm_f(x->cols) == 0 || out->data == x->data || (y && out->data == y->data))
         return false;

@@ -28,8 +28,8 @@
 
 #include "gguf.h"
 #include "tokenizer.h"
-#include "testutil.h"
 #include "unicode.h"
+#include "testutil.h"
 
 /* ---- small tools ------------------------------------------------------------ */
 
@@ -56,16 +56,6 @@ static char *read_file(const char *path, size_t *len)
     if (buf) buf[n] = 0;
     *len = n;
     return buf;
-}
-
-static bool valid_utf8(const char *s, size_t n)
-{
-    for (size_t i = 0; i < n;) {
-        uint32_t cp;
-        i += luma_utf8_decode(s + i, n - i, &cp);
-        if (cp == LUMA_UTF8_INVALID) return false;
-    }
-    return true;
 }
 
 static double now_ms(void)
@@ -110,41 +100,6 @@ static char *detokenize(const luma_vocab *v, const int32_t *ids, int64_t n, bool
 static bool same_ids(const int32_t *a, int64_t na, const int32_t *b, int64_t nb)
 {
     return na == nb && (na == 0 || memcmp(a, b, sizeof *a * (size_t)na) == 0);
-}
-
-/* Streams ids through luma_detok (first with a one-byte buffer, to exercise
- * the "needs more room" answer) and checks every chunk is valid UTF-8; the
- * joined chunks go to *out (malloc'd). */
-static bool stream(const luma_vocab *v, const int32_t *ids, int64_t n, bool special, char **out,
-                   size_t *out_len)
-{
-    size_t cap = 3 * (luma_vocab_max_piece(v) + 3), len = 0;
-    char *all = malloc(cap * (size_t)(n + 1) + 1), *chunk = malloc(cap);
-    bool ok = all && chunk;
-    luma_detok d;
-    luma_detok_init(&d);
-    for (int64_t i = 0; ok && i <= n; i++) {
-        size_t k;
-        if (i < n) {
-            char tiny[1];
-            k = luma_detok_push(&d, v, ids[i], special, tiny, 1);
-            if (k <= 1) memcpy(chunk, tiny, k);
-            else k = luma_detok_push(&d, v, ids[i], special, chunk, cap);
-            ok = k <= cap;
-        } else {
-            k = luma_detok_flush(&d, chunk, cap);
-        }
-        if (ok && !valid_utf8(chunk, k)) ok = false;
-        if (ok) {
-            memcpy(all + len, chunk, k);
-            len += k;
-        }
-    }
-    free(chunk);
-    if (all) all[len] = 0;
-    *out = all;
-    *out_len = len;
-    return ok;
 }
 
 /* ---- UTF-8 and categories ------------------------------------------------------ */
@@ -653,12 +608,12 @@ static void random_round_trips(const luma_vocab *v, const char *name, bool space
         size_t back_len = 0, got_len = 0;
         char *back = ids ? detokenize(v, ids, n, special, &back_len) : NULL, *got = NULL;
         bool spm = luma_vocab_kind(v) == LUMA_VOCAB_SPM;
-        if (!spm || (valid_utf8(text, len) && !(special && space_prefix))) {
+        if (!spm || (luma_test_utf8_valid(text, len) && !(special && space_prefix))) {
             CHECK(back && back_len == len && memcmp(back, text, len) == 0);
             n_round_trips++;
         }
-        CHECK(ids && stream(v, ids, n, special, &got, &got_len));
-        if (back && valid_utf8(back, back_len))
+        CHECK(ids && luma_test_stream(v, ids, n, special, &got, &got_len));
+        if (back && luma_test_utf8_valid(back, back_len))
             CHECK(got && got_len == back_len && memcmp(got, back, got_len) == 0);
         n_cases++;
         free(got);
@@ -735,7 +690,7 @@ static void test_gemma_stream(const luma_vocab *v)
         for (int64_t j = 0; j < n; j++) byte_tokens += luma_vocab_type(v, ids[j]) == LUMA_TOKEN_BYTE;
         size_t full_len = 0, got_len = 0;
         char *full = detokenize(v, ids, n, false, &full_len), *got = NULL;
-        CHECK(stream(v, ids, n, false, &got, &got_len));
+        CHECK(luma_test_stream(v, ids, n, false, &got, &got_len));
         CHECK(full && got && full_len == got_len && memcmp(full, got, got_len) == 0);
         CHECK(full && full_len == strlen(texts[i]) && memcmp(full, texts[i], full_len) == 0);
         chunks += (int)n;

@@ -408,4 +408,64 @@ static inline int luma_test_gpu_start(const char *name, char *buf, size_t size)
 #endif
 #endif
 
+#ifdef LUMA_TOKENIZER_H
+/* ---- text ----------------------------------------------------------------- */
+/* (for tests that include tokenizer.h and unicode.h before this header) */
+
+/* Whether n bytes of s are valid UTF-8. */
+static inline bool luma_test_utf8_valid(const char *s, size_t n)
+{
+    for (size_t i = 0; i < n;) {
+        uint32_t cp;
+        i += luma_utf8_decode(s + i, n - i, &cp);
+        if (cp == LUMA_UTF8_INVALID) return false;
+    }
+    return true;
+}
+
+/* Streams ids through luma_detok, each first into a one-byte buffer (to
+ * exercise the "needs more room" answer), then into one of exactly the size
+ * asked for; false when a chunk is not valid UTF-8, when a token asks for
+ * more than 3 * (max piece + 3) bytes, when the flush gives more than 3, or
+ * when a call writes past its buffer. The joined chunks go to *out
+ * (malloc'd, NUL-terminated), their length to *out_len. */
+static inline bool luma_test_stream(const luma_vocab *v, const int32_t *ids, int64_t n, bool special,
+                                    char **out, size_t *out_len)
+{
+    const char guard = (char)0x5a;
+    size_t cap = 3 * (luma_vocab_max_piece(v) + 3), len = 0;
+    char *all = malloc(cap * (size_t)(n + 1) + 1), *chunk = malloc(cap + 1);
+    bool ok = all && chunk;
+    luma_detok d;
+    luma_detok_init(&d);
+    for (int64_t i = 0; ok && i <= n; i++) {
+        size_t k;
+        if (i < n) {
+            char tiny[2] = {0, guard};
+            k = luma_detok_push(&d, v, ids[i], special, tiny, 1);
+            ok = tiny[1] == guard && k <= cap;
+            if (ok && k <= 1) {
+                memcpy(chunk, tiny, k);
+            } else if (ok) {
+                chunk[k] = guard;
+                ok = luma_detok_push(&d, v, ids[i], special, chunk, k) == k && chunk[k] == guard;
+            }
+        } else {
+            k = luma_detok_flush(&d, chunk, cap);
+            ok = k <= 3;
+        }
+        if (ok) ok = luma_test_utf8_valid(chunk, k);
+        if (ok) {
+            memcpy(all + len, chunk, k);
+            len += k;
+        }
+    }
+    free(chunk);
+    if (all) all[len] = 0;
+    *out = all;
+    *out_len = len;
+    return ok;
+}
+#endif
+
 #endif

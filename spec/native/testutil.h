@@ -410,7 +410,9 @@ static inline int luma_test_gpu_start(const char *name, char *buf, size_t size)
 
 #ifdef LUMA_TOKENIZER_H
 /* ---- text ----------------------------------------------------------------- */
-/* (for tests that include tokenizer.h and unicode.h before this header) */
+/* (for tests that include tokenizer.h before this header) */
+
+#include "unicode.h"
 
 /* Whether n bytes of s are valid UTF-8. */
 static inline bool luma_test_utf8_valid(const char *s, size_t n)

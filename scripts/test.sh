@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Runs every test, in the normal build (build/) and the sanitizer build
 # (build-asan/, AddressSanitizer + UndefinedBehaviorSanitizer): native tests
-# with ctest, Lua specs with busted run by the luma interpreter of that build.
+# with ctest, Lua specs with busted run by the luma interpreter of that build;
+# then the native tests again in a ThreadSanitizer build (build-tsan/: the
+# CPU backend's thread pool; the specs are too slow under it to run whole).
 # The models are fetched first, the default one and the qwen2 one that
 # spec/qwen2_model_spec.lua checks (a failed download fails the run).
 set -euo pipefail
@@ -38,3 +40,6 @@ build build-asan -DLUMA_SANITIZE=ON
 # Lua's own allocations are not leaks of ours; the interpreter exits through
 # lua_close, so everything luma allocates is freed and checked.
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 run_suite build-asan
+build build-tsan -DLUMA_TSAN=ON
+echo "== native tests (build-tsan, ThreadSanitizer)"
+(cd build-tsan && TSAN_OPTIONS=halt_on_error=1 ctest --output-on-failure -j"$jobs")

@@ -262,15 +262,10 @@ typedef struct tally {
  * the ids. Every failure must come with a message. */
 static void try_model(const char *label, const char *path, tally *t)
 {
-    luma_model_params mp;
-    luma_model_params_default(&mp);
-    mp.backend = "cpu";
-    mp.n_threads = 1;
-    mp.n_ctx = 32;
-    luma_model *m = NULL;
     luma_err err = {{0}};
-    if (luma_model_load(path, &mp, &m, &err) != 0) {
-        CHECK(m == NULL && err.msg[0] != '\0');
+    luma_model *m = luma_test_load(path, "cpu", true, 32, 32, 0, &err);
+    if (!m) {
+        CHECK(err.msg[0] != '\0');
         t->refused++;
         return;
     }
@@ -295,6 +290,19 @@ static void try_model(const char *label, const char *path, tally *t)
     luma_seq_free(s);
     luma_model_free(m);
     (void)label;
+}
+
+/* Writes g with each of the n edits of its kv or tensor i to out, and tries it. */
+static void apply_edits(const luma_gguf *g, uint64_t i, edit *list, int n, const char *out, const char *label,
+                        tally *t)
+{
+    for (int k = 0; k < n; k++) {
+        list[k].index = i;
+        int rc = write_edited(g, &list[k], out);
+        if (rc == 0) try_model(label, out, t);
+        else if (rc > 0) t->skipped++;
+        else failures++;
+    }
 }
 
 static bool key_is(const luma_gguf_kv *kv, const char *prefix)
@@ -345,13 +353,7 @@ static void run_edits(const char *label, const char *path)
             for (size_t k = 0; k < sizeof floats / sizeof floats[0]; k++)
                 list[n++] = (edit){.kind = KV_NUMBER, .v = {.type = LUMA_GGUF_F32, .v.f64 = floats[k]}};
         }
-        for (int k = 0; k < n; k++) {
-            list[k].index = i;
-            int rc = write_edited(g, &list[k], out);
-            if (rc == 0) try_model(label, out, &t);
-            else if (rc > 0) t.skipped++;
-            else failures++;
-        }
+        apply_edits(g, i, list, n, out, label, &t);
     }
     static const uint32_t types[] = {LUMA_F32, LUMA_F16, LUMA_Q8_0, LUMA_Q4_K};
     for (uint64_t i = 0; i < g->n_tensors; i++) {
@@ -359,13 +361,7 @@ static void run_edits(const char *label, const char *path)
         int n = 3;
         for (size_t k = 0; k < sizeof types / sizeof types[0]; k++)
             if (types[k] != g->tensors[i].type) list[n++] = (edit){.kind = T_TYPE, .type = types[k]};
-        for (int k = 0; k < n; k++) {
-            list[k].index = i;
-            int rc = write_edited(g, &list[k], out);
-            if (rc == 0) try_model(label, out, &t);
-            else if (rc > 0) t.skipped++;
-            else failures++;
-        }
+        apply_edits(g, i, list, n, out, label, &t);
     }
     unlink(out);
     luma_gguf_close(g);

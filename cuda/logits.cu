@@ -104,6 +104,20 @@ __device__ __forceinline__ unsigned long long rank_key(float v, int64_t id)
     return ((unsigned long long)b << 32) | (0xffffffffu - (unsigned int)id);
 }
 
+/* The value a key ranks (rank_key's inverse; -0 comes back as +0, equal
+ * in every use). Kernels that rewrite a row in place take the row's largest
+ * entry from its argmax key, not from the row: another block may already
+ * have rewritten that entry. (dist_apply_kernel once read it from the row;
+ * a block placed after the one holding that entry had rewritten it took
+ * 1 / z or -log z for the largest. Plain runs never showed it, the
+ * blocks being placed at once; under compute-sanitizer test_cuda_logits
+ * found 32 to 384 of a 262,144-entry row's entries wrong in most runs.) */
+__device__ __forceinline__ float key_value(unsigned long long k)
+{
+    unsigned int b = (unsigned int)(k >> 32);
+    return __uint_as_float((b & 0x80000000u) ? (b & 0x7fffffffu) : ~b);
+}
+
 /* Clamps into the finite floats, as src/sample.c's finite(). */
 __device__ __forceinline__ float finite_f(float v)
 {
@@ -419,10 +433,11 @@ topk_kernel(const float *__restrict__ x, int64_t n, int32_t k, int32_t *out_ids,
     __syncthreads();
     block_sort_desc(sm.cand, p);
     int32_t got = (int32_t)count < k ? (int32_t)count : k;
-    for (int j = tid; j < got; j += TOPK_THREADS) {
-        int32_t id = luma_cuda_key_id(sm.cand[j]);
+    for (int j = tid; j < k; j += TOPK_THREADS) {
+        /* the places past the live entries written too (id -1, -inf): every word the host copies back is set */
+        int32_t id = j < got ? luma_cuda_key_id(sm.cand[j]) : -1;
         out_ids[j] = id;
-        out_vals[j] = x[id];
+        out_vals[j] = j < got ? x[id] : -INFINITY;
     }
     if (tid == 0) *out_count = got;
 }
@@ -510,7 +525,8 @@ __device__ bool topk_block_arrive(const unsigned long long *best, int32_t k, uns
 }
 
 /* The row's k best (best, selected from every block's) to out: ids [k],
- * values [k] and the count; the row's arrival count back to 0. */
+ * values [k] and the count, the places past the count -1 and -inf (every
+ * word the host copies back is set); the row's arrival count back to 0. */
 __device__ void topk_row_write(const unsigned long long *best, int32_t k, const float *x, int32_t *out,
                                unsigned int *arrived)
 {
@@ -520,6 +536,9 @@ __device__ void topk_row_write(const unsigned long long *best, int32_t k, const 
         int32_t id = luma_cuda_key_id(best[tid]);
         out[tid] = id;
         out[k + tid] = __float_as_int(x[id]);
+    } else if (tid < k) {
+        out[tid] = -1;
+        out[k + tid] = __float_as_int(-INFINITY);
     }
     if (tid == 0) {
         out[2 * k] = got;
@@ -795,7 +814,7 @@ __global__ void dist_sums_kernel(const float *__restrict__ x, int64_t n, int64_t
     if (c >= nch) return;
     double z = 0.0, s = 0.0;
     if (*best) {
-        double m = (double)x[luma_cuda_key_id(*best)];
+        double m = (double)key_value(*best);
         int64_t lo = (int64_t)c * ch, hi = lo + ch < n ? lo + ch : n;
         for (int64_t i = lo + lane; i < hi; i += 32) {
             float v = x[i];
@@ -825,7 +844,7 @@ sample_walk_kernel(const float *__restrict__ x, int64_t n, int64_t ch, int32_t n
         if (tid == 0) *out = -1;
         return;
     }
-    const double m = (double)x[luma_cuda_key_id(*best)];
+    const double m = (double)key_value(*best);
     /* inclusive prefix sums of the chunks' masses: each thread two chunks */
     int c0 = 2 * tid;
     double a = c0 < nch ? sums[c0].x : 0.0, b = c0 + 1 < nch ? sums[c0 + 1].x : 0.0;
@@ -919,7 +938,7 @@ __global__ void dist_apply_kernel(float *x, int64_t n, const unsigned long long 
 {
     follow_previous_kernel();
     if (*best == 0) return;
-    const double m = (double)x[luma_cuda_key_id(*best)], z = total->x;
+    const double m = (double)key_value(*best), z = total->x;
     const float inv = (float)(1.0 / z);
     const double lse = m + log(z);
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
@@ -935,7 +954,7 @@ __global__ void min_p_kernel(float *x, int64_t n, const unsigned long long *best
 {
     follow_previous_kernel();
     if (*best == 0) return;
-    const double m = (double)x[luma_cuda_key_id(*best)];
+    const double m = (double)key_value(*best);
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
         float v = x[i];
         if (is_live(v) && (double)v - m < lp) x[i] = -INFINITY;

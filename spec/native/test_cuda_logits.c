@@ -93,10 +93,14 @@ static bool same_float(float a, float b)
     return memcmp(&a, &b, sizeof a) == 0 || (isnan(a) && isnan(b));
 }
 
+/* A copy from pageable memory may return before it lands; under
+ * compute-sanitizer the backend's next kernels then read the rows before
+ * it (seen as rows a few entries stale), so the helpers wait for it. */
 static void upload(luma_buf *b, const float *x, int64_t rows)
 {
     CHECK(cudaMemcpy(b->data, x, (size_t)rows * (size_t)b->cols * sizeof(float), cudaMemcpyHostToDevice) ==
           cudaSuccess);
+    CHECK(cudaDeviceSynchronize() == cudaSuccess);
 }
 
 static void download_row(const luma_buf *b, int64_t row, float *x)
@@ -401,13 +405,16 @@ static void test_dist(luma_buf *b, const float *rows, int32_t n)
                        "%s row %d: a refused row changed", name, r);
                 continue;
             }
-            int32_t off = 0, far = 0;
+            int32_t off = 0, far = 0, first = -1;
             for (int32_t i = 0; i < n; i++) {
                 off += !same_float(got[i], want[i]);
                 far += !within_ulp(got[i], want[i]);
+                if (first < 0 && !within_ulp(got[i], want[i])) first = i;
             }
             ulps += off;
-            CHECKF(far == 0, "%s row %d (n %d): %d entries more than an ulp from the host's", name, r, n, far);
+            CHECKF(far == 0, "%s row %d (n %d): %d entries more than an ulp from the host's (the first at %d: %.9g, "
+                   "the host's %.9g, the input %.9g)", name, r, n, far, first, first < 0 ? 0.0 : (double)got[first],
+                   first < 0 ? 0.0 : (double)want[first], first < 0 ? 0.0 : (double)rows[(size_t)r * n + first]);
         }
         printf("%-11s n %6d: %d rows (%lld refused, nothing live), %lld entries an ulp off the host's\n", name, n,
                ROWS, (long long)refused, (long long)ulps);

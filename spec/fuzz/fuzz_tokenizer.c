@@ -5,8 +5,8 @@
  * "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"); without it, the default
  * model ($LUMA_MODEL, else ~/.cache/luma/models/gemma-3-270m-q4_k_m.gguf).
  * An input is one byte of switches and then the text. For every input:
- *   - tokenizing never fails, gives the same count whatever the buffer,
- *     writes no further than the buffer and only ids in range;
+ *   - tokenizing and detokenizing never fail and keep to their buffers
+ *     (luma_test_tokenize, luma_test_detokenize in testutil.h);
  *   - with add_special the ids are the plain ids with BOS / EOS around them
  *     as the vocabulary asks;
  *   - the ids detokenize, within any buffer, to the text again where the
@@ -79,43 +79,6 @@ int LLVMFuzzerInitialize(int *argc, char ***argv)
 
 #define CANARY 0x5au
 
-/* Tokenizes into a fresh array, checking the counting call, a short buffer
- * and the ids; *n gets the count. */
-static int32_t *tokenize(const char *text, size_t len, bool add_special, bool parse_special, int64_t *n)
-{
-    luma_err err = {{0}};
-    int64_t k = luma_tokenize(vocab, text, len, add_special, parse_special, NULL, 0, &err);
-    require(k >= 0);
-    int32_t *ids = malloc(sizeof *ids * (size_t)(k + 1));
-    require(ids != NULL);
-    int64_t half = k / 2;
-    memset(ids, CANARY, sizeof *ids * (size_t)(k + 1));
-    require(luma_tokenize(vocab, text, len, add_special, parse_special, ids, half, &err) == k);
-    for (int64_t i = half; i <= k; i++) require(ids[i] == (int32_t)0x5a5a5a5a);
-    require(luma_tokenize(vocab, text, len, add_special, parse_special, ids, k, &err) == k);
-    require(ids[k] == (int32_t)0x5a5a5a5a);
-    for (int64_t i = 0; i < k; i++) require(ids[i] >= 0 && ids[i] < luma_vocab_size(vocab));
-    *n = k;
-    return ids;
-}
-
-/* Detokenizes into a fresh buffer, checking a short buffer on the way. */
-static char *detokenize(const int32_t *ids, int64_t n, bool special, size_t *len)
-{
-    luma_err err = {{0}};
-    int64_t k = luma_detokenize(vocab, ids, n, special, NULL, 0, &err);
-    require(k >= 0);
-    char *s = malloc((size_t)k + 1);
-    require(s != NULL);
-    memset(s, CANARY, (size_t)k + 1);
-    require(luma_detokenize(vocab, ids, n, special, s, (size_t)(k / 2), &err) == k);
-    for (int64_t i = k / 2; i <= k; i++) require((uint8_t)s[i] == CANARY);
-    require(luma_detokenize(vocab, ids, n, special, s, (size_t)k, &err) == k);
-    require((uint8_t)s[k] == CANARY);
-    *len = (size_t)k;
-    return s;
-}
-
 static void check_pretokenizers(const char *text, size_t len)
 {
     static const char *const names[] = {"gpt-2", "llama-bpe", "qwen2", "default", "llama3", "phi-2"};
@@ -145,8 +108,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     bool parse_special = sw & 1, special = sw & 2;
 
     int64_t n, ns;
-    int32_t *ids = tokenize(text, len, false, parse_special, &n);
-    int32_t *with = tokenize(text, len, true, parse_special, &ns);
+    int32_t *ids = luma_test_tokenize(vocab, text, len, false, parse_special, &n);
+    int32_t *with = luma_test_tokenize(vocab, text, len, true, parse_special, &ns);
+    require(ids && with);
     const luma_vocab_special *sp = luma_vocab_specials(vocab);
     int64_t at = sp->add_bos && sp->bos >= 0, tail = sp->add_eos && sp->eos >= 0;
     require(ns == at + n + tail);
@@ -156,7 +120,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     free(with);
 
     size_t back_len, got_len;
-    char *back = detokenize(ids, n, parse_special, &back_len);
+    char *back = luma_test_detokenize(vocab, ids, n, parse_special, &back_len);
+    require(back);
     bool spm = luma_vocab_kind(vocab) == LUMA_VOCAB_SPM;
     if (!spm || (luma_test_utf8_valid(text, len) && !memmem(text, len, "\xe2\x96\x81", 3) &&
                  !(parse_special && space_prefix)))

@@ -27,16 +27,8 @@
 #include "synth.h"
 #include "tokenizer.h"
 #include "unicode.h"
+#define LUMA_TEST_TMPDIR
 #include "testutil.h"
-
-#define PATH_CAP 512
-
-static char tmpdir[256];
-
-static void tmp_path(char out[PATH_CAP], const char *name)
-{
-    snprintf(out, PATH_CAP, "%s/%s", tmpdir, name);
-}
 
 /* ---- the vocabularies ----------------------------------------------------- */
 
@@ -260,7 +252,7 @@ typedef struct tally {
 
 /* Loads path; when it loads, tokenizes a prompt, runs it and detokenizes
  * the ids. Every failure must come with a message. */
-static void try_model(const char *label, const char *path, tally *t)
+static void try_model(const char *path, tally *t)
 {
     luma_err err = {{0}};
     luma_model *m = luma_test_load(path, "cpu", true, 32, 32, 0, &err);
@@ -289,17 +281,15 @@ static void try_model(const char *label, const char *path, tally *t)
     free(logits);
     luma_seq_free(s);
     luma_model_free(m);
-    (void)label;
 }
 
 /* Writes g with each of the n edits of its kv or tensor i to out, and tries it. */
-static void apply_edits(const luma_gguf *g, uint64_t i, edit *list, int n, const char *out, const char *label,
-                        tally *t)
+static void apply_edits(const luma_gguf *g, uint64_t i, edit *list, int n, const char *out, tally *t)
 {
     for (int k = 0; k < n; k++) {
         list[k].index = i;
         int rc = write_edited(g, &list[k], out);
-        if (rc == 0) try_model(label, out, t);
+        if (rc == 0) try_model(out, t);
         else if (rc > 0) t->skipped++;
         else failures++;
     }
@@ -320,12 +310,12 @@ static void run_edits(const char *label, const char *path)
         fprintf(stderr, "test_model_edits: %s: %s\n", label, err.msg);
         return;
     }
-    char out[PATH_CAP];
-    tmp_path(out, "edited.gguf");
+    char out[LUMA_TEST_PATH_CAP];
+    luma_test_tmp_path(out, "edited.gguf");
     tally t = {0, 0, 0};
     int before = failures;
     /* the model as written loads */
-    try_model(label, path, &t);
+    try_model(path, &t);
     CHECK(t.loaded == 1);
     static const uint64_t ints[] = {0, 1, 3, 7, 100000, 0x7fffffffu, 0xffffffffu};
     static const double floats[] = {0.0, -1.0, NAN, INFINITY, 1e-38, 1e38};
@@ -353,7 +343,7 @@ static void run_edits(const char *label, const char *path)
             for (size_t k = 0; k < sizeof floats / sizeof floats[0]; k++)
                 list[n++] = (edit){.kind = KV_NUMBER, .v = {.type = LUMA_GGUF_F32, .v.f64 = floats[k]}};
         }
-        apply_edits(g, i, list, n, out, label, &t);
+        apply_edits(g, i, list, n, out, &t);
     }
     static const uint32_t types[] = {LUMA_F32, LUMA_F16, LUMA_Q8_0, LUMA_Q4_K};
     for (uint64_t i = 0; i < g->n_tensors; i++) {
@@ -361,7 +351,7 @@ static void run_edits(const char *label, const char *path)
         int n = 3;
         for (size_t k = 0; k < sizeof types / sizeof types[0]; k++)
             if (types[k] != g->tensors[i].type) list[n++] = (edit){.kind = T_TYPE, .type = types[k]};
-        apply_edits(g, i, list, n, out, label, &t);
+        apply_edits(g, i, list, n, out, &t);
     }
     unlink(out);
     luma_gguf_close(g);
@@ -371,15 +361,14 @@ static void run_edits(const char *label, const char *path)
 
 int main(void)
 {
-    snprintf(tmpdir, sizeof tmpdir, "%s/luma-edits-XXXXXX", getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp");
-    if (!mkdtemp(tmpdir)) {
+    if (!luma_test_tmpdir_make("test_model_edits")) {
         perror("test_model_edits: mkdtemp");
         return 1;
     }
-    char spm[PATH_CAP], bpe[PATH_CAP], model[PATH_CAP];
-    tmp_path(spm, "spm.gguf");
-    tmp_path(bpe, "bpe.gguf");
-    tmp_path(model, "model.gguf");
+    char spm[LUMA_TEST_PATH_CAP], bpe[LUMA_TEST_PATH_CAP], model[LUMA_TEST_PATH_CAP];
+    luma_test_tmp_path(spm, "spm.gguf");
+    luma_test_tmp_path(bpe, "bpe.gguf");
+    luma_test_tmp_path(model, "model.gguf");
     if (write_spm_vocab(spm) || write_bpe_vocab(bpe)) return 1;
     static const char *const presets[][2] = {{"tiny-llama", "spm"}, {"tiny-qwen2", "bpe"}, {"tiny-gemma3", "spm"}};
     for (size_t i = 0; i < sizeof presets / sizeof presets[0]; i++) {
@@ -402,7 +391,7 @@ int main(void)
     }
     unlink(spm);
     unlink(bpe);
-    rmdir(tmpdir);
+    rmdir(luma_test_tmpdir);
     printf("test_model_edits: %s\n", failures ? "FAILED" : "all passed");
     return failures != 0;
 }

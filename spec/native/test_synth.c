@@ -28,19 +28,11 @@
 #include "quant.h"
 #include "sha256.h"
 #include "synth.h"
+#define LUMA_TEST_TMPDIR
 #include "testutil.h"
 
 #define VOCAB_DIR LUMA_SOURCE_DIR "/../shared/testdata/tokenizer/"
 #define SPM_VOCAB "ggml-vocab-llama-spm.gguf"
-
-#define PATH_CAP 512
-
-static char tmpdir[256];
-
-static void tmp_path(char out[PATH_CAP], const char *name)
-{
-    snprintf(out, PATH_CAP, "%s/%s", tmpdir, name);
-}
 
 static bool exists(const char *path)
 {
@@ -322,8 +314,8 @@ static void test_mixes(const char *vocab)
         luma_synth_params p = tiny_params("tiny-llama", vocab, mixes[i].mix, 5);
         p.n_layer = 1;
         p.tied = true;  /* one vocabulary-sized matrix: F32 ones are large */
-        char path[PATH_CAP];
-        tmp_path(path, "mix.gguf");
+        char path[LUMA_TEST_PATH_CAP];
+        luma_test_tmp_path(path, "mix.gguf");
         if (write_model(&p, path) != 0) continue;
         CHECK(tensor_type(path, "blk.0.attn_q.weight") == mixes[i].q);
         CHECK(tensor_type(path, "blk.0.ffn_down.weight") == mixes[i].q);
@@ -338,8 +330,8 @@ static void test_mixes(const char *vocab)
      * Q5_0, Q6_K to Q8_0, as llama.cpp does. */
     luma_synth_params p = { .arch = "llama", .n_layer = 1, .n_embd = 160, .n_head = 5, .n_kv_head = 1,
                             .n_ff = 96, .seed = 9, .vocab_path = vocab };
-    char path[PATH_CAP];
-    tmp_path(path, "fallback.gguf");
+    char path[LUMA_TEST_PATH_CAP];
+    luma_test_tmp_path(path, "fallback.gguf");
     if (write_model(&p, path) == 0) {
         CHECK(tensor_type(path, "blk.0.attn_q.weight") == LUMA_Q5_0);
         CHECK(tensor_type(path, "blk.0.attn_v.weight") == LUMA_Q8_0);
@@ -401,8 +393,8 @@ static void check_golden_recipe(const char *preset)
         return;
     }
     luma_synth_params p = tiny_params(preset, vocab_path, mix, strtoull(seed, NULL, 10));
-    char out[PATH_CAP];
-    tmp_path(out, "golden.gguf");
+    char out[LUMA_TEST_PATH_CAP];
+    luma_test_tmp_path(out, "golden.gguf");
     char hex[65];
     luma_err err;
     bool ok = write_model(&p, out) == 0 && luma_sha256_file(out, hex, &err) == 0 && strcmp(hex, sha) == 0;
@@ -415,9 +407,9 @@ static void check_golden_recipe(const char *preset)
 static void test_determinism(const char *vocab)
 {
     luma_synth_params p = tiny_params("tiny-qwen2", vocab, NULL, 42);
-    char a[PATH_CAP], b[PATH_CAP];
-    tmp_path(a, "a.gguf");
-    tmp_path(b, "b.gguf");
+    char a[LUMA_TEST_PATH_CAP], b[LUMA_TEST_PATH_CAP];
+    luma_test_tmp_path(a, "a.gguf");
+    luma_test_tmp_path(b, "b.gguf");
     bool ok = write_model(&p, a) == 0 && write_model(&p, b) == 0 && same_bytes(a, b);
     p.seed = 43;
     ok = ok && write_model(&p, b) == 0 && !same_bytes(a, b);
@@ -430,8 +422,8 @@ static void test_determinism(const char *vocab)
 
 static void expect_refused(luma_synth_params p, const char *word)
 {
-    char path[PATH_CAP];
-    tmp_path(path, "refused.gguf");
+    char path[LUMA_TEST_PATH_CAP];
+    luma_test_tmp_path(path, "refused.gguf");
     luma_err err = { { 0 } };
     int rc = luma_synth_write(&p, path, &err);
     if (rc == 0 || !strstr(err.msg, word) || exists(path)) {
@@ -457,8 +449,8 @@ static void test_errors(const char *vocab)
     bad = ok; bad.head_dim = 63; expect_refused(bad, "even");
     bad = ok; bad.n_layer = 0; expect_refused(bad, "n_layer");
     bad = ok; bad.vocab_path = NULL; expect_refused(bad, "vocabulary");
-    char missing[PATH_CAP];
-    tmp_path(missing, "missing.gguf");
+    char missing[LUMA_TEST_PATH_CAP];
+    luma_test_tmp_path(missing, "missing.gguf");
     bad = ok; bad.vocab_path = missing; expect_refused(bad, "missing.gguf");
     printf("test_synth: unknown presets, bad shapes, mixes and vocabularies refused, no file left: %s\n",
            failures == before ? "ok" : "FAILED");
@@ -488,8 +480,8 @@ static void test_streamed(void)
 {
     int before = failures;
     const int64_t ne[2] = { 300, 5000 };   /* 6 MB: more than one chunk */
-    char path[PATH_CAP];
-    tmp_path(path, "streamed.gguf");
+    char path[LUMA_TEST_PATH_CAP];
+    luma_test_tmp_path(path, "streamed.gguf");
     luma_err err;
     fill_ctx c = { 0, -1 };
     luma_gguf_writer *w = luma_gguf_writer_new();
@@ -550,9 +542,7 @@ int main(void)
                "LUMA_MODEL or fetch the default model\n", VOCAB_DIR SPM_VOCAB, vocab);
         return 1;
     }
-    const char *tmp = getenv("TMPDIR");
-    snprintf(tmpdir, sizeof tmpdir, "%s/luma_test_synth_XXXXXX", tmp && *tmp ? tmp : "/tmp");
-    if (!mkdtemp(tmpdir)) {
+    if (!luma_test_tmpdir_make("test_synth")) {
         printf("test_synth: FAIL: cannot create a temporary directory\n");
         return 1;
     }
@@ -570,8 +560,8 @@ int main(void)
 
     for (size_t i = 0; i < sizeof tiny / sizeof tiny[0]; i++) {
         luma_synth_params p = tiny_params(tiny[i].preset, vocab, "q4_k_m", 1);
-        char path[PATH_CAP];
-        tmp_path(path, "tiny.gguf");
+        char path[LUMA_TEST_PATH_CAP];
+        luma_test_tmp_path(path, "tiny.gguf");
         if (write_model(&p, path) != 0) continue;
         check_file(&tiny[i], path, n_vocab);
         check_runs(tiny[i].preset, path);
@@ -581,7 +571,7 @@ int main(void)
     test_determinism(vocab);
     test_errors(vocab);
     test_streamed();
-    rmdir(tmpdir);
+    rmdir(luma_test_tmpdir);
 
     if (failures) {
         printf("test_synth: %d checks FAILED\n", failures);

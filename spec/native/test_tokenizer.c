@@ -65,38 +65,6 @@ static double now_ms(void)
     return t.tv_sec * 1e3 + t.tv_nsec / 1e6;
 }
 
-/* Tokenizes into a fresh array; *n = count, or -1 on error. */
-static int32_t *tokenize(const luma_vocab *v, const char *text, size_t len, bool add_special,
-                         bool parse_special, int64_t *n)
-{
-    luma_err err;
-    int32_t one[1];
-    *n = luma_tokenize(v, text, len, add_special, parse_special, one, 0, &err);
-    if (*n < 0) {
-        fprintf(stderr, "test_tokenizer: tokenize: %s\n", err.msg);
-        return NULL;
-    }
-    int32_t *ids = malloc(sizeof *ids * (size_t)(*n + 1));
-    if (ids && luma_tokenize(v, text, len, add_special, parse_special, ids, *n, &err) != *n) *n = -1;
-    return ids;
-}
-
-/* Detokenizes into a fresh NUL-terminated string. */
-static char *detokenize(const luma_vocab *v, const int32_t *ids, int64_t n, bool special, size_t *len)
-{
-    luma_err err;
-    int64_t k = luma_detokenize(v, ids, n, special, NULL, 0, &err);
-    if (k < 0) return NULL;
-    char *s = malloc((size_t)k + 1);
-    if (s && luma_detokenize(v, ids, n, special, s, (size_t)k, &err) != k) {
-        free(s);
-        return NULL;
-    }
-    if (s) s[k] = 0;
-    *len = (size_t)k;
-    return s;
-}
-
 static bool same_ids(const int32_t *a, int64_t na, const int32_t *b, int64_t nb)
 {
     return na == nb && (na == 0 || memcmp(a, b, sizeof *a * (size_t)na) == 0);
@@ -274,7 +242,7 @@ static bool ids_are(const luma_vocab *v, const char *text, bool add_special, boo
                     const int32_t *want, int64_t n_want)
 {
     int64_t n;
-    int32_t *ids = tokenize(v, text, strlen(text), add_special, parse_special, &n);
+    int32_t *ids = luma_test_tokenize(v, text, strlen(text), add_special, parse_special, &n);
     bool ok = ids && same_ids(ids, n, want, n_want);
     if (!ok) {
         fprintf(stderr, "test_tokenizer: '%s' gave", text);
@@ -288,7 +256,7 @@ static bool ids_are(const luma_vocab *v, const char *text, bool add_special, boo
 static bool text_is(const luma_vocab *v, const int32_t *ids, int64_t n, bool special, const char *want)
 {
     size_t len;
-    char *s = detokenize(v, ids, n, special, &len);
+    char *s = luma_test_detokenize(v, ids, n, special, &len);
     bool ok = s && len == strlen(want) && memcmp(s, want, len) == 0;
     if (!ok) fprintf(stderr, "test_tokenizer: detokenized to '%s', want '%s'\n", s ? s : "(error)", want);
     free(s);
@@ -349,7 +317,7 @@ static void test_spm_small(void)
     CHECK(ids_are(v, "##ab", false, false, (int32_t[]){S_HASH, S_SPAB}, 2));
     CHECK(ids_are(v, "a##", false, false, (int32_t[]){S_SPA, S_HASH}, 2));
     int64_t n;
-    int32_t *ids = tokenize(v, "<start>", 7, false, false, &n);
+    int32_t *ids = luma_test_tokenize(v, "<start>", 7, false, false, &n);
     CHECK(ids && n > 1);
     for (int64_t i = 0; ids && i < n; i++) CHECK(ids[i] != S_START);
     free(ids);
@@ -544,7 +512,7 @@ static void run_vectors(const luma_vocab *v, const vectors *t, bool add_special,
     *passed = *round_trips = *can_round_trip = 0;
     for (size_t i = 0; i < t->n; i++) {
         int64_t n;
-        int32_t *ids = tokenize(v, t->text[i], t->len[i], add_special, parse_special, &n);
+        int32_t *ids = luma_test_tokenize(v, t->text[i], t->len[i], add_special, parse_special, &n);
         if (ids && same_ids(ids, n, t->ids[i], t->n_ids[i])) {
             (*passed)++;
         } else {
@@ -560,9 +528,9 @@ static void run_vectors(const luma_vocab *v, const vectors *t, bool add_special,
         /* without BOS, detokenizing gives the text back; special tokens parsed
          * from the text come back when rendered */
         int64_t m;
-        int32_t *plain = tokenize(v, t->text[i], t->len[i], false, parse_special, &m);
+        int32_t *plain = luma_test_tokenize(v, t->text[i], t->len[i], false, parse_special, &m);
         size_t len;
-        char *back = plain ? detokenize(v, plain, m, parse_special, &len) : NULL;
+        char *back = plain ? luma_test_detokenize(v, plain, m, parse_special, &len) : NULL;
         if (back && len == t->len[i] && memcmp(back, t->text[i], len) == 0) (*round_trips)++;
         else fprintf(stderr, "test_tokenizer: round trip of '%.*s' gave '%s'\n", (int)t->len[i], t->text[i],
                      back ? back : "(error)");
@@ -604,9 +572,9 @@ static void random_round_trips(const luma_vocab *v, const char *name, bool space
         }
         bool special = c % 2;
         int64_t n;
-        int32_t *ids = tokenize(v, text, len, false, special, &n);
+        int32_t *ids = luma_test_tokenize(v, text, len, false, special, &n);
         size_t back_len = 0, got_len = 0;
-        char *back = ids ? detokenize(v, ids, n, special, &back_len) : NULL, *got = NULL;
+        char *back = ids ? luma_test_detokenize(v, ids, n, special, &back_len) : NULL, *got = NULL;
         bool spm = luma_vocab_kind(v) == LUMA_VOCAB_SPM;
         if (!spm || (luma_test_utf8_valid(text, len) && !(special && space_prefix))) {
             CHECK(back && back_len == len && memcmp(back, text, len) == 0);
@@ -684,12 +652,12 @@ static void test_gemma_stream(const luma_vocab *v)
     int before = failures, byte_tokens = 0, chunks = 0;
     for (size_t i = 0; i < sizeof texts / sizeof texts[0]; i++) {
         int64_t n;
-        int32_t *ids = tokenize(v, texts[i], strlen(texts[i]), true, false, &n);
+        int32_t *ids = luma_test_tokenize(v, texts[i], strlen(texts[i]), true, false, &n);
         CHECK(ids != NULL);
         if (!ids) continue;
         for (int64_t j = 0; j < n; j++) byte_tokens += luma_vocab_type(v, ids[j]) == LUMA_TOKEN_BYTE;
         size_t full_len = 0, got_len = 0;
-        char *full = detokenize(v, ids, n, false, &full_len), *got = NULL;
+        char *full = luma_test_detokenize(v, ids, n, false, &full_len), *got = NULL;
         CHECK(luma_test_stream(v, ids, n, false, &got, &got_len));
         CHECK(full && got && full_len == got_len && memcmp(full, got, got_len) == 0);
         CHECK(full && full_len == strlen(texts[i]) && memcmp(full, texts[i], full_len) == 0);

@@ -414,6 +414,65 @@ static inline int luma_test_gpu_start(const char *name, char *buf, size_t size)
 
 #include "unicode.h"
 
+/* Tokenizes into a fresh array (*n ids) and holds luma_tokenize to its
+ * contract on the way: the counting call, a buffer of half the count
+ * written within it and answered with the full count, the whole buffer,
+ * every id in range. NULL (*n = -1), the reason on stderr, when the call
+ * fails or breaks the contract. */
+static inline int32_t *luma_test_tokenize(const luma_vocab *v, const char *text, size_t len, bool add_special,
+                                          bool parse_special, int64_t *n)
+{
+    const int32_t guard = 0x5a5a5a5a;
+    luma_err err = { { 0 } };
+    int64_t k = luma_tokenize(v, text, len, add_special, parse_special, NULL, 0, &err);
+    *n = -1;
+    if (k < 0) {
+        fprintf(stderr, "tokenize: %s\n", err.msg);
+        return NULL;
+    }
+    int32_t *ids = malloc(sizeof *ids * (size_t)(k + 1));
+    if (!ids) return NULL;
+    for (int64_t i = 0; i <= k; i++) ids[i] = guard;
+    bool ok = luma_tokenize(v, text, len, add_special, parse_special, ids, k / 2, &err) == k;
+    for (int64_t i = k / 2; ok && i <= k; i++) ok = ids[i] == guard;
+    ok = ok && luma_tokenize(v, text, len, add_special, parse_special, ids, k, &err) == k && ids[k] == guard;
+    for (int64_t i = 0; ok && i < k; i++) ok = ids[i] >= 0 && ids[i] < luma_vocab_size(v);
+    if (!ok) {
+        fprintf(stderr, "tokenize: %lld ids, but a short or full buffer broke the contract\n", (long long)k);
+        free(ids);
+        return NULL;
+    }
+    *n = k;
+    return ids;
+}
+
+/* Detokenizes into a fresh NUL-terminated string (*len bytes), holding
+ * luma_detokenize to its contract as luma_test_tokenize does (a buffer of
+ * half the length written within it and answered with the full length).
+ * NULL when the call fails or breaks it. */
+static inline char *luma_test_detokenize(const luma_vocab *v, const int32_t *ids, int64_t n, bool special,
+                                         size_t *len)
+{
+    const char guard = (char)0x5a;
+    luma_err err = { { 0 } };
+    int64_t k = luma_detokenize(v, ids, n, special, NULL, 0, &err);
+    if (k < 0) return NULL;
+    char *s = malloc((size_t)k + 1);
+    if (!s) return NULL;
+    memset(s, guard, (size_t)k + 1);
+    bool ok = luma_detokenize(v, ids, n, special, s, (size_t)(k / 2), &err) == k;
+    for (int64_t i = k / 2; ok && i <= k; i++) ok = s[i] == guard;
+    ok = ok && luma_detokenize(v, ids, n, special, s, (size_t)k, &err) == k && s[k] == guard;
+    if (!ok) {
+        fprintf(stderr, "detokenize: %lld bytes, but a short or full buffer broke the contract\n", (long long)k);
+        free(s);
+        return NULL;
+    }
+    s[k] = 0;
+    *len = (size_t)k;
+    return s;
+}
+
 /* Whether n bytes of s are valid UTF-8. */
 static inline bool luma_test_utf8_valid(const char *s, size_t n)
 {
@@ -467,6 +526,33 @@ static inline bool luma_test_stream(const luma_vocab *v, const int32_t *ids, int
     *out = all;
     *out_len = len;
     return ok;
+}
+#endif
+
+#ifdef LUMA_TEST_TMPDIR
+/* ---- a directory for the test's files ------------------------------------ */
+/* (for tests that define LUMA_TEST_TMPDIR, and _POSIX_C_SOURCE 200809L for
+ * mkdtemp, before including this header) */
+
+#include <unistd.h>
+
+#define LUMA_TEST_PATH_CAP 512
+
+static char luma_test_tmpdir[256];
+
+/* Makes $TMPDIR/luma_<name>_XXXXXX (TMPDIR unset or empty: /tmp) the test's
+ * directory; false when it cannot. The test removes it (rmdir) at its end. */
+static inline bool luma_test_tmpdir_make(const char *name)
+{
+    const char *tmp = getenv("TMPDIR");
+    snprintf(luma_test_tmpdir, sizeof luma_test_tmpdir, "%s/luma_%s_XXXXXX", tmp && *tmp ? tmp : "/tmp", name);
+    return mkdtemp(luma_test_tmpdir) != NULL;
+}
+
+/* The path of name inside the test's directory. */
+static inline void luma_test_tmp_path(char out[LUMA_TEST_PATH_CAP], const char *name)
+{
+    snprintf(out, LUMA_TEST_PATH_CAP, "%s/%s", luma_test_tmpdir, name);
 }
 #endif
 

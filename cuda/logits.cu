@@ -1150,11 +1150,15 @@ static int op_begin(cuda_backend *c, const char *op, const luma_buf *b, int64_t 
     return 0;
 }
 
-/* Waits for the operation's work: any CUDA error since op_begin is its. */
+/* Waits for the operation's work: any CUDA error since op_begin is its.
+   The stream is waited for on failure too, so that no copy into the
+   pinned results (host_results) is still queued when the next operation
+   writes them. */
 static int op_end(cuda_backend *c, const char *op, cudaError_t e, luma_err *err)
 {
     if (e == cudaSuccess) e = cudaGetLastError();
-    if (e == cudaSuccess) e = cudaStreamSynchronize(c->stream);
+    cudaError_t s = cudaStreamSynchronize(c->stream);
+    if (e == cudaSuccess) e = s;
     if (e != cudaSuccess) {
         cudaGetLastError();
         return luma_errf(err, "%s on the GPU: %s", op, cudaGetErrorString(e));
@@ -1486,8 +1490,8 @@ int luma_cuda_logits_softmax(luma_backend *be, luma_buf *b, int64_t row, bool lo
     row_sums rs;
     cudaError_t e = queue_live_sums(c, b, row, &rs);
     if (e == cudaSuccess)
-        luma_launch(c, c->stream, row_blocks(c, b->cols), 256, 0, dist_apply_kernel, b->data + row * b->cols,
-                    b->cols, (const unsigned long long *)rs.best, (const double2 *)rs.total, (int)log);
+        e = luma_launch(c, c->stream, row_blocks(c, b->cols), 256, 0, dist_apply_kernel, b->data + row * b->cols,
+                        b->cols, (const unsigned long long *)rs.best, (const double2 *)rs.total, (int)log);
     unsigned long long key = 0, *host = (unsigned long long *)host_results(c, sizeof key);
     if (!host) host = &key;
     if (e == cudaSuccess) e = cudaMemcpyAsync(host, rs.best, sizeof key, cudaMemcpyDeviceToHost, c->stream);

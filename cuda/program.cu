@@ -125,6 +125,14 @@ static bool store_pending(const prog_builder *b, const float *p)
     return b->wb_gate && b->wb_gate == p;
 }
 
+/* Whether the next phase may not write p: its prologue reads the pending
+ * store's up and writes its gate, every CTA its own units, with no barrier
+ * before the phase's own stores. */
+static bool store_inputs(const prog_builder *b, const float *p)
+{
+    return store_pending(b, p) || (b->wb_gate && b->wb_up == p);
+}
+
 void luma_cuda_prog_flush(cuda_backend *c)
 {
     prog_builder *b = c->prog;
@@ -193,7 +201,7 @@ bool luma_cuda_prog_rmsnorm(cuda_backend *c, const luma_buf *x, const luma_weigh
 {
     if (!luma_cuda_prog_active(c) || group != x->cols || !norm_takes(x, g, out)) return false;
     prog_builder *b = builder(c);
-    if (!b || b->norm || store_pending(b, out->data) || store_pending(b, x->data)) return false;
+    if (!b || b->norm || store_inputs(b, out->data) || store_pending(b, x->data)) return false;
     pend_norm(b, x, g, eps, out);
     return true;
 }
@@ -216,7 +224,9 @@ static bool fuse_add(cuda_backend *c, luma_buf *x, const luma_buf *y)
 bool luma_cuda_prog_add_rmsnorm(cuda_backend *c, luma_buf *x, const luma_buf *y, const luma_weight *yg,
                                 const luma_weight *g, float eps, luma_buf *out)
 {
-    if (yg || out->data == y->data || !norm_takes(x, g, out) || !fuse_add(c, x, y)) return false;
+    if (yg || out->data == y->data || !norm_takes(x, g, out)) return false;
+    if (c->prog && (store_inputs(c->prog, x->data) || store_inputs(c->prog, out->data))) return false;
+    if (!fuse_add(c, x, y)) return false;
     pend_norm(c->prog, x, g, eps, out);
     return true;
 }
@@ -240,7 +250,7 @@ static prog_phase *product_phase(cuda_backend *c, int n, const luma_weight *cons
     int64_t weights = 0;
     for (int i = 0; i < n; i++) {
         if (ws[i]->cols != x->cols || !luma_cuda_program_weight(c, ws[i], &pw[i]) || ys[i]->data == x->data ||
-            (up && ys[i]->data == up) || store_pending(b, ys[i]->data) || (b->norm && ys[i]->data == b->norm_out))
+            (up && ys[i]->data == up) || store_inputs(b, ys[i]->data) || (b->norm && ys[i]->data == b->norm_out))
             return NULL;
         pw[i].y = ys[i]->data;
         pw[i].rope = i < rope_n;

@@ -81,6 +81,34 @@ describe("example scripts", function()
     assert.is_true(scores[1] < 0)
   end)
 
+  it("speculative.lua writes the greedy text in fewer steps of the model than tokens", function()
+    -- batch-invariant, so that on a GPU too a step of many rows gives each
+    -- row what a step of one gives it
+    local function stats(err)
+      local t, steps, guessed, kept = err:match("(%d+) tokens in (%d+) steps of the model %([%d.]+ a step%); " ..
+                                                 "(%d+) guessed, (%d+) kept")
+      return tonumber(t), tonumber(steps), tonumber(guessed), tonumber(kept)
+    end
+    local out, err = script("speculative.lua", "-m", H.model_path(), "-i", "-c", "-n", "24")
+    assert.matches("^def add%(a, b%):\n", out)
+    local t, steps, guessed, kept = stats(err)
+    assert.are.equal(24, t)
+    assert.matches("one token a step: 24 tokens, [%d.]+ tokens/s; speedup [%d.]+x; the same ids: yes", err)
+    -- a step writes its kept guesses and the model's next token
+    assert.is_true(kept > 0 and kept <= guessed and (t - kept - steps == 0 or t - kept - steps == 1), err)
+    -- the model as its own draft: every guess is the model's own token
+    out, err = script("speculative.lua", "-m", H.model_path(), "-i", "-c", "-n", "12", "-k", "4",
+                      "-d", H.model_path(), "Hello")
+    t, steps, guessed, kept = stats(err)
+    assert.are.equal(12, t)
+    assert.are.equal(guessed, kept)
+    assert.are.equal(3, steps)
+    assert.matches("the same ids: yes", err)
+    local _, err2, code = H.run(bin .. " scripts/speculative.lua -k 0")
+    assert.are_not.equal(0, code)
+    assert.matches("-k must be an integer from 1 to 64", err2, 1, true)
+  end)
+
   it("step-shapes.lua compares a prompt run as one step with one token per step: equal bits batch-invariant", function()
     local out = script("step-shapes.lua", "-n", "5,9", "-i")
     assert.matches("batch%-invariant", out)

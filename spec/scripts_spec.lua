@@ -109,6 +109,36 @@ describe("example scripts", function()
     assert.matches("-k must be an integer from 1 to 64", err2, 1, true)
   end)
 
+  it("constrained.lua writes only one of the choices, and ranks them by log-probability", function()
+    local prompt = "The capital of France is"
+    local out, err = script("constrained.lua", "-m", H.model_path(), "-r", prompt, "Paris", "London", "zebra crossing")
+    local text = out:match("^([^\n]*)\n")
+    local choice = err:match("%[choice: ([^;]+);")
+    assert.is_truthy(({ Paris = true, London = true, ["zebra crossing"] = true })[choice], err)
+    assert.is_truthy(text == prompt .. choice or text == prompt .. " " .. choice, text)
+    local lps, texts = {}, {}
+    for lp, t in out:gmatch("\n%d+%. %[log p (%-?[%d.]+), %d+ tokens%] \"([^\n]*)\"") do
+      lps[#lps + 1], texts[#texts + 1] = tonumber(lp), t
+    end
+    assert.are.equal(6, #lps)
+    for j = 2, #lps do assert.is_true(lps[j] <= lps[j - 1]) end
+    for _, lp in ipairs(lps) do assert.is_true(lp < 0) end
+    -- a single unlikely choice is written whole, whatever the model prefers
+    out, err = script("constrained.lua", "-m", H.model_path(), prompt, "zebra crossing")
+    assert.matches("choice: zebra crossing;", err, 1, true)
+    assert.is_truthy(out == prompt .. " zebra crossing\n" or out == prompt .. "zebra crossing\n", out)
+    for seed = 1, 3 do
+      out, err = script("constrained.lua", "-m", H.model_path(), "-s", tostring(seed), "My favourite colour is",
+                        "red", "green", "dark blue")
+      choice = err:match("%[choice: ([^;]+);")
+      assert.is_truthy(({ red = true, green = true, ["dark blue"] = true })[choice], err)
+      assert.matches("drawn, seed " .. seed, err, 1, true)
+    end
+    local _, err2, code = H.run(bin .. " scripts/constrained.lua 'only a prompt'")
+    assert.are_not.equal(0, code)
+    assert.matches("usage: constrained.lua", err2, 1, true)
+  end)
+
   it("step-shapes.lua compares a prompt run as one step with one token per step: equal bits batch-invariant", function()
     local out = script("step-shapes.lua", "-n", "5,9", "-i")
     assert.matches("batch%-invariant", out)

@@ -97,6 +97,7 @@ local function speculate()
   local out, steps, guessed, kept = {}, 0, 0, 0
   local next_id = seq:eval(ids):argmax()
   if dseq then dseq:eval(ids) end
+  local t0 = luma.now()
   while true do
     -- next_id is the model's greedy token here: it is written, then fed
     -- with the guesses that follow it
@@ -128,24 +129,23 @@ local function speculate()
       if dseq:len() < #hist then dseq:eval({ table.unpack(hist, dseq:len() + 1) }) end
     end
   end
-  return out, steps, guessed, kept
+  return out, steps, guessed, kept, luma.now() - t0
 end
 
 local function plain()
   local seq <close> = model:sequence()
-  local first = seq:eval(ids)
-  local id = first:argmax()
+  local id = seq:eval(ids):argmax()
+  local t0 = luma.now()
   local out = { id }
   while #out < n and not model:is_eog(id) do
     id = seq:eval(id):argmax()
     out[#out + 1] = id
   end
-  return out
+  return out, luma.now() - t0
 end
 
-local t0 = luma.now()
-local out, steps, guessed, kept = speculate()
-local t = luma.now() - t0
+-- times count from the prompt's logits: the prompt is evaluated alike
+local out, steps, guessed, kept, t = speculate()
 io.write(prompt, model:detokenize(out), "\n")
 local by = draft and "draft " .. draft.info.name or string.format("prompt lookup of %d to %d tokens", l, g)
 io.stderr:write(string.format(
@@ -153,9 +153,7 @@ io.stderr:write(string.format(
   model.info.backend, by, #out, math.max(steps, 1), #out / math.max(steps, 1), guessed, kept,
   100 * kept / math.max(guessed, 1), #out / t))
 if opt.c then
-  t0 = luma.now()
-  local ref = plain()
-  local tp = luma.now() - t0
+  local ref, tp = plain()
   local same = #ref == #out
   for j = 1, #ref do same = same and ref[j] == out[j] end
   io.stderr:write(string.format("[one token a step: %d tokens, %.1f tokens/s; speedup %.2fx; the same ids: %s]\n",

@@ -108,6 +108,7 @@ typedef struct attn_args {
     const int32_t *pos, *row_seq, *blocks, *block_off, *seq_row0, *seq_nrows, *seq_pos0;
     const int32_t *dec_rows, *tiles;
     int32_t n_tiles;
+    int32_t prefill_min;       /* a sequence of fewer rows is decoded (luma_cuda_prefill_rows) */
     int32_t split_len, n_splits;   /* decode: split_unit 0: every row's splits split_len keys long */
     int32_t split_unit;        /* else a row's n_splits splits share its own keys (row_split_len) */
     int32_t dec_tk, dec_warps, dec_stages;   /* decode: keys per tile, warps per CTA, stages per warp */
@@ -239,7 +240,7 @@ __global__ static void store_kernel(const attn_args a)
     int32_t r = blockIdx.x, h = blockIdx.y, p = a.pos[r], seq = a.row_seq[r];
     /* decode rows (luma_cuda_prefill_rows: fewer rows of their sequence;
      * with batch invariance every row, and this kernel does not run) */
-    if (a.seq_nrows[seq] < LUMA_CUDA_PREFILL_MIN_ROWS) return;
+    if (a.seq_nrows[seq] < a.prefill_min) return;
     const int32_t *tab = block_table(a, seq);
     T *kd = kv_row<T>(a, tab, h, p, false), *vd = kv_row<T>(a, tab, h, p, true);
     if (!kd) return;
@@ -2688,6 +2689,7 @@ bool luma_cuda_attention_quant(cuda_backend *c, const luma_buf *q, const luma_bu
     a.dec_rows = st->dec_rows;
     a.tiles = st->tiles;
     a.n_tiles = st->n_tiles;
+    a.prefill_min = c->prefill_min_rows;
     a.split_len = 0;
     a.split_unit = 0;
     a.n_splits = 1;

@@ -598,6 +598,7 @@ static int cuda_step_begin(luma_backend *be, const luma_step *s, luma_err *err)
     int32_t *h = (int32_t *)c->host_stage;
     int32_t R = s->n_rows, S = s->n_seqs, np = c->kvl.n_pools;
     int32_t max_pos = 0, dec_max_pos = 0;
+    bool dec_chunks = false;
     memcpy(h + p.tokens, s->tokens, (size_t)R * sizeof(int32_t));
     memcpy(h + p.pos, s->pos, (size_t)R * sizeof(int32_t));
     memcpy(h + p.out_rows, s->out_rows, (size_t)s->n_out * sizeof(int32_t));
@@ -637,6 +638,7 @@ static int cuda_step_begin(luma_backend *be, const luma_step *s, luma_err *err)
                 h[tile++] = t;
             }
         } else {
+            dec_chunks = dec_chunks || q->n_rows > 1;
             for (int32_t r = q->row0; r < q->row0 + q->n_rows; r++) {
                 h[dec++] = r;
                 if (s->pos[r] + 1 > dec_max_pos) dec_max_pos = s->pos[r] + 1;
@@ -669,6 +671,7 @@ static int cuda_step_begin(luma_backend *be, const luma_step *s, luma_err *err)
     cs->dec_rows = d + p.dec_rows;
     cs->tiles = d + p.tiles;
     cs->dec_max_pos = dec_max_pos;
+    cs->dec_chunks = dec_chunks;
     cs->dec_keys_bound = 128;
     while (cs->dec_keys_bound < dec_max_pos) cs->dec_keys_bound *= 2;
     return 0;
@@ -804,7 +807,8 @@ static int cuda_step_run(luma_backend *be, const luma_step *step, int (*forward)
     }
     if (!g->exec) {
         /* a recording that fails (a scratch buffer must grow) runs eagerly */
-        if (g->failures >= CUDA_GRAPH_TRIES || !LUMA_CUDA_OK(c) || g->seen++ < c->graph_after)
+        const int after = c->step.dec_chunks && c->graph_after < 1 ? 1 : c->graph_after;
+        if (g->failures >= CUDA_GRAPH_TRIES || !LUMA_CUDA_OK(c) || g->seen++ < after)
             return run_forward(c, forward, ctx, err);
         if (!graph_record(c, g, forward, ctx)) {
             g->failures++;
@@ -1309,6 +1313,7 @@ luma_backend *luma_backend_cuda_new(int device, luma_err *err)
     c->graphs_on = !env_off("LUMA_CUDA_GRAPHS");
     c->graph_slots = env_int("LUMA_CUDA_GRAPH_SLOTS", CUDA_GRAPHS, 1, CUDA_GRAPHS);
     c->graph_after = env_int("LUMA_CUDA_GRAPH_AFTER", 0, 0, 1000);
+    c->prefill_min_rows = env_int("LUMA_CUDA_PREFILL_ROWS", LUMA_CUDA_PREFILL_MIN_ROWS, 1, 4096);
     c->topk_stream = env_int("LUMA_CUDA_TOPK", 1, 0, 1) != 0;
     c->pdl = !env_off("LUMA_CUDA_PDL");
     c->early = luma_cuda_env_digit("LUMA_CUDA_EARLY", 1);

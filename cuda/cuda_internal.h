@@ -44,6 +44,10 @@ typedef struct cuda_step {
      * so that a step's kernels depend on its context lengths only through
      * this bucket (a recorded graph replays for every step of the bucket). */
     int32_t dec_keys_bound;
+    /* Whether a sequence has several decoded rows (a short prompt, a
+     * speculated continuation): such shapes are recorded only when seen
+     * again, so that a one-off prompt length pays no recording. */
+    bool dec_chunks;
 } cuda_step;
 
 /* How the tensor-core path gets f16 weights. While RESIDENT, each matrix
@@ -200,6 +204,8 @@ typedef struct cuda_backend {
      * of a new shape run eagerly before it is recorded (LUMA_CUDA_GRAPH_AFTER):
      * both in the environment for measuring */
     int graph_slots, graph_after;
+    int32_t prefill_min_rows;  /* a sequence's rows of a step that go through prefill attention, at least
+                                * (LUMA_CUDA_PREFILL_MIN_ROWS, or $LUMA_CUDA_PREFILL_ROWS) */
     uint64_t n_steps;          /* steps run through step_run */
     uint64_t buf_gen;          /* bumped when a weight, buffer or KV pool is made or freed */
     void *cublas_ws;           /* cuBLAS workspace: no allocation inside a recording */
@@ -615,13 +621,14 @@ void luma_cuda_pending_flush(cuda_backend *c);
 /* ---- attention.cu -------------------------------------------------------- */
 
 #define LUMA_CUDA_ATTN_TILE 128       /* query rows per prefill tile: 1 or 2 tensor-core CTAs, 8 CUDA-core ones */
-#define LUMA_CUDA_PREFILL_MIN_ROWS 8  /* fewer rows of a sequence: decoded row by row */
+#define LUMA_CUDA_PREFILL_MIN_ROWS 32 /* fewer rows of a sequence: decoded row by row (NOTES.md,
+                                        * "Short chunks of one sequence") */
 
 /* Whether a sequence's n_rows rows of a step go through prefill attention
  * (tiles of query rows) rather than the decode kernel, a row at a time. */
 static inline bool luma_cuda_prefill_rows(const cuda_backend *c, int32_t n_rows)
 {
-    return !c->invariant && n_rows >= LUMA_CUDA_PREFILL_MIN_ROWS;
+    return !c->invariant && n_rows >= c->prefill_min_rows;
 }
 
 /* Whether the attention kernels handle this KV layout (head sizes); called

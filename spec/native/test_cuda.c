@@ -1369,14 +1369,17 @@ static double visible_kv_bytes(const int32_t *pos, int32_t n, const luma_attn *a
 
 /* Whether the GPU runs part of the step on the tensor-core prefill: F16
  * cache, keys and values of one size among 64, 128, 256, and a chunk of at
- * least 8 rows (LUMA_CUDA_PREFILL_MIN_ROWS in cuda/cuda_internal.h). */
+ * least LUMA_CUDA_PREFILL_ROWS rows (LUMA_CUDA_PREFILL_MIN_ROWS in
+ * cuda/cuda_internal.h, 32, unless $LUMA_CUDA_PREFILL_ROWS sets it). */
 static bool tensor_core_step(enum luma_type type, const luma_step *s, const luma_attn *a)
 {
     if (type != LUMA_F16 || a->head_dim_k != a->head_dim_v ||
         (a->head_dim_k != 64 && a->head_dim_k != 128 && a->head_dim_k != 256))
         return false;
+    const char *env = getenv("LUMA_CUDA_PREFILL_ROWS");
+    const int32_t min_rows = env && atoi(env) > 0 ? atoi(env) : 32;
     for (int32_t i = 0; i < s->n_seqs; i++)
-        if (s->seqs[i].n_rows >= 8) return true;
+        if (s->seqs[i].n_rows >= min_rows) return true;
     return false;
 }
 
@@ -1441,7 +1444,7 @@ static void test_attention_shape(const attn_shape *sh, enum luma_type type)
 {
     luma_err err = { { 0 } };
     int32_t lens[3] = { quick ? 600 : 3000, quick ? 200 : 700, 37 };
-    int32_t prefill = quick ? 64 : 300, mixed = quick ? 20 : 100;
+    int32_t prefill = quick ? 64 : 300, mixed = quick ? 40 : 100;   /* mixed: prefill rows beside decode rows */
     static const int32_t together[3] = { 70, 129, 8 };   /* rows of "prefill x3" */
     int32_t n_blocks =
         (lens[0] + lens[1] + lens[2] + prefill + mixed + together[0] + together[1] + together[2]) / BLOCK_TOKENS + 16;

@@ -9,28 +9,18 @@
 --
 --   luma scripts/constrained.lua [-m model] [-b backend] [-s seed] [-r] prompt choice [choice...]
 local luma = require "luma"
+local cli = require "luma.cli"
 
-local usage = "usage: constrained.lua [-m model] [-b backend] [-s seed] [-r] prompt choice [choice...]"
-local opt, words = { b = "auto" }, {}
-local i = 1
-while i <= #arg do
-  local f = arg[i]:match("^%-(%a)$")
-  if f == "r" then
-    opt.r = true
-    i = i + 1
-  elseif f and arg[i + 1] then
-    opt[f] = arg[i + 1]
-    i = i + 2
-  elseif f then
-    error(usage, 0)
-  else
-    words[#words + 1] = arg[i]
-    i = i + 1
-  end
-end
-if #words < 2 then error(usage, 0) end
-local seed = opt.s and math.tointeger(tonumber(opt.s))
-if opt.s and not seed then error("-s must be an integer", 0) end
+local name, usage = "scripts/constrained.lua", "[options] prompt choice [choice...]"
+local spec = {
+  model = { kind = "string", short = "m", help = "GGUF file (default: the default model)" },
+  backend = { kind = "string", short = "b", help = "cpu, cuda or auto", default = "auto" },
+  seed = { kind = "integer", short = "s", help = "draw the tokens with this seed (default: greedy)" },
+  rank = { kind = "flag", short = "r", help = "also rank the choices by log-probability" },
+}
+local opt, words = cli.script(name, usage, spec, arg)
+if #words < 2 then error("usage: " .. name .. " " .. usage, 0) end
+local seed = opt.seed
 local prompt = words[1]
 local targets, seen = {}, {}
 for j = 2, #words do
@@ -43,7 +33,7 @@ for j = 2, #words do
   end
 end
 
-local model <close> = luma.load(opt.m or require("luma.fetch").default_model(), { backend = opt.b })
+local model <close> = luma.load(opt.model or require("luma.fetch").default_model(), { backend = opt.backend })
 
 -- Every token's text, for ordinary and byte tokens: ids by text.
 local by_text, longest = {}, 0
@@ -111,7 +101,7 @@ print(prompt .. text)
 io.stderr:write(string.format("[choice: %s; %d tokens, %s]\n", whole and whole.choice or "(none)", #written,
   rng and "drawn, seed " .. seed or "greedy"))
 
-if opt.r then
+if opt.rank then
   -- log p(choice | prompt) over the model's own tokens of each target text
   local base <close> = model:sequence()
   local last = base:eval(prompt_ids):copy():log_softmax()

@@ -21,40 +21,33 @@
 -- one and of many, so the text equals one-token greedy bit for bit);
 -- -c: also decode plainly, one token a step, and compare texts and speed.
 local luma = require "luma"
+local cli = require "luma.cli"
 
-local usage = "usage: speculative.lua [-m model] [-b backend] [-n tokens] [-k guesses] [-g ngram] [-l ngram] " ..
-              "[-d draft] [-i] [-c] prompt"
-local opt = { b = "auto", n = "64", k = "8", g = "3", l = "2" }
-local words = {}
-local i = 1
-while i <= #arg do
-  local f = arg[i]:match("^%-(%a)$")
-  if f == "i" or f == "c" then
-    opt[f] = true
-    i = i + 1
-  elseif f and arg[i + 1] then
-    opt[f] = arg[i + 1]
-    i = i + 2
-  elseif f then
-    error(usage, 0)
-  else
-    words[#words + 1] = arg[i]
-    i = i + 1
-  end
-end
-local function count(name, lo, hi)
-  local v = math.tointeger(tonumber(opt[name]))
-  if not v or v < lo or v > hi then error(string.format("-%s must be an integer from %d to %d", name, lo, hi), 0) end
+local name, usage = "scripts/speculative.lua", "[options] [prompt]"
+local spec = {
+  model = { kind = "string", short = "m", help = "GGUF file (default: the default model)" },
+  backend = { kind = "string", short = "b", help = "cpu, cuda or auto", default = "auto" },
+  tokens = { kind = "integer", short = "n", help = "tokens to write", default = 64 },
+  guesses = { kind = "integer", short = "k", help = "guesses a step, at most", default = 8 },
+  ngram = { kind = "integer", short = "g", help = "the longest n-gram looked up", default = 3 },
+  ["min-ngram"] = { kind = "integer", short = "l", help = "the shortest n-gram looked up", default = 2 },
+  draft = { kind = "string", short = "d", help = "a draft model of the same vocabulary" },
+  invariant = { kind = "flag", short = "i", help = "load batch-invariant" },
+  compare = { kind = "flag", short = "c", help = "also decode one token a step and compare" },
+}
+local opt, words = cli.script(name, usage, spec, arg)
+local function count(flag, v, lo, hi)
+  if v < lo or v > hi then error(string.format("-%s must be an integer from %d to %d", flag, lo, hi), 0) end
   return v
 end
-local n, k, g = count("n", 1, 100000), count("k", 1, 64), count("g", 1, 16)
-local l = count("l", 1, g)
+local n, k, g = count("n", opt.tokens, 1, 100000), count("k", opt.guesses, 1, 64), count("g", opt.ngram, 1, 16)
+local l = count("l", opt["min-ngram"], 1, g)
 local prompt = #words > 0 and table.concat(words, " ") or
   "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):\n"
 
-local load_opts = { backend = opt.b, batch_invariant = opt.i or nil }
-local model <close> = luma.load(opt.m or require("luma.fetch").default_model(), load_opts)
-local draft <close> = opt.d and luma.load(opt.d, load_opts) or nil
+local load_opts = { backend = opt.backend, batch_invariant = opt.invariant or nil }
+local model <close> = luma.load(opt.model or require("luma.fetch").default_model(), load_opts)
+local draft <close> = opt.draft and luma.load(opt.draft, load_opts) or nil
 local ids = model:tokenize(prompt, { bos = true })
 if draft then
   -- the draft's guesses are ids of the model's vocabulary
@@ -152,7 +145,7 @@ io.stderr:write(string.format(
   "[%s, %s: %d tokens in %d steps of the model (%.2f a step); %d guessed, %d kept (%.0f%%); %.1f tokens/s]\n",
   model.info.backend, by, #out, math.max(steps, 1), #out / math.max(steps, 1), guessed, kept,
   100 * kept / math.max(guessed, 1), #out / t))
-if opt.c then
+if opt.compare then
   local ref, tp = plain()
   local same = #ref == #out
   for j = 1, #ref do same = same and ref[j] == out[j] end

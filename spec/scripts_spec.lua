@@ -107,6 +107,13 @@ describe("example scripts", function()
     local _, err2, code = H.run(bin .. " scripts/speculative.lua -k 0")
     assert.are_not.equal(0, code)
     assert.matches("-k must be an integer from 1 to 64", err2, 1, true)
+    _, err2, code = H.run(bin .. " scripts/speculative.lua --guesses x")
+    assert.are_not.equal(0, code)
+    assert.matches("option --guesses expects an integer, got 'x'", err2, 1, true)
+    local help
+    help, _, code = H.run(bin .. " scripts/speculative.lua --help")
+    assert.are.equal(0, code)
+    assert.matches("-k, --guesses INTEGER", help, 1, true)
   end)
 
   it("constrained.lua writes only one of the choices, and ranks them by log-probability", function()
@@ -136,7 +143,7 @@ describe("example scripts", function()
     end
     local _, err2, code = H.run(bin .. " scripts/constrained.lua 'only a prompt'")
     assert.are_not.equal(0, code)
-    assert.matches("usage: constrained.lua", err2, 1, true)
+    assert.matches("usage: scripts/constrained.lua", err2, 1, true)
   end)
 
   it("step-shapes.lua compares a prompt run as one step with one token per step: equal bits batch-invariant", function()

@@ -68,6 +68,18 @@ local function help(cmd, usage, spec)
   return 0
 end
 
+-- For scripts: the options of spec (as the subcommands' below) parsed
+-- from args, and the other words; --help prints them and exits; an
+-- unknown option or a bad value is an error naming it.
+function M.script(name, usage, spec, args)
+  local o, rest = parse(name, spec, args)
+  if o.help then
+    help(name, usage, spec)
+    os.exit(0)
+  end
+  return o, rest
+end
+
 local model_opts = {
   model = { kind = "string", short = "m", help = "GGUF file (default: $LUMA_MODEL or the fetched default model)" },
   threads = { kind = "integer", short = "t", help = "CPU threads (0: one per core)", default = 0 },

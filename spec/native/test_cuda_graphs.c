@@ -161,6 +161,72 @@ static void test_rule(luma_model *m, const char *preset)
     printf("%s: recording rule: a new shape recorded at once and replayed; 38 shapes kept\n", preset);
 }
 
+/* A sequence's chunk of several decoded rows (fewer than
+ * LUMA_CUDA_PREFILL_MIN_ROWS: a short prompt, a speculated continuation
+ * checked in one step), as speculative decoding runs them: a step of
+ * CHUNK rows with every row's logits, rewound by all but one row, again
+ * and again. Such a shape is recorded when it is seen again, not at first
+ * sight, and its recorded steps equal the eager copy's bit for bit. */
+#define CHUNK 9
+static void test_chunks(luma_model *m[2], const char *preset)
+{
+    if (getenv("LUMA_CUDA_GRAPH_AFTER") || getenv("LUMA_CUDA_PREFILL_ROWS")) {
+        printf("%s: the chunk rule not checked (LUMA_CUDA_GRAPH_AFTER or _PREFILL_ROWS set)\n", preset);
+        return;
+    }
+    luma_err err = { { 0 } };
+    int32_t nv = m[0]->hp.n_vocab, prompt[40], ids[CHUNK];
+    luma_seq *s[2] = { NULL, NULL };
+    float *lg[2] = { xmalloc((size_t)CHUNK * (size_t)nv * sizeof(float)),
+                     xmalloc((size_t)CHUNK * (size_t)nv * sizeof(float)) };
+    long long rec[4] = { 0 }, rep[4] = { 0 };
+    double worst = 0.0;
+    for (int i = 0; i < 40; i++) prompt[i] = 1 + (int32_t)(rnd() % (uint64_t)(nv - 1));
+    for (int k = 0; k < 2; k++) {
+        luma_chunk c = { NULL, prompt, 40, false };
+        if (!(c.seq = s[k] = luma_seq_new(m[k], &err)) || luma_model_run(m[k], &c, 1, lg[k], &err) != 0) {
+            CHECKF(0, "%s: a prompt of 40 tokens: %s", preset, err.msg);
+            goto done;
+        }
+    }
+    for (int t = 0; t < 4; t++) {
+        for (int i = 0; i < CHUNK; i++) ids[i] = 1 + (int32_t)(rnd() % (uint64_t)(nv - 1));
+        for (int k = 0; k < 2; k++) {
+            luma_chunk c = { s[k], ids, CHUNK, true };
+            long long r0 = 0, p0 = 0, r1 = 0, p1 = 0;
+            luma_cuda_graph_counts(m[k]->be, &r0, &p0);
+            if (luma_model_run(m[k], &c, 1, lg[k], &err) != 0 ||
+                luma_seq_rewind(s[k], s[k]->n_tokens - (CHUNK - 1), &err) != 0) {
+                CHECKF(0, "%s: a chunk of %d rows, step %d: %s", preset, CHUNK, t, err.msg);
+                goto done;
+            }
+            luma_cuda_graph_counts(m[k]->be, &r1, &p1);
+            if (k == 0) {
+                rec[t] = r1 - r0;
+                rep[t] = p1 - p0;
+            }
+        }
+        for (size_t j = 0; j < (size_t)CHUNK * (size_t)nv; j++) {
+            double d = fabs((double)lg[0][j] - (double)lg[1][j]);
+            if (!(d <= worst)) worst = d;
+        }
+    }
+    CHECKF(rec[0] == 0 && rep[0] == 0, "%s: a chunk's first step made %lld recordings and %lld replays, not 0 and 0",
+           preset, rec[0], rep[0]);
+    CHECKF(rec[1] == 1 && rep[1] == 1, "%s: a chunk's second step made %lld recordings and %lld replays, not 1 and 1",
+           preset, rec[1], rep[1]);
+    CHECKF(rec[2] == 0 && rep[2] == 1 && rec[3] == 0 && rep[3] == 1,
+           "%s: a chunk's third and fourth steps made %lld, %lld recordings and %lld, %lld replays, not 0 and 1",
+           preset, rec[2], rec[3], rep[2], rep[3]);
+    CHECKF(worst == 0.0, "%s: chunks of %d rows recorded and eager differ by %g", preset, CHUNK, worst);
+    printf("%s: chunks of %d rows: recorded at the second step, replayed after; max |graphs - eager| %.3g\n", preset,
+           CHUNK, worst);
+done:
+    for (int k = 0; k < 2; k++) luma_seq_free(s[k]);
+    free(lg[0]);
+    free(lg[1]);
+}
+
 /* cuda/matmul.cu: how many launches made q, k and v by whole heads */
 long long luma_cuda_qkv_heads(luma_backend *be);
 
@@ -217,6 +283,7 @@ static void test_model(const char *label, const char *preset, int head_dim, cons
             CHECKF(d == 0.0, "%s, %d sequences: recorded and eager steps differ by %g", label, sizes[i], d);
         }
         test_rule(m[0], label);
+        test_chunks(m, label);
     }
     luma_model_free(m[0]);
     luma_model_free(m[1]);

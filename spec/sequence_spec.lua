@@ -185,4 +185,38 @@ describe("a sequence", function()
     collectgarbage()
     assert.are.equal(model.n_vocab, #fresh(prompt))
   end)
+
+  it("rewinds up to `rewind` positions past a sliding window, as speculative decoding does", function()
+    -- a step of a token and 8 guesses, 8 of them rewound, again and again,
+    -- past the window: the blocks a rewind needs are kept (luma.load's
+    -- rewind, 64 by default); with rewind = 0 they are released at once
+    local function speculate(opts)
+      local m <close> = H.load(opts)
+      local ids = m:tokenize(string.rep("The quick brown fox jumps over the lazy dog. ", 60))
+      local seq <close> = m:sequence()
+      seq:eval({ table.unpack(ids, 1, 520) })
+      for _ = 1, 24 do
+        local n = seq:len()
+        local ok, err = pcall(function()
+          local rows = seq:eval({ table.unpack(ids, n + 1, n + 9) }, { all = true })
+          assert(#rows == 9)
+          seq:rewind(n + 1)
+        end)
+        if not ok then return m.info, err end
+        assert.are.same({ table.unpack(ids, 1, n + 1) }, seq:tokens())
+      end
+      return m.info
+    end
+    local info, err = speculate{ ctx = 1024 }
+    assert.are.equal(64, info.rewind)
+    assert.is_nil(err)
+    info, err = speculate{ ctx = 1024, rewind = 0 }
+    assert.are.equal(0, info.rewind)
+    if info.sliding_window > 0 then
+      assert.matches("sliding%-window blocks already released", err)
+    else
+      assert.is_nil(err)
+    end
+    assert.matches("option 'rewind' must be in %[0, 65536%]", select(2, pcall(H.load, { rewind = -1 })))
+  end)
 end)

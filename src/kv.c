@@ -255,8 +255,9 @@ void luma_kv_commit(luma_kv *kv, luma_kv_seq *s, int32_t n)
     for (int i = 0; i < kv->p.n_pools; i++) {
         int32_t w = kv->p.window[i];
         /* The next query, at position len, sees keys from len - (w - 1) on;
-         * blocks ending before that are out of every future window. */
-        int32_t first_seen = s->len - (w - 1);
+         * blocks ending before that are out of every future window (and
+         * of a rewind's by keep positions). */
+        int32_t first_seen = s->len - (w - 1) - kv->p.keep;
         if (w == 0 || first_seen <= 0) continue;
         kv_table *t = &s->tables[i];
         int32_t end = first_seen / kv->p.block_tokens;
@@ -281,8 +282,8 @@ int luma_kv_rewind(luma_kv *kv, luma_kv_seq *s, int32_t len, luma_err *err)
         int32_t first_seen = len - (w - 1);
         if (first_seen < 0) first_seen = 0;
         if (first_seen / kv->p.block_tokens < s->tables[i].n_dropped)
-            return luma_errf(err, "cannot rewind to %d: sliding-window blocks already released",
-                             (int)len);
+            return luma_errf(err, "cannot rewind to %d: sliding-window blocks already released%s", (int)len,
+                             kv->p.keep > 0 ? " (they are kept for rewinds of fewer positions)" : "");
     }
     int32_t keep = blocks_for(kv, len);
     for (int i = 0; i < kv->p.n_pools; i++) table_truncate(kv, i, &s->tables[i], keep);

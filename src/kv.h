@@ -32,6 +32,9 @@ typedef struct luma_kv_params {
     /* 0: the pool keeps every position; w > 0: a query at position p only
      * sees keys at positions > p - w, so older blocks may be released. */
     int32_t window[LUMA_KV_MAX_POOLS];
+    /* Positions kept past the window before a block is released, so that
+     * luma_kv_rewind by up to keep positions always finds its blocks. */
+    int32_t keep;
     luma_kv_copy_fn copy;
     void *copy_ctx;
 } luma_kv_params;

@@ -27,6 +27,7 @@ const luma_arch *luma_arch_find(const char *name)
 void luma_model_params_default(luma_model_params *p)
 {
     memset(p, 0, sizeof *p);
+    p->rewind = LUMA_DEFAULT_REWIND;
 }
 
 /* ---- metadata and tensors ----------------------------------------------- */
@@ -379,7 +380,7 @@ static int setup_kv(luma_model *m, const luma_model_params *p, luma_err *err)
     for (int p2 = 0; p2 < l->n_pools; p2++) {
         per_seq[p2] = div_up(m->n_ctx, l->block_tokens);
         if (window[p2] > 0) {
-            int32_t w = div_up(window[p2] + m->max_rows, l->block_tokens) + 1;
+            int32_t w = div_up(window[p2] + m->max_rows + m->rewind, l->block_tokens) + 1;
             if (w < per_seq[p2]) per_seq[p2] = w;
         }
         seq_bytes += (int64_t)per_seq[p2] * l->n_layers[p2] * layer_block;
@@ -389,7 +390,7 @@ static int setup_kv(luma_model *m, const luma_model_params *p, luma_err *err)
     if (n_seq < 1)
         return luma_errf(err, "KV budget of %lld bytes is below the %lld bytes one sequence of %d positions needs",
                          (long long)budget, (long long)seq_bytes, m->n_ctx);
-    luma_kv_params kp = { .n_pools = l->n_pools, .block_tokens = l->block_tokens,
+    luma_kv_params kp = { .n_pools = l->n_pools, .block_tokens = l->block_tokens, .keep = m->rewind,
                           .copy = kv_copy, .copy_ctx = m->be };
     for (int p2 = 0; p2 < l->n_pools; p2++) {
         l->n_blocks[p2] = (int32_t)(n_seq * per_seq[p2]);
@@ -501,13 +502,14 @@ int luma_model_load(const char *path, const luma_model_params *p, luma_model **o
      * is also the output projection. */
     if (m->output.host)
         m->weight_bytes -= (int64_t)luma_row_size(m->tok_embd.type, m->tok_embd.cols) * (m->tok_embd.rows - 1);
-    if (p->n_ctx < 0 || p->max_rows < 0) {
-        luma_errf(err, "ctx and max_rows must not be negative");
+    if (p->n_ctx < 0 || p->max_rows < 0 || p->rewind < 0) {
+        luma_errf(err, "ctx, max_rows and rewind must not be negative");
         goto fail;
     }
     m->n_ctx = p->n_ctx ? p->n_ctx : (m->hp.n_ctx_train < DEFAULT_CTX_CAP ? m->hp.n_ctx_train : DEFAULT_CTX_CAP);
     if (m->n_ctx <= 0) m->n_ctx = DEFAULT_CTX_CAP;
     m->max_rows = p->max_rows ? p->max_rows : DEFAULT_MAX_ROWS;
+    m->rewind = p->rewind;
     if (setup_kv(m, p, err) || alloc_acts(m, err)) goto fail;
     if (p->progress && p->progress(p->progress_ctx, 1.0f)) {
         luma_errf(err, "loading cancelled");

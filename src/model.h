@@ -82,12 +82,18 @@ typedef struct luma_acts {
     luma_buf x, h, q, k, v, attn, o, gate, up, out_rows, logits;
 } luma_acts;
 
+#define LUMA_DEFAULT_REWIND 64   /* a speculated step's guesses, at most */
+
 typedef struct luma_model_params {
     const char *backend;       /* "cpu", "cuda" or "auto" (NULL: auto) */
     int n_threads;             /* 0: one per core */
     int32_t n_ctx;             /* longest sequence; 0: the training context, capped at 8192 */
     int64_t kv_bytes;          /* KV memory budget; 0: enough for one sequence of n_ctx */
     int32_t max_rows;          /* rows per step (prompt chunk); 0: 512 */
+    /* Positions a sequence can always rewind on sliding-window layers (their
+     * blocks are kept that much past the window); luma_model_params_default
+     * sets LUMA_DEFAULT_REWIND. */
+    int32_t rewind;
     bool kv_f32;               /* store keys and values as F32 instead of F16 */
     bool batch_invariant;      /* rows computed alike in every step shape (backend.h), at a cost on the GPU */
     bool float_act;            /* products take float activations, not 8-bit ones (backend.h) */
@@ -115,6 +121,7 @@ struct luma_model {
     luma_kv_layout kv_layout;
     int32_t n_ctx;
     int32_t max_rows;
+    int32_t rewind;
     luma_acts acts;
     int64_t weight_bytes;              /* bytes of weights read per token */
     bool vocab_only;

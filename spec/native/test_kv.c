@@ -44,6 +44,8 @@ typedef struct cache {
     luma_kv_params p;
 } cache;
 
+static int32_t open_keep;   /* cache_open's luma_kv_params.keep */
+
 static void cache_open(cache *c, int n_pools, int32_t block_tokens, int32_t blocks0,
                        int32_t window0, int32_t blocks1, int32_t window1)
 {
@@ -54,6 +56,7 @@ static void cache_open(cache *c, int n_pools, int32_t block_tokens, int32_t bloc
     c->p.window[0] = window0;
     c->p.n_blocks[1] = blocks1;
     c->p.window[1] = window1;
+    c->p.keep = open_keep;
     c->p.copy = store_copy;
     c->p.copy_ctx = &c->st;
     c->st.block_tokens = block_tokens;
@@ -281,7 +284,7 @@ static void test_arguments(void)
 {
     luma_err err = { { 0 } };
     luma_kv *kv = NULL;
-    luma_kv_params p = { 1, 16, { 8, 0 }, { 0, 0 }, store_copy, NULL };
+    luma_kv_params p = { .n_pools = 1, .block_tokens = 16, .n_blocks = { 8, 0 }, .copy = store_copy };
     luma_kv_params bad;
     bad = p;
     bad.n_pools = 0;
@@ -619,6 +622,62 @@ static void test_window(void)
     cache_close(&c);
 }
 
+/* With keep, blocks are released keep positions past the window, and a
+ * rewind by up to keep positions always finds its blocks: speculative
+ * decoding rewinds the guesses the model turned down. */
+static void test_keep(void)
+{
+    const int32_t w = 10, bt = 4, keep = 6;
+    cache c;
+    luma_err err = { { 0 } };
+    open_keep = keep;
+    cache_open(&c, 2, bt, 1000, 0, 12, w);
+    open_keep = 0;
+    tseq t = { 0 };
+    tseq_new(&c, &t);
+    int32_t bad = 0, refused = 0, longer = 0, top = 0;
+    for (int32_t i = 0; i < 300; i++) {
+        int32_t n = 1 + i % 9;   /* a step of a token and up to 8 guesses */
+        if (append(&c, &t, n) != 0) bad++;
+        int32_t len = luma_kv_seq_len(t.s), nb;
+        /* released: the blocks out of the window and keep of the longest
+         * the sequence has been (a rewind releases nothing again) */
+        if (len > top) top = len;
+        const int32_t *tab = luma_kv_seq_blocks(t.s, 1, &nb);
+        for (int32_t j = 0; j < nb; j++)
+            if ((tab[j] == -1) != ((j + 1) * bt - 1 < top - (w - 1) - keep)) bad++;
+        /* the guesses turned down: up to keep positions */
+        int32_t r = (i * 7) % (keep + 1);
+        if (r > n) r = n;
+        if (luma_kv_rewind(c.kv, t.s, len - r, &err) != 0) {
+            bad++;
+            continue;
+        }
+        t.id = next_id++;
+        if (i % 10 == 0) check_all(&c, &t, 1);
+        /* further back than keep and a block: refused, and nothing changes */
+        len = luma_kv_seq_len(t.s);
+        if (len > w + keep + bt) {
+            snapshot a;
+            snap(&c, &t, &a);
+            if (luma_kv_rewind(c.kv, t.s, len - keep - bt, &err) == 0) {
+                longer++;
+                t.id = next_id++;
+            } else {
+                refused++;
+                if (!same(&c, &t, &a) || !strstr(err.msg, "kept for rewinds of fewer positions")) bad++;
+            }
+        }
+    }
+    CHECK(bad == 0);
+    CHECK(refused > 0);
+    printf("  window %d, block %d, keep %d: every rewind of up to %d positions kept its blocks; %d of %d longer "
+           "ones refused\n", (int)w, (int)bt, (int)keep, (int)keep, (int)refused, (int)(refused + longer));
+    check_all(&c, &t, 1);
+    tseq_free(&c, &t);
+    cache_close(&c);
+}
+
 static uint64_t rng_state = 0x9E3779B97F4A7C15ull;
 
 static uint32_t rnd(uint32_t n)
@@ -708,6 +767,7 @@ int main(void)
     run("rewind", test_rewind);
     run("exhaustion", test_exhaustion);
     run("window", test_window);
+    run("keep", test_keep);
     run("stress", test_stress);
     printf("kv: %d checks, %d failed\n", checks, failures);
     return failures != 0;

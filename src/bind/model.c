@@ -56,14 +56,17 @@ int luma_bind_load(lua_State *L)
     lua_Integer ctx = luma_bind_optint(L, 2, "ctx", 0);
     lua_Integer kv_mb = luma_bind_optint(L, 2, "kv_mb", 0);
     lua_Integer max_rows = luma_bind_optint(L, 2, "max_rows", 0);
+    lua_Integer rewind = luma_bind_optint(L, 2, "rewind", LUMA_DEFAULT_REWIND);
     if (threads < 0 || threads > 256) luaL_error(L, "option 'threads' must be in [0, 256]");
     if (ctx < 0 || ctx > (1 << 24)) luaL_error(L, "option 'ctx' must be in [0, 16777216]");
     if (kv_mb < 0 || kv_mb > (1 << 24)) luaL_error(L, "option 'kv_mb' must be in [0, 16777216]");
     if (max_rows < 0 || max_rows > 65536) luaL_error(L, "option 'max_rows' must be in [0, 65536]");
+    if (rewind < 0 || rewind > 65536) luaL_error(L, "option 'rewind' must be in [0, 65536]");
     p.n_threads = (int)threads;
     p.n_ctx = (int32_t)ctx;
     p.kv_bytes = (int64_t)kv_mb << 20;
     p.max_rows = (int32_t)max_rows;
+    p.rewind = (int32_t)rewind;
     p.kv_f32 = strcmp(luma_bind_optstr(L, 2, "kv_type", "f16"), "f32") == 0;
     p.vocab_only = luma_bind_optbool(L, 2, "vocab_only", false);
     p.batch_invariant = luma_bind_optbool(L, 2, "batch_invariant", false);
@@ -256,6 +259,7 @@ static void push_info(lua_State *L, const luma_model *m)
     set_int(L, "ctx_train", hp->n_ctx_train);
     set_int(L, "ctx", m->n_ctx);
     set_int(L, "max_rows", m->max_rows);
+    set_int(L, "rewind", m->rewind);
     set_int(L, "sliding_window", hp->swa_window);
     set_int(L, "weight_bytes", m->weight_bytes);
     set_int(L, "file_bytes", (lua_Integer)m->file->size);

@@ -144,17 +144,18 @@ describe("the scheduler", function()
 
   it("counts a sliding-window pool as the window and one step's rows", function()
     -- ctx 1024 > the window of 512: a second pool for the sliding-window
-    -- layers, with the window and 16 rows (34 blocks) per sequence; 22 MiB
-    -- hold two sequences.
-    local model = H.load_invariant{ ctx = 1024, max_rows = 16, kv_mb = 22 }
-    assert.are.same({ 128, 68 }, (model:kv_free()))
+    -- layers, with the window, 64 positions kept for rewinds and 16 rows
+    -- (38 blocks) per sequence; 24 MiB hold two sequences.
+    local model = H.load_invariant{ ctx = 1024, max_rows = 16, kv_mb = 24 }
+    assert.are.same({ 128, 76 }, (model:kv_free()))
     local sch = Scheduler.new(model, { prefix = false })
     assert.are.same({ 0, 512 }, sch.window)
     assert.are.equal(38, sch:pool_blocks(1, 601))
-    assert.are.equal(34, sch:pool_blocks(2, 601))
+    assert.are.equal(38, sch:pool_blocks(2, 601))
+    assert.are.equal(38, sch:pool_blocks(2, 1000))
     assert.are.equal(3, sch:pool_blocks(2, 40))
     -- Three 600-token prompts: the full pool has room for 3 x 38 blocks, the
-    -- windowed one for 2 x 34; counted whole (38), only one would start.
+    -- windowed one for 2 x 38: only two start.
     for i = 1, 3 do
       local ids = {}
       for k = 1, 600 do ids[k] = 1000 + 7 * k + i end

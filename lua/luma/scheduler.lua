@@ -39,8 +39,9 @@
 -- must cover the newcomer's ids and its first new token, plus, for each
 -- running request, the blocks its ids not yet in its sequence need, and at
 -- least one to grow into. In the sliding-window pool (the second, Gemma 3) a
--- sequence holds at most the window and one step's rows: older blocks are
--- released as it grows. Cached prefixes standing in the way are evicted,
+-- sequence holds at most the window, the positions kept for rewinds
+-- (luma.load's rewind) and one step's rows: older blocks are released as it
+-- grows. Cached prefixes standing in the way are evicted,
 -- least recently used first.
 --
 -- When a step still finds the KV cache full (requests grow after they were
@@ -220,10 +221,12 @@ function Request:cancel()
 end
 
 -- KV blocks of pool p that a sequence of n tokens holds at most: all of
--- them, or in a sliding-window pool those of the window and of one step's
--- rows, plus the block the window's start falls in.
+-- them, or in a sliding-window pool those of the window, of the positions
+-- kept for rewinds and of one step's rows, plus the block the window's
+-- start falls in.
 function Scheduler:pool_blocks(p, n)
   local w, b = self.window[p], self.block
+  if w > 0 then w = w + (self.model.info.rewind or 0) end
   if w > 0 and n > w + self.token_budget then n = w + self.token_budget + b end
   return (n + b - 1) // b
 end

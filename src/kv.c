@@ -92,6 +92,7 @@ int luma_kv_new(const luma_kv_params *p, luma_kv **out, luma_err *err)
         return luma_errf(err, "KV cache: block of %d tokens is not a power of two",
                          (int)p->block_tokens);
     if (!p->copy) return luma_errf(err, "KV cache: no block copy callback");
+    if (p->keep < 0) return luma_errf(err, "KV cache: keep of %d positions is negative", (int)p->keep);
     for (int i = 0; i < p->n_pools; i++) {
         if (p->n_blocks[i] <= 0)
             return luma_errf(err, "KV cache: pool %d has %d blocks", i, (int)p->n_blocks[i]);

@@ -287,6 +287,9 @@ static void test_arguments(void)
     luma_kv_params p = { .n_pools = 1, .block_tokens = 16, .n_blocks = { 8, 0 }, .copy = store_copy };
     luma_kv_params bad;
     bad = p;
+    bad.keep = -1;
+    CHECK(luma_kv_new(&bad, &kv, &err) == -1 && kv == NULL && strstr(err.msg, "keep of -1 positions"));
+    bad = p;
     bad.n_pools = 0;
     CHECK(luma_kv_new(&bad, &kv, &err) == -1 && kv == NULL && err.msg[0]);
     bad = p;

@@ -154,6 +154,12 @@ typedef struct luma_backend luma_backend;
 typedef struct luma_backend_ops {
     const char *name;
     void (*free)(luma_backend *be);
+    /* A load ends with a throwaway step of this many rows of one sequence
+     * (fewer where the context is shorter), so that what a backend does at
+     * its first products of many rows (a GPU's library set-up, kernels
+     * loaded on first use) falls in the load and not in the first prompt;
+     * 0: none. */
+    int32_t warmup_rows;
 
     /* Weights: make w usable by this backend (a GPU uploads it). */
     int (*weight_load)(luma_backend *be, luma_weight *w, luma_err *err);

@@ -427,6 +427,28 @@ static void free_acts(luma_model *m)
         if (all[i]->data) m->be->ops->buf_free(m->be, all[i]);
 }
 
+/* The backend's warm-up step (luma_backend_ops.warmup_rows): a sequence of
+ * that many ids run and freed. Its failure is not the load's: a real step
+ * reports whatever it hit. */
+static void warm_up(luma_model *m)
+{
+    int32_t n = m->be->ops->warmup_rows;
+    if (n > m->n_ctx - 1) n = m->n_ctx - 1;
+    if (n < 1 || m->vocab_only) return;
+    luma_err err = { { 0 } };
+    int32_t *ids = malloc((size_t)n * sizeof(int32_t));
+    float *logits = malloc((size_t)m->hp.n_vocab * sizeof(float));
+    luma_seq *s = ids && logits ? luma_seq_new(m, &err) : NULL;
+    if (s) {
+        for (int32_t i = 0; i < n; i++) ids[i] = (int32_t)(1 + i % (m->hp.n_vocab - 1));
+        luma_chunk c = { s, ids, n, false };
+        (void)luma_model_run(m, &c, 1, logits, &err);
+        luma_seq_free(s);
+    }
+    free(ids);
+    free(logits);
+}
+
 /* ---- load --------------------------------------------------------------- */
 
 static luma_backend *make_backend(const luma_model_params *p, luma_err *err)
@@ -511,6 +533,7 @@ int luma_model_load(const char *path, const luma_model_params *p, luma_model **o
     m->max_rows = p->max_rows ? p->max_rows : DEFAULT_MAX_ROWS;
     m->rewind = p->rewind;
     if (setup_kv(m, p, err) || alloc_acts(m, err)) goto fail;
+    warm_up(m);
     if (p->progress && p->progress(p->progress_ctx, 1.0f)) {
         luma_errf(err, "loading cancelled");
         goto fail;

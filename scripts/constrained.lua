@@ -85,9 +85,10 @@ local rng = seed and luma.rng(seed)
 local seq <close> = model:sequence()
 local prompt_ids = model:tokenize(prompt, { bos = true })
 local logits = seq:eval(prompt_ids)
-local text, written = "", {}
+local text, written, whole = "", {}, nil
 while true do
-  local ids, whole = allowed(text)
+  local ids
+  ids, whole = allowed(text)
   if #ids == 0 then break end
   logits:allow(ids)
   local id = rng and logits:sample(rng) or logits:argmax()
@@ -96,7 +97,6 @@ while true do
   text = text .. model:piece(id)
   logits = seq:eval(id)
 end
-local _, whole = allowed(text)
 print(prompt .. text)
 io.stderr:write(string.format("[choice: %s; %d tokens, %s]\n", whole and whole.choice or "(none)", #written,
   rng and "drawn, seed " .. seed or "greedy"))

@@ -71,7 +71,7 @@ local function lookup(hist, k)
           break
         end
       end
-      if hit and s + m <= h then
+      if hit then
         local guess = {}
         for j = s + m, math.min(h, s + m + k - 1) do guess[#guess + 1] = hist[j] end
         return guess

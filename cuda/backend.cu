@@ -133,6 +133,29 @@ static int env_int(const char *name, int dflt, int lo, int hi)
     return n < lo ? lo : n > hi ? hi : (int)n;
 }
 
+/* The warm-up at load (luma_backend.warmup): a process's first step of 9
+ * rows or more took 55-80 ms more than the next, its first of 9-31 rows of
+ * one sequence decoded 5-10 ms more (cuda/NOTES.md, "The first prompt's
+ * set-up moved into the load", "Warm-up steps of each kind"); so a step
+ * of 40 rows (a tile of prefill), then one of 12 (a short chunk decoded).
+ * LUMA_CUDA_WARMUP=a,b,... gives the list (0: none). */
+static void warmup_steps(cuda_backend *c)
+{
+    static const int32_t dflt[] = { 40, 12 };
+    memset(c->base.warmup, 0, sizeof c->base.warmup);
+    memcpy(c->base.warmup, dflt, sizeof dflt);
+    const char *v = getenv("LUMA_CUDA_WARMUP");
+    if (!v || !*v) return;
+    memset(c->base.warmup, 0, sizeof c->base.warmup);
+    for (int i = 0; i < LUMA_WARMUP_STEPS && *v; i++) {
+        char *end;
+        long n = strtol(v, &end, 10);
+        if (end == v || n < 1 || n > 4096) break;
+        c->base.warmup[i] = (int32_t)n;
+        v = *end == ',' ? end + 1 : end;
+    }
+}
+
 int luma_cuda_env_digit(const char *name, int dflt)
 {
     const char *v = getenv(name);
@@ -828,6 +851,14 @@ static int cuda_step_run(luma_backend *be, const luma_step *step, int (*forward)
     return 0;
 }
 
+static void cuda_warmed(luma_backend *be)
+{
+    cuda_backend *c = cu(be);
+    for (int i = 0; i < CUDA_GRAPHS; i++) graph_drop(&c->graphs[i]);
+    c->n_steps = 0;
+    c->n_recorded = c->n_replays = c->n_rec_failed = 0;
+}
+
 /* How many steps have been recorded, and replayed (for the tests). */
 extern "C" void luma_cuda_graph_counts(luma_backend *be, long long *recorded, long long *replays)
 {
@@ -1222,9 +1253,6 @@ static int cuda_set_float_act(luma_backend *be, bool on, luma_err *err)
 static const luma_backend_ops cuda_ops = {
     .name = "cuda",
     .free = cuda_free,
-    /* a prompt's first step of 9 rows or more took 55-80 ms more than the
-     * next (cuda/NOTES.md, "The first prompt's set-up moved into the load") */
-    .warmup_rows = 40,
     .weight_load = cuda_weight_load,
     .buf_alloc = cuda_buf_alloc,
     .buf_free = cuda_buf_free,
@@ -1267,6 +1295,7 @@ static const luma_backend_ops cuda_ops = {
     .chain_read = luma_cuda_chain_read,
     .sampler_draw_rows = luma_cuda_sampler_draw_rows,
     .sync = cuda_sync,
+    .warmed = cuda_warmed,
     .set_batch_invariant = cuda_set_batch_invariant,
     .set_float_act = cuda_set_float_act,
     .copy_rate = cuda_copy_rate,
@@ -1313,6 +1342,7 @@ luma_backend *luma_backend_cuda_new(int device, luma_err *err)
     }
     c->base.ops = &cuda_ops;
     c->device = device;
+    warmup_steps(c);
     c->graphs_on = !env_off("LUMA_CUDA_GRAPHS");
     c->graph_slots = env_int("LUMA_CUDA_GRAPH_SLOTS", CUDA_GRAPHS, 1, CUDA_GRAPHS);
     c->graph_after = env_int("LUMA_CUDA_GRAPH_AFTER", 0, 0, 1000);

@@ -19,7 +19,8 @@
 -- a single token's last occurrence is a poor guess); -d: a draft model's path;
 -- -i: load batch-invariant (a GPU then computes a row alike in a step of
 -- one and of many, so the text equals one-token greedy bit for bit);
--- -c: also decode plainly, one token a step, and compare texts and speed.
+-- -c: also decode plainly, one token a step (seq:greedy), and compare texts
+-- and speed.
 local luma = require "luma"
 local cli = require "luma.cli"
 
@@ -125,15 +126,13 @@ local function speculate()
   return out, steps, guessed, kept, luma.now() - t0
 end
 
+-- One token a step, through seq:greedy (each token taken on the device,
+-- the fastest way the engine has to decode greedily one token at a time).
 local function plain()
   local seq <close> = model:sequence()
-  local id = seq:eval(ids):argmax()
+  local logits = seq:eval(ids)
   local t0 = luma.now()
-  local out = { id }
-  while #out < n and not model:is_eog(id) do
-    id = seq:eval(id):argmax()
-    out[#out + 1] = id
-  end
+  local out = seq:greedy(logits, n, { on_token = function(id) return model:is_eog(id) end })
   return out, luma.now() - t0
 end
 

@@ -154,13 +154,6 @@ typedef struct luma_backend luma_backend;
 typedef struct luma_backend_ops {
     const char *name;
     void (*free)(luma_backend *be);
-    /* A load ends with a throwaway step of this many rows of one sequence
-     * (fewer where the context is shorter), so that what a backend does at
-     * its first products of many rows (a GPU's library set-up, kernels
-     * loaded on first use) falls in the load and not in the first prompt;
-     * 0: none. */
-    int32_t warmup_rows;
-
     /* Weights: make w usable by this backend (a GPU uploads it). */
     int (*weight_load)(luma_backend *be, luma_weight *w, luma_err *err);
 
@@ -361,6 +354,10 @@ typedef struct luma_backend_ops {
 
     /* Waits for the step's work and reports any failure it met. */
     int (*sync)(luma_backend *be, luma_err *err);
+    /* Called after the load's warm-up steps (luma_backend.warmup): whatever
+     * they taught the backend's tables of step shapes (seen, recorded) is
+     * forgotten, so that the first real steps count as first. May be NULL. */
+    void (*warmed)(luma_backend *be);
 
     /* Batch invariance: with on, every row of a step is computed by the same
      * arithmetic whatever else shares the step (its rows, other sequences,
@@ -390,8 +387,16 @@ typedef struct luma_backend_ops {
     int (*copy_rate)(luma_backend *be, size_t bytes, int reps, double *rate, luma_err *err);
 } luma_backend_ops;
 
+#define LUMA_WARMUP_STEPS 4
+
 struct luma_backend {
     const luma_backend_ops *ops;
+    /* A load ends with throwaway steps of one sequence, of warmup[0],
+     * warmup[1], ... rows (a 0 ends the list; fewer rows where the context
+     * is shorter), so that what a backend does at its first steps of some
+     * shape (a GPU's library set-up, kernels loaded on first use) falls in
+     * the load and not in the first prompts; all 0: none. */
+    int32_t warmup[LUMA_WARMUP_STEPS];
 };
 
 /* The CPU backend: a pool of n_threads persistent workers (0: one per core). */

@@ -427,24 +427,30 @@ static void free_acts(luma_model *m)
         if (all[i]->data) m->be->ops->buf_free(m->be, all[i]);
 }
 
-/* The backend's warm-up step (luma_backend_ops.warmup_rows): a sequence of
- * that many ids run and freed. Its failure is not the load's: a real step
+/* The backend's warm-up steps (luma_backend.warmup): one sequence fed that
+ * many ids a step, then freed. Their failure is not the load's: a real step
  * reports whatever it hit. */
 static void warm_up(luma_model *m)
 {
-    int32_t n = m->be->ops->warmup_rows;
-    if (n > m->n_ctx - 1) n = m->n_ctx - 1;
-    if (n < 1 || m->vocab_only) return;
+    const int32_t *rows = m->be->warmup;
+    if (rows[0] < 1 || m->vocab_only) return;
+    int32_t most = 0;
+    for (int i = 0; i < LUMA_WARMUP_STEPS && rows[i] > 0; i++)
+        if (rows[i] > most) most = rows[i];
     luma_err err = { { 0 } };
-    int32_t *ids = malloc((size_t)n * sizeof(int32_t));
+    int32_t *ids = malloc((size_t)most * sizeof(int32_t));
     float *logits = malloc((size_t)m->hp.n_vocab * sizeof(float));
     luma_seq *s = ids && logits ? luma_seq_new(m, &err) : NULL;
-    if (s) {
-        for (int32_t i = 0; i < n; i++) ids[i] = (int32_t)(1 + i % (m->hp.n_vocab - 1));
+    for (int i = 0; s && i < LUMA_WARMUP_STEPS && rows[i] > 0; i++) {
+        int32_t n = rows[i];
+        if (n > m->n_ctx - 1 - s->n_tokens) n = m->n_ctx - 1 - s->n_tokens;
+        if (n < 1) break;
+        for (int32_t j = 0; j < n; j++) ids[j] = (int32_t)(1 + (s->n_tokens + j) % (m->hp.n_vocab - 1));
         luma_chunk c = { s, ids, n, false };
-        (void)luma_model_run(m, &c, 1, logits, &err);
-        luma_seq_free(s);
+        if (luma_model_run(m, &c, 1, logits, &err)) break;
     }
+    if (s) luma_seq_free(s);
+    if (m->be->ops->warmed) m->be->ops->warmed(m->be);
     free(ids);
     free(logits);
 }

@@ -227,6 +227,43 @@ done:
     free(lg[1]);
 }
 
+/* The load's warm-up steps (luma_backend.warmup: a prompt tile, then a
+ * short chunk of the same sequence) leave nothing in the table of step
+ * shapes: run again on a new sequence right after the load, each step is
+ * a first sight, so none is recorded (a tile never is, a chunk of one
+ * sequence at its second sight). */
+static void test_warm(luma_model *m, const char *label)
+{
+    if (getenv("LUMA_CUDA_WARMUP") || getenv("LUMA_CUDA_GRAPH_AFTER") || getenv("LUMA_CUDA_PREFILL_ROWS")) {
+        printf("%s: the warm-up not checked (LUMA_CUDA_WARMUP, _GRAPH_AFTER or _PREFILL_ROWS set)\n", label);
+        return;
+    }
+    const int32_t *w = m->be->warmup;
+    CHECKF(w[0] > 1 && w[1] > 1, "%s: the warm-up is steps of %d, %d rows, not two of several", label, w[0], w[1]);
+    luma_err err = { { 0 } };
+    int32_t nv = m->hp.n_vocab, ids[64];
+    long long r0 = 0, p0 = 0, r1 = 0, p1 = 0;
+    float *lg = xmalloc((size_t)nv * sizeof(float));
+    luma_seq *s = luma_seq_new(m, &err);
+    CHECKF(s != NULL, "%s: a sequence: %s", label, err.msg);
+    luma_cuda_graph_counts(m->be, &r0, &p0);
+    CHECKF(r0 == 0 && p0 == 0, "%s: the load left %lld recordings and %lld replays counted", label, r0, p0);
+    for (int i = 0; s && i < LUMA_WARMUP_STEPS && w[i] > 0; i++) {
+        int32_t n = w[i] < 64 ? w[i] : 64;
+        for (int j = 0; j < n; j++) ids[j] = 1 + (int32_t)(rnd() % (uint64_t)(nv - 1));
+        luma_chunk c = { s, ids, n, false };
+        CHECKF(luma_model_run(m, &c, 1, lg, &err) == 0, "%s: the warm-up's step of %d rows again: %s", label, n,
+               err.msg);
+    }
+    luma_cuda_graph_counts(m->be, &r1, &p1);
+    CHECKF(r1 == r0 && p1 == p0, "%s: the warm-up's steps run again made %lld recordings and %lld replays, not 0",
+           label, r1 - r0, p1 - p0);
+    printf("%s: the warm-up's steps (%d, %d rows) run again: %lld recordings (none: the load left no trace)\n", label,
+           w[0], w[1], r1 - r0);
+    luma_seq_free(s);
+    free(lg);
+}
+
 /* cuda/matmul.cu: how many launches made q, k and v by whole heads */
 long long luma_cuda_qkv_heads(luma_backend *be);
 
@@ -256,6 +293,7 @@ static void test_model(const char *label, const char *preset, int head_dim, cons
     if (!m[0] || !m[1]) {
         CHECKF(0, "loading %s on the GPU: %s", label, err.msg);
     } else {
+        test_warm(m[0], label);
         if (head_dim == 256 && mix && strcmp(mix, "q8_0") == 0) {
             /* first (no buffer has grown yet), one sequence through 700
              * steps: its attention splits grow their scratch as the

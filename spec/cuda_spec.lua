@@ -353,3 +353,27 @@ describe("logits on the GPU against the same operations on a host copy", functio
     assert.are.same(last, { l:argmax(), l[ids[2]] })
   end)
 end)
+
+describe("CUDA backend out of device memory", function()
+  it("refuses a KV cache larger than the GPU with an error that says so, and loses nothing", function()
+    local path = fetch.default_model()
+    local m = luma.load(path, { backend = "cuda", kv_mb = 64 })
+    local ids = m:tokenize(PROMPTS[1])
+    local function text(model)
+      local s <close> = model:sequence()
+      return s:greedy(s:eval(ids), 16)
+    end
+    local before = text(m)
+    -- 16 TiB: more than any GPU has; the weights are on the device by then
+    for _ = 1, 3 do
+      local ok, err = pcall(luma.load, path, { backend = "cuda", kv_mb = 16777216 })
+      assert.is_false(ok)
+      assert.matches("no GPU memory for the KV cache", err)
+    end
+    assert.are.same(before, text(m))
+    local again = luma.load(path, { backend = "cuda", kv_mb = 64 })
+    assert.are.same(before, text(again))
+    again:close()
+    m:close()
+  end)
+end)

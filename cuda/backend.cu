@@ -996,6 +996,7 @@ static void cuda_free(luma_backend *be)
     cudaFreeHost(c->chain_host);
     if (c->chain_ev) cudaEventDestroy(c->chain_ev);
     if (c->staged) cudaEventDestroy(c->staged);
+    luma_cuda_lt_free(c);
     if (c->cublas) cublasDestroy(c->cublas);
     if (c->fork_ev) cudaEventDestroy(c->fork_ev);
     if (c->join_ev) cudaEventDestroy(c->join_ev);
@@ -1422,6 +1423,7 @@ luma_backend *luma_backend_cuda_new(int device, luma_err *err)
         cuda_free(&c->base);
         return NULL;
     }
+    if (!env_off("LUMA_CUDA_LT")) luma_cuda_lt_init(c);
     /* the batched GEMMs' pointer tables; without them each product is a
      * GEMM of its own */
     const size_t tab = (size_t)CUDA_GEMM_TAB_SLOTS * CUDA_GEMM_TAB_PTRS * sizeof(void *);

@@ -7,6 +7,7 @@
 #ifndef LUMA_CUDA_INTERNAL_H
 #define LUMA_CUDA_INTERNAL_H
 
+#include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -224,6 +225,16 @@ typedef struct cuda_backend {
     int tab_used;
     bool gemm_batch;
     long long gemm_batches;    /* batched GEMMs queued (recorded ones once) */
+    /* cuBLASLt (matmul.cu, lt_gemm): the f16 GEMMs with their algorithm
+     * chosen once per shape and bucket of activation rows (lt_algos, an
+     * open-addressed table of LT_ALGOS), not once per row count as
+     * cublasGemmEx chooses; NULL with LUMA_CUDA_LT=0, or where it could
+     * not start: cublasGemmEx then. lt_op: the "TN" product's description. */
+    cublasLtHandle_t lt;
+    struct lt_algo *lt_algos;
+    int lt_used;
+    cublasLtMatmulDescOpaque_t lt_op;
+    long long lt_calls, lt_picks;   /* GEMMs through it; heuristics run */
     /* counters for model.info and the benchmarks */
     uint64_t n_replays, n_recorded, n_rec_failed;   /* n_rec_failed: recordings given up (a buffer grew) */
     /* luma_cuda_mmq's choice: 0 its measured rule, 1 every product it can
@@ -542,6 +553,10 @@ void luma_cuda_prog_free(cuda_backend *c);
 bool luma_cuda_tall_takes(const cuda_backend *c, const luma_weight *w, int64_t m);
 /* c->tall_lo and tall_hi: the rule's, or LUMA_CUDA_TALL's. */
 void luma_cuda_tall_init(cuda_backend *c);
+/* cuBLASLt's handle and algorithm table (matmul.cu); without them the
+ * GEMMs go through cublasGemmEx. */
+void luma_cuda_lt_init(cuda_backend *c);
+void luma_cuda_lt_free(cuda_backend *c);
 /* y (m x rows) = W x on the tensor cores from W's x4 copy and the
  * activations' 8-bit values xq (m x cols) and their blocks' (d, d * sum)
  * xds, as the matrix-vector path's quantizer writes them, for a product

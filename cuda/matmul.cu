@@ -4191,6 +4191,183 @@ static cublasStatus_t cublas_on_stream(cuda_backend *c)
     return st;
 }
 
+/* ---- cuBLASLt: one choice of GEMM per bucket of rows ------------------------
+ *
+ * cublasGemmEx chooses its kernel afresh for every (rows, m, cols) it has
+ * not met: about 0.1 ms of heuristics a shape, and 1.7-2.4 ms where the
+ * choice is a kernel the process has not run yet (cuBLAS loads its own
+ * kernels at their first use), so a prompt of a length not seen before
+ * took 5-8 times as long as the same length again (cuda/NOTES.md,
+ * "cuBLAS's choice once per bucket of rows"). lt_gemm makes the choice
+ * once per shape and bucket of m (the heuristic asked at the bucket's
+ * largest m) and runs that algorithm for every m of the bucket. */
+#define LT_ALGOS 1024   /* slots of the table; at most 3/4 filled, then cublasGemmEx */
+
+struct lt_algo {
+    int32_t rows, cols, ldy, batch;   /* batch 0: a free slot */
+    int64_t bucket;
+    cublasLtMatmulAlgo_t algo;
+    bool ok;                          /* the heuristic found one */
+};
+
+/* m's bucket, named by its largest m: multiples of 8 up to 64, of 64 up to
+ * 512, powers of two past that. */
+static int64_t lt_bucket(int64_t m)
+{
+    if (m <= 64) return (m + 7) / 8 * 8;
+    if (m <= 512) return (m + 63) / 64 * 64;
+    int64_t b = 1024;
+    while (b < m) b *= 2;
+    return b;
+}
+
+void luma_cuda_lt_init(cuda_backend *c)
+{
+    cublasOperation_t t = CUBLAS_OP_T;
+    if (cublasLtCreate(&c->lt) != CUBLAS_STATUS_SUCCESS) {
+        c->lt = NULL;
+        return;
+    }
+    cublasLtMatmulDesc_t op = (cublasLtMatmulDesc_t)&c->lt_op;
+    if (!(c->lt_algos = (struct lt_algo *)calloc(LT_ALGOS, sizeof *c->lt_algos)) ||
+        cublasLtMatmulDescInit(op, CUBLAS_COMPUTE_32F, CUDA_R_32F) != CUBLAS_STATUS_SUCCESS ||
+        cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &t, sizeof t) != CUBLAS_STATUS_SUCCESS)
+        luma_cuda_lt_free(c);
+}
+
+void luma_cuda_lt_free(cuda_backend *c)
+{
+    if (c->lt) cublasLtDestroy(c->lt);
+    c->lt = NULL;
+    free(c->lt_algos);
+    c->lt_algos = NULL;
+}
+
+/* A column-major layout of r x cols elements of type t (leading dimension
+ * ld), batch > 1: pointer arrays of that many. */
+static bool lt_layout(cublasLtMatrixLayoutOpaque_t *l, cudaDataType t, int64_t r, int64_t cols, int64_t ld, int batch)
+{
+    cublasLtMatrixLayout_t h = (cublasLtMatrixLayout_t)l;
+    if (cublasLtMatrixLayoutInit(h, t, (uint64_t)r, (uint64_t)cols, ld) != CUBLAS_STATUS_SUCCESS) return false;
+    if (batch <= 1) return true;
+    int32_t n = batch;
+    uint32_t mode = CUBLASLT_BATCH_MODE_POINTER_ARRAY;
+    return cublasLtMatrixLayoutSetAttribute(h, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &n, sizeof n) ==
+               CUBLAS_STATUS_SUCCESS &&
+           cublasLtMatrixLayoutSetAttribute(h, CUBLASLT_MATRIX_LAYOUT_BATCH_MODE, &mode, sizeof mode) ==
+               CUBLAS_STATUS_SUCCESS;
+}
+
+/* The layouts of Y^T (rows x m, ldy) = A^T B: A cols x rows f16 (lda
+ * cols), B cols x m f16 (ldb cols), Y f32. */
+struct lt_layouts {
+    cublasLtMatrixLayoutOpaque_t a, b, y;
+};
+
+static bool lt_layouts_for(lt_layouts *l, int rows, int64_t m, int cols, int ldy, int batch)
+{
+    return lt_layout(&l->a, CUDA_R_16F, cols, rows, cols, batch) &&
+           lt_layout(&l->b, CUDA_R_16F, cols, m, cols, batch) && lt_layout(&l->y, CUDA_R_32F, rows, m, ldy, batch);
+}
+
+/* The alignment every operand of lt_gemm has (LT_ALIGN bytes, which the
+ * tensor memory accelerator's copies need too): the heuristic, left to its
+ * default of 256, could pick an algorithm that a buffer of some other
+ * offset cannot feed. */
+#define LT_ALIGN 16
+
+static bool lt_align(cublasLtMatmulPreference_t p)
+{
+    const uint32_t a = LT_ALIGN;
+    const cublasLtMatmulPreferenceAttributes_t which[] = {
+        CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+        CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES
+    };
+    for (size_t i = 0; i < sizeof which / sizeof which[0]; i++)
+        if (cublasLtMatmulPreferenceSetAttribute(p, which[i], &a, sizeof a) != CUBLAS_STATUS_SUCCESS) return false;
+    return true;
+}
+
+/* The table's algorithm for the shape and m's bucket, chosen now where new;
+ * NULL where there is none (the table full, or no algorithm). */
+static const cublasLtMatmulAlgo_t *lt_algo_for(cuda_backend *c, int rows, int64_t m, int cols, int ldy, int batch,
+                                               size_t ws_bytes)
+{
+    const int64_t bucket = lt_bucket(m);
+    uint64_t h = ((uint64_t)rows * 0x9e3779b97f4a7c15ull) ^ ((uint64_t)cols * 0xc2b2ae3d27d4eb4full) ^
+                 ((uint64_t)ldy * 0x165667b19e3779f9ull) ^ ((uint64_t)bucket * 0x27d4eb2f165667c5ull) ^ (uint64_t)batch;
+    h ^= h >> 29;
+    for (int probe = 0; probe < LT_ALGOS; probe++) {
+        struct lt_algo *e = &c->lt_algos[(h + (uint64_t)probe) % LT_ALGOS];
+        if (e->batch == 0) {
+            if (4 * (c->lt_used + 1) > 3 * LT_ALGOS) return NULL;
+            lt_layouts l;
+            cublasLtMatmulPreferenceOpaque_t pref;
+            cublasLtMatmulPreference_t p = (cublasLtMatmulPreference_t)&pref;
+            cublasLtMatmulHeuristicResult_t r;
+            int got = 0;
+            e->ok = lt_layouts_for(&l, rows, bucket, cols, ldy, batch) &&
+                    cublasLtMatmulPreferenceInit(p) == CUBLAS_STATUS_SUCCESS &&
+                    cublasLtMatmulPreferenceSetAttribute(p, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes,
+                                                         sizeof ws_bytes) == CUBLAS_STATUS_SUCCESS &&
+                    lt_align(p) &&
+                    cublasLtMatmulAlgoGetHeuristic(c->lt, (cublasLtMatmulDesc_t)&c->lt_op,
+                                                   (cublasLtMatrixLayout_t)&l.a, (cublasLtMatrixLayout_t)&l.b,
+                                                   (cublasLtMatrixLayout_t)&l.y, (cublasLtMatrixLayout_t)&l.y, p, 1,
+                                                   &r, &got) == CUBLAS_STATUS_SUCCESS &&
+                    got > 0;
+            if (e->ok) e->algo = r.algo;
+            e->rows = rows;
+            e->cols = cols;
+            e->ldy = ldy;
+            e->batch = batch;
+            e->bucket = bucket;
+            c->lt_used++;
+            c->lt_picks++;
+            return e->ok ? &e->algo : NULL;
+        }
+        if (e->rows == rows && e->cols == cols && e->ldy == ldy && e->batch == batch && e->bucket == bucket)
+            return e->ok ? &e->algo : NULL;
+    }
+    return NULL;
+}
+
+/* Y^T (rows x m, ldy) = A^T B through cuBLASLt with the algorithm of m's
+ * bucket (batch > 1: a, b and y are device arrays of batch pointers, each
+ * of them LT_ALIGN-aligned: the caller checks);
+ * false, having queued nothing, where it cannot (no handle, no algorithm,
+ * or the bucket's algorithm refuses this m): the caller then calls
+ * cublasGemmEx. Not under batch invariance, whose products do not go
+ * through cuBLAS but where they must (widths the matrix-vector kernels
+ * cannot read), and there keep cublasGemmEx's choices. */
+static bool lt_gemm(cuda_backend *c, int rows, int64_t m, int cols, int ldy, const void *a, const void *b, void *y,
+                    int batch)
+{
+    if (!c->lt || c->invariant || m > INT32_MAX) return false;
+    if (batch <= 1 && (((uintptr_t)a | (uintptr_t)b | (uintptr_t)y) % LT_ALIGN) != 0) return false;
+    void *ws = c->stream == c->side ? c->side_ws : c->cublas_ws;
+    const cublasLtMatmulAlgo_t *algo = lt_algo_for(c, rows, m, cols, ldy, batch, CUBLAS_WORKSPACE);
+    lt_layouts l;
+    if (!algo || !lt_layouts_for(&l, rows, m, cols, ldy, batch)) return false;
+    const float one = 1.0f, zero = 0.0f;
+    cublasStatus_t st = cublasLtMatmul(c->lt, (cublasLtMatmulDesc_t)&c->lt_op, &one, a, (cublasLtMatrixLayout_t)&l.a,
+                                       b, (cublasLtMatrixLayout_t)&l.b, &zero, y, (cublasLtMatrixLayout_t)&l.y, y,
+                                       (cublasLtMatrixLayout_t)&l.y, algo, ws, CUBLAS_WORKSPACE, c->stream);
+    if (st != CUBLAS_STATUS_SUCCESS) return false;
+    c->lt_calls++;
+    return true;
+}
+
+/* The GEMMs run through cuBLASLt and the algorithms chosen (for the tests);
+ * false where cuBLASLt is off. */
+extern "C" bool luma_cuda_lt_counts(luma_backend *be, long long *calls, long long *picks)
+{
+    const cuda_backend *c = (const cuda_backend *)be;
+    *calls = c->lt_calls;
+    *picks = c->lt_picks;
+    return c->lt != NULL;
+}
+
 /* Y (m x rows, row-major) = X W^T through cuBLAS, which is column-major: W
  * row-major is the cols x rows matrix A (lda cols), X row-major the cols x m
  * matrix B (ldb cols), so Y^T = A^T B is rows x m with ldc rows: the "TN"
@@ -4209,6 +4386,7 @@ static void tensor_gemm(cuda_backend *c, const luma_weight *w, const __half *xh,
         int64_t n = rows - r0 < panel ? rows - r0 : panel;
         const __half *a = whole ? whole + r0 * cols : wh;
         if (!whole) dequant_rows(c, w, r0, n, wh);
+        if (LUMA_CUDA_OK(c) && lt_gemm(c, (int)n, m, (int)cols, (int)rows, a, xh, y + r0, 1)) continue;
         st = cublasGemmEx(c->cublas, CUBLAS_OP_T, CUBLAS_OP_N, (int)n, (int)m, (int)cols, &one, a, CUDA_R_16F,
                           (int)cols, xh, CUDA_R_16F, (int)cols, &zero, y + r0, CUDA_R_32F, (int)rows,
                           CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
@@ -4273,6 +4451,12 @@ static bool tensor_gemm_batched(cuda_backend *c, const luma_weight *const *ws, f
     if (slot < 0) return false;
     void *const *t = c->tab_dev + (size_t)slot * CUDA_GEMM_TAB_PTRS;
     const int rows = (int)ws[0]->rows, cols = (int)ws[0]->cols;
+    bool aligned = true;
+    for (int i = 0; i < 3 * k; i++) aligned = aligned && (uintptr_t)p[i] % LT_ALIGN == 0;
+    if (aligned && lt_gemm(c, rows, m, cols, rows, t, t + k, (void *)(t + 2 * k), k)) {
+        c->gemm_batches++;
+        return true;
+    }
     cublasStatus_t st = cublas_on_stream(c);
     const float one = 1.0f, zero = 0.0f;
     if (st == CUBLAS_STATUS_SUCCESS)

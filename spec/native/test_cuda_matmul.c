@@ -42,7 +42,9 @@
  *   - the tall kernel (Q8_0 weights of a vocabulary's rows on the tensor
  *     cores, cuda/tall.cu) at m = 2 to 128 on two shapes, against the
  *     reference, the CPU and the product with it off; outside quick mode
- *     Gemma 3's output projection timed with it on and off (check_tall).
+ *     Gemma 3's output projection timed with it on and off (check_tall);
+ *   - cuBLASLt's algorithm chosen once per bucket of m and run at every m
+ *     of it (check_lt).
  * Without a CUDA device it says so and passes. LUMA_CUDA_QUICK=1 keeps to the
  * small shapes and skips the timing (for compute-sanitizer runs);
  * LUMA_CUDA_ONLY=tall runs the tall kernel's checks (and timing) alone;
@@ -1071,6 +1073,59 @@ static void check_tall(ctx *cx)
     free(host);
 }
 
+/* cuda/matmul.cu: GEMMs through cuBLASLt, algorithms chosen */
+bool luma_cuda_lt_counts(luma_backend *be, long long *calls, long long *picks);
+
+/* cuBLASLt's algorithm chosen once per bucket of m (lt_bucket: 65 to 128
+ * rows are one) and run at every m of it: an F16 weight of Gemma's width
+ * (the tensor-core path from m = 3) at m = 65, 72, ..., 128, each product
+ * against the reference within f16 rounding, one choice for all of them
+ * and every product through cuBLASLt; then m = 129 (the next bucket: a
+ * choice of its own). With LUMA_CUDA_LT=0 none goes through it. */
+static void check_lt(ctx *cx)
+{
+    const int64_t rows = 1024, cols = 640;
+    luma_weight w;
+    uint8_t *host = load_random_weight(cx->be, LUMA_F16, rows, cols, &w);
+    if (!host) return;
+    int64_t rows_s[SAMPLE_ROWS];
+    int ns;
+    float *wref = sample_weight_rows(LUMA_F16, host, rows, cols, SAMPLE_ROWS, rows_s, &ns);
+    float *x = xmalloc((size_t)129 * (size_t)cols * sizeof(float));
+    float *y = xmalloc((size_t)129 * (size_t)rows * sizeof(float));
+    long long c0 = 0, p0 = 0, c1 = 0, p1 = 0, c2 = 0, p2 = 0;
+    const bool on = luma_cuda_lt_counts(cx->be, &c0, &p0);
+    int products = 0;
+    double worst = 0.0;
+    for (int64_t m = 65; m <= 129; m += (m == 128 ? 1 : 7)) {
+        if (m == 129) luma_cuda_lt_counts(cx->be, &c1, &p1);
+        for (int64_t k = 0; k < m * cols; k++) x[k] = bell();
+        for (int64_t k = 0; k < m * rows; k++) y[k] = NAN;
+        if (run_matmul(cx, &w, x, m, y) != 0) break;
+        double e = product_rel_error(wref, rows_s, ns, x, m, cols, y, rows, SAMPLE_ACTS);
+        CHECKF(e <= TOL_F16, "F16 1024x640 m=%lld (cuBLASLt's bucket): max relative error %.3g > %.1g", (long long)m,
+               e, TOL_F16);
+        if (e > worst) worst = e;
+        if (m < 129) products++;
+    }
+    luma_cuda_lt_counts(cx->be, &c2, &p2);
+    if (on) {
+        CHECKF(c1 - c0 == products && p1 - p0 == 1,
+               "cuBLASLt: %d products of 65 to 128 rows made %lld calls and %lld choices, not %d and 1", products,
+               c1 - c0, p1 - p0, products);
+        CHECKF(c2 - c1 == 1 && p2 - p1 == 1, "cuBLASLt: m = 129 made %lld calls and %lld choices, not 1 and 1",
+               c2 - c1, p2 - p1);
+    } else {
+        CHECKF(c2 == c0 && p2 == p0, "cuBLASLt is off but ran %lld products", c2 - c0);
+    }
+    printf("cuBLASLt (%s): %d products of 65 to 128 rows with %lld choice(s), m = 129 with %lld; max relative error "
+           "%.1e\n", on ? "on" : "off", products, p1 - p0, p2 - p1, worst);
+    free(x);
+    free(y);
+    free(wref);
+    free(host);
+}
+
 static int run_checks(void)
 {
     luma_err err = { { 0 } };
@@ -1110,6 +1165,7 @@ static int run_checks(void)
     check_float(&cx);
     check_vocab(&cx);
     check_tall(&cx);
+    check_lt(&cx);
 
     if (!cx.quick) {
         printf("\ntiming (per call in a stream of %d, best of %d; weights cold in L2; %% of %.0f GB/s):\n", TIME_CALLS,

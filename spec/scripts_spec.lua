@@ -116,6 +116,23 @@ describe("example scripts", function()
     assert.matches("-k, --guesses INTEGER", help, 1, true)
   end)
 
+  it("first-prompts.lua times each prompt length the first time and again", function()
+    local out = script("first-prompts.lua", "-m", H.model_path(), "-l", "3,7,3")
+    assert.matches("load %d+ ms\n", out)
+    local rows = {}
+    for n, first, again in out:gmatch("\n%s+(%d+)%s+([%d.]+)%s+([%d.]+)") do
+      rows[#rows + 1] = { tonumber(n), tonumber(first), tonumber(again) }
+    end
+    assert.are.equal(3, #rows, out)
+    for i, n in ipairs{ 3, 7, 3 } do
+      assert.are.equal(n, rows[i][1])
+      assert.is_true(rows[i][2] > 0 and rows[i][3] > 0, out)
+    end
+    local _, err, code = H.run(bin .. " scripts/first-prompts.lua -l 3,x")
+    assert.are_not.equal(0, code)
+    assert.matches("-l must list positive integers, got 'x'", err, 1, true)
+  end)
+
   it("constrained.lua writes only one of the choices, and ranks them by log-probability", function()
     local prompt = "The capital of France is"
     local out, err = script("constrained.lua", "-m", H.model_path(), "-r", prompt, "Paris", "London", "zebra crossing")

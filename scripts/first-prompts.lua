@@ -34,8 +34,10 @@ end
 if #lengths == 0 then error("-l must list at least one length", 0) end
 
 local t0 = luma.now()
-local model <close> = luma.load(opt.model or require("luma.fetch").default_model(),
-  { backend = opt.backend, ctx = longest + 1, max_rows = longest })
+-- luma.load's defaults, as a user has them: a prompt runs in steps of at
+-- most max_rows (512) rows
+local model <close> = luma.load(opt.model or require("luma.fetch").default_model(), { backend = opt.backend })
+if longest >= model.info.ctx then error("-l: " .. longest .. " tokens do not fit the context", 0) end
 local load_ms = (luma.now() - t0) * 1e3
 local text = "The lighthouse keeper counted the steps, then the waves, then the gulls. "
 local ids = model:tokenize(string.rep(text, longest // 8 + 2), { bos = true })

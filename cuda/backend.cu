@@ -143,10 +143,11 @@ static void warmup_steps(cuda_backend *c)
 {
     static const int32_t dflt[] = { 40, 12 };
     memset(c->base.warmup, 0, sizeof c->base.warmup);
-    memcpy(c->base.warmup, dflt, sizeof dflt);
     const char *v = getenv("LUMA_CUDA_WARMUP");
-    if (!v || !*v) return;
-    memset(c->base.warmup, 0, sizeof c->base.warmup);
+    if (!v || !*v) {
+        memcpy(c->base.warmup, dflt, sizeof dflt);
+        return;
+    }
     for (int i = 0; i < LUMA_WARMUP_STEPS && *v; i++) {
         char *end;
         long n = strtol(v, &end, 10);
